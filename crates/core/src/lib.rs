@@ -1,0 +1,38 @@
+//! The shared vocabulary of siliceo-infer.
+//!
+//! Every other crate speaks in these types: ids ([`SeqId`], [`RequestId`],
+//! [`TokenId`]), what a request asks for ([`SamplingParams`], [`Priority`]), how
+//! it ended ([`FinishReason`]), the shape of a model ([`ModelGeometry`]) and the
+//! KV-cache element formats llama.cpp knows ([`KvType`]).
+//!
+//! This crate does no I/O and knows nothing of llama.cpp, gRPC or CUDA, so the
+//! pure-logic crates (kv-paging, scheduler) can depend on it freely.
+//!
+//! ```
+//! use siliceo_core::{KvType, ModelGeometry, SamplingParams};
+//!
+//! let params = SamplingParams { temperature: 0.7, top_p: 0.9, ..SamplingParams::greedy() };
+//! params.validate().unwrap();
+//!
+//! // SmolLM2-135M: 30 layers, 3 KV heads of dimension 64.
+//! let geometry = ModelGeometry {
+//!     n_layer: 30, n_head: 9, n_head_kv: 3, head_dim_k: 64, head_dim_v: 64,
+//!     n_embd: 576, n_vocab: 49152, n_ctx_train: 8192,
+//! };
+//! assert_eq!(geometry.kv_bytes_per_token(KvType::F16, KvType::F16), 23_040);
+//! ```
+#![deny(missing_docs)]
+
+mod error;
+mod geometry;
+mod ids;
+mod kv_type;
+mod sampling;
+pub mod sampler;
+
+pub use error::Error;
+pub use geometry::ModelGeometry;
+pub use ids::{RequestId, SeqId, TokenId};
+pub use kv_type::KvType;
+pub use sampler::Sampler;
+pub use sampling::{FinishReason, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES, Priority, SamplingParams};

@@ -1,0 +1,1 @@
+//! The serving loop: owns the engine, drives scheduler, kv-paging and speculative decoding.

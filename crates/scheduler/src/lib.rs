@@ -1,0 +1,1 @@
+//! Continuous batching with priority classes, aging and preemption; pure logic.

@@ -1,0 +1,1 @@
+//! The gRPC server of siliceo-infer; the only crate that knows the proto.
