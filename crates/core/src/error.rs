@@ -11,7 +11,9 @@ pub enum Error {
         reason: String,
     },
     /// A KV cache type name that is not one of [`crate::KvType::ALL`].
-    #[error("unknown KV cache type `{0}` (known: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl)")]
+    #[error(
+        "unknown KV cache type `{0}` (known: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl)"
+    )]
     UnknownKvType(String),
     /// A priority name that is not `interactive`, `normal` or `batch`.
     #[error("unknown priority `{0}` (known: interactive, normal, batch)")]

@@ -1,8 +1,10 @@
+use serde::{Deserialize, Serialize};
+
 use crate::KvType;
 
 /// The shape of a transformer as far as serving cares: what sizes the KV cache
 /// and the logits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ModelGeometry {
     /// Transformer layers (each holds K and V for every token).
     pub n_layer: u32,
@@ -49,8 +51,11 @@ impl ModelGeometry {
     /// Bytes of K plus V per token. Panics only if a format does not divide the
     /// row; use the per-half methods to handle that case.
     pub fn kv_bytes_per_token(&self, k: KvType, v: KvType) -> u64 {
-        self.k_bytes_per_token(k).expect("K row not a whole number of blocks")
-            + self.v_bytes_per_token(v).expect("V row not a whole number of blocks")
+        self.k_bytes_per_token(k)
+            .expect("K row not a whole number of blocks")
+            + self
+                .v_bytes_per_token(v)
+                .expect("V row not a whole number of blocks")
     }
 
     /// Query heads that share one KV head.

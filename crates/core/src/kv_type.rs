@@ -8,7 +8,6 @@ use crate::Error;
 /// Quantized types store blocks of [`KvType::block_elems`] elements in
 /// [`KvType::block_bytes`] bytes; a KV row must hold a whole number of blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
 pub enum KvType {
     /// 32-bit float.
     F32,
@@ -126,7 +125,10 @@ mod tests {
             assert_eq!(t.name().parse::<KvType>().unwrap(), t);
         }
         assert_eq!("Q8_0".parse::<KvType>().unwrap(), KvType::Q8_0);
-        assert!(matches!("q3_k".parse::<KvType>(), Err(Error::UnknownKvType(_))));
+        assert!(matches!(
+            "q3_k".parse::<KvType>(),
+            Err(Error::UnknownKvType(_))
+        ));
     }
 
     #[test]

@@ -27,12 +27,16 @@ mod error;
 mod geometry;
 mod ids;
 mod kv_type;
-mod sampling;
 pub mod sampler;
+mod sampling;
+mod stop;
 
 pub use error::Error;
 pub use geometry::ModelGeometry;
 pub use ids::{RequestId, SeqId, TokenId};
 pub use kv_type::KvType;
 pub use sampler::Sampler;
-pub use sampling::{FinishReason, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES, Priority, SamplingParams};
+pub use sampling::{
+    FinishReason, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS, Priority, SamplingParams,
+};
+pub use stop::{StopMatcher, StopOutcome};

@@ -157,7 +157,10 @@ impl Sampler {
             return vec![(argmax(&row), 1.0)];
         }
         self.fill_distribution(logits);
-        self.candidates.iter().map(|&(id, p)| (TokenId(id), p)).collect()
+        self.candidates
+            .iter()
+            .map(|&(id, p)| (TokenId(id), p))
+            .collect()
     }
 
     /// A uniform draw from this sampler's random stream (for acceptance tests
@@ -196,7 +199,8 @@ impl Sampler {
         for c in cands.iter_mut() {
             c.1 *= inv_t;
         }
-        let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let by_logit_desc =
+            |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if p.top_k > 0 && (p.top_k as usize) < cands.len() {
             let k = p.top_k as usize;
             cands.select_nth_unstable_by(k - 1, by_logit_desc);
@@ -301,7 +305,10 @@ mod tests {
     fn same_seed_same_stream() {
         let logits: Vec<f32> = (0..1000).map(|i| ((i * 37) % 101) as f32 / 20.0).collect();
         let draw = |seed| {
-            let mut s = Sampler::new(&SamplingParams { seed: Some(seed), ..params() });
+            let mut s = Sampler::new(&SamplingParams {
+                seed: Some(seed),
+                ..params()
+            });
             (0..50).map(|_| s.sample(&logits).0).collect::<Vec<_>>()
         };
         assert_eq!(draw(1), draw(1));
@@ -312,11 +319,39 @@ mod tests {
     fn top_k_and_top_p_and_min_p_cut() {
         let logits = [4.0f32, 3.0, 2.0, 1.0, 0.0];
         let dist = |p: SamplingParams| Sampler::new(&p).distribution(&logits);
-        assert_eq!(dist(SamplingParams { top_k: 2, ..params() }).len(), 2);
+        assert_eq!(
+            dist(SamplingParams {
+                top_k: 2,
+                ..params()
+            })
+            .len(),
+            2
+        );
         // p ≈ [0.636, 0.234, 0.086, 0.032, 0.012]
-        assert_eq!(dist(SamplingParams { top_p: 0.8, ..params() }).len(), 2);
-        assert_eq!(dist(SamplingParams { top_p: 0.5, ..params() }).len(), 1);
-        assert_eq!(dist(SamplingParams { min_p: 0.1, ..params() }).len(), 3);
+        assert_eq!(
+            dist(SamplingParams {
+                top_p: 0.8,
+                ..params()
+            })
+            .len(),
+            2
+        );
+        assert_eq!(
+            dist(SamplingParams {
+                top_p: 0.5,
+                ..params()
+            })
+            .len(),
+            1
+        );
+        assert_eq!(
+            dist(SamplingParams {
+                min_p: 0.1,
+                ..params()
+            })
+            .len(),
+            3
+        );
         let full = dist(params());
         assert_eq!(full.len(), 5);
         let sum: f32 = full.iter().map(|c| c.1).sum();
@@ -326,11 +361,21 @@ mod tests {
 
     #[test]
     fn partial_sort_matches_full_sort_for_top_p() {
-        let logits: Vec<f32> = (0..5000).map(|i| ((i * 7919) % 5003) as f32 / 300.0).collect();
-        let p = SamplingParams { top_p: 0.9, temperature: 0.7, ..params() };
+        let logits: Vec<f32> = (0..5000)
+            .map(|i| ((i * 7919) % 5003) as f32 / 300.0)
+            .collect();
+        let p = SamplingParams {
+            top_p: 0.9,
+            temperature: 0.7,
+            ..params()
+        };
         let got = Sampler::new(&p).distribution(&logits);
         // Reference: everything sorted, cut at 0.9.
-        let mut probs: Vec<(u32, f64)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, f64::from(l / 0.7))).collect();
+        let mut probs: Vec<(u32, f64)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, f64::from(l / 0.7)))
+            .collect();
         let max = probs.iter().map(|c| c.1).fold(f64::MIN, f64::max);
         let sum: f64 = probs.iter().map(|c| (c.1 - max).exp()).sum();
         for c in probs.iter_mut() {
@@ -338,7 +383,14 @@ mod tests {
         }
         probs.sort_by(|a, b| b.1.total_cmp(&a.1));
         let mut acc = 0.0;
-        let keep = probs.iter().take_while(|c| { let before = acc; acc += c.1; before < 0.9 }).count();
+        let keep = probs
+            .iter()
+            .take_while(|c| {
+                let before = acc;
+                acc += c.1;
+                before < 0.9
+            })
+            .count();
         assert_eq!(got.len(), keep);
         assert_eq!(got[0].0, TokenId(probs[0].0));
     }
@@ -346,11 +398,17 @@ mod tests {
     #[test]
     fn penalties_push_seen_tokens_down() {
         let logits = [2.0f32, 1.9, -1.0];
-        let mut s = Sampler::new(&SamplingParams { repetition_penalty: 1.5, ..SamplingParams::greedy() });
+        let mut s = Sampler::new(&SamplingParams {
+            repetition_penalty: 1.5,
+            ..SamplingParams::greedy()
+        });
         assert_eq!(s.sample(&logits), TokenId(0));
         s.accept(TokenId(0));
         assert_eq!(s.sample(&logits), TokenId(1), "2.0/1.5 < 1.9");
-        let mut s = Sampler::new(&SamplingParams { frequency_penalty: 0.06, ..SamplingParams::greedy() });
+        let mut s = Sampler::new(&SamplingParams {
+            frequency_penalty: 0.06,
+            ..SamplingParams::greedy()
+        });
         s.accept(TokenId(0));
         assert_eq!(s.sample(&logits), TokenId(0), "one occurrence: 1.94 > 1.9");
         s.accept(TokenId(0));

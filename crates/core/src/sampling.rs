@@ -91,7 +91,10 @@ impl SamplingParams {
             if v.is_finite() {
                 Ok(())
             } else {
-                Err(Error::invalid(field, format!("must be a finite number, got {v}")))
+                Err(Error::invalid(
+                    field,
+                    format!("must be a finite number, got {v}"),
+                ))
             }
         };
         finite("temperature", self.temperature)?;
@@ -101,13 +104,22 @@ impl SamplingParams {
         finite("presence_penalty", self.presence_penalty)?;
         finite("frequency_penalty", self.frequency_penalty)?;
         if !(0.0..=100.0).contains(&self.temperature) {
-            return Err(Error::invalid("temperature", format!("must be in [0, 100], got {}", self.temperature)));
+            return Err(Error::invalid(
+                "temperature",
+                format!("must be in [0, 100], got {}", self.temperature),
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(Error::invalid("top_p", format!("must be in (0, 1], got {}", self.top_p)));
+            return Err(Error::invalid(
+                "top_p",
+                format!("must be in (0, 1], got {}", self.top_p),
+            ));
         }
         if !(0.0..=1.0).contains(&self.min_p) {
-            return Err(Error::invalid("min_p", format!("must be in [0, 1], got {}", self.min_p)));
+            return Err(Error::invalid(
+                "min_p",
+                format!("must be in [0, 1], got {}", self.min_p),
+            ));
         }
         if !(self.repetition_penalty > 0.0 && self.repetition_penalty <= 10.0) {
             return Err(Error::invalid(
@@ -133,7 +145,10 @@ impl SamplingParams {
         if self.stop.len() > MAX_STOP_STRINGS {
             return Err(Error::invalid(
                 "stop",
-                format!("at most {MAX_STOP_STRINGS} stop strings, got {}", self.stop.len()),
+                format!(
+                    "at most {MAX_STOP_STRINGS} stop strings, got {}",
+                    self.stop.len()
+                ),
             ));
         }
         for s in &self.stop {
@@ -143,7 +158,10 @@ impl SamplingParams {
             if s.len() > MAX_STOP_STRING_BYTES {
                 return Err(Error::invalid(
                     "stop",
-                    format!("a stop string is at most {MAX_STOP_STRING_BYTES} bytes, got {}", s.len()),
+                    format!(
+                        "a stop string is at most {MAX_STOP_STRING_BYTES} bytes, got {}",
+                        s.len()
+                    ),
                 ));
             }
         }
@@ -153,7 +171,9 @@ impl SamplingParams {
 
 /// Scheduling class of a request. Lower classes age upwards so they are never
 /// starved forever.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Priority {
     /// A person is waiting on it.
@@ -245,18 +265,93 @@ mod tests {
         let base = SamplingParams::greedy;
         let cases: Vec<(SamplingParams, Option<&str>)> = vec![
             (base(), None),
-            (SamplingParams { temperature: -0.1, ..base() }, Some("temperature")),
-            (SamplingParams { temperature: f32::NAN, ..base() }, Some("temperature")),
-            (SamplingParams { top_p: 0.0, ..base() }, Some("top_p")),
-            (SamplingParams { top_p: 1.5, ..base() }, Some("top_p")),
-            (SamplingParams { min_p: 1.5, ..base() }, Some("min_p")),
-            (SamplingParams { repetition_penalty: 0.0, ..base() }, Some("repetition_penalty")),
-            (SamplingParams { presence_penalty: 3.0, ..base() }, Some("presence_penalty")),
-            (SamplingParams { frequency_penalty: -3.0, ..base() }, Some("frequency_penalty")),
-            (SamplingParams { max_tokens: 0, ..base() }, Some("max_tokens")),
-            (SamplingParams { stop: vec![String::new()], ..base() }, Some("stop")),
-            (SamplingParams { stop: vec!["x".into(); 17], ..base() }, Some("stop")),
-            (SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, ..base() }, None),
+            (
+                SamplingParams {
+                    temperature: -0.1,
+                    ..base()
+                },
+                Some("temperature"),
+            ),
+            (
+                SamplingParams {
+                    temperature: f32::NAN,
+                    ..base()
+                },
+                Some("temperature"),
+            ),
+            (
+                SamplingParams {
+                    top_p: 0.0,
+                    ..base()
+                },
+                Some("top_p"),
+            ),
+            (
+                SamplingParams {
+                    top_p: 1.5,
+                    ..base()
+                },
+                Some("top_p"),
+            ),
+            (
+                SamplingParams {
+                    min_p: 1.5,
+                    ..base()
+                },
+                Some("min_p"),
+            ),
+            (
+                SamplingParams {
+                    repetition_penalty: 0.0,
+                    ..base()
+                },
+                Some("repetition_penalty"),
+            ),
+            (
+                SamplingParams {
+                    presence_penalty: 3.0,
+                    ..base()
+                },
+                Some("presence_penalty"),
+            ),
+            (
+                SamplingParams {
+                    frequency_penalty: -3.0,
+                    ..base()
+                },
+                Some("frequency_penalty"),
+            ),
+            (
+                SamplingParams {
+                    max_tokens: 0,
+                    ..base()
+                },
+                Some("max_tokens"),
+            ),
+            (
+                SamplingParams {
+                    stop: vec![String::new()],
+                    ..base()
+                },
+                Some("stop"),
+            ),
+            (
+                SamplingParams {
+                    stop: vec!["x".into(); 17],
+                    ..base()
+                },
+                Some("stop"),
+            ),
+            (
+                SamplingParams {
+                    temperature: 0.8,
+                    top_k: 40,
+                    top_p: 0.95,
+                    min_p: 0.05,
+                    ..base()
+                },
+                None,
+            ),
         ];
         for (params, expected) in cases {
             assert_eq!(field_of(params.clone()), expected, "{params:?}");
@@ -265,7 +360,10 @@ mod tests {
 
     #[test]
     fn priority_parses_and_orders() {
-        assert_eq!("Interactive".parse::<Priority>().unwrap(), Priority::Interactive);
+        assert_eq!(
+            "Interactive".parse::<Priority>().unwrap(),
+            Priority::Interactive
+        );
         assert!(Priority::Interactive < Priority::Normal && Priority::Normal < Priority::Batch);
         assert!("urgent".parse::<Priority>().is_err());
     }

@@ -1,1 +1,331 @@
-fn main() {}
+//! `siliceo`: the command line of siliceo-infer.
+//!
+//! - `siliceo generate --prompt "..."`: streams a completion from a local GGUF.
+//! - `siliceo model-info`: a GGUF's geometry and KV bytes per token per KV type.
+//!
+//! With no `--model`, the default model is used (`SILICEO_MODEL`, else
+//! `models/SmolLM2-135M-Instruct.Q4_1.gguf`); `cargo xtask fetch-model` fetches it.
+
+use std::io::Write;
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Result, bail};
+use clap::{Args, Parser, Subcommand};
+use siliceo_core::{KvType, SamplingParams, SeqId};
+use siliceo_engine::{
+    ChatMessage, Context, ContextOptions, EngineError, FlashAttention, Model, ModelOptions,
+    generate,
+};
+
+const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "siliceo",
+    version,
+    about = "siliceo-infer: LLM serving on consumer hardware, built on llama.cpp"
+)]
+struct Cli {
+    /// More log output (-v: info, -vv: debug). RUST_LOG overrides.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Generate text from a prompt, streaming it as it is produced.
+    Generate(GenerateArgs),
+    /// Print a model's geometry and KV-cache bytes per token for each KV type.
+    ModelInfo(ModelInfoArgs),
+}
+
+#[derive(Args, Debug)]
+struct ModelArg {
+    /// GGUF model file (default: $SILICEO_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf).
+    #[arg(long, short = 'm')]
+    model: Option<PathBuf>,
+    /// Layers to offload to the GPU (needs a CUDA build).
+    #[arg(long, default_value_t = 0)]
+    gpu_layers: u32,
+}
+
+#[derive(Args, Debug)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArg,
+    /// The prompt.
+    #[arg(long, short = 'p')]
+    prompt: String,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// System message (with --chat).
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: u32,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Keep the k most likely tokens (0: off).
+    #[arg(long, default_value_t = 0)]
+    top_k: u32,
+    /// Nucleus sampling mass (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Drop tokens below min_p × the best probability (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Repetition penalty (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// Presence penalty (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    presence_penalty: f32,
+    /// Frequency penalty (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    frequency_penalty: f32,
+    /// Random seed (same seed, same text).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop before this string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Context length in tokens.
+    #[arg(long, default_value_t = 4096)]
+    ctx: u32,
+    /// Threads (default: all cores).
+    #[arg(long)]
+    threads: Option<u32>,
+    /// K cache type (f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl).
+    #[arg(long, default_value = "f16")]
+    kv_k: KvType,
+    /// V cache type; a quantized V turns flash attention on.
+    #[arg(long, default_value = "f16")]
+    kv_v: KvType,
+}
+
+#[derive(Args, Debug)]
+struct ModelInfoArgs {
+    #[command(flatten)]
+    model: ModelArg,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn default_model() -> PathBuf {
+    if let Some(p) = std::env::var_os("SILICEO_MODEL") {
+        return PathBuf::from(p);
+    }
+    let local = PathBuf::from("models").join(DEFAULT_MODEL_FILE);
+    if local.is_file() {
+        return local;
+    }
+    // Running from elsewhere: the workspace this binary was built in.
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models")
+        .join(DEFAULT_MODEL_FILE)
+}
+
+fn load(arg: &ModelArg) -> Result<Model> {
+    let path = arg.model.clone().unwrap_or_else(default_model);
+    match Model::load(
+        &path,
+        &ModelOptions {
+            gpu_layers: arg.gpu_layers,
+        },
+    ) {
+        Ok(m) => Ok(m),
+        Err(EngineError::ModelNotFound { path }) if arg.model.is_none() => bail!(
+            "the default model is not there ({})\nfetch it with: cargo xtask fetch-model",
+            path.display()
+        ),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn cmd_generate(a: GenerateArgs) -> Result<()> {
+    let model = load(&a.model)?;
+    let params = SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        seed: a.seed,
+        repetition_penalty: a.repetition_penalty,
+        presence_penalty: a.presence_penalty,
+        frequency_penalty: a.frequency_penalty,
+        max_tokens: a.max_tokens,
+        stop: a.stop,
+        ..SamplingParams::greedy()
+    };
+    params.validate()?;
+    let text = if a.chat {
+        let mut msgs = Vec::new();
+        if let Some(s) = a.system {
+            msgs.push(ChatMessage::new("system", s));
+        }
+        msgs.push(ChatMessage::new("user", a.prompt));
+        model.apply_chat_template(&msgs, true)?
+    } else {
+        a.prompt
+    };
+    let tokens = model.tokenize(&text, true)?;
+    let mut ctx = Context::new(
+        &model,
+        ContextOptions {
+            n_ctx: a.ctx,
+            n_seq_max: 1,
+            n_threads: a.threads,
+            n_threads_batch: a.threads,
+            type_k: a.kv_k,
+            type_v: a.kv_v,
+            flash_attention: FlashAttention::Auto,
+            ..ContextOptions::default()
+        },
+    )?;
+    let mut stdout = std::io::stdout().lock();
+    let out = generate(&mut ctx, SeqId(0), &tokens, &params, |piece, _| {
+        // A closed pipe (e.g. `| head`) ends the generation quietly.
+        if stdout
+            .write_all(piece.as_bytes())
+            .and_then(|_| stdout.flush())
+            .is_err()
+        {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
+    })?;
+    let _ = writeln!(stdout);
+    eprintln!(
+        "[{} prompt tokens in {:.0} ms ({:.1} tok/s) · {} generated at {:.1} tok/s · finish: {}]",
+        out.prompt_tokens,
+        out.prefill_time.as_secs_f64() * 1000.0,
+        out.prompt_tokens as f64 / out.prefill_time.as_secs_f64().max(1e-9),
+        out.tokens.len(),
+        out.decode_tokens_per_second(),
+        out.finish_reason
+    );
+    Ok(())
+}
+
+fn cmd_model_info(a: ModelInfoArgs) -> Result<()> {
+    let model = load(&a.model)?;
+    let g = model.geometry();
+    let kv: Vec<(KvType, Option<u64>, Option<u64>)> = KvType::ALL
+        .into_iter()
+        .map(|t| (t, g.k_bytes_per_token(t), g.v_bytes_per_token(t)))
+        .collect();
+    if a.json {
+        let rows: Vec<_> = kv
+            .iter()
+            .map(|(t, k, v)| {
+                serde_json::json!({
+                    "type": t.name(),
+                    "bits_per_element": t.bits_per_element(),
+                    "k_bytes_per_token": k,
+                    "v_bytes_per_token": v,
+                })
+            })
+            .collect();
+        let info = serde_json::json!({
+            "path": model.path().display().to_string(),
+            "name": model.name(),
+            "architecture": model.architecture(),
+            "n_params": model.n_params(),
+            "weight_bytes": model.weight_bytes(),
+            "geometry": g,
+            "has_chat_template": model.chat_template().is_some(),
+            "kv": rows,
+        });
+        println!("{}", serde_json::to_string_pretty(&info)?);
+        return Ok(());
+    }
+    println!("model         {}", model.path().display());
+    println!("name          {}", model.name());
+    println!("architecture  {}", model.architecture());
+    println!("parameters    {:.1} M", model.n_params() as f64 / 1e6);
+    println!(
+        "weights       {:.1} MiB",
+        model.weight_bytes() as f64 / (1u64 << 20) as f64
+    );
+    println!("layers        {}", g.n_layer);
+    println!(
+        "heads         {} query, {} KV (group {})",
+        g.n_head,
+        g.n_head_kv,
+        g.gqa_group()
+    );
+    println!("head dim      K {}, V {}", g.head_dim_k, g.head_dim_v);
+    println!("hidden size   {}", g.n_embd);
+    println!("vocabulary    {}", g.n_vocab);
+    println!("trained ctx   {}", g.n_ctx_train);
+    println!(
+        "chat template {}",
+        if model.chat_template().is_some() {
+            "yes"
+        } else {
+            "no"
+        }
+    );
+    println!();
+    println!("KV cache per token (K and V in the same type):");
+    println!(
+        "  {:<7} {:>5} {:>10} {:>10} {:>10} {:>12}",
+        "type", "bits", "K bytes", "V bytes", "K+V", "per 64-block"
+    );
+    for (t, k, v) in kv {
+        match (k, v) {
+            (Some(k), Some(v)) => println!(
+                "  {:<7} {:>5.1} {:>10} {:>10} {:>10} {:>12}",
+                t.name(),
+                t.bits_per_element(),
+                k,
+                v,
+                k + v,
+                (k + v) * 64
+            ),
+            _ => println!(
+                "  {:<7} {:>5.1}   (KV rows are not a whole number of {}-element blocks)",
+                t.name(),
+                t.bits_per_element(),
+                t.block_elems()
+            ),
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let default_level = match cli.verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match cli.command {
+        Cmd::Generate(a) => cmd_generate(a),
+        Cmd::ModelInfo(a) => cmd_model_info(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

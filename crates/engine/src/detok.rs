@@ -1,0 +1,145 @@
+//! Incremental detokenization that never emits a broken UTF-8 character.
+
+use siliceo_core::TokenId;
+
+use crate::Model;
+
+/// Turns a stream of byte chunks into a stream of valid UTF-8 text.
+///
+/// A multi-byte character split across tokens is held back until it is
+/// complete; bytes that can never form a character become U+FFFD.
+#[derive(Debug, Default, Clone)]
+pub struct Utf8Stream {
+    pending: Vec<u8>,
+}
+
+impl Utf8Stream {
+    /// An empty stream.
+    pub fn new() -> Self {
+        Utf8Stream::default()
+    }
+
+    /// Adds bytes; returns the text that is now complete (possibly empty).
+    pub fn push(&mut self, bytes: &[u8]) -> String {
+        self.pending.extend_from_slice(bytes);
+        let mut out = String::new();
+        let mut start = 0;
+        loop {
+            match std::str::from_utf8(&self.pending[start..]) {
+                Ok(s) => {
+                    out.push_str(s);
+                    start = self.pending.len();
+                    break;
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    // Safe: from_utf8 just vouched for these bytes.
+                    out.push_str(
+                        std::str::from_utf8(&self.pending[start..start + valid])
+                            .unwrap_or_default(),
+                    );
+                    start += valid;
+                    match e.error_len() {
+                        // Incomplete character at the end: wait for more bytes.
+                        None => break,
+                        Some(n) => {
+                            out.push(char::REPLACEMENT_CHARACTER);
+                            start += n;
+                        }
+                    }
+                }
+            }
+        }
+        self.pending.drain(..start);
+        out
+    }
+
+    /// Ends the stream: any incomplete character left becomes U+FFFD.
+    pub fn finish(&mut self) -> String {
+        let out = if self.pending.is_empty() {
+            String::new()
+        } else {
+            String::from_utf8_lossy(&self.pending).into_owned()
+        };
+        self.pending.clear();
+        out
+    }
+
+    /// Bytes held back waiting for the rest of a character.
+    pub fn pending_len(&self) -> usize {
+        self.pending.len()
+    }
+}
+
+/// Detokenizes a generation token by token.
+#[derive(Debug)]
+pub struct Detokenizer<'m> {
+    model: &'m Model,
+    stream: Utf8Stream,
+}
+
+impl<'m> Detokenizer<'m> {
+    /// A detokenizer for `model`'s vocabulary.
+    pub fn new(model: &'m Model) -> Self {
+        Detokenizer {
+            model,
+            stream: Utf8Stream::new(),
+        }
+    }
+
+    /// The text `token` completes (control tokens render as nothing).
+    pub fn push(&mut self, token: TokenId) -> String {
+        let bytes = self.model.token_bytes(token, false);
+        self.stream.push(&bytes)
+    }
+
+    /// Whatever is left at the end of the generation.
+    pub fn finish(&mut self) -> String {
+        self.stream.finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_characters_are_held_back() {
+        let text = "héllo, 世界 🦀!";
+        let bytes = text.as_bytes();
+        // Feed one byte at a time: every emitted piece must be valid and the
+        // concatenation must be the original.
+        let mut s = Utf8Stream::new();
+        let mut out = String::new();
+        for b in bytes {
+            out.push_str(&s.push(std::slice::from_ref(b)));
+        }
+        out.push_str(&s.finish());
+        assert_eq!(out, text);
+    }
+
+    #[test]
+    fn every_split_point_round_trips() {
+        let text = "aé世🦀b".as_bytes();
+        for i in 0..=text.len() {
+            for j in i..=text.len() {
+                let mut s = Utf8Stream::new();
+                let mut out = s.push(&text[..i]);
+                out += &s.push(&text[i..j]);
+                out += &s.push(&text[j..]);
+                out += &s.finish();
+                assert_eq!(out.as_bytes(), text, "split at {i},{j}");
+            }
+        }
+    }
+
+    #[test]
+    fn invalid_bytes_become_replacement_characters() {
+        let mut s = Utf8Stream::new();
+        assert_eq!(s.push(b"a\xffb"), "a\u{FFFD}b");
+        assert_eq!(s.push(b"\xe4\xb8"), "");
+        assert_eq!(s.pending_len(), 2);
+        assert_eq!(s.finish(), "\u{FFFD}");
+        assert_eq!(s.pending_len(), 0);
+    }
+}

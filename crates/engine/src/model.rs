@@ -1,0 +1,254 @@
+//! A loaded GGUF model: geometry, vocabulary, chat template.
+
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use llama_cpp_2::model::params::LlamaModelParams;
+use llama_cpp_2::model::{LlamaChatMessage, LlamaModel};
+use llama_cpp_2::token::LlamaToken;
+use siliceo_core::{ModelGeometry, TokenId};
+
+use crate::{EngineError, backend};
+
+/// How to load a model.
+#[derive(Debug, Clone, Default)]
+pub struct ModelOptions {
+    /// Layers to offload to the GPU (0 = CPU only; ignored without a GPU backend).
+    pub gpu_layers: u32,
+}
+
+/// One chat message (`role` is `system`, `user` or `assistant`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatMessage {
+    /// Who speaks.
+    pub role: String,
+    /// What they say.
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A message.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// A GGUF model loaded through llama.cpp. Shareable across threads; contexts
+/// borrow it.
+pub struct Model {
+    inner: LlamaModel,
+    path: PathBuf,
+    geometry: ModelGeometry,
+    architecture: String,
+    name: String,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("path", &self.path)
+            .field("architecture", &self.architecture)
+            .field("geometry", &self.geometry)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Checks the GGUF magic and version before llama.cpp sees the file, so a wrong
+/// file gets a clear error.
+fn check_gguf_header(path: &Path) -> Result<(), EngineError> {
+    let mut f = File::open(path).map_err(|source| {
+        if source.kind() == std::io::ErrorKind::NotFound {
+            EngineError::ModelNotFound {
+                path: path.to_owned(),
+            }
+        } else {
+            EngineError::Io {
+                path: path.to_owned(),
+                source,
+            }
+        }
+    })?;
+    let mut header = [0u8; 8];
+    let not_gguf = |reason: &str| EngineError::NotGguf {
+        path: path.to_owned(),
+        reason: reason.to_owned(),
+    };
+    f.read_exact(&mut header)
+        .map_err(|_| not_gguf("file is shorter than a GGUF header"))?;
+    if &header[..4] != b"GGUF" {
+        return Err(not_gguf("missing the `GGUF` magic bytes"));
+    }
+    let version = u32::from_le_bytes([header[4], header[5], header[6], header[7]]);
+    if !(2..=3).contains(&version) {
+        return Err(not_gguf(&format!("unsupported GGUF version {version}")));
+    }
+    Ok(())
+}
+
+impl Model {
+    /// Loads a GGUF file.
+    pub fn load(path: impl AsRef<Path>, opts: &ModelOptions) -> Result<Model, EngineError> {
+        let path = path.as_ref();
+        if !path.is_file() {
+            return Err(EngineError::ModelNotFound {
+                path: path.to_owned(),
+            });
+        }
+        check_gguf_header(path)?;
+        let backend = backend()?;
+        let params = LlamaModelParams::default().with_n_gpu_layers(opts.gpu_layers);
+        let inner = LlamaModel::load_from_file(backend, path, &params).map_err(|source| {
+            EngineError::ModelLoad {
+                path: path.to_owned(),
+                source,
+            }
+        })?;
+        let architecture = inner
+            .meta_val_str("general.architecture")
+            .unwrap_or_else(|_| "unknown".into());
+        let name = inner.meta_val_str("general.name").unwrap_or_else(|_| {
+            path.file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        });
+        let meta_u32 = |key: &str| {
+            inner
+                .meta_val_str(&format!("{architecture}.{key}"))
+                .ok()
+                .and_then(|v| v.trim().parse::<u32>().ok())
+        };
+        let n_head = inner.n_head();
+        let n_embd = u32::try_from(inner.n_embd()).unwrap_or(0);
+        let default_head_dim = n_embd.checked_div(n_head).unwrap_or(0);
+        let geometry = ModelGeometry {
+            n_layer: inner.n_layer(),
+            n_head,
+            n_head_kv: inner.n_head_kv(),
+            head_dim_k: meta_u32("attention.key_length").unwrap_or(default_head_dim),
+            head_dim_v: meta_u32("attention.value_length").unwrap_or(default_head_dim),
+            n_embd,
+            n_vocab: u32::try_from(inner.n_vocab()).unwrap_or(0),
+            n_ctx_train: inner.n_ctx_train(),
+        };
+        tracing::info!(path = %path.display(), %architecture, ?geometry, "model loaded");
+        Ok(Model {
+            inner,
+            path: path.to_owned(),
+            geometry,
+            architecture,
+            name,
+        })
+    }
+
+    /// The file it was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Layers, heads, dimensions, vocabulary, trained context.
+    pub fn geometry(&self) -> ModelGeometry {
+        self.geometry
+    }
+
+    /// `general.architecture` (e.g. `llama`, `qwen2`).
+    pub fn architecture(&self) -> &str {
+        &self.architecture
+    }
+
+    /// `general.name`, or the file name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Bytes of weights (llama.cpp's `llama_model_size`).
+    pub fn weight_bytes(&self) -> u64 {
+        self.inner.size()
+    }
+
+    /// Parameter count.
+    pub fn n_params(&self) -> u64 {
+        self.inner.n_params()
+    }
+
+    /// A metadata value of the GGUF, as a string.
+    pub fn meta(&self, key: &str) -> Option<String> {
+        self.inner.meta_val_str(key).ok()
+    }
+
+    /// The model's default chat template (Jinja source), if it has one.
+    pub fn chat_template(&self) -> Option<String> {
+        self.inner
+            .chat_template(None)
+            .ok()
+            .and_then(|t| t.to_string().ok())
+    }
+
+    /// Renders `messages` with the model's chat template; `add_assistant`
+    /// leaves the assistant's turn open for generation.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_assistant: bool,
+    ) -> Result<String, EngineError> {
+        let template = self
+            .inner
+            .chat_template(None)
+            .map_err(|_| EngineError::NoChatTemplate)?;
+        let msgs = messages
+            .iter()
+            .map(|m| LlamaChatMessage::new(m.role.clone(), m.content.clone()))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| EngineError::ChatTemplate(e.to_string()))?;
+        self.inner
+            .apply_chat_template(&template, &msgs, add_assistant)
+            .map_err(|e| EngineError::ChatTemplate(e.to_string()))
+    }
+
+    /// Tokenizes `text`. `add_special` adds BOS/EOS where the model wants them;
+    /// special tokens written in the text (`<|im_start|>`) are always parsed.
+    pub fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<TokenId>, EngineError> {
+        if text.as_bytes().contains(&0) {
+            return Err(EngineError::Tokenize("text contains a NUL byte".into()));
+        }
+        let toks = self
+            .inner
+            .vocab()
+            .tokenize(text.as_bytes(), add_special, true);
+        Ok(toks.into_iter().map(|t| TokenId(t.0 as u32)).collect())
+    }
+
+    /// The bytes one token stands for. Control tokens render as their text when
+    /// `special` is true and as nothing otherwise.
+    pub fn token_bytes(&self, token: TokenId, special: bool) -> Vec<u8> {
+        self.inner
+            .vocab()
+            .token_to_piece(LlamaToken(token.0 as i32), special, None)
+    }
+
+    /// Text of a token sequence (invalid UTF-8 replaced by U+FFFD).
+    pub fn detokenize(&self, tokens: &[TokenId], special: bool) -> String {
+        let mut bytes = Vec::new();
+        for &t in tokens {
+            bytes.extend(self.token_bytes(t, special));
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// Whether `token` ends a generation (EOS, EOT, `<|im_end|>`, …).
+    pub fn is_eog(&self, token: TokenId) -> bool {
+        self.inner.vocab().is_eog(LlamaToken(token.0 as i32))
+    }
+
+    /// Whether `token` is inside the vocabulary.
+    pub fn is_valid_token(&self, token: TokenId) -> bool {
+        token.0 < self.geometry.n_vocab
+    }
+
+    pub(crate) fn llama(&self) -> &LlamaModel {
+        &self.inner
+    }
+}

@@ -1,0 +1,83 @@
+//! System packages the build needs: cmake (llama.cpp) and libclang (bindgen).
+
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{Result, bail};
+
+fn have(cmd: &str) -> bool {
+    Command::new(cmd)
+        .arg("--version")
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
+}
+
+fn have_libclang() -> bool {
+    if let Ok(p) = std::env::var("LIBCLANG_PATH")
+        && Path::new(&p).exists()
+    {
+        return true;
+    }
+    ["/usr/lib", "/usr/lib64", "/usr/local/lib"]
+        .iter()
+        .chain(&["/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu"])
+        .any(|d| dir_has_libclang(Path::new(d)))
+        || std::fs::read_dir("/usr/lib")
+            .map(|rd| {
+                rd.flatten()
+                    .filter(|e| e.file_name().to_string_lossy().starts_with("llvm-"))
+                    .any(|e| dir_has_libclang(&e.path().join("lib")))
+            })
+            .unwrap_or(false)
+}
+
+fn dir_has_libclang(dir: &Path) -> bool {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten().any(|e| {
+                let n = e.file_name();
+                let n = n.to_string_lossy();
+                n.starts_with("libclang") && n.contains(".so") && !n.starts_with("libclang-cpp")
+            })
+        })
+        .unwrap_or(false)
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+/// Installs `cmake` and `libclang-dev` with apt-get when run as root and they
+/// are missing; otherwise says exactly what to run.
+pub fn ensure_build_deps() -> Result<()> {
+    let mut missing = Vec::new();
+    if !have("cmake") {
+        missing.push("cmake");
+    }
+    if !have_libclang() {
+        missing.push("libclang-dev");
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let list = missing.join(" ");
+    if !is_root() {
+        bail!(
+            "missing system packages: {list}\nrun: sudo apt-get update && sudo apt-get install -y {list}"
+        );
+    }
+    eprintln!("xtask: installing {list} with apt-get");
+    crate::run(Command::new("apt-get").args(["update", "-q"]))?;
+    crate::run(
+        Command::new("apt-get")
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .args(["install", "-y", "-q"])
+            .args(&missing),
+    )?;
+    Ok(())
+}
