@@ -19,13 +19,12 @@ pub const LAYERS: &[(&str, u32)] = &[
     ("siliceo-runtime", 6),
     ("siliceo-server", 7),
     ("siliceo", 8),
-    // Test and benchmark packages sit on top of everything.
-    ("siliceo-tests", 9),
+    // The benchmark package sits on top of everything.
     ("siliceo-benches", 9),
 ];
 
 /// Outside crates that only one of our library crates may name (the top-rank
-/// test and benchmark packages excepted).
+/// benchmark package excepted).
 pub const CONFINED: &[(&str, &str)] = &[
     ("llama-cpp-2", "siliceo-engine"),
     ("llama-cpp-sys-2", "siliceo-engine"),
@@ -161,7 +160,7 @@ mod tests {
             pkg("siliceo-scheduler", &[("tokio", "normal")]),
             pkg("siliceo-runtime", &[("llama-cpp-2", "normal")]),
             pkg("siliceo-mystery", &[]),
-            pkg("siliceo-tests", &[("tonic", "dev"), ("siliceo-server", "dev")]),
+            pkg("siliceo-benches", &[("tonic", "dev"), ("siliceo-server", "normal")]),
         ]});
         let v = violations(&meta);
         assert_eq!(v.len(), 4, "{v:#?}");

@@ -19,7 +19,7 @@ fn crate_docs(root: &Path) -> Result<Vec<String>> {
         .flatten()
         .map(|e| e.path())
         .collect();
-    dirs.extend(["tests", "benches", "xtask"].map(|d| root.join(d)));
+    dirs.extend(["benches", "xtask"].map(|d| root.join(d)));
     for dir in dirs {
         for (file, is_lib) in [("src/lib.rs", true), ("src/main.rs", false)] {
             let path = dir.join(file);

@@ -166,6 +166,9 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         ..SamplingParams::greedy()
     };
     params.validate()?;
+    if a.prompt.is_empty() {
+        bail!("the prompt is empty");
+    }
     let text = if a.chat {
         let mut msgs = Vec::new();
         if let Some(s) = a.system {
