@@ -117,9 +117,10 @@ pub fn violations(meta: &Value) -> Vec<String> {
     problems
 }
 
-/// `cargo xtask check-layers`: the rules above, then `cargo check -p` of each
-/// library crate on its own (so no crate builds only thanks to features another
-/// crate turned on).
+/// `cargo xtask check-layers`: the rules above, then `cargo build -p` of each
+/// crate on its own (so no crate builds only thanks to features another crate
+/// turned on). `build` rather than `check`: it reuses the test build of
+/// llama.cpp, where `check` would compile llama.cpp a second time.
 pub fn check_layers(root: &Path) -> Result<()> {
     let meta = metadata(root)?;
     let problems = violations(&meta);

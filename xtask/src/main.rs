@@ -4,8 +4,10 @@
 //! - `check-layers`: each crate builds alone; dependencies point down only.
 //! - `test`: installs what is missing, fetches the model, runs the whole suite.
 //! - `serve`: the main job on the default model.
+//! - `bench`: benchmarks on the real model.
 //! - `tidy`: the tidy checks alone.
 
+mod bench;
 mod deps;
 mod layers;
 mod models;
@@ -24,6 +26,9 @@ tasks:
   check-layers          build each crate on its own and check dependencies point down only
   test                  install what is missing, fetch the model, run the whole test suite
   serve [-- ARGS]       run the main job on the default model (release build)
+  bench [engine] [--reps N] [--compare-portable]
+                        benchmarks on the real model (release build); --compare-portable
+                        also builds llama.cpp portably (AVX2) and shows both side by side
   tidy                  run the tidy checks (crate docs, layer rules)
 ";
 
@@ -58,6 +63,7 @@ fn main() -> Result<()> {
         }
         "test" => test(rest)?,
         "serve" => serve(rest)?,
+        "bench" => bench::bench(rest)?,
         "-h" | "--help" | "help" => print!("{USAGE}"),
         other => {
             eprint!("unknown task `{other}`\n{USAGE}");

@@ -1,0 +1,96 @@
+//! `cargo xtask bench`: release builds of the benchmark binary, run on the real model.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+
+fn bench_cmd(portable: bool) -> Command {
+    let mut cmd = crate::cargo();
+    cmd.args([
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "siliceo-benches",
+        "--bin",
+        "siliceo-bench",
+        "--",
+    ]);
+    if portable {
+        // No target-cpu=native: llama-cpp-sys-2 then builds llama.cpp with
+        // GGML_NATIVE=OFF (its portable AVX2 default). A separate target
+        // directory keeps the two builds of llama.cpp apart.
+        let base = std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| crate::workspace_root().join("target"));
+        cmd.env("CARGO_ENCODED_RUSTFLAGS", "")
+            .env("CARGO_TARGET_DIR", base.join("portable"));
+    }
+    cmd
+}
+
+fn run_json(portable: bool, reps: &str) -> Result<Value> {
+    let out = bench_cmd(portable)
+        .args(["engine", "--json", "--reps", reps])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .context("cannot run the benchmark")?;
+    if !out.status.success() {
+        bail!("benchmark failed ({})", out.status);
+    }
+    let line = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(line.trim()).context("benchmark printed no JSON")
+}
+
+/// `bench [engine] [--reps N] [--compare-portable]`.
+pub fn bench(rest: &[String]) -> Result<()> {
+    crate::deps::ensure_build_deps()?;
+    crate::models::fetch(&crate::models::models_dir(), false)?;
+    let mut reps = "5".to_string();
+    let mut compare = false;
+    let mut it = rest.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "engine" => {}
+            "--reps" => reps = it.next().context("--reps needs a number")?.clone(),
+            "--compare-portable" => compare = true,
+            other => bail!("bench: unknown argument `{other}` (benchmarks so far: engine)"),
+        }
+    }
+    if !compare {
+        return crate::run(bench_cmd(false).args(["engine", "--reps", &reps]));
+    }
+    eprintln!("bench: native build (target-cpu=native, GGML_NATIVE=ON)");
+    let native = run_json(false, &reps)?;
+    eprintln!("bench: portable build (GGML_NATIVE=OFF); the first run compiles llama.cpp again");
+    let portable = run_json(true, &reps)?;
+    println!(
+        "model: {} · {} threads · median of {} runs each, both builds in one `cargo xtask bench` run",
+        native["model"].as_str().unwrap_or("?"),
+        native["threads"],
+        native["reps"]
+    );
+    println!();
+    println!("| measurement | native tok/s | portable tok/s | native / portable |");
+    println!("|---|---:|---:|---:|");
+    let row =
+        |name: String, n: f64, p: f64| println!("| {name} | {n:.1} | {p:.1} | {:.2}× |", n / p);
+    row(
+        "prefill, 512-token prompt".into(),
+        native["prefill_512_tokens_per_s"].as_f64().unwrap_or(0.0),
+        portable["prefill_512_tokens_per_s"].as_f64().unwrap_or(0.0),
+    );
+    let empty = Vec::new();
+    let nd = native["decode"].as_array().unwrap_or(&empty);
+    let pd = portable["decode"].as_array().unwrap_or(&empty);
+    for (n, p) in nd.iter().zip(pd) {
+        row(
+            format!("decode, {} stream(s)", n["streams"]),
+            n["tokens_per_s"].as_f64().unwrap_or(0.0),
+            p["tokens_per_s"].as_f64().unwrap_or(0.0),
+        );
+    }
+    Ok(())
+}
