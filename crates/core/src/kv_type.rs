@@ -93,7 +93,9 @@ impl KvType {
     /// whole number of blocks (llama.cpp refuses such a cache).
     pub fn row_bytes(self, n_elems: u64) -> Option<u64> {
         let blk = self.block_elems();
-        n_elems.is_multiple_of(blk).then(|| n_elems / blk * self.block_bytes())
+        n_elems
+            .is_multiple_of(blk)
+            .then(|| n_elems / blk * self.block_bytes())
     }
 }
 

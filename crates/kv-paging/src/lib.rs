@@ -1,15 +1,60 @@
-//! Paged KV-cache bookkeeping for siliceo-infer — pure logic, reusable alone.
+//! Paged KV-cache bookkeeping: fixed-size blocks, block tables, automatic
+//! prefix caching with LRU eviction, and a memory planner. Pure logic, meant
+//! to be reused on its own.
 //!
-//! **Status: the crate exists so the layering holds; its contents land with the
-//! kv-paging issue.** It will hold:
+//! The parts, after vLLM v1's separation:
 //!
-//! - a block pool of fixed-size blocks (64 tokens by default) with reference
-//!   counts and an O(1) index-linked LRU free queue;
-//! - per-sequence block tables with copy-on-write of a shared partial block;
-//! - automatic prefix caching: full blocks addressed by a hash chained on the
-//!   parent block's hash plus extra keys (model, KV format, cache salt);
-//! - the memory planner: blocks, context and concurrency that fit a VRAM budget.
+//! - [`block`]: block ids and the content hash of a full block, chained on its
+//!   parent's hash plus [`CacheKeys`] (model, KV format, tenant salt).
+//! - [`BlockPool`]: owns every block; reference counts; an O(1) LRU free queue
+//!   linked through indices with a sentinel slot (no heap node per entry); the
+//!   hash → block map of cached prefixes, confirmed by comparing tokens.
+//! - [`KvCacheManager`]: the per-sequence policy — block tables behind opaque
+//!   [`SeqHandle`]s, longest cached prefix, appends that register full blocks,
+//!   copy-on-write of a shared partial block, forks, speculative lookahead
+//!   reservations that are never cached, truncation, freeing tail first.
+//! - [`planner`]: how many blocks, how much context and how many sequences fit
+//!   a memory budget, from a model's geometry (read from a GGUF header by
+//!   [`gguf`]) and the KV formats.
+//!
+//! Running out of blocks is not an error: operations return
+//! [`NotEnoughBlocks`] and change nothing, and the caller waits, evicts or
+//! preempts.
+//!
+//! ```
+//! use siliceo_core::TokenId;
+//! use siliceo_kv_paging::{CacheKeys, KvCacheManager, KvConfig};
+//!
+//! let mut kv = KvCacheManager::new(KvConfig { num_blocks: 8, block_size: 4, prefix_caching: true });
+//! let keys = CacheKeys::new("smollm2-135m", "f16/f16");
+//! let prompt: Vec<TokenId> = (1..=10).map(TokenId).collect();
+//!
+//! // First request: nothing cached; compute all 10 tokens, then append them.
+//! let a = kv.new_sequence(&keys);
+//! assert_eq!(kv.match_prefix(a, &prompt), 0);
+//! kv.append(a, &prompt).unwrap();
+//! assert_eq!(kv.block_table(a).len(), 3);
+//! kv.free(a);
+//!
+//! // Second request with the same prompt: two full blocks (8 tokens) are reused.
+//! let b = kv.new_sequence(&keys);
+//! assert_eq!(kv.match_prefix(b, &prompt), 8);
+//! kv.append(b, &prompt[8..]).unwrap();
+//! assert_eq!(kv.stats().hit_tokens, 8);
+//! kv.check().unwrap();
+//! ```
 //!
 //! **Architecture invariant:** no I/O, no async, nothing of llama.cpp. A block
-//! is an index; who stores its bytes is the caller's business.
+//! is an index; who stores its bytes (llama.cpp cells, a paged store of our
+//! own) is the caller's business, told through [`BlockCopy`] when bytes must move.
 #![deny(missing_docs)]
+
+pub mod block;
+pub mod gguf;
+mod manager;
+pub mod planner;
+mod pool;
+
+pub use block::{BlockHash, BlockId, CacheKeys};
+pub use manager::{BlockCopy, CacheStats, KvCacheManager, KvConfig, NotEnoughBlocks, SeqHandle};
+pub use pool::BlockPool;

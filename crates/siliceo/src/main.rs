@@ -2,9 +2,12 @@
 //!
 //! - `siliceo generate --prompt "..."`: streams a completion from a local GGUF.
 //! - `siliceo model-info`: a GGUF's geometry and KV bytes per token per KV type.
+//! - `siliceo plan`: what a memory budget holds (KV blocks, context, sequences).
 //!
 //! With no `--model`, the default model is used (`SILICEO_MODEL`, else
 //! `models/SmolLM2-135M-Instruct.Q4_1.gguf`); `cargo xtask fetch-model` fetches it.
+
+mod plan;
 
 use std::io::Write;
 use std::ops::ControlFlow;
@@ -41,6 +44,8 @@ enum Cmd {
     Generate(GenerateArgs),
     /// Print a model's geometry and KV-cache bytes per token for each KV type.
     ModelInfo(ModelInfoArgs),
+    /// Plan memory: KV blocks, context and sequences that fit a budget.
+    Plan(plan::PlanArgs),
 }
 
 #[derive(Args, Debug)]
@@ -119,7 +124,7 @@ struct ModelInfoArgs {
     json: bool,
 }
 
-fn default_model() -> PathBuf {
+pub(crate) fn default_model() -> PathBuf {
     if let Some(p) = std::env::var_os("SILICEO_MODEL") {
         return PathBuf::from(p);
     }
@@ -323,6 +328,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Cmd::Generate(a) => cmd_generate(a),
         Cmd::ModelInfo(a) => cmd_model_info(a),
+        Cmd::Plan(a) => plan::cmd_plan(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

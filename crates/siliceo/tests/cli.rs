@@ -16,18 +16,34 @@ fn text(b: &[u8]) -> String {
 
 #[test]
 fn generate_streams_text_and_reports_speed() {
-    let out = siliceo(&["generate", "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "40"]);
+    let out = siliceo(&[
+        "generate",
+        "--chat",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-tokens",
+        "40",
+    ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(text(&out.stdout).contains("Paris"), "{}", text(&out.stdout));
     let err = text(&out.stderr);
-    assert!(err.contains("tok/s") && err.contains("finish: stop"), "{err}");
+    assert!(
+        err.contains("tok/s") && err.contains("finish: stop"),
+        "{err}"
+    );
     // No llama.cpp chatter on stderr at the default log level.
     assert!(!err.contains("llama_model_loader"), "{err}");
 }
 
 #[test]
 fn greedy_is_repeatable_and_seeded_sampling_too() {
-    let args = ["generate", "--prompt", "Rust is a language that", "--max-tokens", "24"];
+    let args = [
+        "generate",
+        "--prompt",
+        "Rust is a language that",
+        "--max-tokens",
+        "24",
+    ];
     assert_eq!(siliceo(&args).stdout, siliceo(&args).stdout);
     let mut sampled = args.to_vec();
     sampled.extend(["--temperature", "0.9", "--top-p", "0.95", "--seed", "11"]);
@@ -38,15 +54,32 @@ fn greedy_is_repeatable_and_seeded_sampling_too() {
 
 #[test]
 fn stop_string_and_max_tokens() {
-    let out = siliceo(&["generate", "--prompt", "1, 2, 3, 4, 5,", "--max-tokens", "30", "--stop", "8"]);
+    let out = siliceo(&[
+        "generate",
+        "--prompt",
+        "1, 2, 3, 4, 5,",
+        "--max-tokens",
+        "30",
+        "--stop",
+        "8",
+    ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let s = text(&out.stdout);
     assert!(!s.contains('8'), "{s}");
     assert!(s.contains('7'), "{s}");
     assert!(text(&out.stderr).contains("finish: stop"));
-    let out = siliceo(&["generate", "--prompt", "Once upon a time", "--max-tokens", "5"]);
+    let out = siliceo(&[
+        "generate",
+        "--prompt",
+        "Once upon a time",
+        "--max-tokens",
+        "5",
+    ]);
     let err = text(&out.stderr);
-    assert!(err.contains("5 generated") && err.contains("finish: length"), "{err}");
+    assert!(
+        err.contains("5 generated") && err.contains("finish: length"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -83,15 +116,42 @@ fn errors_are_clear_and_exit_nonzero() {
         let out = cmd.output().unwrap();
         assert!(!out.status.success(), "{args:?} succeeded");
         let err = text(&out.stderr);
-        assert!(err.contains(needle), "{args:?}: expected `{needle}` in:\n{err}");
+        assert!(
+            err.contains(needle),
+            "{args:?}: expected `{needle}` in:\n{err}"
+        );
     };
-    check(&["generate", "--prompt", "hi", "--model", "/nonexistent.gguf"], None, "model file not found");
-    check(&["generate", "--prompt", "hi"], Some(("SILICEO_MODEL", "/nonexistent.gguf")), "cargo xtask fetch-model");
+    check(
+        &["generate", "--prompt", "hi", "--model", "/nonexistent.gguf"],
+        None,
+        "model file not found",
+    );
+    check(
+        &["generate", "--prompt", "hi"],
+        Some(("SILICEO_MODEL", "/nonexistent.gguf")),
+        "cargo xtask fetch-model",
+    );
     check(&["generate", "--prompt", ""], None, "the prompt is empty");
-    check(&["generate", "--prompt", "hi", "--top-p", "0"], None, "invalid `top_p`");
-    check(&["generate", "--prompt", "hi", "--kv-k", "q3"], None, "unknown KV cache type");
+    check(
+        &["generate", "--prompt", "hi", "--top-p", "0"],
+        None,
+        "invalid `top_p`",
+    );
+    check(
+        &["generate", "--prompt", "hi", "--kv-k", "q3"],
+        None,
+        "unknown KV cache type",
+    );
     let long = "word ".repeat(400);
-    check(&["generate", "--prompt", &long, "--ctx", "256"], None, "does not fit the context");
+    check(
+        &["generate", "--prompt", &long, "--ctx", "256"],
+        None,
+        "does not fit the context",
+    );
     let readme = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
-    check(&["model-info", "--model", readme], None, "is not a GGUF model");
+    check(
+        &["model-info", "--model", readme],
+        None,
+        "is not a GGUF model",
+    );
 }

@@ -1,0 +1,409 @@
+//! Just enough of the GGUF format to plan memory: metadata and the tensor table.
+//!
+//! Parses from bytes the caller read (this crate does no I/O). A header larger
+//! than the bytes given yields [`GgufError::Truncated`] with a size to retry with.
+//! Layout (version 2 and 3): magic `GGUF`, `u32` version, `u64` tensor count,
+//! `u64` metadata count, metadata entries (`string key`, `u32` type, value),
+//! tensor infos (`string name`, `u32` dims, `u64` × dims, `u32` ggml type,
+//! `u64` offset); strings are a `u64` length and UTF-8 bytes; little-endian.
+
+use std::collections::HashMap;
+
+use siliceo_core::ModelGeometry;
+
+/// Why a GGUF header could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum GgufError {
+    /// The bytes end inside the header; retry with at least `needed` bytes.
+    #[error("GGUF header continues past the bytes read; need at least {needed} bytes")]
+    Truncated {
+        /// A size that gets further (not necessarily the whole header).
+        needed: usize,
+    },
+    /// Not a GGUF file.
+    #[error("not a GGUF file (bad magic)")]
+    BadMagic,
+    /// A version this parser does not read.
+    #[error("unsupported GGUF version {0}")]
+    Version(u32),
+    /// A malformed field.
+    #[error("malformed GGUF header: {0}")]
+    Malformed(String),
+    /// A metadata key needed for planning is missing.
+    #[error("GGUF metadata lacks `{0}`")]
+    Missing(String),
+    /// A tensor of a ggml type whose size is not known here.
+    #[error("tensor `{name}` has ggml type {ty}, whose size is unknown")]
+    UnknownType {
+        /// Tensor name.
+        name: String,
+        /// ggml type id.
+        ty: u32,
+    },
+}
+
+/// A metadata value (arrays keep only their length and, for integer arrays, the values).
+#[derive(Debug, Clone, PartialEq)]
+pub enum MetaValue {
+    /// Any integer type, widened.
+    Int(i128),
+    /// f32 or f64.
+    Float(f64),
+    /// bool.
+    Bool(bool),
+    /// string.
+    Str(String),
+    /// An array: its length, and its integer elements when it holds integers.
+    Array {
+        /// Element count.
+        len: u64,
+        /// Integer elements (empty for other element types).
+        ints: Vec<i128>,
+    },
+}
+
+/// One tensor's name, shape and ggml type.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    /// Name.
+    pub name: String,
+    /// Dimensions.
+    pub dims: Vec<u64>,
+    /// ggml type id.
+    pub ggml_type: u32,
+}
+
+/// Metadata and tensor table of a GGUF file.
+#[derive(Debug, Clone)]
+pub struct GgufHeader {
+    /// Format version.
+    pub version: u32,
+    /// Metadata by key.
+    pub meta: HashMap<String, MetaValue>,
+    /// Tensors in file order.
+    pub tensors: Vec<TensorInfo>,
+}
+
+/// (elements per block, bytes per block) of a ggml type, from ggml's type table.
+pub fn ggml_type_size(ty: u32) -> Option<(u64, u64)> {
+    Some(match ty {
+        0 => (1, 4),      // F32
+        1 => (1, 2),      // F16
+        2 => (32, 18),    // Q4_0
+        3 => (32, 20),    // Q4_1
+        6 => (32, 22),    // Q5_0
+        7 => (32, 24),    // Q5_1
+        8 => (32, 34),    // Q8_0
+        9 => (32, 36),    // Q8_1
+        10 => (256, 84),  // Q2_K
+        11 => (256, 110), // Q3_K
+        12 => (256, 144), // Q4_K
+        13 => (256, 176), // Q5_K
+        14 => (256, 210), // Q6_K
+        15 => (256, 292), // Q8_K
+        16 => (256, 66),  // IQ2_XXS
+        17 => (256, 74),  // IQ2_XS
+        18 => (256, 98),  // IQ3_XXS
+        19 => (256, 50),  // IQ1_S
+        20 => (32, 18),   // IQ4_NL
+        21 => (256, 110), // IQ3_S
+        22 => (256, 82),  // IQ2_S
+        23 => (256, 136), // IQ4_XS
+        24 => (1, 1),     // I8
+        25 => (1, 2),     // I16
+        26 => (1, 4),     // I32
+        27 => (1, 8),     // I64
+        28 => (1, 8),     // F64
+        29 => (256, 56),  // IQ1_M
+        30 => (1, 2),     // BF16
+        34 => (256, 54),  // TQ1_0
+        35 => (256, 66),  // TQ2_0
+        39 => (32, 17),   // MXFP4
+        40 => (64, 36),   // NVFP4
+        41 => (128, 18),  // Q1_0
+        42 => (64, 18),   // Q2_0
+        _ => return None,
+    })
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], GgufError> {
+        let end = self
+            .at
+            .checked_add(n)
+            .ok_or_else(|| GgufError::Malformed("length overflow".into()))?;
+        if end > self.b.len() {
+            return Err(GgufError::Truncated {
+                needed: end.max(self.b.len() * 2),
+            });
+        }
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+    fn u32(&mut self) -> Result<u32, GgufError> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+    fn u64(&mut self) -> Result<u64, GgufError> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+    fn len(&mut self, what: &str) -> Result<usize, GgufError> {
+        let n = self.u64()?;
+        usize::try_from(n)
+            .ok()
+            .filter(|&n| n < (1 << 40))
+            .ok_or_else(|| GgufError::Malformed(format!("{what} length {n}")))
+    }
+    fn string(&mut self) -> Result<String, GgufError> {
+        let n = self.len("string")?;
+        let s = self.take(n)?;
+        String::from_utf8(s.to_vec())
+            .map_err(|_| GgufError::Malformed("string is not UTF-8".into()))
+    }
+    fn scalar(&mut self, ty: u32) -> Result<MetaValue, GgufError> {
+        let int = |v: i128| Ok(MetaValue::Int(v));
+        match ty {
+            0 => int(self.take(1)?[0].into()),
+            1 => int((self.take(1)?[0] as i8).into()),
+            2 => int(u16::from_le_bytes(self.take(2)?.try_into().expect("2")).into()),
+            3 => int(i16::from_le_bytes(self.take(2)?.try_into().expect("2")).into()),
+            4 => int(self.u32()?.into()),
+            5 => int((self.u32()? as i32).into()),
+            6 => Ok(MetaValue::Float(
+                f32::from_le_bytes(self.take(4)?.try_into().expect("4")).into(),
+            )),
+            7 => Ok(MetaValue::Bool(self.take(1)?[0] != 0)),
+            8 => Ok(MetaValue::Str(self.string()?)),
+            10 => int(self.u64()?.into()),
+            11 => int((self.u64()? as i64).into()),
+            12 => Ok(MetaValue::Float(f64::from_le_bytes(
+                self.take(8)?.try_into().expect("8"),
+            ))),
+            t => Err(GgufError::Malformed(format!("metadata type {t}"))),
+        }
+    }
+    fn value(&mut self, ty: u32) -> Result<MetaValue, GgufError> {
+        if ty != 9 {
+            return self.scalar(ty);
+        }
+        let elem = self.u32()?;
+        let len = self.u64()?;
+        let mut ints = Vec::new();
+        for _ in 0..len {
+            if let MetaValue::Int(v) = self.value(elem)? {
+                ints.push(v);
+            }
+        }
+        Ok(MetaValue::Array { len, ints })
+    }
+}
+
+impl GgufHeader {
+    /// Parses the header from the first bytes of a GGUF file.
+    pub fn parse(bytes: &[u8]) -> Result<GgufHeader, GgufError> {
+        let mut r = Reader { b: bytes, at: 0 };
+        if r.take(4)? != b"GGUF" {
+            return Err(GgufError::BadMagic);
+        }
+        let version = r.u32()?;
+        if !(2..=3).contains(&version) {
+            return Err(GgufError::Version(version));
+        }
+        let n_tensors = r.len("tensor count")?;
+        let n_meta = r.len("metadata count")?;
+        let mut meta = HashMap::new();
+        for _ in 0..n_meta {
+            let key = r.string()?;
+            let ty = r.u32()?;
+            let v = r.value(ty)?;
+            meta.insert(key, v);
+        }
+        let mut tensors = Vec::with_capacity(n_tensors.min(1 << 16));
+        for _ in 0..n_tensors {
+            let name = r.string()?;
+            let n_dims = r.u32()?;
+            if n_dims > 8 {
+                return Err(GgufError::Malformed(format!(
+                    "tensor `{name}` has {n_dims} dimensions"
+                )));
+            }
+            let dims = (0..n_dims)
+                .map(|_| r.u64())
+                .collect::<Result<Vec<_>, _>>()?;
+            let ggml_type = r.u32()?;
+            let _offset = r.u64()?;
+            tensors.push(TensorInfo {
+                name,
+                dims,
+                ggml_type,
+            });
+        }
+        Ok(GgufHeader {
+            version,
+            meta,
+            tensors,
+        })
+    }
+
+    /// An integer metadata value (the maximum, for per-layer arrays).
+    pub fn int(&self, key: &str) -> Option<i128> {
+        match self.meta.get(key)? {
+            MetaValue::Int(v) => Some(*v),
+            MetaValue::Array { ints, .. } => ints.iter().copied().max(),
+            _ => None,
+        }
+    }
+
+    /// A string metadata value.
+    pub fn str(&self, key: &str) -> Option<&str> {
+        match self.meta.get(key)? {
+            MetaValue::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// Bytes of all tensor data, from the tensor table and ggml's type sizes.
+    pub fn weight_bytes(&self) -> Result<u64, GgufError> {
+        let mut total = 0u64;
+        for t in &self.tensors {
+            let (blk, bytes) =
+                ggml_type_size(t.ggml_type).ok_or_else(|| GgufError::UnknownType {
+                    name: t.name.clone(),
+                    ty: t.ggml_type,
+                })?;
+            let elems: u64 = t.dims.iter().product();
+            total += elems.div_ceil(blk) * bytes;
+        }
+        Ok(total)
+    }
+
+    /// The model's geometry from `<arch>.*` metadata.
+    pub fn geometry(&self) -> Result<ModelGeometry, GgufError> {
+        let arch = self
+            .str("general.architecture")
+            .ok_or_else(|| GgufError::Missing("general.architecture".into()))?;
+        let get = |k: &str| {
+            let key = format!("{arch}.{k}");
+            self.int(&key)
+                .and_then(|v| u32::try_from(v).ok())
+                .ok_or(GgufError::Missing(key))
+        };
+        let n_layer = get("block_count")?;
+        let n_head = get("attention.head_count")?;
+        let n_head_kv = get("attention.head_count_kv").unwrap_or(n_head);
+        let n_embd = get("embedding_length")?;
+        let head_dim = n_embd.checked_div(n_head).unwrap_or(0);
+        let n_vocab =
+            get("vocab_size")
+                .ok()
+                .or_else(|| match self.meta.get("tokenizer.ggml.tokens") {
+                    Some(MetaValue::Array { len, .. }) => u32::try_from(*len).ok(),
+                    _ => None,
+                });
+        Ok(ModelGeometry {
+            n_layer,
+            n_head,
+            n_head_kv,
+            head_dim_k: get("attention.key_length").unwrap_or(head_dim),
+            head_dim_v: get("attention.value_length").unwrap_or(head_dim),
+            n_embd,
+            n_vocab: n_vocab.unwrap_or(0),
+            n_ctx_train: get("context_length").unwrap_or(0),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A hand-built GGUF header.
+    fn sample() -> Vec<u8> {
+        let mut b = Vec::new();
+        let s = |b: &mut Vec<u8>, v: &str| {
+            b.extend((v.len() as u64).to_le_bytes());
+            b.extend(v.as_bytes());
+        };
+        b.extend(b"GGUF");
+        b.extend(3u32.to_le_bytes());
+        b.extend(2u64.to_le_bytes()); // tensors
+        b.extend(6u64.to_le_bytes()); // metadata
+        s(&mut b, "general.architecture");
+        b.extend(8u32.to_le_bytes());
+        s(&mut b, "llama");
+        for (k, v) in [
+            ("llama.block_count", 2u32),
+            ("llama.attention.head_count", 8),
+            ("llama.embedding_length", 512),
+            ("llama.context_length", 4096),
+        ] {
+            s(&mut b, k);
+            b.extend(4u32.to_le_bytes());
+            b.extend(v.to_le_bytes());
+        }
+        // Per-layer KV heads as an array of i32.
+        s(&mut b, "llama.attention.head_count_kv");
+        b.extend(9u32.to_le_bytes());
+        b.extend(5u32.to_le_bytes());
+        b.extend(2u64.to_le_bytes());
+        b.extend(2i32.to_le_bytes());
+        b.extend(4i32.to_le_bytes());
+        // Tensors: F32 [512] and Q4_K [512, 256].
+        for (name, dims, ty) in [
+            ("norm.weight", vec![512u64], 0u32),
+            ("blk.0.attn_q.weight", vec![512, 256], 12),
+        ] {
+            s(&mut b, name);
+            b.extend((dims.len() as u32).to_le_bytes());
+            for d in dims {
+                b.extend(d.to_le_bytes());
+            }
+            b.extend(ty.to_le_bytes());
+            b.extend(0u64.to_le_bytes());
+        }
+        b
+    }
+
+    #[test]
+    fn parses_geometry_and_weight_bytes() {
+        let h = GgufHeader::parse(&sample()).unwrap();
+        let g = h.geometry().unwrap();
+        assert_eq!(
+            (
+                g.n_layer,
+                g.n_head,
+                g.n_head_kv,
+                g.head_dim_k,
+                g.n_ctx_train
+            ),
+            (2, 8, 4, 64, 4096)
+        );
+        // 512 × 4 + (512 × 256 / 256) × 144
+        assert_eq!(h.weight_bytes().unwrap(), 2048 + 512 * 144);
+    }
+
+    #[test]
+    fn short_input_asks_for_more() {
+        let full = sample();
+        for cut in [3, 10, 40, full.len() - 1] {
+            match GgufHeader::parse(&full[..cut]) {
+                Err(GgufError::Truncated { needed }) => assert!(needed > cut),
+                other => panic!("cut {cut}: {other:?}"),
+            }
+        }
+        assert!(matches!(
+            GgufHeader::parse(b"GGML\x03\0\0\0"),
+            Err(GgufError::BadMagic)
+        ));
+    }
+}

@@ -1,0 +1,509 @@
+//! The memory planner: what a memory budget holds once the weights are in.
+//!
+//! Arithmetic, stated once. For one model with `L` layers, `H` KV heads and
+//! head dimensions `Dk`, `Dv`, a token's KV costs
+//! `L × H × (bytes(Dk in K format) + bytes(Dv in V format))` — every layer
+//! stores one K row and one V row of `H × D` elements per token. A block of `B`
+//! tokens costs `B ×` that. The budget is split as
+//!
+//! ```text
+//! usable  = budget × (1 − margin)
+//! kv      = usable − weights − compute reserve − (draft weights)
+//! tails   = sequences × min(tail, context) × f16 bytes per token
+//! blocks  = ⌊(kv − tails) / (block bytes of the target + block bytes of the draft)⌋
+//! ```
+//!
+//! A full-precision tail keeps each sequence's newest `tail` tokens in f16
+//! outside the quantized blocks; a draft model (speculative decoding) keeps its
+//! own KV for the same tokens, so its per-token bytes join the target's.
+
+use serde::Serialize;
+use siliceo_core::{KvType, ModelGeometry};
+
+/// A KV element format: one of llama.cpp's types or one of ours.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(into = "String")]
+pub enum KvFormat {
+    /// A llama.cpp cache type.
+    Llama(KvType),
+    /// Ours: int8 per element, one f16 scale per token per head (8 + 16/D bits).
+    Kv8,
+    /// Ours, keys: 5-bit per element, per-channel f16 scale and minimum over the
+    /// tokens of a 64-token block (5 + 32/64 = 5.5 bits).
+    K5,
+    /// Ours, values: 4-bit per element, f16 scale and minimum per group of 32
+    /// elements of a token (4 + 32/32 = 5 bits).
+    V4,
+}
+
+impl From<KvFormat> for String {
+    fn from(f: KvFormat) -> String {
+        f.name().to_owned()
+    }
+}
+
+impl KvFormat {
+    /// Name as written on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvFormat::Llama(t) => t.name(),
+            KvFormat::Kv8 => "kv8",
+            KvFormat::K5 => "k5",
+            KvFormat::V4 => "v4",
+        }
+    }
+
+    /// Parses `f16`, `q8_0`, …, `kv8`, `k5`, `v4`.
+    pub fn parse(s: &str) -> Result<KvFormat, siliceo_core::Error> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "kv8" => Ok(KvFormat::Kv8),
+            "k5" => Ok(KvFormat::K5),
+            "v4" => Ok(KvFormat::V4),
+            other => other.parse::<KvType>().map(KvFormat::Llama),
+        }
+    }
+
+    /// Bytes of one head row of `dim` elements for one token (block-level
+    /// metadata of K5 amortised over the block's 64 tokens). `None` when the
+    /// row is not a whole number of the format's groups.
+    pub fn row_bytes(self, dim: u64) -> Option<f64> {
+        match self {
+            KvFormat::Llama(t) => t.row_bytes(dim).map(|b| b as f64),
+            KvFormat::Kv8 => Some(dim as f64 + 2.0),
+            KvFormat::K5 => Some(dim as f64 * 5.0 / 8.0 + dim as f64 * 4.0 / 64.0),
+            KvFormat::V4 => dim
+                .is_multiple_of(32)
+                .then(|| dim as f64 / 2.0 + (dim / 32) as f64 * 4.0),
+        }
+    }
+
+    /// Average bits per element for rows of `dim` elements.
+    pub fn bits_per_element(self, dim: u64) -> Option<f64> {
+        self.row_bytes(dim).map(|b| b * 8.0 / dim as f64)
+    }
+}
+
+/// What to plan for.
+#[derive(Debug, Clone)]
+pub struct PlanInput {
+    /// The target model's geometry.
+    pub geometry: ModelGeometry,
+    /// Bytes of its weights.
+    pub weight_bytes: u64,
+    /// Total memory available (e.g. VRAM).
+    pub budget_bytes: u64,
+    /// K format.
+    pub k: KvFormat,
+    /// V format.
+    pub v: KvFormat,
+    /// Newest tokens per sequence kept in f16 (0 = none).
+    pub tail_tokens: u32,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Fraction of the budget kept free (allocator slack, fragmentation); must
+    /// be positive. Default 0.05.
+    pub safety_margin: f64,
+    /// Bytes reserved for compute buffers (activations, logits).
+    pub compute_reserve_bytes: u64,
+    /// Sequences whose f16 tails are reserved when counting blocks.
+    pub sequences: u32,
+    /// A draft model sharing the budget: its geometry, weights and K/V formats.
+    pub draft: Option<DraftInput>,
+}
+
+/// A draft model that shares the budget.
+#[derive(Debug, Clone)]
+pub struct DraftInput {
+    /// Its geometry.
+    pub geometry: ModelGeometry,
+    /// Bytes of its weights.
+    pub weight_bytes: u64,
+    /// Its K format.
+    pub k: KvFormat,
+    /// Its V format.
+    pub v: KvFormat,
+}
+
+impl PlanInput {
+    /// A plan input with defaults: f16 K and V, no tail, 64-token blocks, 5 %
+    /// margin, 256 MiB compute reserve, one sequence, no draft.
+    pub fn new(geometry: ModelGeometry, weight_bytes: u64, budget_bytes: u64) -> Self {
+        PlanInput {
+            geometry,
+            weight_bytes,
+            budget_bytes,
+            k: KvFormat::Llama(KvType::F16),
+            v: KvFormat::Llama(KvType::F16),
+            tail_tokens: 0,
+            block_size: 64,
+            safety_margin: 0.05,
+            compute_reserve_bytes: 256 << 20,
+            sequences: 1,
+            draft: None,
+        }
+    }
+}
+
+/// Why a configuration cannot work.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PlanError {
+    /// The weights (and reserve) alone exceed the usable budget.
+    #[error(
+        "the weights do not fit: {weights} B of weights + {reserve} B compute reserve > {usable} B usable ({budget} B budget less a {margin_pct:.1} % safety margin)"
+    )]
+    WeightsDoNotFit {
+        /// Weight bytes (target plus draft).
+        weights: u64,
+        /// Compute reserve.
+        reserve: u64,
+        /// Usable bytes.
+        usable: u64,
+        /// The budget.
+        budget: u64,
+        /// Margin in percent.
+        margin_pct: f64,
+    },
+    /// Not a single block fits after the weights and tails.
+    #[error("no room for the KV cache: {kv_bytes} B left for KV, one block needs {block_bytes} B")]
+    NoRoomForKv {
+        /// Bytes left for KV.
+        kv_bytes: u64,
+        /// Bytes per block.
+        block_bytes: u64,
+    },
+    /// A format does not divide the model's head dimension.
+    #[error("{format} cannot store rows of {dim} elements")]
+    FormatDoesNotFit {
+        /// The format.
+        format: &'static str,
+        /// The head dimension.
+        dim: u32,
+    },
+    /// An input out of range.
+    #[error("invalid plan input `{field}`: {reason}")]
+    Invalid {
+        /// Field.
+        field: &'static str,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// What fits.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Plan {
+    /// K bytes per token (all layers).
+    pub k_bytes_per_token: f64,
+    /// V bytes per token (all layers).
+    pub v_bytes_per_token: f64,
+    /// K bytes per block.
+    pub k_bytes_per_block: f64,
+    /// V bytes per block.
+    pub v_bytes_per_block: f64,
+    /// Draft model's K+V bytes per token (0 without a draft).
+    pub draft_bytes_per_token: f64,
+    /// f16 K+V bytes per tail token.
+    pub tail_bytes_per_token: f64,
+    /// Average bits per KV element (K and V together).
+    pub bits_per_element: f64,
+    /// Budget less the safety margin.
+    pub usable_bytes: u64,
+    /// Weights (target plus draft).
+    pub weight_bytes: u64,
+    /// Compute reserve.
+    pub compute_reserve_bytes: u64,
+    /// Bytes left for KV (blocks and tails).
+    pub kv_bytes: u64,
+    /// Bytes reserved for the f16 tails of `sequences` sequences.
+    pub tail_reserve_bytes: u64,
+    /// Blocks that fit.
+    pub num_blocks: u64,
+    /// Tokens those blocks hold.
+    pub block_tokens: u64,
+    /// Longest context of one sequence (blocks plus its tail).
+    pub max_context_one_sequence: u64,
+    /// The model's trained context (contexts past it need RoPE scaling).
+    pub n_ctx_train: u32,
+}
+
+impl Plan {
+    /// Sequences of `context` tokens each that fit at once.
+    pub fn max_sequences_at(&self, input: &PlanInput, context: u64) -> u64 {
+        let bs = u64::from(input.block_size);
+        let tail = context.min(u64::from(input.tail_tokens));
+        let per_seq = (context - tail).div_ceil(bs) as f64
+            * (self.k_bytes_per_block
+                + self.v_bytes_per_block
+                + self.draft_bytes_per_token * bs as f64)
+            + tail as f64 * (self.tail_bytes_per_token + self.draft_bytes_per_token);
+        if per_seq <= 0.0 {
+            return 0;
+        }
+        (self.kv_bytes as f64 / per_seq).floor() as u64
+    }
+}
+
+fn per_token(g: &ModelGeometry, k: KvFormat, v: KvFormat) -> Result<(f64, f64), PlanError> {
+    let heads = f64::from(g.n_head_kv) * f64::from(g.n_layer);
+    let kb = k
+        .row_bytes(u64::from(g.head_dim_k))
+        .ok_or(PlanError::FormatDoesNotFit {
+            format: k.name(),
+            dim: g.head_dim_k,
+        })?;
+    let vb = v
+        .row_bytes(u64::from(g.head_dim_v))
+        .ok_or(PlanError::FormatDoesNotFit {
+            format: v.name(),
+            dim: g.head_dim_v,
+        })?;
+    Ok((kb * heads, vb * heads))
+}
+
+/// Plans `input`, or says why it cannot fit.
+pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
+    if !(input.safety_margin > 0.0 && input.safety_margin < 0.5) {
+        return Err(PlanError::Invalid {
+            field: "safety_margin",
+            reason: format!("must be in (0, 0.5), got {}", input.safety_margin),
+        });
+    }
+    if input.block_size == 0 {
+        return Err(PlanError::Invalid {
+            field: "block_size",
+            reason: "must be at least 1".into(),
+        });
+    }
+    let g = &input.geometry;
+    let (kpt, vpt) = per_token(g, input.k, input.v)?;
+    let f16 = KvFormat::Llama(KvType::F16);
+    let (tk, tv) = per_token(g, f16, f16)?;
+    let draft_bpt = match &input.draft {
+        Some(d) => {
+            let (dk, dv) = per_token(&d.geometry, d.k, d.v)?;
+            dk + dv
+        }
+        None => 0.0,
+    };
+    let weights = input.weight_bytes + input.draft.as_ref().map_or(0, |d| d.weight_bytes);
+    let usable = (input.budget_bytes as f64 * (1.0 - input.safety_margin)).floor() as u64;
+    let fixed = weights + input.compute_reserve_bytes;
+    if fixed >= usable {
+        return Err(PlanError::WeightsDoNotFit {
+            weights,
+            reserve: input.compute_reserve_bytes,
+            usable,
+            budget: input.budget_bytes,
+            margin_pct: input.safety_margin * 100.0,
+        });
+    }
+    let kv = usable - fixed;
+    let bs = f64::from(input.block_size);
+    let tail_bpt = tk + tv;
+    let tail_reserve =
+        (f64::from(input.sequences) * f64::from(input.tail_tokens) * (tail_bpt + draft_bpt)).ceil()
+            as u64;
+    let block_bytes = bs * (kpt + vpt + draft_bpt);
+    let for_blocks = kv.saturating_sub(tail_reserve);
+    let num_blocks = (for_blocks as f64 / block_bytes).floor() as u64;
+    if num_blocks == 0 {
+        return Err(PlanError::NoRoomForKv {
+            kv_bytes: for_blocks,
+            block_bytes: block_bytes.ceil() as u64,
+        });
+    }
+    let one_tail = (f64::from(input.tail_tokens) * (tail_bpt + draft_bpt)).ceil() as u64;
+    let blocks_one = (kv.saturating_sub(one_tail) as f64 / block_bytes).floor() as u64;
+    let elems = f64::from(g.head_dim_k) + f64::from(g.head_dim_v);
+    let row = f64::from(g.n_head_kv) * f64::from(g.n_layer);
+    Ok(Plan {
+        k_bytes_per_token: kpt,
+        v_bytes_per_token: vpt,
+        k_bytes_per_block: kpt * bs,
+        v_bytes_per_block: vpt * bs,
+        draft_bytes_per_token: draft_bpt,
+        tail_bytes_per_token: tail_bpt,
+        bits_per_element: (kpt + vpt) * 8.0 / (elems * row),
+        usable_bytes: usable,
+        weight_bytes: weights,
+        compute_reserve_bytes: input.compute_reserve_bytes,
+        kv_bytes: kv,
+        tail_reserve_bytes: tail_reserve,
+        num_blocks,
+        block_tokens: num_blocks * u64::from(input.block_size),
+        max_context_one_sequence: blocks_one * u64::from(input.block_size)
+            + u64::from(input.tail_tokens),
+        n_ctx_train: g.n_ctx_train,
+    })
+}
+
+/// Parses a size such as `8GiB`, `2.5GB`, `512MiB`, `1000000` (bytes).
+/// Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB,
+/// GB, TB) powers of 1000.
+pub fn parse_bytes(s: &str) -> Result<u64, PlanError> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let bad = || PlanError::Invalid {
+        field: "size",
+        reason: format!("`{s}` is not a size like 8GiB, 2.5GB or 512MiB"),
+    };
+    let n: f64 = num.parse().map_err(|_| bad())?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kib" | "k" => 1024.0,
+        "mib" | "m" => 1024.0 * 1024.0,
+        "gib" | "g" => 1024.0 * 1024.0 * 1024.0,
+        "tib" | "t" => 1024f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        _ => return Err(bad()),
+    };
+    Ok((n * mult).round() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geom(n_layer: u32, n_head_kv: u32, head_dim: u32) -> ModelGeometry {
+        ModelGeometry {
+            n_layer,
+            n_head: n_head_kv * 4,
+            n_head_kv,
+            head_dim_k: head_dim,
+            head_dim_v: head_dim,
+            n_embd: n_head_kv * 4 * head_dim,
+            n_vocab: 32000,
+            n_ctx_train: 8192,
+        }
+    }
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn llama3_8b_geometry_in_2_5_gb_of_kv() {
+        // 32 layers, 8 KV heads, head dim 128: the budget is exactly 2.5 GB of
+        // KV once weights are set to zero and the margin and reserve are tiny.
+        let input = |k: KvFormat, v: KvFormat| PlanInput {
+            k,
+            v,
+            safety_margin: 1e-9,
+            compute_reserve_bytes: 0,
+            ..PlanInput::new(geom(32, 8, 128), 0, 2_500_000_000)
+        };
+        let check = |k, v, bpt: f64, blocks: u64| {
+            let p = plan(&input(k, v)).unwrap();
+            assert_eq!(
+                p.k_bytes_per_token + p.v_bytes_per_token,
+                bpt,
+                "{k:?}/{v:?}"
+            );
+            assert_eq!(p.num_blocks, blocks, "{k:?}/{v:?}");
+        };
+        let f16 = KvFormat::Llama(KvType::F16);
+        let q8 = KvFormat::Llama(KvType::Q8_0);
+        // f16: 32 × 8 × 128 × 2 × 2 = 131072 B/token; block = 8 MiB; 2.5e9 / 8388608 = 298.02
+        check(f16, f16, 131_072.0, 298);
+        // q8_0: 128 elems = 4 blocks × 34 B = 136 B per row; 32 × 8 × 136 × 2 = 69632 B/token; 2.5e9 / (69632 × 64) = 560.99
+        check(q8, q8, 69_632.0, 560);
+        // K5/V4: K row 128 × 5/8 + 128 × 4/64 = 88 B; V row 64 + 4 × 4 = 80 B; (88 + 80) × 256 = 43008 B/token; 2.5e9 / (43008 × 64) = 908.3
+        check(KvFormat::K5, KvFormat::V4, 43_008.0, 908);
+    }
+
+    #[test]
+    fn refuses_when_weights_do_not_fit_and_counts_the_draft() {
+        let mut input = PlanInput::new(geom(32, 8, 128), 7 * GIB, 8 * GIB);
+        input.safety_margin = 0.05;
+        input.compute_reserve_bytes = 512 << 20;
+        // 8 GiB × 0.95 = 7.6 GiB usable; 7 GiB + 0.5 GiB fits; plus a 1 GiB draft does not.
+        assert!(plan(&input).is_ok());
+        input.draft = Some(DraftInput {
+            geometry: geom(24, 2, 64),
+            weight_bytes: GIB,
+            k: KvFormat::Llama(KvType::F16),
+            v: KvFormat::Llama(KvType::F16),
+        });
+        let err = plan(&input).unwrap_err();
+        assert!(matches!(err, PlanError::WeightsDoNotFit { .. }), "{err}");
+        assert!(err.to_string().contains("do not fit"));
+    }
+
+    #[test]
+    fn draft_and_tail_shrink_the_cache() {
+        let base = PlanInput::new(geom(32, 8, 128), 4 * GIB, 8 * GIB);
+        let p0 = plan(&base).unwrap();
+        let with_tail = PlanInput {
+            tail_tokens: 1024,
+            sequences: 4,
+            k: KvFormat::K5,
+            v: KvFormat::V4,
+            ..base.clone()
+        };
+        let p1 = plan(&with_tail).unwrap();
+        assert_eq!(p1.tail_reserve_bytes, 4 * 1024 * 131_072);
+        assert!(
+            p1.num_blocks > p0.num_blocks,
+            "K5/V4 holds more even after tails"
+        );
+        let with_draft = PlanInput {
+            draft: Some(DraftInput {
+                geometry: geom(24, 2, 64),
+                weight_bytes: GIB / 2,
+                k: KvFormat::Llama(KvType::F16),
+                v: KvFormat::Llama(KvType::F16),
+            }),
+            ..base.clone()
+        };
+        let p2 = plan(&with_draft).unwrap();
+        assert_eq!(p2.draft_bytes_per_token, 24.0 * 2.0 * 64.0 * 2.0 * 2.0);
+        assert!(p2.num_blocks < p0.num_blocks);
+        // Sequences at a context: 4096 tokens = 64 blocks of 8 MiB each.
+        assert_eq!(
+            p0.max_sequences_at(&base, 4096),
+            p0.kv_bytes / (64 * 64 * 131_072)
+        );
+    }
+
+    #[test]
+    fn margin_is_never_zero_and_sizes_parse() {
+        let input = PlanInput {
+            safety_margin: 0.0,
+            ..PlanInput::new(geom(2, 1, 64), 0, GIB)
+        };
+        assert!(matches!(
+            plan(&input),
+            Err(PlanError::Invalid {
+                field: "safety_margin",
+                ..
+            })
+        ));
+        let check = |s: &str, v: u64| assert_eq!(parse_bytes(s).unwrap(), v, "{s}");
+        check("8GiB", 8 * GIB);
+        check("2.5GB", 2_500_000_000);
+        check("512MiB", 512 << 20);
+        check("100", 100);
+        check("16 GiB", 16 * GIB);
+        assert!(parse_bytes("8 apples").is_err());
+        assert!(parse_bytes("").is_err());
+    }
+
+    #[test]
+    fn formats_parse_and_report_bits() {
+        assert_eq!(KvFormat::parse("k5").unwrap(), KvFormat::K5);
+        assert_eq!(
+            KvFormat::parse("Q4_0").unwrap(),
+            KvFormat::Llama(KvType::Q4_0)
+        );
+        assert!(KvFormat::parse("q3_k").is_err());
+        assert_eq!(KvFormat::K5.bits_per_element(128), Some(5.5));
+        assert_eq!(KvFormat::V4.bits_per_element(128), Some(5.0));
+        assert_eq!(KvFormat::Kv8.bits_per_element(128), Some(8.125));
+        assert_eq!(KvFormat::V4.row_bytes(48), None);
+    }
+}

@@ -1,0 +1,276 @@
+//! `siliceo plan`: the memory planner on the command line.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context as _, Result, bail};
+use clap::Args;
+use siliceo_core::ModelGeometry;
+use siliceo_kv_paging::gguf::{GgufError, GgufHeader};
+use siliceo_kv_paging::planner::{DraftInput, KvFormat, Plan, PlanInput, parse_bytes, plan};
+
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// GGUF model whose header gives the geometry and weight size.
+    #[arg(long, short = 'm', conflicts_with = "geometry")]
+    model: Option<PathBuf>,
+    /// Geometry instead of a file: layers=32,kv_heads=8,head_dim=128,weights=4.9GiB
+    /// (optional: heads=, head_dim_v=, context=).
+    #[arg(long)]
+    geometry: Option<String>,
+    /// Memory budget, e.g. 8GiB, 16GB, 2.5GB.
+    #[arg(long)]
+    budget: String,
+    /// K format: f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl, kv8, k5.
+    #[arg(long, default_value = "f16")]
+    kv_k: String,
+    /// V format: as --kv-k, plus v4.
+    #[arg(long, default_value = "f16")]
+    kv_v: String,
+    /// Newest tokens per sequence kept in f16.
+    #[arg(long, default_value_t = 0)]
+    tail: u32,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 64)]
+    block_size: u32,
+    /// Fraction of the budget kept free (never zero).
+    #[arg(long, default_value_t = 0.05)]
+    margin: f64,
+    /// Compute-buffer reserve.
+    #[arg(long, default_value = "256MiB")]
+    reserve: String,
+    /// Sequences whose tails are reserved.
+    #[arg(long, default_value_t = 1)]
+    sequences: u32,
+    /// Context per sequence for the "sequences that fit" figure (default: trained context).
+    #[arg(long)]
+    context: Option<u64>,
+    /// A draft model sharing the budget (GGUF).
+    #[arg(long, conflicts_with = "draft_geometry")]
+    draft_model: Option<PathBuf>,
+    /// A draft model's geometry instead of a file.
+    #[arg(long)]
+    draft_geometry: Option<String>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Reads a GGUF header, reading more of the file until it is complete.
+pub fn read_header(path: &Path) -> Result<GgufHeader> {
+    let mut f =
+        std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let mut buf = Vec::new();
+    let mut want = 1 << 20;
+    loop {
+        let have = buf.len();
+        buf.resize(want, 0);
+        let mut filled = have;
+        while filled < want {
+            let n = f.read(&mut buf[filled..])?;
+            if n == 0 {
+                break;
+            }
+            filled += n;
+        }
+        buf.truncate(filled);
+        match GgufHeader::parse(&buf) {
+            Ok(h) => return Ok(h),
+            Err(GgufError::Truncated { needed }) if filled == want => want = needed.max(want * 2),
+            Err(e) => {
+                return Err(e)
+                    .with_context(|| format!("{} is not a readable GGUF model", path.display()));
+            }
+        }
+    }
+}
+
+fn parse_geometry(spec: &str) -> Result<(ModelGeometry, u64)> {
+    let mut g = ModelGeometry {
+        n_layer: 0,
+        n_head: 0,
+        n_head_kv: 0,
+        head_dim_k: 0,
+        head_dim_v: 0,
+        n_embd: 0,
+        n_vocab: 0,
+        n_ctx_train: 0,
+    };
+    let mut weights = None;
+    for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (k, v) = part
+            .split_once('=')
+            .with_context(|| format!("--geometry: `{part}` is not key=value"))?;
+        let num = || {
+            v.trim()
+                .parse::<u32>()
+                .with_context(|| format!("--geometry: `{k}` needs a number, got `{v}`"))
+        };
+        match k.trim() {
+            "layers" => g.n_layer = num()?,
+            "kv_heads" => g.n_head_kv = num()?,
+            "heads" => g.n_head = num()?,
+            "head_dim" => g.head_dim_k = num()?,
+            "head_dim_v" => g.head_dim_v = num()?,
+            "context" => g.n_ctx_train = num()?,
+            "weights" => weights = Some(parse_bytes(v)?),
+            other => bail!(
+                "--geometry: unknown key `{other}` (layers, kv_heads, head_dim, weights, heads, head_dim_v, context)"
+            ),
+        }
+    }
+    if g.n_layer == 0 || g.n_head_kv == 0 || g.head_dim_k == 0 {
+        bail!("--geometry needs at least layers=, kv_heads=, head_dim= and weights=");
+    }
+    if g.head_dim_v == 0 {
+        g.head_dim_v = g.head_dim_k;
+    }
+    if g.n_head == 0 {
+        g.n_head = g.n_head_kv;
+    }
+    let weights = weights.context("--geometry needs weights= (e.g. weights=4.9GiB)")?;
+    Ok((g, weights))
+}
+
+fn model_source(
+    path: &Option<PathBuf>,
+    geometry: &Option<String>,
+) -> Result<Option<(ModelGeometry, u64, String)>> {
+    match (path, geometry) {
+        (Some(p), _) => {
+            let h = read_header(p)?;
+            let name = h.str("general.name").unwrap_or("model").to_owned();
+            Ok(Some((h.geometry()?, h.weight_bytes()?, name)))
+        }
+        (None, Some(spec)) => {
+            let (g, w) = parse_geometry(spec)?;
+            Ok(Some((g, w, "geometry".to_owned())))
+        }
+        (None, None) => Ok(None),
+    }
+}
+
+fn gib(b: f64) -> String {
+    const K: f64 = 1024.0;
+    match b {
+        b if b >= K * K * K => format!("{:.2} GiB", b / (K * K * K)),
+        b if b >= K * K => format!("{:.2} MiB", b / (K * K)),
+        b if b >= K => format!("{:.1} KiB", b / K),
+        b => format!("{b:.0} B"),
+    }
+}
+
+pub fn cmd_plan(a: PlanArgs) -> Result<()> {
+    let source = if a.model.is_none() && a.geometry.is_none() {
+        Some(crate::default_model())
+    } else {
+        a.model.clone()
+    };
+    let (geometry, weights, name) =
+        model_source(&source, &a.geometry)?.context("give --model or --geometry")?;
+    let draft = model_source(&a.draft_model, &a.draft_geometry)?;
+    let k = KvFormat::parse(&a.kv_k)?;
+    let v = KvFormat::parse(&a.kv_v)?;
+    let input = PlanInput {
+        k,
+        v,
+        tail_tokens: a.tail,
+        block_size: a.block_size,
+        safety_margin: a.margin,
+        compute_reserve_bytes: parse_bytes(&a.reserve)?,
+        sequences: a.sequences,
+        draft: draft.as_ref().map(|(g, w, _)| DraftInput {
+            geometry: *g,
+            weight_bytes: *w,
+            k,
+            v,
+        }),
+        ..PlanInput::new(geometry, weights, parse_bytes(&a.budget)?)
+    };
+    let p: Plan = plan(&input)?;
+    let context = a.context.unwrap_or(if geometry.n_ctx_train > 0 {
+        u64::from(geometry.n_ctx_train)
+    } else {
+        4096
+    });
+    let seqs = p.max_sequences_at(&input, context);
+    if a.json {
+        let mut out = serde_json::to_value(&p)?;
+        out["model"] = serde_json::json!(name);
+        out["geometry"] = serde_json::to_value(geometry)?;
+        out["budget_bytes"] = serde_json::json!(input.budget_bytes);
+        out["kv_k"] = serde_json::json!(k.name());
+        out["kv_v"] = serde_json::json!(v.name());
+        out["block_size"] = serde_json::json!(a.block_size);
+        out["tail_tokens"] = serde_json::json!(a.tail);
+        out["context"] = serde_json::json!(context);
+        out["max_sequences_at_context"] = serde_json::json!(seqs);
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    let g = geometry;
+    println!(
+        "model              {name}: {} layers, {} KV heads × head dim {}/{}",
+        g.n_layer, g.n_head_kv, g.head_dim_k, g.head_dim_v
+    );
+    println!(
+        "budget             {} less {:.1} % margin = {} usable",
+        gib(input.budget_bytes as f64),
+        a.margin * 100.0,
+        gib(p.usable_bytes as f64)
+    );
+    println!(
+        "weights            {}{}",
+        gib(p.weight_bytes as f64),
+        if draft.is_some() {
+            " (target + draft)"
+        } else {
+            ""
+        }
+    );
+    println!("compute reserve    {}", gib(p.compute_reserve_bytes as f64));
+    println!("left for KV        {}", gib(p.kv_bytes as f64));
+    println!(
+        "KV format          K {} ({:.2} bits), V {} ({:.2} bits); {:.2} bits per element on average",
+        k.name(),
+        k.bits_per_element(u64::from(g.head_dim_k)).unwrap_or(0.0),
+        v.name(),
+        v.bits_per_element(u64::from(g.head_dim_v)).unwrap_or(0.0),
+        p.bits_per_element
+    );
+    println!(
+        "per token          K {:.0} B + V {:.0} B = {:.0} B",
+        p.k_bytes_per_token,
+        p.v_bytes_per_token,
+        p.k_bytes_per_token + p.v_bytes_per_token
+    );
+    println!(
+        "per {}-token block K {} + V {} = {}",
+        a.block_size,
+        gib(p.k_bytes_per_block),
+        gib(p.v_bytes_per_block),
+        gib(p.k_bytes_per_block + p.v_bytes_per_block)
+    );
+    if p.draft_bytes_per_token > 0.0 {
+        println!("draft KV per token {:.0} B", p.draft_bytes_per_token);
+    }
+    if a.tail > 0 {
+        println!(
+            "f16 tail           {} tokens × {} sequence(s) × {:.0} B = {}",
+            a.tail,
+            a.sequences,
+            p.tail_bytes_per_token,
+            gib(p.tail_reserve_bytes as f64)
+        );
+    }
+    println!(
+        "blocks             {} ({} tokens)",
+        p.num_blocks, p.block_tokens
+    );
+    println!(
+        "max context        {} tokens for one sequence (trained context: {})",
+        p.max_context_one_sequence, p.n_ctx_train
+    );
+    println!("sequences          {seqs} at {context} tokens each");
+    Ok(())
+}
