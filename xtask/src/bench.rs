@@ -44,8 +44,18 @@ fn run_json(portable: bool, reps: &str) -> Result<Value> {
     serde_json::from_str(line.trim()).context("benchmark printed no JSON")
 }
 
-/// `bench [engine] [--reps N] [--compare-portable]`.
+/// `bench [engine|kv] [--reps N] [--compare-portable]`.
 pub fn bench(rest: &[String]) -> Result<()> {
+    if rest.first().map(String::as_str) == Some("kv") {
+        // Pure logic: criterion benchmarks of the block pool and prefix cache.
+        return crate::run(crate::cargo().args([
+            "bench",
+            "-p",
+            "siliceo-kv-paging",
+            "--bench",
+            "pool",
+        ]));
+    }
     crate::deps::ensure_build_deps()?;
     crate::models::fetch(&crate::models::models_dir(), false)?;
     let mut reps = "5".to_string();
@@ -56,7 +66,7 @@ pub fn bench(rest: &[String]) -> Result<()> {
             "engine" => {}
             "--reps" => reps = it.next().context("--reps needs a number")?.clone(),
             "--compare-portable" => compare = true,
-            other => bail!("bench: unknown argument `{other}` (benchmarks so far: engine)"),
+            other => bail!("bench: unknown argument `{other}` (benchmarks: engine, kv)"),
         }
     }
     if !compare {

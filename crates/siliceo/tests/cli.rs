@@ -155,3 +155,69 @@ fn errors_are_clear_and_exit_nonzero() {
         "is not a GGUF model",
     );
 }
+
+#[test]
+fn plan_reads_the_gguf_like_llama_cpp_does() {
+    // Geometry and weight bytes from our own GGUF reader must match what
+    // llama.cpp reports for the same file.
+    let info: serde_json::Value =
+        serde_json::from_slice(&siliceo(&["model-info", "--json"]).stdout).unwrap();
+    let out = siliceo(&["plan", "--budget", "8GiB", "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(plan["geometry"], info["geometry"]);
+    assert_eq!(plan["weight_bytes"], info["weight_bytes"]);
+    // f16: 23040 B per token, 64-token blocks.
+    assert_eq!(
+        plan["k_bytes_per_token"].as_f64().unwrap() + plan["v_bytes_per_token"].as_f64().unwrap(),
+        23_040.0
+    );
+    assert_eq!(plan["k_bytes_per_block"], 11_520.0 * 64.0);
+}
+
+#[test]
+fn plan_table_and_refusal() {
+    let out = siliceo(&[
+        "plan",
+        "--geometry",
+        "layers=32,kv_heads=8,head_dim=128,weights=4.9GiB",
+        "--budget",
+        "8GiB",
+        "--kv-k",
+        "q5_1",
+        "--kv-v",
+        "q4_0",
+        "--tail",
+        "1024",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let s = text(&out.stdout);
+    // q5_1 rows of 128: 4 × 24 B = 96 B; q4_0: 4 × 18 = 72 B; × 32 layers × 8 heads.
+    assert!(s.contains("K 24576 B + V 18432 B = 43008 B"), "{s}");
+    assert!(s.contains("f16 tail           1024 tokens"), "{s}");
+    let out = siliceo(&[
+        "plan",
+        "--geometry",
+        "layers=62,kv_heads=16,head_dim=128,weights=16.5GB",
+        "--budget",
+        "16GB",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("the weights do not fit"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = siliceo(&["plan", "--geometry", "layers=32", "--budget", "8GiB"]);
+    assert!(
+        text(&out.stderr).contains("--geometry needs at least"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = siliceo(&["plan", "--budget", "8 apples"]);
+    assert!(
+        text(&out.stderr).contains("is not a size"),
+        "{}",
+        text(&out.stderr)
+    );
+}
