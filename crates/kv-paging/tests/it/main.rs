@@ -149,13 +149,17 @@ fn toks(r: std::ops::Range<u32>) -> Vec<TokenId> {
     r.map(TokenId).collect()
 }
 
+fn manager(num_blocks: u32, block_size: u32) -> KvCacheManager {
+    KvCacheManager::new(KvConfig {
+        num_blocks,
+        block_size,
+        prefix_caching: true,
+    })
+}
+
 #[test]
 fn lru_evicts_least_recently_freed_and_chain_tails_first() {
-    let mut kv = KvCacheManager::new(KvConfig {
-        num_blocks: 4,
-        block_size: 2,
-        prefix_caching: true,
-    });
+    let mut kv = manager(4, 2);
     let keys = CacheKeys::new("m", "f16");
     // A: 4 tokens = 2 full blocks, freed tail first.
     let a = kv.new_sequence(&keys);
@@ -179,11 +183,7 @@ fn lru_evicts_least_recently_freed_and_chain_tails_first() {
 
 #[test]
 fn last_prompt_token_is_always_recomputed() {
-    let mut kv = KvCacheManager::new(KvConfig {
-        num_blocks: 8,
-        block_size: 4,
-        prefix_caching: true,
-    });
+    let mut kv = manager(8, 4);
     let keys = CacheKeys::new("m", "f16");
     let a = kv.new_sequence(&keys);
     kv.append(a, &toks(0..8)).unwrap();
@@ -196,11 +196,7 @@ fn last_prompt_token_is_always_recomputed() {
 
 #[test]
 fn salts_and_models_never_share() {
-    let mut kv = KvCacheManager::new(KvConfig {
-        num_blocks: 8,
-        block_size: 4,
-        prefix_caching: true,
-    });
+    let mut kv = manager(8, 4);
     let a = kv.new_sequence(&CacheKeys::new("m", "f16").with_salt("alice"));
     kv.append(a, &toks(0..9)).unwrap();
     for keys in [
@@ -219,11 +215,7 @@ fn salts_and_models_never_share() {
 
 #[test]
 fn fork_shares_then_copies_the_partial_block_on_write() {
-    let mut kv = KvCacheManager::new(KvConfig {
-        num_blocks: 8,
-        block_size: 4,
-        prefix_caching: true,
-    });
+    let mut kv = manager(8, 4);
     let a = kv.new_sequence(&CacheKeys::new("m", "f16"));
     kv.append(a, &toks(0..6)).unwrap();
     let b = kv.fork(a);
@@ -244,11 +236,7 @@ fn fork_shares_then_copies_the_partial_block_on_write() {
 
 #[test]
 fn lookahead_is_reserved_but_never_cached() {
-    let mut kv = KvCacheManager::new(KvConfig {
-        num_blocks: 8,
-        block_size: 4,
-        prefix_caching: true,
-    });
+    let mut kv = manager(8, 4);
     let keys = CacheKeys::new("m", "f16");
     let a = kv.new_sequence(&keys);
     kv.append(a, &toks(0..3)).unwrap();
@@ -270,11 +258,7 @@ fn lookahead_is_reserved_but_never_cached() {
 
 #[test]
 fn admission_counts_cached_blocks_without_taking_them() {
-    let mut kv = KvCacheManager::new(KvConfig {
-        num_blocks: 4,
-        block_size: 4,
-        prefix_caching: true,
-    });
+    let mut kv = manager(4, 4);
     let keys = CacheKeys::new("m", "f16");
     let a = kv.new_sequence(&keys);
     kv.append(a, &toks(0..12)).unwrap();
