@@ -1,11 +1,56 @@
 //! Continuous batching with a priority scheduler — pure logic.
 //!
-//! **Status: the crate exists so the layering holds; its contents land with the
-//! scheduler issue.** It will decide, every engine step, which tokens run: the
-//! decode token of every running sequence plus chunks of pending prefills under
-//! a token budget, priority classes with aging, admission through kv-paging,
-//! and preemption (swap or recompute) of the lowest priority under pressure.
+//! Every engine step, [`Scheduler::schedule`] decides which tokens run: the
+//! decode token of every running sequence first, then chunks of pending
+//! prefills, then new admissions, all under one token budget
+//! (`max_batch_tokens`) and a cap on running sequences. There are no separate
+//! prefill and decode phases: a sequence is always "tokens computed so far
+//! catching up with tokens known", one chunk per step (chunked prefill), so a
+//! long prompt never stalls running decodes for more than one chunk.
 //!
-//! **Architecture invariant:** no I/O, no async, nothing of llama.cpp; it talks
-//! to the engine through a trait the runtime implements.
+//! - **Priorities**: [`Priority`] classes, first come first served inside a
+//!   class; a waiting request rises one class per `aging_ms` of waiting, so a
+//!   low class is never starved forever.
+//! - **Admission through kv-paging**: a request is admitted when the blocks for
+//!   its whole prompt (less what the prefix cache already holds) are free.
+//!   Unreferenced cached blocks count as free — allocation evicts them, least
+//!   recently used first.
+//! - **Preemption**: when a running sequence cannot grow, or a waiting request
+//!   of a strictly higher class cannot be admitted, the lowest-priority, most
+//!   recently started sequence is preempted (aging orders admissions but gives
+//!   no right to preempt, so preemption runs one way and cannot ping-pong): by **swap** (the runtime saves its
+//!   KV to host memory) when its KV is long enough that recomputing costs more
+//!   and the host swap budget has room, by **recompute** otherwise. It is resumed
+//!   later and, with the runtime keeping its sampler, produces the same tokens.
+//! - **Cancellation and deadlines** free a request's blocks in the same step.
+//!
+//! The scheduler owns a [`KvCacheManager`]; the runtime maps its block
+//! decisions onto real KV memory (llama.cpp sequences today). Time is passed in
+//! (`now_ms`), so the scheduler does no I/O and is deterministic under test.
+//!
+//! ```
+//! use siliceo_core::{Priority, RequestId, TokenId};
+//! use siliceo_kv_paging::{CacheKeys, KvConfig};
+//! use siliceo_scheduler::{Request, Scheduler, SchedulerConfig};
+//!
+//! let mut s = Scheduler::new(
+//!     SchedulerConfig { max_batch_tokens: 64, ..SchedulerConfig::default() },
+//!     KvConfig { num_blocks: 64, block_size: 16, prefix_caching: true },
+//! );
+//! let prompt: Vec<TokenId> = (0..100).map(TokenId).collect();
+//! s.add(Request::new(RequestId::from("a"), prompt, 4, CacheKeys::new("m", "f16"), Priority::Normal, 0)).unwrap();
+//! let step = s.schedule(0);
+//! // The 100-token prompt runs in chunks of the 64-token budget.
+//! assert_eq!(step.items[0].tokens.len(), 64);
+//! assert!(!step.items[0].wants_logits);
+//! ```
 #![deny(missing_docs)]
+
+mod scheduler;
+
+pub use scheduler::{
+    FinishCause, ItemKind, PreemptMode, Preempted, Rejected, Request, Scheduler, SchedulerConfig,
+    SchedulerStats, Step, StepItem,
+};
+pub use siliceo_core::Priority;
+pub use siliceo_kv_paging::KvCacheManager;

@@ -1,0 +1,726 @@
+use std::collections::HashMap;
+
+use siliceo_core::{Priority, RequestId, TokenId};
+use siliceo_kv_paging::{BlockCopy, CacheKeys, KvCacheManager, KvConfig, SeqHandle};
+
+/// Limits and policy knobs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Most tokens computed in one step (decodes plus prefill chunks).
+    pub max_batch_tokens: usize,
+    /// Most sequences running at once (≤ the engine's free sequence ids).
+    pub max_running_seqs: usize,
+    /// Most requests waiting; beyond it [`Scheduler::add`] refuses.
+    pub max_waiting: usize,
+    /// Longest sequence (prompt plus generation) in tokens.
+    pub max_seq_len: usize,
+    /// A waiting request rises one priority class per this many ms.
+    pub aging_ms: u64,
+    /// Sequences with fewer computed tokens than this are recomputed rather
+    /// than swapped when preempted (re-prefilling them is cheap).
+    pub recompute_below_tokens: usize,
+    /// Tokens that may sit swapped out in host memory at once.
+    pub swap_budget_tokens: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            max_batch_tokens: 512,
+            max_running_seqs: 16,
+            max_waiting: 1024,
+            max_seq_len: 8192,
+            aging_ms: 10_000,
+            recompute_below_tokens: 256,
+            swap_budget_tokens: 65_536,
+        }
+    }
+}
+
+/// A request as the scheduler sees it.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Its id.
+    pub id: RequestId,
+    /// Prompt tokens.
+    pub prompt: Vec<TokenId>,
+    /// Most tokens to generate.
+    pub max_new_tokens: u32,
+    /// Prefix-cache keys (model, KV format, tenant salt).
+    pub keys: CacheKeys,
+    /// Scheduling class.
+    pub priority: Priority,
+    /// When it arrived (ms, the caller's clock).
+    pub arrival_ms: u64,
+    /// When it must be done by (ms), if ever.
+    pub deadline_ms: Option<u64>,
+}
+
+impl Request {
+    /// A request without a deadline.
+    pub fn new(
+        id: RequestId,
+        prompt: Vec<TokenId>,
+        max_new_tokens: u32,
+        keys: CacheKeys,
+        priority: Priority,
+        arrival_ms: u64,
+    ) -> Self {
+        Request {
+            id,
+            prompt,
+            max_new_tokens,
+            keys,
+            priority,
+            arrival_ms,
+            deadline_ms: None,
+        }
+    }
+
+    /// The same request with a deadline.
+    pub fn with_deadline(mut self, deadline_ms: u64) -> Self {
+        self.deadline_ms = Some(deadline_ms);
+        self
+    }
+}
+
+/// Why [`Scheduler::add`] refused a request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Rejected {
+    /// The prompt is empty.
+    #[error("request {0}: the prompt is empty")]
+    EmptyPrompt(RequestId),
+    /// A request with this id is already in the scheduler.
+    #[error("request {0}: a request with this id is already queued or running")]
+    DuplicateId(RequestId),
+    /// The prompt is longer than a sequence may be.
+    #[error(
+        "request {id}: prompt of {tokens} tokens does not fit a sequence of at most {max_seq_len} tokens"
+    )]
+    PromptTooLong {
+        /// The request.
+        id: RequestId,
+        /// Prompt length.
+        tokens: usize,
+        /// The limit.
+        max_seq_len: usize,
+    },
+    /// The prompt needs more KV blocks than the whole cache has.
+    #[error("request {id}: the prompt needs {needed} KV blocks, the cache has {total}")]
+    TooLargeForCache {
+        /// The request.
+        id: RequestId,
+        /// Blocks needed.
+        needed: usize,
+        /// Blocks in the cache.
+        total: usize,
+    },
+    /// The waiting queue is full.
+    #[error("request {0}: the queue is full")]
+    QueueFull(RequestId),
+}
+
+impl Rejected {
+    /// A stable, short label for metrics.
+    pub fn error_kind(&self) -> &'static str {
+        match self {
+            Rejected::EmptyPrompt(_) => "empty_prompt",
+            Rejected::DuplicateId(_) => "duplicate_id",
+            Rejected::PromptTooLong { .. } => "prompt_too_long",
+            Rejected::TooLargeForCache { .. } => "too_large_for_cache",
+            Rejected::QueueFull(_) => "queue_full",
+        }
+    }
+}
+
+/// How a preempted sequence will come back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PreemptMode {
+    /// Save its KV to host memory now; restore it on resumption.
+    Swap,
+    /// Drop its KV; recompute prompt and generated tokens on resumption.
+    Recompute,
+}
+
+/// A sequence preempted in this step: the runtime saves its KV (swap) or just
+/// drops it (recompute), then frees its engine sequence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Preempted {
+    /// The request.
+    pub id: RequestId,
+    /// How it comes back.
+    pub mode: PreemptMode,
+    /// Tokens of KV it held (what a swap saves).
+    pub tokens: usize,
+}
+
+/// Why the scheduler ended a request on its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishCause {
+    /// `max_new_tokens` generated or `max_seq_len` reached.
+    Length,
+    /// Its deadline passed.
+    Deadline,
+}
+
+/// What an item of a step asks the engine to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ItemKind {
+    /// Compute prompt (or recomputed) tokens; `cached_tokens` were served from
+    /// the prefix cache (reported on the first chunk only).
+    Prefill {
+        /// Prompt tokens found in the prefix cache.
+        cached_tokens: usize,
+    },
+    /// Compute the last sampled token.
+    Decode,
+    /// Restore a swapped-out sequence's KV (no tokens computed).
+    ResumeSwap,
+}
+
+/// One sequence's share of a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepItem {
+    /// The request.
+    pub id: RequestId,
+    /// Its block table handle in [`Scheduler::kv`].
+    pub handle: SeqHandle,
+    /// What to do.
+    pub kind: ItemKind,
+    /// Position of the first token in `tokens`.
+    pub start_pos: usize,
+    /// Tokens to compute, in order.
+    pub tokens: Vec<TokenId>,
+    /// Whether the last token's logits are needed (a token will be sampled and
+    /// reported back with [`Scheduler::on_token`]).
+    pub wants_logits: bool,
+}
+
+/// The plan of one engine step.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Step {
+    /// Sequences to run, highest priority first.
+    pub items: Vec<StepItem>,
+    /// Sequences preempted; handle these before running `items`.
+    pub preempted: Vec<Preempted>,
+    /// Requests the scheduler ended (deadlines), already freed.
+    pub finished: Vec<(RequestId, FinishCause)>,
+    /// Block copies (copy-on-write) to make before running `items`.
+    pub copies: Vec<BlockCopy>,
+}
+
+impl Step {
+    /// Tokens computed by this step.
+    pub fn num_tokens(&self) -> usize {
+        self.items.iter().map(|i| i.tokens.len()).sum()
+    }
+}
+
+/// Counts for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    /// Requests waiting (new or preempted).
+    pub waiting: usize,
+    /// Requests running.
+    pub running: usize,
+    /// Tokens of swapped-out KV held in host memory.
+    pub swapped_tokens: usize,
+    /// Preemptions so far.
+    pub preemptions: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Waiting,
+    Running,
+    Swapped,
+}
+
+#[derive(Debug)]
+struct Entry {
+    req: Request,
+    /// Prompt and generated tokens.
+    tokens: Vec<TokenId>,
+    generated: u32,
+    /// Tokens whose KV is computed or scheduled in the current step.
+    computed: usize,
+    handle: Option<SeqHandle>,
+    state: State,
+    /// Admission order, for "most recently started".
+    started: u64,
+    /// Insertion order, for a stable FCFS tie-break.
+    order: u64,
+    admitted_once: bool,
+    awaiting_token: bool,
+    /// Admitted in the step being planned (never preempted by that step's admissions).
+    admitted_now: bool,
+}
+
+/// The scheduler. See the crate docs.
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    kv: KvCacheManager,
+    entries: HashMap<RequestId, Entry>,
+    running: Vec<RequestId>,
+    counter: u64,
+    swapped_tokens: usize,
+    preemptions: u64,
+}
+
+fn class(p: Priority) -> u64 {
+    match p {
+        Priority::Interactive => 0,
+        Priority::Normal => 1,
+        Priority::Batch => 2,
+    }
+}
+
+impl Scheduler {
+    /// A scheduler over a fresh KV cache.
+    pub fn new(cfg: SchedulerConfig, kv: KvConfig) -> Self {
+        Scheduler {
+            cfg,
+            kv: KvCacheManager::new(kv),
+            entries: HashMap::new(),
+            running: Vec::new(),
+            counter: 0,
+            swapped_tokens: 0,
+            preemptions: 0,
+        }
+    }
+
+    /// The KV bookkeeping (block tables, cache counters).
+    pub fn kv(&self) -> &KvCacheManager {
+        &self.kv
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    /// Queues a request, or refuses it with a reason.
+    pub fn add(&mut self, req: Request) -> Result<(), Rejected> {
+        let id = req.id.clone();
+        if req.prompt.is_empty() {
+            return Err(Rejected::EmptyPrompt(id));
+        }
+        if self.entries.contains_key(&id) {
+            return Err(Rejected::DuplicateId(id));
+        }
+        if req.prompt.len() >= self.cfg.max_seq_len {
+            return Err(Rejected::PromptTooLong {
+                id,
+                tokens: req.prompt.len(),
+                max_seq_len: self.cfg.max_seq_len,
+            });
+        }
+        let bs = self.kv.config().block_size as usize;
+        let needed = (req.prompt.len() + 1).div_ceil(bs);
+        let total = self.kv.config().num_blocks as usize;
+        if needed > total {
+            return Err(Rejected::TooLargeForCache { id, needed, total });
+        }
+        let waiting = self.entries.len() - self.running.len();
+        if waiting >= self.cfg.max_waiting {
+            return Err(Rejected::QueueFull(id));
+        }
+        self.counter += 1;
+        self.entries.insert(
+            id,
+            Entry {
+                tokens: req.prompt.clone(),
+                req,
+                generated: 0,
+                computed: 0,
+                handle: None,
+                state: State::Waiting,
+                started: 0,
+                order: self.counter,
+                admitted_once: false,
+                awaiting_token: false,
+                admitted_now: false,
+            },
+        );
+        Ok(())
+    }
+
+    /// Whether a request is known (waiting or running).
+    pub fn contains(&self, id: &RequestId) -> bool {
+        self.entries.contains_key(id)
+    }
+
+    /// Whether nothing is waiting or running.
+    pub fn is_idle(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The block table handle of a running request.
+    pub fn handle(&self, id: &RequestId) -> Option<SeqHandle> {
+        self.entries.get(id).and_then(|e| e.handle)
+    }
+
+    /// Counts for metrics.
+    pub fn stats(&self) -> SchedulerStats {
+        SchedulerStats {
+            waiting: self.entries.len() - self.running.len(),
+            running: self.running.len(),
+            swapped_tokens: self.swapped_tokens,
+            preemptions: self.preemptions,
+        }
+    }
+
+    fn release(&mut self, id: &RequestId) -> Option<Entry> {
+        let e = self.entries.remove(id)?;
+        if let Some(h) = e.handle {
+            self.kv.free(h);
+        }
+        if e.state == State::Swapped {
+            self.swapped_tokens -= e.computed;
+        }
+        self.running.retain(|r| r != id);
+        Some(e)
+    }
+
+    /// Cancels a request wherever it is; its blocks are free when this returns.
+    /// Returns false for an unknown id.
+    pub fn cancel(&mut self, id: &RequestId) -> bool {
+        self.release(id).is_some()
+    }
+
+    /// Ends a running request (end-of-sequence, stop string, error) and frees
+    /// its blocks. Same as [`Scheduler::cancel`]; named for intent.
+    pub fn finish(&mut self, id: &RequestId) -> bool {
+        self.release(id).is_some()
+    }
+
+    /// Reports the token sampled for an item that wanted logits. Returns
+    /// `Some(Length)` when the request is now finished (and freed).
+    pub fn on_token(&mut self, id: &RequestId, token: TokenId) -> Option<FinishCause> {
+        let max_seq_len = self.cfg.max_seq_len;
+        let e = self.entries.get_mut(id)?;
+        debug_assert!(
+            e.awaiting_token,
+            "{id}: token reported without a request for logits"
+        );
+        e.awaiting_token = false;
+        e.tokens.push(token);
+        e.generated += 1;
+        if e.generated >= e.req.max_new_tokens || e.tokens.len() >= max_seq_len {
+            self.release(id);
+            return Some(FinishCause::Length);
+        }
+        None
+    }
+
+    /// Class a waiting request competes with: its own, raised one class per
+    /// `aging_ms` waited.
+    fn effective_class(&self, e: &Entry, now_ms: u64) -> u64 {
+        let waited = now_ms.saturating_sub(e.req.arrival_ms);
+        class(e.req.priority).saturating_sub(waited / self.cfg.aging_ms.max(1))
+    }
+
+    /// The running request to preempt first: lowest class, most recently started.
+    /// Requests admitted in the step being planned are not candidates: they
+    /// hold no engine state yet, and evicting them would only churn.
+    fn victim(&self) -> Option<RequestId> {
+        self.running
+            .iter()
+            .filter(|id| !self.entries[*id].admitted_now)
+            .max_by_key(|id| {
+                let e = &self.entries[*id];
+                (class(e.req.priority), e.started)
+            })
+            .cloned()
+    }
+
+    /// Blocks that preempting every running request of a class below `class_`
+    /// would free (blocks shared with other sequences stay taken).
+    fn reclaimable_below(&self, class_: u64) -> usize {
+        self.running
+            .iter()
+            .map(|id| &self.entries[id])
+            .filter(|e| !e.admitted_now && class(e.req.priority) > class_)
+            .filter_map(|e| e.handle)
+            .flat_map(|h| self.kv.block_table(h))
+            .filter(|b| self.kv.pool().ref_count(**b) == 1)
+            .count()
+    }
+
+    fn preempt(&mut self, id: &RequestId, step: &mut Step, budget: &mut usize) {
+        // Undo its share of this step, if it had one.
+        if let Some(pos) = step.items.iter().position(|i| &i.id == id) {
+            let item = step.items.remove(pos);
+            *budget += item.tokens.len();
+            let e = self.entries.get_mut(id).expect("running entry");
+            e.computed -= item.tokens.len();
+            e.awaiting_token = false;
+        }
+        let e = self.entries.get_mut(id).expect("running entry");
+        let held = e.computed;
+        let swap = held >= self.cfg.recompute_below_tokens
+            && self.swapped_tokens + held <= self.cfg.swap_budget_tokens;
+        let mode = if swap {
+            PreemptMode::Swap
+        } else {
+            PreemptMode::Recompute
+        };
+        if let Some(h) = e.handle.take() {
+            self.kv.free(h);
+        }
+        if swap {
+            e.state = State::Swapped;
+            self.swapped_tokens += held;
+        } else {
+            e.state = State::Waiting;
+            e.computed = 0;
+        }
+        self.running.retain(|r| r != id);
+        self.preemptions += 1;
+        step.preempted.push(Preempted {
+            id: id.clone(),
+            mode,
+            tokens: held,
+        });
+    }
+
+    /// Schedules `id`'s next chunk (at most `budget` tokens), preempting others
+    /// (or itself) when blocks run short. Returns false if it was preempted.
+    fn schedule_chunk(
+        &mut self,
+        id: &RequestId,
+        step: &mut Step,
+        budget: &mut usize,
+        kind: ItemKind,
+    ) -> bool {
+        loop {
+            let e = &self.entries[id];
+            let n = (e.tokens.len() - e.computed).min(*budget);
+            if n == 0 {
+                return true;
+            }
+            let handle = e.handle.expect("running entry has blocks");
+            let chunk = e.tokens[e.computed..e.computed + n].to_vec();
+            match self.kv.append(handle, &chunk) {
+                Ok(copies) => {
+                    step.copies.extend(copies);
+                    let e = self.entries.get_mut(id).expect("entry");
+                    let start = e.computed;
+                    e.computed += n;
+                    let wants_logits = e.computed == e.tokens.len();
+                    e.awaiting_token = wants_logits;
+                    *budget -= n;
+                    step.items.push(StepItem {
+                        id: id.clone(),
+                        handle,
+                        kind,
+                        start_pos: start,
+                        tokens: chunk,
+                        wants_logits,
+                    });
+                    return true;
+                }
+                Err(_) => {
+                    // Admissions hold their blocks in advance, so only a
+                    // sequence that ran before this step can run short here.
+                    let victim = self.victim().expect("at least this request runs");
+                    self.preempt(&victim, step, budget);
+                    if &victim == id {
+                        return false;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Plans the next engine step at time `now_ms`.
+    pub fn schedule(&mut self, now_ms: u64) -> Step {
+        let mut step = Step::default();
+        for e in self.entries.values_mut() {
+            e.admitted_now = false;
+        }
+        // Deadlines first: whatever expired is freed now.
+        let mut expired: Vec<RequestId> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.req.deadline_ms.is_some_and(|d| d <= now_ms))
+            .map(|(id, _)| id.clone())
+            .collect();
+        expired.sort();
+        for id in expired {
+            self.release(&id);
+            step.finished.push((id, FinishCause::Deadline));
+        }
+
+        let mut budget = self.cfg.max_batch_tokens;
+        // Running sequences, highest priority and earliest started first.
+        let mut order = self.running.clone();
+        order.sort_by_key(|id| {
+            let e = &self.entries[id];
+            (class(e.req.priority), e.started)
+        });
+        // Decodes before prefill chunks, so a long prompt never stalls them.
+        let (decodes, prefills): (Vec<_>, Vec<_>) = order.into_iter().partition(|id| {
+            let e = &self.entries[id];
+            e.computed + 1 == e.tokens.len() && e.admitted_once && e.generated > 0
+        });
+        for id in decodes.iter().chain(&prefills) {
+            if budget == 0 {
+                break;
+            }
+            if !self.running.contains(id) || self.entries[id].awaiting_token {
+                continue; // preempted earlier in this step, or the runtime owes a token
+            }
+            let kind = if decodes.contains(id) {
+                ItemKind::Decode
+            } else {
+                ItemKind::Prefill { cached_tokens: 0 }
+            };
+            self.schedule_chunk(id, &mut step, &mut budget, kind);
+        }
+
+        // Admissions, best effective class first, FCFS inside a class.
+        while budget > 0 && self.running.len() < self.cfg.max_running_seqs {
+            let Some(id) = self.best_waiting(now_ms, &step) else {
+                break;
+            };
+            if !self.admit(&id, &mut step, &mut budget) {
+                break;
+            }
+        }
+        step
+    }
+
+    fn best_waiting(&self, now_ms: u64, step: &Step) -> Option<RequestId> {
+        self.entries
+            .iter()
+            .filter(|(id, e)| {
+                e.state != State::Running && !step.preempted.iter().any(|p| &p.id == *id)
+            })
+            .min_by_key(|(_, e)| (self.effective_class(e, now_ms), e.req.arrival_ms, e.order))
+            .map(|(id, _)| id.clone())
+    }
+
+    /// Tries to admit `id`, preempting strictly lower-class running requests if
+    /// needed. Returns false when it cannot be admitted now.
+    fn admit(&mut self, id: &RequestId, step: &mut Step, budget: &mut usize) -> bool {
+        loop {
+            let e = &self.entries[id];
+            let needed = match e.state {
+                State::Swapped => (e.computed + 1).div_ceil(self.kv.config().block_size as usize),
+                _ => self.kv.blocks_needed_for_prompt(&e.req.keys, &e.tokens, 1),
+            };
+            if needed <= self.kv.pool().num_free() {
+                break;
+            }
+            // Only a strictly higher *base* class may preempt: aging orders
+            // admissions but grants no preemption rights, so preemption runs one
+            // way and two requests can never take turns evicting each other.
+            // And only when preempting would make it fit: evicting sequences
+            // for an admission that still fails would just throw work away.
+            let my_class = class(e.req.priority);
+            if self.kv.pool().num_free() + self.reclaimable_below(my_class) < needed {
+                return false;
+            }
+            match self.victim() {
+                Some(v) if class(self.entries[&v].req.priority) > my_class => {
+                    self.preempt(&v, step, budget)
+                }
+                _ => return false,
+            }
+        }
+        self.counter += 1;
+        let started = self.counter;
+        let e = self.entries.get_mut(id).expect("entry");
+        let handle = self.kv.new_sequence(&e.req.keys);
+        e.handle = Some(handle);
+        e.started = started;
+        e.admitted_now = true;
+        self.running.push(id.clone());
+        if e.state == State::Swapped {
+            // The runtime restores the saved KV; blocks are accounted for it now.
+            let held = e.computed;
+            e.state = State::Running;
+            self.swapped_tokens -= held;
+            let tokens = e.tokens[..held].to_vec();
+            let copies = self
+                .kv
+                .append(handle, &tokens)
+                .expect("blocks checked above");
+            step.copies.extend(copies);
+            step.items.push(StepItem {
+                id: id.clone(),
+                handle,
+                kind: ItemKind::ResumeSwap,
+                start_pos: 0,
+                tokens: Vec::new(),
+                wants_logits: false,
+            });
+            return true;
+        }
+        e.state = State::Running;
+        let cached = self.kv.match_prefix(handle, &e.tokens);
+        e.computed = cached;
+        // Hold the blocks for the whole prompt (and the first generated token)
+        // now, so chunks admitted later in this step cannot take them.
+        let rest = e.tokens.len() - cached + 1;
+        self.kv
+            .reserve_lookahead(handle, rest)
+            .expect("blocks checked above");
+        let first = !e.admitted_once;
+        e.admitted_once = true;
+        let reported = if first { cached } else { 0 };
+        self.schedule_chunk(
+            id,
+            step,
+            budget,
+            ItemKind::Prefill {
+                cached_tokens: reported,
+            },
+        )
+    }
+
+    /// Checks internal consistency (for tests): block tables match running
+    /// requests, the KV cache's own invariants hold.
+    pub fn check(&self) -> Result<(), String> {
+        self.kv.check()?;
+        if self.kv.num_sequences() != self.running.len() {
+            return Err(format!(
+                "{} block tables for {} running requests",
+                self.kv.num_sequences(),
+                self.running.len()
+            ));
+        }
+        let mut swapped = 0;
+        for (id, e) in &self.entries {
+            let running = self.running.contains(id);
+            if running != (e.state == State::Running) || running != e.handle.is_some() {
+                return Err(format!(
+                    "{id}: state {:?} disagrees with the running list",
+                    e.state
+                ));
+            }
+            if e.state == State::Swapped {
+                swapped += e.computed;
+            }
+            if let Some(h) = e.handle
+                && self.kv.num_tokens(h) != e.computed
+            {
+                return Err(format!(
+                    "{id}: {} tokens in blocks, {} computed",
+                    self.kv.num_tokens(h),
+                    e.computed
+                ));
+            }
+        }
+        if swapped != self.swapped_tokens {
+            return Err(format!(
+                "swapped tokens {} vs counter {}",
+                swapped, self.swapped_tokens
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,135 @@
+//! A fake engine: KV is a list of tokens per sequence, and the "model" picks
+//! the next token as a hash of everything before it, so outputs depend only on
+//! content — preemption, batching or recomputation must not change them.
+
+use std::collections::HashMap;
+
+use siliceo_core::{RequestId, TokenId};
+use siliceo_scheduler::{ItemKind, PreemptMode, Preempted, Request, Scheduler, Step};
+
+pub fn prompt(id: &str, len: usize) -> Vec<TokenId> {
+    let seed = id
+        .bytes()
+        .fold(7u32, |h, b| h.wrapping_mul(31).wrapping_add(u32::from(b)));
+    (0..len as u32)
+        .map(|i| TokenId(seed.wrapping_add(i.wrapping_mul(2_654_435_761)) % 5000))
+        .collect()
+}
+
+fn next_token(context: &[TokenId]) -> TokenId {
+    let h = context.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, t| {
+        (h ^ u64::from(t.0)).wrapping_mul(0x1000_0000_01b3)
+    });
+    TokenId((h % 5000) as u32)
+}
+
+/// What one request generates when it runs alone to its length limit.
+pub fn solo(r: &Request) -> Vec<TokenId> {
+    let mut ctx = r.prompt.clone();
+    let mut out = Vec::new();
+    for _ in 0..r.max_new_tokens {
+        let t = next_token(&ctx);
+        out.push(t);
+        ctx.push(t);
+    }
+    out
+}
+
+#[derive(Debug, Default)]
+pub struct FakeEngine {
+    /// KV of running sequences: the tokens computed so far.
+    kv: HashMap<RequestId, Vec<TokenId>>,
+    /// KV saved to "host memory" by swap preemptions.
+    swapped: HashMap<RequestId, Vec<TokenId>>,
+    outputs: HashMap<RequestId, Vec<TokenId>>,
+    pub preemptions: Vec<Preempted>,
+}
+
+impl FakeEngine {
+    pub fn output(&self, id: &RequestId) -> Vec<TokenId> {
+        self.outputs.get(id).cloned().unwrap_or_default()
+    }
+
+    /// The runtime's part of a cancel: drop the sequence's KV.
+    pub fn forget(&mut self, id: &RequestId) {
+        self.kv.remove(id);
+        self.swapped.remove(id);
+    }
+
+    /// Runs one planned step the way a real engine must, asserting positions.
+    pub fn apply(&mut self, s: &mut Scheduler, step: &Step) {
+        for (id, _) in &step.finished {
+            self.forget(id);
+        }
+        for p in &step.preempted {
+            let kv = self
+                .kv
+                .remove(&p.id)
+                .expect("preempted sequence was running");
+            assert_eq!(
+                kv.len(),
+                p.tokens,
+                "{}: preempted with {} tokens of KV, scheduler says {}",
+                p.id,
+                kv.len(),
+                p.tokens
+            );
+            if p.mode == PreemptMode::Swap {
+                self.swapped.insert(p.id.clone(), kv);
+            }
+            self.preemptions.push(p.clone());
+        }
+        let mut sampled = Vec::new();
+        for item in &step.items {
+            if item.kind == ItemKind::ResumeSwap {
+                let kv = self
+                    .swapped
+                    .remove(&item.id)
+                    .expect("swapped KV to restore");
+                assert_eq!(s.kv().num_tokens(item.handle), kv.len());
+                self.kv.insert(item.id.clone(), kv);
+                continue;
+            }
+            let kv = self.kv.entry(item.id.clone()).or_default();
+            if let ItemKind::Prefill { cached_tokens } = item.kind
+                && kv.is_empty()
+                && item.start_pos > 0
+            {
+                // Prefix served from the cache: the runtime copies those cells.
+                assert!(cached_tokens == 0 || cached_tokens == item.start_pos);
+                kv.extend_from_slice(&s.kv().tokens(item.handle)[..item.start_pos]);
+            }
+            assert_eq!(
+                item.start_pos,
+                kv.len(),
+                "{}: computing from {} with {} cached",
+                item.id,
+                item.start_pos,
+                kv.len()
+            );
+            kv.extend_from_slice(&item.tokens);
+            if item.wants_logits {
+                sampled.push((item.id.clone(), next_token(kv)));
+            }
+        }
+        for (id, t) in sampled {
+            self.outputs.entry(id.clone()).or_default().push(t);
+            if s.on_token(&id, t).is_some() {
+                self.forget(&id);
+            }
+        }
+    }
+
+    /// Steps until the scheduler is idle.
+    pub fn run(&mut self, s: &mut Scheduler, now_ms: u64, max_steps: usize) {
+        for _ in 0..max_steps {
+            if s.is_idle() {
+                return;
+            }
+            let step = s.schedule(now_ms);
+            self.apply(s, &step);
+            s.check().unwrap();
+        }
+        panic!("not idle after {max_steps} steps");
+    }
+}

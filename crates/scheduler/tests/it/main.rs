@@ -1,0 +1,404 @@
+//! Scheduler tests against a fake engine: fast, deterministic, and strict about
+//! what a real engine would need (positions, swaps, restores).
+
+mod fake;
+
+use proptest::prelude::*;
+use siliceo_core::{Priority, RequestId, TokenId};
+use siliceo_kv_paging::{CacheKeys, KvConfig};
+use siliceo_scheduler::{
+    FinishCause, ItemKind, PreemptMode, Rejected, Request, Scheduler, SchedulerConfig,
+};
+
+use fake::{FakeEngine, prompt, solo};
+
+fn keys() -> CacheKeys {
+    CacheKeys::new("fake", "f16")
+}
+
+fn req(id: &str, len: usize, n_gen: u32, p: Priority, at: u64) -> Request {
+    Request::new(RequestId::from(id), prompt(id, len), n_gen, keys(), p, at)
+}
+
+fn sched(cfg: SchedulerConfig, blocks: u32) -> Scheduler {
+    Scheduler::new(
+        cfg,
+        KvConfig {
+            num_blocks: blocks,
+            block_size: 16,
+            prefix_caching: true,
+        },
+    )
+}
+
+#[test]
+fn concurrent_outputs_equal_solo_outputs() {
+    let mut s = sched(
+        SchedulerConfig {
+            max_batch_tokens: 64,
+            ..SchedulerConfig::default()
+        },
+        256,
+    );
+    let mut e = FakeEngine::default();
+    let reqs: Vec<Request> = (0..8)
+        .map(|i| {
+            req(
+                &format!("r{i}"),
+                20 + i * 13,
+                10 + i as u32,
+                Priority::Normal,
+                0,
+            )
+        })
+        .collect();
+    for r in &reqs {
+        s.add(r.clone()).unwrap();
+    }
+    e.run(&mut s, 0, 10_000);
+    for r in &reqs {
+        assert_eq!(e.output(&r.id), solo(r), "{}", r.id);
+    }
+    assert!(s.is_idle());
+    assert_eq!(s.kv().pool().num_used(), 0);
+}
+
+#[test]
+fn budget_and_running_caps_hold_every_step() {
+    let cfg = SchedulerConfig {
+        max_batch_tokens: 48,
+        max_running_seqs: 3,
+        ..SchedulerConfig::default()
+    };
+    let mut s = sched(cfg, 256);
+    let mut e = FakeEngine::default();
+    for i in 0..10 {
+        s.add(req(&format!("r{i}"), 30 + i * 7, 5, Priority::Normal, 0))
+            .unwrap();
+    }
+    let mut steps = 0;
+    while !s.is_idle() {
+        let step = s.schedule(0);
+        assert!(step.num_tokens() <= 48, "{}", step.num_tokens());
+        assert!(s.stats().running <= 3);
+        e.apply(&mut s, &step);
+        s.check().unwrap();
+        steps += 1;
+        assert!(steps < 1000);
+    }
+}
+
+#[test]
+fn chunked_prefill_never_stalls_a_decode() {
+    let mut s = sched(
+        SchedulerConfig {
+            max_batch_tokens: 32,
+            ..SchedulerConfig::default()
+        },
+        512,
+    );
+    let mut e = FakeEngine::default();
+    s.add(req("short", 8, 50, Priority::Normal, 0)).unwrap();
+    // Let the short one start decoding.
+    for _ in 0..2 {
+        let step = s.schedule(0);
+        e.apply(&mut s, &step);
+    }
+    s.add(req("long", 1000, 1, Priority::Normal, 0)).unwrap();
+    let mut chunks = 0;
+    while s.contains(&RequestId::from("long")) {
+        let step = s.schedule(0);
+        let has_decode = step
+            .items
+            .iter()
+            .any(|i| i.id.0 == "short" && i.kind == ItemKind::Decode);
+        if s.contains(&RequestId::from("short")) {
+            assert!(has_decode, "the decode was stalled by the long prefill");
+        }
+        chunks += step.items.iter().filter(|i| i.id.0 == "long").count();
+        e.apply(&mut s, &step);
+    }
+    assert!(
+        chunks >= 1000 / 32,
+        "the long prompt ran in {chunks} chunks"
+    );
+}
+
+#[test]
+fn higher_class_first_fcfs_within_a_class() {
+    let cfg = SchedulerConfig {
+        max_running_seqs: 1,
+        ..SchedulerConfig::default()
+    };
+    let mut s = sched(cfg, 256);
+    s.add(req("batch", 10, 1, Priority::Batch, 0)).unwrap();
+    s.add(req("normal-1", 10, 1, Priority::Normal, 1)).unwrap();
+    s.add(req("normal-2", 10, 1, Priority::Normal, 2)).unwrap();
+    s.add(req("interactive", 10, 1, Priority::Interactive, 3))
+        .unwrap();
+    let mut e = FakeEngine::default();
+    let mut order = Vec::new();
+    while !s.is_idle() {
+        let step = s.schedule(10);
+        for i in &step.items {
+            if !order.contains(&i.id.0) {
+                order.push(i.id.0.clone());
+            }
+        }
+        e.apply(&mut s, &step);
+    }
+    assert_eq!(order, ["interactive", "normal-1", "normal-2", "batch"]);
+}
+
+#[test]
+fn aging_lifts_a_starved_batch_request() {
+    let cfg = SchedulerConfig {
+        max_running_seqs: 1,
+        aging_ms: 100,
+        ..SchedulerConfig::default()
+    };
+    let mut s = sched(cfg, 256);
+    s.add(req("old-batch", 10, 1, Priority::Batch, 0)).unwrap();
+    s.add(req("new-interactive", 10, 1, Priority::Interactive, 250))
+        .unwrap();
+    // At 150 ms the batch request has aged one class (to normal): interactive wins.
+    let step = s.schedule(150);
+    assert_eq!(step.items[0].id.0, "new-interactive");
+    let mut e = FakeEngine::default();
+    e.apply(&mut s, &step);
+    assert!(!s.contains(&RequestId::from("new-interactive")));
+    // A fresh interactive request arrives; by 300 ms the batch one has aged two
+    // classes and, having waited longer, goes first.
+    s.add(req("newer-interactive", 10, 1, Priority::Interactive, 290))
+        .unwrap();
+    let step = s.schedule(300);
+    assert_eq!(step.items[0].id.0, "old-batch");
+}
+
+#[test]
+fn preemption_by_swap_and_recompute_keeps_outputs() {
+    for (recompute_below, mode) in [(0, PreemptMode::Swap), (usize::MAX, PreemptMode::Recompute)] {
+        let cfg = SchedulerConfig {
+            max_batch_tokens: 64,
+            recompute_below_tokens: recompute_below,
+            ..SchedulerConfig::default()
+        };
+        // 12 blocks of 16 tokens: two 60-token batch requests growing to 120 fill it.
+        let mut s = sched(cfg, 12);
+        let mut e = FakeEngine::default();
+        let a = req("batch-a", 60, 60, Priority::Batch, 0);
+        let b = req("batch-b", 60, 60, Priority::Batch, 0);
+        s.add(a.clone()).unwrap();
+        s.add(b.clone()).unwrap();
+        for _ in 0..20 {
+            let step = s.schedule(0);
+            e.apply(&mut s, &step);
+        }
+        let hi = req("interactive", 50, 20, Priority::Interactive, 1);
+        s.add(hi.clone()).unwrap();
+        e.run(&mut s, 1, 10_000);
+        assert!(
+            e.preemptions.iter().any(|p| p.mode == mode),
+            "{mode:?}: {:?}",
+            e.preemptions
+        );
+        for r in [&a, &b, &hi] {
+            assert_eq!(e.output(&r.id), solo(r), "{mode:?} {}", r.id);
+        }
+        assert_eq!(s.kv().pool().num_used(), 0);
+        assert_eq!(s.stats().swapped_tokens, 0);
+    }
+}
+
+#[test]
+fn cancellation_frees_blocks_at_once_and_others_continue() {
+    let mut s = sched(SchedulerConfig::default(), 64);
+    let mut e = FakeEngine::default();
+    let keep = req("keep", 40, 30, Priority::Normal, 0);
+    s.add(keep.clone()).unwrap();
+    s.add(req("drop", 100, 30, Priority::Normal, 0)).unwrap();
+    for _ in 0..3 {
+        let step = s.schedule(0);
+        e.apply(&mut s, &step);
+    }
+    let used_before = s.kv().pool().num_used();
+    let drop_blocks = s
+        .kv()
+        .block_table(s.handle(&RequestId::from("drop")).unwrap())
+        .len();
+    assert!(s.cancel(&RequestId::from("drop")));
+    e.forget(&RequestId::from("drop"));
+    assert_eq!(s.kv().pool().num_used(), used_before - drop_blocks);
+    assert!(
+        !s.cancel(&RequestId::from("drop")),
+        "second cancel finds nothing"
+    );
+    e.run(&mut s, 0, 10_000);
+    assert_eq!(e.output(&keep.id), solo(&keep));
+    assert_eq!(s.kv().pool().num_used(), 0);
+}
+
+#[test]
+fn deadlines_end_requests_in_the_step() {
+    let mut s = sched(SchedulerConfig::default(), 64);
+    s.add(req("late", 10, 1000, Priority::Normal, 0).with_deadline(50))
+        .unwrap();
+    let mut e = FakeEngine::default();
+    let step = s.schedule(10);
+    e.apply(&mut s, &step);
+    let step = s.schedule(50);
+    assert_eq!(
+        step.finished,
+        vec![(RequestId::from("late"), FinishCause::Deadline)]
+    );
+    assert!(step.items.is_empty());
+    assert_eq!(s.kv().pool().num_used(), 0);
+}
+
+#[test]
+fn rejections_say_why() {
+    let mut s = sched(
+        SchedulerConfig {
+            max_seq_len: 100,
+            max_waiting: 2,
+            ..SchedulerConfig::default()
+        },
+        4,
+    );
+    let check = |r: Result<(), Rejected>, kind: &str| assert_eq!(r.unwrap_err().error_kind(), kind);
+    check(
+        s.add(req("empty", 0, 1, Priority::Normal, 0)),
+        "empty_prompt",
+    );
+    check(
+        s.add(req("long", 100, 1, Priority::Normal, 0)),
+        "prompt_too_long",
+    );
+    check(
+        s.add(req("big", 64, 1, Priority::Normal, 0)),
+        "too_large_for_cache",
+    );
+    s.add(req("a", 10, 1, Priority::Normal, 0)).unwrap();
+    check(s.add(req("a", 10, 1, Priority::Normal, 0)), "duplicate_id");
+    s.add(req("b", 10, 1, Priority::Normal, 0)).unwrap();
+    let err = s.add(req("c", 10, 1, Priority::Normal, 0)).unwrap_err();
+    assert_eq!(err.to_string(), "request c: the queue is full");
+}
+
+#[test]
+fn shared_prefix_is_computed_once() {
+    let mut s = sched(
+        SchedulerConfig {
+            max_batch_tokens: 4096,
+            ..SchedulerConfig::default()
+        },
+        512,
+    );
+    let mut e = FakeEngine::default();
+    let shared = prompt("system", 320);
+    let mk = |i: u32| {
+        let mut p = shared.clone();
+        p.extend((0..8).map(|k| TokenId(9000 + i * 10 + k)));
+        Request::new(
+            RequestId::from(format!("q{i}").as_str()),
+            p,
+            4,
+            keys(),
+            Priority::Normal,
+            0,
+        )
+    };
+    s.add(mk(0)).unwrap();
+    e.run(&mut s, 0, 1000);
+    for i in 1..6 {
+        s.add(mk(i)).unwrap();
+    }
+    let step = s.schedule(0);
+    for item in &step.items {
+        assert_eq!(
+            item.kind,
+            ItemKind::Prefill { cached_tokens: 320 },
+            "{}",
+            item.id
+        );
+        assert_eq!(item.tokens.len(), 8);
+    }
+    e.apply(&mut s, &step);
+    e.run(&mut s, 0, 1000);
+    assert_eq!(s.kv().stats().hit_tokens, 5 * 320);
+}
+
+#[derive(Debug, Clone)]
+struct Arrival {
+    len: usize,
+    n_gen: u32,
+    class: u8,
+    at_step: u16,
+    cancel_after: Option<u16>,
+}
+
+fn arrival() -> impl Strategy<Value = Arrival> {
+    (
+        1usize..90,
+        1u32..40,
+        0u8..3,
+        0u16..30,
+        prop::option::weighted(0.2, 0u16..20),
+    )
+        .prop_map(|(len, n_gen, class, at_step, cancel_after)| Arrival {
+            len,
+            n_gen,
+            class,
+            at_step,
+            cancel_after,
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(120))]
+
+    /// Random mixed workloads on a small cache: every request completes with its
+    /// solo output (or is cancelled), caps hold, and nothing leaks.
+    #[test]
+    fn random_workloads_complete_without_leaks(arrivals in prop::collection::vec(arrival(), 1..24), recompute_below in prop::sample::select(vec![0usize, 32, usize::MAX])) {
+        let cfg = SchedulerConfig { max_batch_tokens: 48, max_running_seqs: 6, aging_ms: 20, recompute_below_tokens: recompute_below, ..SchedulerConfig::default() };
+        let mut s = sched(cfg, 10);
+        let mut e = FakeEngine::default();
+        let classes = [Priority::Interactive, Priority::Normal, Priority::Batch];
+        let reqs: Vec<Request> = arrivals.iter().enumerate().map(|(i, a)| req(&format!("r{i}"), a.len, a.n_gen, classes[a.class as usize], u64::from(a.at_step))).collect();
+        let mut cancelled = Vec::new();
+        let mut step_no = 0u64;
+        loop {
+            for (r, a) in reqs.iter().zip(&arrivals) {
+                if u64::from(a.at_step) == step_no {
+                    prop_assert!(s.add(r.clone()).is_ok());
+                }
+                if let Some(c) = a.cancel_after
+                    && u64::from(a.at_step) + u64::from(c) == step_no
+                    && s.cancel(&r.id)
+                {
+                    e.forget(&r.id);
+                    cancelled.push(r.id.clone());
+                }
+            }
+            let step = s.schedule(step_no);
+            prop_assert!(step.num_tokens() <= 48);
+            prop_assert!(s.stats().running <= 6);
+            e.apply(&mut s, &step);
+            s.check().map_err(TestCaseError::fail)?;
+            step_no += 1;
+            if step_no > 30 && s.is_idle() {
+                break;
+            }
+            prop_assert!(step_no < 5000, "no progress");
+        }
+        for r in &reqs {
+            if !cancelled.contains(&r.id) {
+                prop_assert_eq!(e.output(&r.id), solo(r));
+            }
+        }
+        prop_assert_eq!(s.kv().pool().num_used(), 0);
+        prop_assert_eq!(s.kv().num_sequences(), 0);
+        prop_assert_eq!(s.stats().swapped_tokens, 0);
+    }
+}
