@@ -1,11 +1,174 @@
 //! The serving loop of siliceo-infer.
 //!
-//! **Status: the crate exists so the layering holds; its contents land with the
-//! runtime issue.** It will own the engine and its context on one engine
-//! thread, drive the scheduler, kv-paging and speculative decoding every step,
-//! and stream tokens to callers through channels. Until then
-//! `siliceo_engine::generate` serves one sequence at a time.
+//! [`Runtime::start`] spawns one engine thread that owns the model, its one
+//! llama.cpp context (unified KV cache) and the [`Scheduler`]. Requests arrive
+//! through a channel ([`Runtime::submit`]); each gets a [`RequestStream`] of
+//! [`Event`]s: text pieces as tokens are sampled (valid UTF-8, stop strings held
+//! back), then one [`Event::Done`] with the finish reason and [`Usage`]. Every
+//! engine step runs the decode tokens of all running sequences and chunks of
+//! pending prompts in one `decode` call, as the scheduler plans.
+//!
+//! Dropping a stream cancels its request; its KV is freed in the same step.
+//! Preempted sequences are swapped to host memory (llama.cpp's per-sequence
+//! state) or recomputed, and continue with the same sampler, so their output
+//! does not change.
+//!
+//! **Not yet here** (runtime issue, next steps): mapping the prefix cache onto
+//! llama.cpp cells (holder sequences and `seq_cp`), so the scheduler runs with
+//! prefix caching off for now; speculative decoding.
+//!
+//! ```no_run
+//! use siliceo_runtime::{Event, GenerateRequest, Input, Runtime, RuntimeConfig};
+//!
+//! let rt = Runtime::start(RuntimeConfig::new("models/SmolLM2-135M-Instruct.Q4_1.gguf"))?;
+//! let mut stream = rt.submit(GenerateRequest::new(Input::Prompt("The sky is".into())))?;
+//! while let Some(event) = stream.blocking_next() {
+//!     match event {
+//!         Event::Text { text, .. } => print!("{text}"),
+//!         Event::Done { finish_reason, usage, .. } => println!("\n[{finish_reason}, {} tokens]", usage.completion_tokens),
+//!     }
+//! }
+//! # Ok::<(), siliceo_runtime::RuntimeError>(())
+//! ```
 //!
 //! **Architecture invariant:** knows nothing of gRPC; the server crate adapts
 //! it to the wire.
 #![deny(missing_docs)]
+
+mod engine_loop;
+mod types;
+
+pub use types::{
+    Event, GenerateRequest, Input, RequestStream, RuntimeConfig, RuntimeError, RuntimeStats, Usage,
+};
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::Sender;
+use siliceo_core::{ModelGeometry, RequestId};
+
+pub use siliceo_scheduler::Scheduler;
+
+pub(crate) enum Command {
+    Submit(
+        Box<GenerateRequest>,
+        RequestId,
+        tokio::sync::mpsc::UnboundedSender<Event>,
+    ),
+    Cancel(RequestId),
+    Stats(crossbeam_channel::Sender<RuntimeStats>),
+    Shutdown,
+}
+
+/// A running engine thread. Dropping it shuts the thread down (in-flight
+/// requests end as cancelled).
+#[derive(Debug)]
+pub struct Runtime {
+    tx: Sender<Command>,
+    thread: Option<JoinHandle<()>>,
+    geometry: ModelGeometry,
+    n_ctx: u32,
+    next_id: AtomicU64,
+}
+
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Command::Submit(_, id, _) => write!(f, "Submit({id})"),
+            Command::Cancel(id) => write!(f, "Cancel({id})"),
+            Command::Stats(_) => f.write_str("Stats"),
+            Command::Shutdown => f.write_str("Shutdown"),
+        }
+    }
+}
+
+impl Runtime {
+    /// Loads the model on a new engine thread and waits until it is ready.
+    pub fn start(cfg: RuntimeConfig) -> Result<Runtime, RuntimeError> {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
+        let thread = std::thread::Builder::new()
+            .name("siliceo-engine".into())
+            .spawn(move || engine_loop::run(cfg, rx, ready_tx))
+            .map_err(|e| RuntimeError::Start(e.to_string()))?;
+        match ready_rx.recv() {
+            Ok(Ok((geometry, n_ctx))) => Ok(Runtime {
+                tx,
+                thread: Some(thread),
+                geometry,
+                n_ctx,
+                next_id: AtomicU64::new(1),
+            }),
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                Err(e)
+            }
+            Err(_) => {
+                let _ = thread.join();
+                Err(RuntimeError::Start(
+                    "the engine thread exited during start-up".into(),
+                ))
+            }
+        }
+    }
+
+    /// The model's geometry.
+    pub fn geometry(&self) -> ModelGeometry {
+        self.geometry
+    }
+
+    /// KV cells of the context (the longest sequence).
+    pub fn n_ctx(&self) -> u32 {
+        self.n_ctx
+    }
+
+    /// Queues a request. Validation errors (empty prompt, too long, bad
+    /// sampling values, unknown tokens, full queue) arrive as the stream's
+    /// `Done` event with an error, never as a panic.
+    pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, RuntimeError> {
+        let id = req.id.clone().unwrap_or_else(|| {
+            RequestId(format!(
+                "req-{}",
+                self.next_id.fetch_add(1, Ordering::Relaxed)
+            ))
+        });
+        let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
+        self.tx
+            .send(Command::Submit(Box::new(req), id.clone(), etx))
+            .map_err(|_| RuntimeError::Stopped)?;
+        Ok(RequestStream::new(id, erx, self.tx.clone()))
+    }
+
+    /// Cancels a request by id (a no-op for unknown ids).
+    pub fn cancel(&self, id: &RequestId) {
+        let _ = self.tx.send(Command::Cancel(id.clone()));
+    }
+
+    /// Queue, running and KV occupancy, asked of the engine thread.
+    pub fn stats(&self) -> Result<RuntimeStats, RuntimeError> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.tx
+            .send(Command::Stats(tx))
+            .map_err(|_| RuntimeError::Stopped)?;
+        rx.recv().map_err(|_| RuntimeError::Stopped)
+    }
+
+    /// Stops the engine thread after cancelling what is in flight.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        let _ = self.tx.send(Command::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -1,0 +1,262 @@
+use std::path::PathBuf;
+
+use crossbeam_channel::Sender;
+use siliceo_core::{FinishReason, Priority, RequestId, SamplingParams, TokenId};
+use siliceo_engine::{ChatMessage, ContextOptions, ModelOptions};
+use siliceo_scheduler::SchedulerConfig;
+
+use crate::Command;
+
+/// How to run the engine.
+#[derive(Debug, Clone)]
+pub struct RuntimeConfig {
+    /// GGUF model.
+    pub model_path: PathBuf,
+    /// Model loading options.
+    pub model: ModelOptions,
+    /// Context options; `n_seq_max` is set to the scheduler's `max_running_seqs`.
+    pub context: ContextOptions,
+    /// Scheduling limits; `max_batch_tokens` is clamped to the context's `n_batch`.
+    pub scheduler: SchedulerConfig,
+    /// Tokens per KV block.
+    pub block_size: u32,
+}
+
+impl RuntimeConfig {
+    /// Defaults for `model_path`: 4096-token context, 8 running sequences,
+    /// 256-token steps, 64-token blocks.
+    pub fn new(model_path: impl Into<PathBuf>) -> Self {
+        RuntimeConfig {
+            model_path: model_path.into(),
+            model: ModelOptions::default(),
+            context: ContextOptions {
+                n_ctx: 4096,
+                n_batch: 256,
+                n_ubatch: 256,
+                ..ContextOptions::default()
+            },
+            scheduler: SchedulerConfig {
+                max_batch_tokens: 256,
+                max_running_seqs: 8,
+                ..SchedulerConfig::default()
+            },
+            block_size: 64,
+        }
+    }
+}
+
+/// What to generate from.
+#[derive(Debug, Clone)]
+pub enum Input {
+    /// Plain text, tokenized with the model's special tokens.
+    Prompt(String),
+    /// Chat messages, rendered with the model's chat template.
+    Chat(Vec<ChatMessage>),
+    /// Token ids as they are.
+    Tokens(Vec<TokenId>),
+}
+
+/// One generation request.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    /// Its id; the runtime assigns one when absent.
+    pub id: Option<RequestId>,
+    /// Input.
+    pub input: Input,
+    /// Sampling and stopping.
+    pub sampling: SamplingParams,
+    /// Scheduling class.
+    pub priority: Priority,
+    /// Give up after this long (queue time included).
+    pub deadline: Option<std::time::Duration>,
+}
+
+impl GenerateRequest {
+    /// Greedy, 256 tokens, normal priority.
+    pub fn new(input: Input) -> Self {
+        GenerateRequest {
+            id: None,
+            input,
+            sampling: SamplingParams::greedy(),
+            priority: Priority::Normal,
+            deadline: None,
+        }
+    }
+}
+
+/// Per-request figures, reported with [`Event::Done`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_prompt_tokens: u32,
+    /// Generated tokens.
+    pub completion_tokens: u32,
+    /// From submission to the first scheduled step.
+    pub queue_ms: u64,
+    /// From submission to the first generated token.
+    pub ttft_ms: u64,
+    /// From the first generated token to the end.
+    pub decode_ms: u64,
+}
+
+/// What a request's stream carries.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// New text (possibly empty while a character or stop string is pending)
+    /// and the token that produced it.
+    Text {
+        /// The text.
+        text: String,
+        /// The token.
+        token: TokenId,
+    },
+    /// The last event.
+    Done {
+        /// Why it ended.
+        finish_reason: FinishReason,
+        /// Figures.
+        usage: Usage,
+        /// What went wrong, when `finish_reason` is `Error`.
+        error: Option<RuntimeError>,
+    },
+}
+
+/// Runtime failures. Request-level ones arrive inside [`Event::Done`].
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RuntimeError {
+    /// The engine thread could not start (model load, context creation, …).
+    #[error("the engine could not start: {0}")]
+    Start(String),
+    /// The engine thread has stopped.
+    #[error("the engine has stopped")]
+    Stopped,
+    /// The request is invalid; `field` names what is wrong.
+    #[error("invalid `{field}`: {reason}")]
+    InvalidRequest {
+        /// The offending field.
+        field: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// The scheduler refused it (queue full, too large for the cache, duplicate id).
+    #[error("{reason}")]
+    Rejected {
+        /// `queue_full`, `too_large_for_cache`, `duplicate_id`, …
+        kind: &'static str,
+        /// The scheduler's message.
+        reason: String,
+    },
+    /// The engine failed while running it.
+    #[error("engine failure: {0}")]
+    Engine(String),
+}
+
+impl RuntimeError {
+    /// A stable, short label for metrics.
+    pub fn error_kind(&self) -> &'static str {
+        match self {
+            RuntimeError::Start(_) => "start",
+            RuntimeError::Stopped => "stopped",
+            RuntimeError::InvalidRequest { .. } => "invalid_request",
+            RuntimeError::Rejected { kind, .. } => kind,
+            RuntimeError::Engine(_) => "engine",
+        }
+    }
+}
+
+/// Occupancy, for metrics and leak checks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RuntimeStats {
+    /// Requests waiting (new or preempted).
+    pub waiting: usize,
+    /// Requests running.
+    pub running: usize,
+    /// KV blocks referenced.
+    pub kv_used_blocks: usize,
+    /// KV blocks free.
+    pub kv_free_blocks: usize,
+    /// llama.cpp sequence ids in use.
+    pub seq_ids_in_use: usize,
+    /// KV positions llama.cpp holds over all sequence ids.
+    pub llama_cells: u64,
+    /// Preemptions so far.
+    pub preemptions: u64,
+}
+
+/// The events of one request. Dropping it cancels the request.
+#[derive(Debug)]
+pub struct RequestStream {
+    id: RequestId,
+    rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    tx: Sender<Command>,
+    done: bool,
+}
+
+impl RequestStream {
+    pub(crate) fn new(
+        id: RequestId,
+        rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+        tx: Sender<Command>,
+    ) -> Self {
+        RequestStream {
+            id,
+            rx,
+            tx,
+            done: false,
+        }
+    }
+
+    /// The request's id.
+    pub fn id(&self) -> &RequestId {
+        &self.id
+    }
+
+    /// The next event, waiting for it (async).
+    pub async fn next(&mut self) -> Option<Event> {
+        let e = self.rx.recv().await;
+        self.done |= matches!(e, Some(Event::Done { .. }) | None);
+        e
+    }
+
+    /// The next event, blocking the thread (not for async contexts).
+    pub fn blocking_next(&mut self) -> Option<Event> {
+        let e = self.rx.blocking_recv();
+        self.done |= matches!(e, Some(Event::Done { .. }) | None);
+        e
+    }
+
+    /// Collects the whole generation: its text, tokens and final event.
+    pub fn blocking_collect(mut self) -> (String, Vec<TokenId>, Event) {
+        let mut text = String::new();
+        let mut tokens = Vec::new();
+        while let Some(e) = self.blocking_next() {
+            match e {
+                Event::Text { text: t, token } => {
+                    text.push_str(&t);
+                    tokens.push(token);
+                }
+                done @ Event::Done { .. } => return (text, tokens, done),
+            }
+        }
+        (
+            text,
+            tokens,
+            Event::Done {
+                finish_reason: FinishReason::Error,
+                usage: Usage::default(),
+                error: Some(RuntimeError::Stopped),
+            },
+        )
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.tx.send(Command::Cancel(self.id.clone()));
+        }
+    }
+}
