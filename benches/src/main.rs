@@ -2,8 +2,10 @@
 //!
 //! `siliceo-bench engine [--model PATH] [--reps N] [--json]` measures raw
 //! llama.cpp throughput through our engine: prompt processing, single-sequence
-//! decode, and batched decode of B sequences in one `decode` per step. Every
-//! figure is the median of `--reps` runs made in this one process.
+//! decode, and batched decode of B sequences in one `decode` per step.
+//! `siliceo-bench serve` measures the serving loop (`siliceo-runtime`) against
+//! that raw batched decode, side by side in one process. Every figure is the
+//! median of `--reps` runs made in this one process.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -150,6 +152,78 @@ fn engine(model_path: PathBuf, reps: usize, json: bool) -> Result<()> {
     Ok(())
 }
 
+/// The serving loop at 1, 4, 8, 16 concurrent streams vs raw batched decode of
+/// the same number of sequences, plus time to first token.
+fn serve(model_path: PathBuf, reps: usize) -> Result<()> {
+    use siliceo_core::SamplingParams;
+    use siliceo_runtime::{Event, GenerateRequest, Input, Runtime, RuntimeConfig};
+    const GEN: u32 = 64;
+    const PROMPT: usize = 32;
+    let streams = [1usize, 4, 8, 16];
+    // Raw batched decode first, with the runtime not yet running.
+    let mut raw = Vec::new();
+    {
+        let model = Model::load(&model_path, &ModelOptions::default())?;
+        let mut ctx = Context::new(&model, ContextOptions { n_ctx: 4096, n_batch: 512, n_seq_max: 16, ..ContextOptions::default() })?;
+        batched_decode(&mut ctx, &model, 1, 32, 8)?;
+        for &b in &streams {
+            let runs: Result<Vec<f64>> = (0..reps).map(|_| batched_decode(&mut ctx, &model, b, PROMPT, GEN as usize)).collect();
+            raw.push(median(runs?));
+        }
+    }
+    let mut cfg = RuntimeConfig::new(&model_path);
+    cfg.context.n_ctx = 4096;
+    cfg.context.n_batch = 512;
+    cfg.context.n_ubatch = 512;
+    cfg.scheduler.max_running_seqs = 16;
+    cfg.scheduler.max_batch_tokens = 512;
+    let rt = Runtime::start(cfg)?;
+    let tokenizer = Model::load(&model_path, &ModelOptions::default())?;
+    println!("model: {} · median of {reps} runs · prompts of {PROMPT} tokens, {GEN} generated tokens per stream", tokenizer.name());
+    println!();
+    println!("| streams | serving decode tok/s | raw batched decode tok/s | serving / raw | TTFT p50 ms | TTFT p95 ms |");
+    println!("|---:|---:|---:|---:|---:|---:|");
+    for (si, &n) in streams.iter().enumerate() {
+        let mut rates = Vec::new();
+        let mut ttfts = Vec::new();
+        for _ in 0..reps {
+            let subs: Vec<_> = (0..n)
+                .map(|i| {
+                    let req = GenerateRequest {
+                        sampling: SamplingParams { max_tokens: GEN, ignore_eos: true, ..SamplingParams::greedy() },
+                        ..GenerateRequest::new(Input::Tokens(prompt_tokens(&tokenizer, i, PROMPT)?))
+                    };
+                    Ok(rt.submit(req)?)
+                })
+                .collect::<Result<_>>()?;
+            let mut decoded = 0u64;
+            let mut window_ms = 0u64;
+            for s in subs {
+                let (_, _, done) = s.blocking_collect();
+                let Event::Done { usage, error, .. } = done else { unreachable!("collect ends with Done") };
+                if let Some(e) = error {
+                    bail!("serving run failed: {e}");
+                }
+                decoded += u64::from(usage.completion_tokens.saturating_sub(1));
+                window_ms = window_ms.max(usage.decode_ms);
+                ttfts.push(usage.ttft_ms as f64);
+            }
+            rates.push(decoded as f64 * 1000.0 / window_ms.max(1) as f64);
+        }
+        let rate = median(rates);
+        ttfts.sort_by(f64::total_cmp);
+        let pct = |q: f64| ttfts[((ttfts.len() - 1) as f64 * q).round() as usize];
+        println!(
+            "| {n} | {rate:.1} | {:.1} | {:.0} % | {:.0} | {:.0} |",
+            raw[si],
+            rate * 100.0 / raw[si],
+            pct(0.5),
+            pct(0.95)
+        );
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut model = std::env::var_os("SILICEO_MODEL")
@@ -160,17 +234,23 @@ fn main() -> Result<()> {
         });
     let mut reps = 5;
     let mut json = false;
+    let mut what = "engine";
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--model" => model = it.next().map(PathBuf::from).unwrap_or(model),
             "--reps" => reps = it.next().and_then(|r| r.parse().ok()).unwrap_or(reps),
             "--json" => json = true,
-            "engine" => {}
+            "engine" => what = "engine",
+            "serve" => what = "serve",
             other => bail!(
-                "unknown argument `{other}`; usage: siliceo-bench engine [--model PATH] [--reps N] [--json]"
+                "unknown argument `{other}`; usage: siliceo-bench engine|serve [--model PATH] [--reps N] [--json]"
             ),
         }
     }
-    engine(model, reps.max(1), json)
+    if what == "serve" {
+        serve(model, reps.max(1))
+    } else {
+        engine(model, reps.max(1), json)
+    }
 }

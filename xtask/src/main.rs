@@ -29,6 +29,7 @@ tasks:
   bench [engine] [--reps N] [--compare-portable]
                         benchmarks on the real model (release build); --compare-portable
                         also builds llama.cpp portably (AVX2) and shows both side by side
+  bench serve [--reps N] the serving loop at 1/4/8/16 streams vs raw batched decode
   bench kv              criterion benchmarks of the KV block pool and prefix cache
   tidy                  run the tidy checks (crate docs, layer rules)
 ";

@@ -281,3 +281,31 @@ fn stop_strings_and_eos_end_with_stop() {
     ));
     assert_clean(&rt);
 }
+
+#[test]
+fn thirty_two_mixed_requests_on_a_small_cache_complete_without_leaks() {
+    let mut cfg = RuntimeConfig::new(model_path());
+    cfg.context.n_ctx = 512;
+    cfg.block_size = 16;
+    cfg.scheduler.max_running_seqs = 6;
+    cfg.scheduler.max_batch_tokens = 64;
+    let rt = Runtime::start(cfg).unwrap();
+    let classes = [Priority::Interactive, Priority::Normal, Priority::Batch];
+    let streams: Vec<_> = (0..32)
+        .map(|i| {
+            let p = PROMPTS[i % PROMPTS.len()].repeat(1 + i % 4);
+            let mut r = request(&p, 8 + (i as u32 * 7) % 40, classes[i % 3]);
+            r.sampling.ignore_eos = i % 2 == 0;
+            rt.submit(r).unwrap()
+        })
+        .collect();
+    for s in streams {
+        let (_, tokens, done) = s.blocking_collect();
+        let Event::Done { finish_reason, usage, error } = done else { unreachable!() };
+        assert!(error.is_none(), "{error:?}");
+        assert!(matches!(finish_reason, FinishReason::Length | FinishReason::Stop));
+        assert_eq!(usage.completion_tokens as usize, tokens.len());
+        assert!(usage.ttft_ms >= usage.queue_ms);
+    }
+    assert_clean(&rt);
+}
