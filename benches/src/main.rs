@@ -154,29 +154,39 @@ fn engine(model_path: PathBuf, reps: usize, json: bool) -> Result<()> {
 
 /// The serving loop at 1, 4, 8, 16 concurrent streams vs raw batched decode of
 /// the same number of sequences, plus time to first token.
-fn serve(model_path: PathBuf, reps: usize) -> Result<()> {
+fn serve(model_path: PathBuf, reps: usize, quiet: bool, threads: Option<u32>) -> Result<()> {
     use siliceo_core::SamplingParams;
     use siliceo_runtime::{Event, GenerateRequest, Input, Runtime, RuntimeConfig};
     const GEN: u32 = 64;
     const PROMPT: usize = 32;
     let streams = [1usize, 4, 8, 16];
-    // Raw batched decode first, with the runtime not yet running.
-    let mut raw = Vec::new();
-    {
-        let model = Model::load(&model_path, &ModelOptions::default())?;
+    // Raw batched decode first, on a thread of its own that ends before the
+    // runtime starts: llama.cpp's OpenMP pool belongs to the calling thread, and
+    // a second, idle pool left on another thread halves the engine thread's
+    // decode speed on two cores (measured; see docs/BENCHMARKS.md).
+    let mp = model_path.clone();
+    let raw: Vec<f64> = std::thread::spawn(move || -> Result<Vec<f64>> {
+        let model = Model::load(&mp, &ModelOptions::default())?;
         let mut ctx = Context::new(&model, ContextOptions { n_ctx: 4096, n_batch: 512, n_seq_max: 16, ..ContextOptions::default() })?;
         batched_decode(&mut ctx, &model, 1, 32, 8)?;
-        for &b in &streams {
-            let runs: Result<Vec<f64>> = (0..reps).map(|_| batched_decode(&mut ctx, &model, b, PROMPT, GEN as usize)).collect();
-            raw.push(median(runs?));
-        }
-    }
+        streams
+            .iter()
+            .map(|&b| {
+                let runs: Result<Vec<f64>> = (0..reps).map(|_| batched_decode(&mut ctx, &model, b, PROMPT, GEN as usize)).collect();
+                Ok(median(runs?))
+            })
+            .collect()
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("the raw-decode thread panicked"))??;
     let mut cfg = RuntimeConfig::new(&model_path);
     cfg.context.n_ctx = 4096;
     cfg.context.n_batch = 512;
     cfg.context.n_ubatch = 512;
     cfg.scheduler.max_running_seqs = 16;
     cfg.scheduler.max_batch_tokens = 512;
+    cfg.context.n_threads = threads;
+    cfg.context.n_threads_batch = threads;
     let rt = Runtime::start(cfg)?;
     let tokenizer = Model::load(&model_path, &ModelOptions::default())?;
     println!("model: {} · median of {reps} runs · prompts of {PROMPT} tokens, {GEN} generated tokens per stream", tokenizer.name());
@@ -196,6 +206,17 @@ fn serve(model_path: PathBuf, reps: usize) -> Result<()> {
                     Ok(rt.submit(req)?)
                 })
                 .collect::<Result<_>>()?;
+            if quiet {
+                // Leave the engine alone until everything is done: no consumer
+                // thread wakes up per token (see docs/BENCHMARKS.md).
+                loop {
+                    std::thread::sleep(std::time::Duration::from_millis(100));
+                    let st = rt.stats()?;
+                    if st.running == 0 && st.waiting == 0 {
+                        break;
+                    }
+                }
+            }
             let mut decoded = 0u64;
             let mut window_ms = 0u64;
             for s in subs {
@@ -234,6 +255,8 @@ fn main() -> Result<()> {
         });
     let mut reps = 5;
     let mut json = false;
+    let mut quiet = false;
+    let mut threads = None;
     let mut what = "engine";
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -241,6 +264,8 @@ fn main() -> Result<()> {
             "--model" => model = it.next().map(PathBuf::from).unwrap_or(model),
             "--reps" => reps = it.next().and_then(|r| r.parse().ok()).unwrap_or(reps),
             "--json" => json = true,
+            "--quiet-consumer" => quiet = true,
+            "--threads" => threads = it.next().and_then(|r| r.parse().ok()),
             "engine" => what = "engine",
             "serve" => what = "serve",
             other => bail!(
@@ -249,7 +274,7 @@ fn main() -> Result<()> {
         }
     }
     if what == "serve" {
-        serve(model, reps.max(1))
+        serve(model, reps.max(1), quiet, threads)
     } else {
         engine(model, reps.max(1), json)
     }
