@@ -167,12 +167,22 @@ fn serve(model_path: PathBuf, reps: usize, quiet: bool, threads: Option<u32>) ->
     let mp = model_path.clone();
     let raw: Vec<f64> = std::thread::spawn(move || -> Result<Vec<f64>> {
         let model = Model::load(&mp, &ModelOptions::default())?;
-        let mut ctx = Context::new(&model, ContextOptions { n_ctx: 4096, n_batch: 512, n_seq_max: 16, ..ContextOptions::default() })?;
+        let mut ctx = Context::new(
+            &model,
+            ContextOptions {
+                n_ctx: 4096,
+                n_batch: 512,
+                n_seq_max: 16,
+                ..ContextOptions::default()
+            },
+        )?;
         batched_decode(&mut ctx, &model, 1, 32, 8)?;
         streams
             .iter()
             .map(|&b| {
-                let runs: Result<Vec<f64>> = (0..reps).map(|_| batched_decode(&mut ctx, &model, b, PROMPT, GEN as usize)).collect();
+                let runs: Result<Vec<f64>> = (0..reps)
+                    .map(|_| batched_decode(&mut ctx, &model, b, PROMPT, GEN as usize))
+                    .collect();
                 Ok(median(runs?))
             })
             .collect()
@@ -189,9 +199,14 @@ fn serve(model_path: PathBuf, reps: usize, quiet: bool, threads: Option<u32>) ->
     cfg.context.n_threads_batch = threads;
     let rt = Runtime::start(cfg)?;
     let tokenizer = Model::load(&model_path, &ModelOptions::default())?;
-    println!("model: {} · median of {reps} runs · prompts of {PROMPT} tokens, {GEN} generated tokens per stream", tokenizer.name());
+    println!(
+        "model: {} · median of {reps} runs · prompts of {PROMPT} tokens, {GEN} generated tokens per stream",
+        tokenizer.name()
+    );
     println!();
-    println!("| streams | serving decode tok/s | raw batched decode tok/s | serving / raw | TTFT p50 ms | TTFT p95 ms |");
+    println!(
+        "| streams | serving decode tok/s | raw batched decode tok/s | serving / raw | TTFT p50 ms | TTFT p95 ms |"
+    );
     println!("|---:|---:|---:|---:|---:|---:|");
     for (si, &n) in streams.iter().enumerate() {
         let mut rates = Vec::new();
@@ -200,7 +215,11 @@ fn serve(model_path: PathBuf, reps: usize, quiet: bool, threads: Option<u32>) ->
             let subs: Vec<_> = (0..n)
                 .map(|i| {
                     let req = GenerateRequest {
-                        sampling: SamplingParams { max_tokens: GEN, ignore_eos: true, ..SamplingParams::greedy() },
+                        sampling: SamplingParams {
+                            max_tokens: GEN,
+                            ignore_eos: true,
+                            ..SamplingParams::greedy()
+                        },
                         ..GenerateRequest::new(Input::Tokens(prompt_tokens(&tokenizer, i, PROMPT)?))
                     };
                     Ok(rt.submit(req)?)
@@ -221,7 +240,9 @@ fn serve(model_path: PathBuf, reps: usize, quiet: bool, threads: Option<u32>) ->
             let mut window_ms = 0u64;
             for s in subs {
                 let (_, _, done) = s.blocking_collect();
-                let Event::Done { usage, error, .. } = done else { unreachable!("collect ends with Done") };
+                let Event::Done { usage, error, .. } = done else {
+                    unreachable!("collect ends with Done")
+                };
                 if let Some(e) = error {
                     bail!("serving run failed: {e}");
                 }

@@ -59,7 +59,12 @@ pub fn bench(rest: &[String]) -> Result<()> {
     crate::deps::ensure_build_deps()?;
     crate::models::fetch(&crate::models::models_dir(), false)?;
     if rest.first().map(String::as_str) == Some("serve") {
-        let reps = rest.iter().skip_while(|a| *a != "--reps").nth(1).cloned().unwrap_or_else(|| "3".into());
+        let reps = rest
+            .iter()
+            .skip_while(|a| *a != "--reps")
+            .nth(1)
+            .cloned()
+            .unwrap_or_else(|| "3".into());
         return crate::run(bench_cmd(false).args(["serve", "--reps", &reps]));
     }
     let mut reps = "5".to_string();

@@ -301,9 +301,19 @@ fn thirty_two_mixed_requests_on_a_small_cache_complete_without_leaks() {
         .collect();
     for s in streams {
         let (_, tokens, done) = s.blocking_collect();
-        let Event::Done { finish_reason, usage, error } = done else { unreachable!() };
+        let Event::Done {
+            finish_reason,
+            usage,
+            error,
+        } = done
+        else {
+            unreachable!()
+        };
         assert!(error.is_none(), "{error:?}");
-        assert!(matches!(finish_reason, FinishReason::Length | FinishReason::Stop));
+        assert!(matches!(
+            finish_reason,
+            FinishReason::Length | FinishReason::Stop
+        ));
         assert_eq!(usage.completion_tokens as usize, tokens.len());
         assert!(usage.ttft_ms >= usage.queue_ms);
     }
