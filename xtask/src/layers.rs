@@ -129,11 +129,11 @@ pub fn check_layers(root: &Path) -> Result<()> {
     }
     eprintln!("check-layers: dependency directions ok");
     for (name, rank) in LAYERS.iter().filter(|(_, r)| *r < 9) {
-        eprintln!("check-layers: layer {rank}: cargo check -p {name}");
+        eprintln!("check-layers: layer {rank}: cargo build -p {name}");
         crate::run(
             crate::cargo()
                 .current_dir(root)
-                .args(["check", "--quiet", "-p", name]),
+                .args(["build", "--quiet", "-p", name]),
         )
         .with_context(|| format!("`{name}` does not build on its own"))?;
     }
