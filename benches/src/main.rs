@@ -159,7 +159,7 @@ fn serve(model_path: PathBuf, reps: usize, quiet: bool, threads: Option<u32>) ->
     use siliceo_runtime::{Event, GenerateRequest, Input, Runtime, RuntimeConfig};
     const GEN: u32 = 64;
     const PROMPT: usize = 32;
-    let streams = [1usize, 4, 8, 16];
+    let streams = [1usize, 4, 8, 16, 64];
     // Raw batched decode first, on a thread of its own that ends before the
     // runtime starts: llama.cpp's OpenMP pool belongs to the calling thread, and
     // a second, idle pool left on another thread halves the engine thread's
@@ -190,10 +190,11 @@ fn serve(model_path: PathBuf, reps: usize, quiet: bool, threads: Option<u32>) ->
     .join()
     .map_err(|_| anyhow::anyhow!("the raw-decode thread panicked"))??;
     let mut cfg = RuntimeConfig::new(&model_path);
-    cfg.context.n_ctx = 4096;
+    cfg.context.n_ctx = 8192;
+    cfg.block_size = 16;
     cfg.context.n_batch = 512;
     cfg.context.n_ubatch = 512;
-    cfg.scheduler.max_running_seqs = 16;
+    cfg.scheduler.max_running_seqs = 64;
     cfg.scheduler.max_batch_tokens = 512;
     cfg.context.n_threads = threads;
     cfg.context.n_threads_batch = threads;
@@ -211,6 +212,7 @@ fn serve(model_path: PathBuf, reps: usize, quiet: bool, threads: Option<u32>) ->
     for (si, &n) in streams.iter().enumerate() {
         let mut rates = Vec::new();
         let mut ttfts = Vec::new();
+        let before = rt.stats()?;
         for _ in 0..reps {
             let subs: Vec<_> = (0..n)
                 .map(|i| {
@@ -253,14 +255,18 @@ fn serve(model_path: PathBuf, reps: usize, quiet: bool, threads: Option<u32>) ->
             rates.push(decoded as f64 * 1000.0 / window_ms.max(1) as f64);
         }
         let rate = median(rates);
+        let after = rt.stats()?;
+        let step_us = (after.step_us - before.step_us) as f64;
+        let overhead = (step_us - (after.decode_us - before.decode_us) as f64) / step_us.max(1.0);
         ttfts.sort_by(f64::total_cmp);
         let pct = |q: f64| ttfts[((ttfts.len() - 1) as f64 * q).round() as usize];
         println!(
-            "| {n} | {rate:.1} | {:.1} | {:.0} % | {:.0} | {:.0} |",
+            "| {n} | {rate:.1} | {:.1} | {:.0} % | {:.0} | {:.0} | {:.2} % |",
             raw[si],
             rate * 100.0 / raw[si],
             pct(0.5),
-            pct(0.95)
+            pct(0.95),
+            overhead * 100.0
         );
     }
     Ok(())

@@ -52,8 +52,11 @@ fn is_root() -> bool {
         .unwrap_or(false)
 }
 
-/// Installs `cmake` and `libclang-dev` with apt-get when run as root and they
-/// are missing; otherwise says exactly what to run.
+/// Installs `cmake` and `libclang-dev` (required) and `ccache` (optional: it
+/// lets the several builds of llama.cpp that different feature sets cause —
+/// tests, `check-layers`' per-crate builds, release — share compiled objects)
+/// with apt-get when run as root and they are missing; otherwise says exactly
+/// what to run. Turns ccache on for llama.cpp's CMake build when present.
 pub fn ensure_build_deps() -> Result<()> {
     let mut missing = Vec::new();
     if !have("cmake") {
@@ -62,9 +65,39 @@ pub fn ensure_build_deps() -> Result<()> {
     if !have_libclang() {
         missing.push("libclang-dev");
     }
-    if missing.is_empty() {
-        return Ok(());
+    if !have("ccache") && is_root() {
+        missing.push("ccache");
     }
+    if !missing.is_empty() {
+        install(&missing)?;
+    }
+    enable_ccache();
+    Ok(())
+}
+
+/// Routes llama.cpp's C/C++ compiles through ccache when it is installed.
+/// Different feature sets of our crates (the test build, each crate built alone
+/// by `check-layers`, release builds) each rebuild llama.cpp in a new `OUT_DIR`;
+/// with ccache the later ones are cache hits. llama-cpp-sys-2 forwards `CMAKE_*`
+/// variables to CMake; paths are made relative to the target directory and the
+/// working directory is left out of the hash so the differing `OUT_DIR`s match.
+pub fn enable_ccache() {
+    if !have("ccache") {
+        return;
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| crate::workspace_root().join("target"));
+    // SAFETY: xtask is single-threaded; the variables are read by child processes.
+    unsafe {
+        std::env::set_var("CMAKE_C_COMPILER_LAUNCHER", "ccache");
+        std::env::set_var("CMAKE_CXX_COMPILER_LAUNCHER", "ccache");
+        std::env::set_var("CCACHE_BASEDIR", &target);
+        std::env::set_var("CCACHE_NOHASHDIR", "1");
+    }
+}
+
+fn install(missing: &[&str]) -> Result<()> {
     let list = missing.join(" ");
     if !is_root() {
         bail!(
@@ -77,7 +110,7 @@ pub fn ensure_build_deps() -> Result<()> {
         Command::new("apt-get")
             .env("DEBIAN_FRONTEND", "noninteractive")
             .args(["install", "-y", "-q"])
-            .args(&missing),
+            .args(missing),
     )?;
     Ok(())
 }

@@ -51,7 +51,10 @@ fn main() -> Result<()> {
             }
             models::fetch(&models::models_dir(), all)?;
         }
-        "check-layers" => layers::check_layers(&workspace_root())?,
+        "check-layers" => {
+            deps::enable_ccache();
+            layers::check_layers(&workspace_root())?
+        }
         "tidy" => {
             let problems = tidy::run(&workspace_root())?;
             if !problems.is_empty() {

@@ -56,6 +56,9 @@ struct Engine<'m> {
     free_seqs: Vec<SeqId>,
     epoch: Instant,
     batch: Batch,
+    steps: u64,
+    step_us: u64,
+    decode_us: u64,
 }
 
 fn done(
@@ -119,6 +122,9 @@ pub(crate) fn run(
         live: HashMap::new(),
         epoch: Instant::now(),
         batch: Batch::new(),
+        steps: 0,
+        step_us: 0,
+        decode_us: 0,
     };
     let _ = ready.send(Ok((model.geometry(), n_ctx)));
     tracing::info!(n_ctx, num_blocks, block_size = bs, "engine ready");
@@ -152,7 +158,10 @@ impl<'m> Engine<'m> {
                 }
             }
             if !self.sched.is_idle() {
+                let t = Instant::now();
                 self.step();
+                self.steps += 1;
+                self.step_us += t.elapsed().as_micros() as u64;
             }
         }
     }
@@ -178,6 +187,9 @@ impl<'m> Engine<'m> {
             seq_ids_in_use: self.ctx.n_seq_max() as usize - self.free_seqs.len(),
             llama_cells,
             preemptions: s.preemptions,
+            steps: self.steps,
+            step_us: self.step_us,
+            decode_us: self.decode_us,
         }
     }
 
@@ -392,7 +404,10 @@ impl<'m> Engine<'m> {
         if self.batch.is_empty() {
             return;
         }
-        if let Err(e) = self.ctx.decode(&self.batch) {
+        let t = Instant::now();
+        let decoded = self.ctx.decode(&self.batch);
+        self.decode_us += t.elapsed().as_micros() as u64;
+        if let Err(e) = decoded {
             tracing::error!(error = %e, tokens = self.batch.len(), "decode failed; failing the step's requests");
             let err = RuntimeError::Engine(e.to_string());
             for item in &step.items {

@@ -184,6 +184,13 @@ pub struct RuntimeStats {
     pub llama_cells: u64,
     /// Preemptions so far.
     pub preemptions: u64,
+    /// Engine steps run so far.
+    pub steps: u64,
+    /// Time spent in steps, in µs (scheduling, `decode`, sampling, streaming).
+    pub step_us: u64,
+    /// Time of that spent inside llama.cpp's `decode`, in µs; the rest is
+    /// host-side serving overhead.
+    pub decode_us: u64,
 }
 
 /// The events of one request. Dropping it cancels the request.
