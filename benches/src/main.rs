@@ -57,12 +57,9 @@ fn batched_decode(
     let mut pos = Vec::new();
     for s in 0..b {
         let p = prompt_tokens(model, s, prompt_len)?;
-        batch.clear();
-        let idx = batch
-            .push_run(&p, 0, SeqId(s as u32))
-            .expect("non-empty prompt");
-        ctx.decode(&batch)?;
-        last.push(argmax(ctx.logits(idx)?));
+        // prefill splits prompts longer than n_batch.
+        let logits = ctx.prefill(SeqId(s as u32), &p, 0)?;
+        last.push(argmax(&logits));
         pos.push(p.len() as u32);
     }
     let t0 = Instant::now();
@@ -115,6 +112,14 @@ fn engine(model_path: PathBuf, reps: usize, json: bool) -> Result<()> {
             .collect();
         rows.push((b, median(runs?)));
     }
+    // Per-token decode latency as the context grows (one sequence).
+    let mut latency = Vec::new();
+    for ctx_len in [256usize, 1800] {
+        let runs: Result<Vec<f64>> = (0..reps)
+            .map(|_| batched_decode(&mut ctx, &model, 1, ctx_len, 32).map(|tps| 1000.0 / tps))
+            .collect();
+        latency.push((ctx_len, median(runs?)));
+    }
     let single = rows[0].1;
     if json {
         let decode: Vec<_> = rows
@@ -129,6 +134,7 @@ fn engine(model_path: PathBuf, reps: usize, json: bool) -> Result<()> {
                 "reps": reps,
                 "prefill_512_tokens_per_s": prefill,
                 "decode": decode,
+                "decode_ms_per_token_by_context": latency.iter().map(|(c, ms)| serde_json::json!({"context": c, "ms": ms})).collect::<Vec<_>>(),
             })
         );
     } else {
@@ -148,6 +154,17 @@ fn engine(model_path: PathBuf, reps: usize, json: bool) -> Result<()> {
                 t / single
             );
         }
+        println!();
+        println!("| context | decode ms per token (1 stream) |");
+        println!("|---:|---:|");
+        for (c, ms) in &latency {
+            println!("| {c} | {ms:.2} |");
+        }
+        println!();
+        println!(
+            "growth from 256 to 1800 tokens of context: {:.2}×",
+            latency[1].1 / latency[0].1
+        );
     }
     Ok(())
 }
