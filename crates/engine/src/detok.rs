@@ -1,6 +1,6 @@
 //! Incremental detokenization that never emits a broken UTF-8 character.
 
-use siliceo_core::TokenId;
+use siliceo_core::{SamplingParams, StopMatcher, StopOutcome, TokenId};
 
 use crate::Model;
 
@@ -96,6 +96,55 @@ impl<'m> Detokenizer<'m> {
     /// Whatever is left at the end of the generation.
     pub fn finish(&mut self) -> String {
         self.stream.finish()
+    }
+}
+
+/// A generation's text, token by token: detokenization, end-of-generation and
+/// stop tokens, and stop strings — the one place both [`crate::generate()`] and
+/// the serving runtime turn sampled tokens into text.
+#[derive(Debug)]
+pub struct TokenText<'m> {
+    model: &'m Model,
+    detok: Detokenizer<'m>,
+    stops: StopMatcher,
+    ignore_eos: bool,
+    stop_token_ids: Vec<TokenId>,
+}
+
+impl<'m> TokenText<'m> {
+    /// Text for a generation under `params` (stop strings, stop tokens, `ignore_eos`).
+    pub fn new(model: &'m Model, params: &SamplingParams) -> Self {
+        TokenText {
+            model,
+            detok: Detokenizer::new(model),
+            stops: StopMatcher::new(&params.stop),
+            ignore_eos: params.ignore_eos,
+            stop_token_ids: params.stop_token_ids.clone(),
+        }
+    }
+
+    /// The text `token` makes safe to emit, and whether the generation stops
+    /// here (a stop token, or a completed stop string, which is not emitted).
+    pub fn push(&mut self, token: TokenId) -> (String, bool) {
+        let is_stop_token =
+            (!self.ignore_eos && self.model.is_eog(token)) || self.stop_token_ids.contains(&token);
+        let piece = if is_stop_token {
+            String::new()
+        } else {
+            self.detok.push(token)
+        };
+        match self.stops.push(&piece) {
+            StopOutcome::Continue(t) => (t, is_stop_token),
+            StopOutcome::Stopped(t) => (t, true),
+        }
+    }
+
+    /// The generation ended for another reason: what was held back (a split
+    /// character, a possible stop string's start).
+    pub fn finish(&mut self) -> String {
+        let mut tail = self.detok.finish();
+        tail.push_str(&self.stops.finish());
+        tail
     }
 }
 

@@ -4,11 +4,9 @@
 use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
-use siliceo_core::{
-    FinishReason, Sampler, SamplingParams, SeqId, StopMatcher, StopOutcome, TokenId,
-};
+use siliceo_core::{FinishReason, Sampler, SamplingParams, SeqId, TokenId};
 
-use crate::{Context, Detokenizer, EngineError};
+use crate::{Context, EngineError, TokenText};
 
 /// The result of [`generate`].
 #[derive(Debug, Clone)]
@@ -72,8 +70,7 @@ pub fn generate(
     for &t in prompt {
         sampler.accept(t);
     }
-    let mut detok = Detokenizer::new(model);
-    let mut stops = StopMatcher::new(&params.stop);
+    let mut text = TokenText::new(model, params);
     let mut out = Generation {
         tokens: Vec::new(),
         text: String::new(),
@@ -95,20 +92,10 @@ pub fn generate(
         if t_first.is_none() {
             t_first = Some(Instant::now());
         }
-        let is_stop_token =
-            (!params.ignore_eos && model.is_eog(token)) || params.stop_token_ids.contains(&token);
-        let piece = if is_stop_token {
-            String::new()
-        } else {
-            detok.push(token)
-        };
-        let (emit, stopped_by_string) = match stops.push(&piece) {
-            StopOutcome::Continue(t) => (t, false),
-            StopOutcome::Stopped(t) => (t, true),
-        };
+        let (emit, stopped) = text.push(token);
         out.text.push_str(&emit);
         let cancelled = on_text(&emit, token).is_break();
-        if is_stop_token || stopped_by_string {
+        if stopped {
             out.finish_reason = FinishReason::Stop;
             break;
         }
@@ -128,8 +115,7 @@ pub fn generate(
         logits.extend_from_slice(ctx.logits(idx)?);
     }
     if out.finish_reason != FinishReason::Stop {
-        let mut tail = detok.finish();
-        tail.push_str(&stops.finish());
+        let tail = text.finish();
         if !tail.is_empty() {
             out.text.push_str(&tail);
             let _ = on_text(&tail, *out.tokens.last().unwrap_or(&TokenId(0)));

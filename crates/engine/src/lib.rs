@@ -44,7 +44,7 @@ mod model;
 
 pub use backend::{backend_init, supports_gpu_offload};
 pub use context::{Batch, Context, ContextOptions, FlashAttention, SeqSnapshot};
-pub use detok::{Detokenizer, Utf8Stream};
+pub use detok::{Detokenizer, TokenText, Utf8Stream};
 pub use error::EngineError;
 pub use generate::{Generation, generate};
 pub use model::{ChatMessage, Model, ModelOptions};

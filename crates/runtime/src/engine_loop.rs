@@ -4,11 +4,8 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
-use siliceo_core::{
-    FinishReason, ModelGeometry, RequestId, Sampler, SamplingParams, SeqId, StopMatcher,
-    StopOutcome, TokenId,
-};
-use siliceo_engine::{Batch, Context, Detokenizer, Model, SeqSnapshot};
+use siliceo_core::{FinishReason, ModelGeometry, RequestId, Sampler, SeqId, TokenId};
+use siliceo_engine::{Batch, Context, Model, SeqSnapshot, TokenText};
 use siliceo_kv_paging::{CacheKeys, KvConfig};
 use siliceo_scheduler::{FinishCause, ItemKind, PreemptMode, Request, Scheduler};
 use tokio::sync::mpsc::UnboundedSender;
@@ -19,10 +16,8 @@ use crate::{
 
 struct Live<'m> {
     tx: UnboundedSender<Event>,
-    params: SamplingParams,
     sampler: Sampler,
-    detok: Detokenizer<'m>,
-    stops: StopMatcher,
+    text: TokenText<'m>,
     seq: Option<SeqId>,
     snapshot: Option<SeqSnapshot>,
     prompt_tokens: u32,
@@ -289,10 +284,8 @@ impl<'m> Engine<'m> {
             id,
             Live {
                 tx,
-                stops: StopMatcher::new(&req.sampling.stop),
-                params: req.sampling,
                 sampler,
-                detok: Detokenizer::new(self.model),
+                text: TokenText::new(self.model, &req.sampling),
                 seq: None,
                 snapshot: None,
                 prompt_tokens: tokens.len() as u32,
@@ -321,8 +314,7 @@ impl<'m> Engine<'m> {
         if let Some(mut live) = self.live.remove(id) {
             if reason != FinishReason::Stop && reason != FinishReason::Error {
                 // Release text held back for a possible stop string or a split character.
-                let mut tail = live.detok.finish();
-                tail.push_str(&live.stops.finish());
+                let tail = live.text.finish();
                 if !tail.is_empty() {
                     let _ = live.tx.send(Event::Text {
                         text: tail,
@@ -436,19 +428,9 @@ impl<'m> Engine<'m> {
         live.sampler.accept(token);
         live.completion_tokens += 1;
         live.first_token.get_or_insert_with(Instant::now);
-        let is_stop_token = (!live.params.ignore_eos && self.model.is_eog(token))
-            || live.params.stop_token_ids.contains(&token);
-        let piece = if is_stop_token {
-            String::new()
-        } else {
-            live.detok.push(token)
-        };
-        let (text, stopped) = match live.stops.push(&piece) {
-            StopOutcome::Continue(t) => (t, false),
-            StopOutcome::Stopped(t) => (t, true),
-        };
+        let (text, stopped) = live.text.push(token);
         let closed = live.tx.send(Event::Text { text, token }).is_err();
-        if is_stop_token || stopped {
+        if stopped {
             return self.end(id, FinishReason::Stop, None);
         }
         if closed {

@@ -566,18 +566,23 @@ impl Scheduler {
             let e = &self.entries[id];
             e.computed + 1 == e.tokens.len() && e.admitted_once && e.generated > 0
         });
-        for id in decodes.iter().chain(&prefills) {
+        let planned = decodes.iter().map(|id| (id, ItemKind::Decode)).chain(
+            prefills
+                .iter()
+                .map(|id| (id, ItemKind::Prefill { cached_tokens: 0 })),
+        );
+        for (id, kind) in planned {
             if budget == 0 {
                 break;
             }
-            if !self.running.contains(id) || self.entries[id].awaiting_token {
-                continue; // preempted earlier in this step, or the runtime owes a token
+            // Preempted earlier in this step, or the runtime still owes a token.
+            let gone = self
+                .entries
+                .get(id)
+                .is_none_or(|e| e.state != State::Running || e.awaiting_token);
+            if gone {
+                continue;
             }
-            let kind = if decodes.contains(id) {
-                ItemKind::Decode
-            } else {
-                ItemKind::Prefill { cached_tokens: 0 }
-            };
             self.schedule_chunk(id, &mut step, &mut budget, kind);
         }
 
