@@ -78,7 +78,7 @@ struct SeqState {
     root: BlockHash,
     blocks: Vec<BlockId>,
     tokens: Vec<TokenId>,
-    /// Hashes of the leading full blocks that are registered (a prefix of `blocks`).
+    /// Hashes of the leading full blocks that are committed (a prefix of `blocks`).
     hashes: Vec<BlockHash>,
     /// Slots reserved past `tokens` for speculative lookahead.
     reserved: usize,
@@ -240,6 +240,21 @@ impl KvCacheManager {
         h: SeqHandle,
         new: &[TokenId],
     ) -> Result<Vec<BlockCopy>, NotEnoughBlocks> {
+        let copies = self.append_pending(h, new)?;
+        let n = self.num_tokens(h);
+        self.commit(h, n);
+        Ok(copies)
+    }
+
+    /// Like [`append`](Self::append) but registers nothing: for tokens
+    /// planned and not yet computed. [`commit`](Self::commit) registers their
+    /// full blocks once their KV exists, so no other sequence can match a
+    /// block whose content is still being computed.
+    pub fn append_pending(
+        &mut self,
+        h: SeqHandle,
+        new: &[TokenId],
+    ) -> Result<Vec<BlockCopy>, NotEnoughBlocks> {
         let needed = self.blocks_needed_to_append(h, new.len());
         if needed > self.pool.num_free() {
             return Err(NotEnoughBlocks {
@@ -248,7 +263,6 @@ impl KvCacheManager {
             });
         }
         let bs = self.bs();
-        let caching = self.config.prefix_caching;
         let s = self.seqs.get_mut(&h).expect("unknown sequence handle");
         let mut copies = Vec::new();
         if !new.is_empty() && !s.tokens.len().is_multiple_of(bs) {
@@ -270,20 +284,28 @@ impl KvCacheManager {
         while s.blocks.len() < (s.tokens.len() + s.reserved).div_ceil(bs) {
             s.blocks.push(self.pool.allocate().expect("counted"));
         }
-        if caching {
-            let full = s.tokens.len() / bs;
-            while s.hashes.len() < full {
-                let i = s.hashes.len();
-                let parent = if i == 0 { s.root } else { s.hashes[i - 1] };
-                let chunk = &s.tokens[i * bs..(i + 1) * bs];
-                let hash = hash_block(parent, chunk);
-                // A block already cached elsewhere under this hash stays
-                // private here; the chain of hashes still continues.
-                self.pool.register(s.blocks[i], parent, hash, chunk);
-                s.hashes.push(hash);
-            }
-        }
         Ok(copies)
+    }
+
+    /// Registers in the prefix cache every full block of `h` within its first
+    /// `upto` tokens that is not registered yet (a no-op with prefix caching
+    /// off). A block whose hash another block already caches stays private;
+    /// the chain of hashes still continues past it.
+    pub fn commit(&mut self, h: SeqHandle, upto: usize) {
+        if !self.config.prefix_caching {
+            return;
+        }
+        let bs = self.bs();
+        let s = self.seqs.get_mut(&h).expect("unknown sequence handle");
+        let full = upto.min(s.tokens.len()) / bs;
+        while s.hashes.len() < full {
+            let i = s.hashes.len();
+            let parent = if i == 0 { s.root } else { s.hashes[i - 1] };
+            let chunk = &s.tokens[i * bs..(i + 1) * bs];
+            let hash = hash_block(parent, chunk);
+            self.pool.register(s.blocks[i], parent, hash, chunk);
+            s.hashes.push(hash);
+        }
     }
 
     /// Makes room for `n` speculative tokens past the sequence's end without
@@ -376,6 +398,22 @@ impl KvCacheManager {
         if let Some(s) = self.seqs.remove(&h) {
             self.pool.release_chain(&s.blocks);
         }
+    }
+
+    /// Records (or stops recording) evicted blocks; see
+    /// [`BlockPool::set_eviction_log`].
+    pub fn set_eviction_log(&mut self, on: bool) {
+        self.pool.set_eviction_log(on);
+    }
+
+    /// Cached blocks evicted since the last call (with the log on).
+    pub fn take_evicted(&mut self) -> Vec<BlockId> {
+        self.pool.take_evicted()
+    }
+
+    /// Forgets the cached prefix held by block `id`; see [`BlockPool::uncache`].
+    pub fn uncache(&mut self, id: BlockId) -> bool {
+        self.pool.uncache(id)
     }
 
     /// The block table of `h`, in token order.

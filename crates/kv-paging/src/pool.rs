@@ -31,6 +31,8 @@ pub struct BlockPool {
     cached: HashMap<BlockHash, BlockId>,
     cached_unreferenced: usize,
     evictions: u64,
+    /// Blocks evicted since the last [`BlockPool::take_evicted`], when logging is on.
+    evicted: Option<Vec<BlockId>>,
 }
 
 impl BlockPool {
@@ -62,6 +64,7 @@ impl BlockPool {
             cached: HashMap::new(),
             cached_unreferenced: 0,
             evictions: 0,
+            evicted: None,
         };
         let s = sentinel as usize;
         pool.slots[s].next = if n == 0 { sentinel } else { 0 };
@@ -158,9 +161,42 @@ impl BlockPool {
         if let Some(h) = slot.hash.take() {
             self.cached.remove(&h);
             self.evictions += 1;
+            if let Some(log) = &mut self.evicted {
+                log.push(BlockId(head));
+            }
         }
         slot.ref_count = 1;
         Some(BlockId(head))
+    }
+
+    /// Starts (or stops) recording which cached blocks allocations evict, for
+    /// a caller that keeps something per cached block (e.g. the engine cells
+    /// holding it) and must drop it when the block is reused.
+    pub fn set_eviction_log(&mut self, on: bool) {
+        self.evicted = on.then(Vec::new);
+    }
+
+    /// Cached blocks evicted since the last call, in eviction order (empty
+    /// when the log is off).
+    pub fn take_evicted(&mut self) -> Vec<BlockId> {
+        self.evicted
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// Forgets the cached prefix of block `id` (nothing will match it again);
+    /// its references are unchanged. Returns false when it was not cached.
+    pub fn uncache(&mut self, id: BlockId) -> bool {
+        let slot = &mut self.slots[id.0 as usize];
+        let Some(h) = slot.hash.take() else {
+            return false;
+        };
+        self.cached.remove(&h);
+        if slot.in_queue {
+            self.cached_unreferenced -= 1;
+        }
+        true
     }
 
     /// Takes `n` blocks, or none at all when fewer are free.

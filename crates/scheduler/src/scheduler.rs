@@ -1,7 +1,7 @@
 use std::collections::HashMap;
 
 use siliceo_core::{Priority, RequestId, TokenId};
-use siliceo_kv_paging::{BlockCopy, CacheKeys, KvCacheManager, KvConfig, SeqHandle};
+use siliceo_kv_paging::{BlockCopy, BlockId, CacheKeys, KvCacheManager, KvConfig, SeqHandle};
 
 /// Limits and policy knobs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -153,6 +153,10 @@ pub struct Preempted {
     pub mode: PreemptMode,
     /// Tokens of KV it held (what a swap saves).
     pub tokens: usize,
+    /// Its block table when it was preempted (now released). Blocks that are
+    /// still cached hold KV other requests may reuse: a runtime keeps their
+    /// cells before dropping the sequence.
+    pub blocks: Vec<BlockId>,
 }
 
 /// Why the scheduler ended a request on its own.
@@ -208,6 +212,9 @@ pub struct Step {
     pub finished: Vec<(RequestId, FinishCause)>,
     /// Block copies (copy-on-write) to make before running `items`.
     pub copies: Vec<BlockCopy>,
+    /// Cached blocks evicted while planning this step (their old content is
+    /// gone; drop whatever held it before running `items`).
+    pub evicted: Vec<BlockId>,
 }
 
 impl Step {
@@ -280,9 +287,11 @@ fn class(p: Priority) -> u64 {
 impl Scheduler {
     /// A scheduler over a fresh KV cache.
     pub fn new(cfg: SchedulerConfig, kv: KvConfig) -> Self {
+        let mut manager = KvCacheManager::new(kv);
+        manager.set_eviction_log(kv.prefix_caching);
         Scheduler {
             cfg,
-            kv: KvCacheManager::new(kv),
+            kv: manager,
             entries: HashMap::new(),
             running: Vec::new(),
             counter: 0,
@@ -372,9 +381,14 @@ impl Scheduler {
         }
     }
 
-    fn release(&mut self, id: &RequestId) -> Option<Entry> {
+    /// Removes a request; its computed full blocks are committed to the
+    /// prefix cache first unless `commit` is false (their KV is not trusted).
+    fn release(&mut self, id: &RequestId, commit: bool) -> Option<Entry> {
         let e = self.entries.remove(id)?;
         if let Some(h) = e.handle {
+            if commit {
+                self.kv.commit(h, e.computed);
+            }
             self.kv.free(h);
         }
         if e.state == State::Swapped {
@@ -387,13 +401,25 @@ impl Scheduler {
     /// Cancels a request wherever it is; its blocks are free when this returns.
     /// Returns false for an unknown id.
     pub fn cancel(&mut self, id: &RequestId) -> bool {
-        self.release(id).is_some()
+        self.release(id, true).is_some()
+    }
+
+    /// Ends a request whose last step failed in the engine: frees its blocks
+    /// without committing the failed step's blocks to the prefix cache.
+    pub fn abort(&mut self, id: &RequestId) -> bool {
+        self.release(id, false).is_some()
+    }
+
+    /// Forgets the cached prefix of block `b` (e.g. when the engine cannot keep
+    /// its KV). Returns false when it was not cached.
+    pub fn uncache(&mut self, b: BlockId) -> bool {
+        self.kv.uncache(b)
     }
 
     /// Ends a running request (end-of-sequence, stop string, error) and frees
     /// its blocks. Same as [`Scheduler::cancel`]; named for intent.
     pub fn finish(&mut self, id: &RequestId) -> bool {
-        self.release(id).is_some()
+        self.release(id, true).is_some()
     }
 
     /// Reports the token sampled for an item that wanted logits. Returns
@@ -409,7 +435,7 @@ impl Scheduler {
         e.tokens.push(token);
         e.generated += 1;
         if e.generated >= e.req.max_new_tokens || e.tokens.len() >= max_seq_len {
-            self.release(id);
+            self.release(id, true);
             return Some(FinishCause::Length);
         }
         None
@@ -467,7 +493,10 @@ impl Scheduler {
         } else {
             PreemptMode::Recompute
         };
+        let mut blocks = Vec::new();
         if let Some(h) = e.handle.take() {
+            self.kv.commit(h, held);
+            blocks = self.kv.block_table(h).to_vec();
             self.kv.free(h);
         }
         if swap {
@@ -483,6 +512,7 @@ impl Scheduler {
             id: id.clone(),
             mode,
             tokens: held,
+            blocks,
         });
     }
 
@@ -503,7 +533,7 @@ impl Scheduler {
             }
             let handle = e.handle.expect("running entry has blocks");
             let chunk = e.tokens[e.computed..e.computed + n].to_vec();
-            match self.kv.append(handle, &chunk) {
+            match self.kv.append_pending(handle, &chunk) {
                 Ok(copies) => {
                     step.copies.extend(copies);
                     let e = self.entries.get_mut(id).expect("entry");
@@ -540,6 +570,11 @@ impl Scheduler {
         let mut step = Step::default();
         for e in self.entries.values_mut() {
             e.admitted_now = false;
+            // What the last step planned has been computed: its full blocks
+            // may now be matched by others.
+            if let Some(h) = e.handle {
+                self.kv.commit(h, e.computed);
+            }
         }
         // Deadlines first: whatever expired is freed now.
         let mut expired: Vec<RequestId> = self
@@ -550,7 +585,7 @@ impl Scheduler {
             .collect();
         expired.sort();
         for id in expired {
-            self.release(&id);
+            self.release(&id, true);
             step.finished.push((id, FinishCause::Deadline));
         }
 
@@ -595,6 +630,7 @@ impl Scheduler {
                 break;
             }
         }
+        step.evicted = self.kv.take_evicted();
         step
     }
 
@@ -652,7 +688,7 @@ impl Scheduler {
             let tokens = e.tokens[..held].to_vec();
             let copies = self
                 .kv
-                .append(handle, &tokens)
+                .append_pending(handle, &tokens)
                 .expect("blocks checked above");
             step.copies.extend(copies);
             step.items.push(StepItem {

@@ -270,3 +270,57 @@ fn admission_counts_cached_blocks_without_taking_them() {
     assert_eq!(kv.blocks_needed_for_prompt(&keys, &toks(0..12), 0), 3);
     kv.check().unwrap();
 }
+
+#[test]
+fn pending_blocks_are_not_matched_until_committed() {
+    let mut kv = KvCacheManager::new(KvConfig {
+        num_blocks: 8,
+        block_size: 4,
+        prefix_caching: true,
+    });
+    let keys = CacheKeys::new("m", "f16");
+    let prompt = toks(0..9);
+    let a = kv.new_sequence(&keys);
+    kv.append_pending(a, &prompt).unwrap();
+    assert!(
+        kv.peek_prefix(keys.root_hash(), &prompt).is_empty(),
+        "planned tokens must not be matched before their KV exists"
+    );
+    // Commit only what was computed: the first block.
+    kv.commit(a, 5);
+    assert_eq!(kv.peek_prefix(keys.root_hash(), &prompt).len(), 1);
+    kv.commit(a, 9);
+    assert_eq!(kv.peek_prefix(keys.root_hash(), &prompt).len(), 2);
+    kv.check().unwrap();
+}
+
+#[test]
+fn eviction_log_names_reused_cached_blocks_and_uncache_forgets() {
+    let mut kv = KvCacheManager::new(KvConfig {
+        num_blocks: 4,
+        block_size: 2,
+        prefix_caching: true,
+    });
+    kv.set_eviction_log(true);
+    let keys = CacheKeys::new("m", "f16");
+    let a = kv.new_sequence(&keys);
+    kv.append(a, &toks(0..4)).unwrap();
+    let table = kv.block_table(a).to_vec();
+    kv.free(a);
+    assert_eq!(kv.stats().cached_unreferenced_blocks, 2);
+    assert!(kv.take_evicted().is_empty());
+    // Uncaching one leaves the other findable.
+    assert!(kv.uncache(table[1]));
+    assert!(!kv.uncache(table[1]));
+    assert_eq!(kv.stats().cached_unreferenced_blocks, 1);
+    assert_eq!(
+        kv.peek_prefix(keys.root_hash(), &toks(0..5)),
+        vec![table[0]]
+    );
+    // Taking all four blocks evicts the one still cached, and the log says so.
+    let b = kv.new_sequence(&keys);
+    kv.append(b, &toks(100..108)).unwrap();
+    assert_eq!(kv.take_evicted(), vec![table[0]]);
+    assert!(kv.take_evicted().is_empty());
+    kv.check().unwrap();
+}

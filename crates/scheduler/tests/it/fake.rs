@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 
 use siliceo_core::{RequestId, TokenId};
+use siliceo_kv_paging::BlockId;
 use siliceo_scheduler::{ItemKind, PreemptMode, Preempted, Request, Scheduler, Step};
 
 pub fn prompt(id: &str, len: usize) -> Vec<TokenId> {
@@ -42,6 +43,9 @@ pub struct FakeEngine {
     /// KV saved to "host memory" by swap preemptions.
     swapped: HashMap<RequestId, Vec<TokenId>>,
     outputs: HashMap<RequestId, Vec<TokenId>>,
+    /// What each block's KV holds, as computed (the engine's cells): a prefix
+    /// hit must land on blocks whose KV really was computed.
+    blocks: HashMap<BlockId, Vec<TokenId>>,
     pub preemptions: Vec<Preempted>,
 }
 
@@ -61,6 +65,10 @@ impl FakeEngine {
         for (id, _) in &step.finished {
             self.forget(id);
         }
+        for b in &step.evicted {
+            self.blocks.remove(b);
+        }
+        let bs = s.kv().config().block_size as usize;
         for p in &step.preempted {
             let kv = self
                 .kv
@@ -97,7 +105,18 @@ impl FakeEngine {
             {
                 // Prefix served from the cache: the runtime copies those cells.
                 assert!(cached_tokens == 0 || cached_tokens == item.start_pos);
-                kv.extend_from_slice(&s.kv().tokens(item.handle)[..item.start_pos]);
+                let want = &s.kv().tokens(item.handle)[..item.start_pos];
+                let table = s.kv().block_table(item.handle);
+                for (i, chunk) in want.chunks(bs).enumerate() {
+                    assert_eq!(
+                        self.blocks.get(&table[i]).map(Vec::as_slice),
+                        Some(chunk),
+                        "{}: prefix hit on block {:?} whose KV was never computed",
+                        item.id,
+                        table[i]
+                    );
+                }
+                kv.extend_from_slice(want);
             }
             assert_eq!(
                 item.start_pos,
@@ -108,6 +127,10 @@ impl FakeEngine {
                 kv.len()
             );
             kv.extend_from_slice(&item.tokens);
+            let table = s.kv().block_table(item.handle);
+            for (i, chunk) in kv.chunks_exact(bs).enumerate() {
+                self.blocks.insert(table[i], chunk.to_vec());
+            }
             if item.wants_logits {
                 sampled.push((item.id.clone(), next_token(kv)));
             }

@@ -402,3 +402,46 @@ proptest! {
         prop_assert_eq!(s.stats().swapped_tokens, 0);
     }
 }
+
+#[test]
+fn blocks_still_being_computed_are_not_matched() {
+    // `a` prefills 330 tokens in chunks of 200; `b` (same prompt) is admitted
+    // in the second step, while `a`'s blocks 3 and 4 are being computed in that
+    // very step: `b` may reuse only the three blocks computed in the first.
+    let mut s = sched(
+        SchedulerConfig {
+            max_batch_tokens: 200,
+            ..SchedulerConfig::default()
+        },
+        64,
+    );
+    let mut e = FakeEngine::default();
+    let p = prompt("shared", 330);
+    let mk = |id: &str| {
+        Request::new(
+            RequestId::from(id),
+            p.clone(),
+            3,
+            keys(),
+            Priority::Normal,
+            0,
+        )
+    };
+    s.add(mk("a")).unwrap();
+    let step = s.schedule(0);
+    assert_eq!(step.num_tokens(), 200);
+    e.apply(&mut s, &step);
+    s.add(mk("b")).unwrap();
+    let step = s.schedule(0);
+    let b = step
+        .items
+        .iter()
+        .find(|i| i.id.0 == "b")
+        .expect("b admitted");
+    assert_eq!(b.kind, ItemKind::Prefill { cached_tokens: 192 });
+    e.apply(&mut s, &step);
+    e.run(&mut s, 0, 100);
+    assert_eq!(e.output(&RequestId::from("a")), solo(&mk("a")));
+    assert_eq!(e.output(&RequestId::from("b")), solo(&mk("b")));
+    s.check().unwrap();
+}
