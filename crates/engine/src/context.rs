@@ -482,6 +482,17 @@ impl<'m> Context<'m> {
         Ok((self.ctx.kv_cache_seq_pos_max(s) + 1).max(0) as u32)
     }
 
+    /// The smallest and largest position `seq` has cells for, or `None` when
+    /// it has none. (llama.cpp does not say how many cells a sequence holds.)
+    pub fn seq_pos_range(&self, seq: SeqId) -> Result<Option<(u32, u32)>, EngineError> {
+        let s = self.check_seq(seq)?;
+        let (lo, hi) = (
+            self.ctx.kv_cache_seq_pos_min(s),
+            self.ctx.kv_cache_seq_pos_max(s),
+        );
+        Ok((lo >= 0 && hi >= lo).then_some((lo as u32, hi as u32)))
+    }
+
     /// Forgets everything in the cache.
     pub fn clear(&mut self) {
         self.ctx.clear_kv_cache();

@@ -6,8 +6,10 @@ use std::time::Instant;
 use crossbeam_channel::{Receiver, Sender};
 use siliceo_core::{FinishReason, ModelGeometry, RequestId, Sampler, SeqId, TokenId};
 use siliceo_engine::{Batch, Context, Model, SeqSnapshot, TokenText};
-use siliceo_kv_paging::{CacheKeys, KvConfig};
+use siliceo_kv_paging::{BlockId, CacheKeys, KvConfig, SeqHandle};
 use siliceo_scheduler::{FinishCause, ItemKind, PreemptMode, Request, Scheduler};
+
+use crate::holders::Holders;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::{
@@ -21,6 +23,7 @@ struct Live<'m> {
     seq: Option<SeqId>,
     snapshot: Option<SeqSnapshot>,
     prompt_tokens: u32,
+    cached_prompt_tokens: u32,
     completion_tokens: u32,
     submitted: Instant,
     first_scheduled: Option<Instant>,
@@ -33,7 +36,7 @@ impl Live<'_> {
         let now = Instant::now();
         Usage {
             prompt_tokens: self.prompt_tokens,
-            cached_prompt_tokens: 0,
+            cached_prompt_tokens: self.cached_prompt_tokens,
             completion_tokens: self.completion_tokens,
             queue_ms: self.first_scheduled.map_or(0, |t| ms(self.submitted, t)),
             ttft_ms: self.first_token.map_or(0, |t| ms(self.submitted, t)),
@@ -48,7 +51,11 @@ struct Engine<'m> {
     sched: Scheduler,
     keys: CacheKeys,
     live: HashMap<RequestId, Live<'m>>,
+    /// Request sequence ids not in use (`0..max_running`).
     free_seqs: Vec<SeqId>,
+    max_running: u32,
+    holders: Holders,
+    block_size: u32,
     epoch: Instant,
     batch: Batch,
     steps: u64,
@@ -82,7 +89,14 @@ pub(crate) fn run(
         }
     };
     let mut opts = cfg.context.clone();
-    opts.n_seq_max = cfg.scheduler.max_running_seqs.clamp(1, 256) as u32;
+    // llama.cpp allows 256 sequence ids: requests first, then holders.
+    let max_running = cfg.scheduler.max_running_seqs.clamp(1, 256) as u32;
+    let n_holders = if cfg.prefix_caching {
+        cfg.prefix_holders.min(256 - max_running)
+    } else {
+        0
+    };
+    opts.n_seq_max = max_running + n_holders;
     let ctx = match Context::new(&model, opts) {
         Ok(c) => c,
         Err(e) => {
@@ -94,7 +108,7 @@ pub(crate) fn run(
     let mut sched_cfg = cfg.scheduler;
     sched_cfg.max_batch_tokens = sched_cfg.max_batch_tokens.min(ctx.n_batch() as usize);
     sched_cfg.max_seq_len = sched_cfg.max_seq_len.min(n_ctx as usize);
-    sched_cfg.max_running_seqs = ctx.n_seq_max() as usize;
+    sched_cfg.max_running_seqs = max_running as usize;
     let bs = cfg.block_size.max(1);
     // Blocks cover the context's cells, less one block of slack for where
     // llama.cpp places a batch.
@@ -104,13 +118,16 @@ pub(crate) fn run(
         KvConfig {
             num_blocks,
             block_size: bs,
-            prefix_caching: false,
+            prefix_caching: n_holders > 0,
         },
     );
     let kv_format = format!("{}/{}", cfg.context.type_k, cfg.context.type_v);
     let mut engine = Engine {
         model: &model,
-        free_seqs: (0..ctx.n_seq_max()).rev().map(SeqId).collect(),
+        free_seqs: (0..max_running).rev().map(SeqId).collect(),
+        max_running,
+        holders: Holders::new(max_running, n_holders),
+        block_size: bs,
         ctx,
         sched,
         keys: CacheKeys::new(model.path().display().to_string(), kv_format),
@@ -122,7 +139,13 @@ pub(crate) fn run(
         decode_us: 0,
     };
     let _ = ready.send(Ok((model.geometry(), n_ctx)));
-    tracing::info!(n_ctx, num_blocks, block_size = bs, "engine ready");
+    tracing::info!(
+        n_ctx,
+        num_blocks,
+        block_size = bs,
+        prefix_holders = n_holders,
+        "engine ready"
+    );
     engine.serve(&rx);
 }
 
@@ -149,6 +172,9 @@ impl<'m> Engine<'m> {
                     Command::Stats(tx) => {
                         let _ = tx.send(self.stats());
                     }
+                    Command::CheckKv(tx) => {
+                        let _ = tx.send(self.check_kv());
+                    }
                     Command::Shutdown => return self.shutdown(),
                 }
             }
@@ -171,7 +197,7 @@ impl<'m> Engine<'m> {
     fn stats(&self) -> RuntimeStats {
         let s = self.sched.stats();
         let kv = self.sched.kv().stats();
-        let llama_cells = (0..self.ctx.n_seq_max())
+        let llama_cells = (0..self.max_running)
             .map(|i| u64::from(self.ctx.seq_len(SeqId(i)).unwrap_or(0)))
             .sum();
         RuntimeStats {
@@ -179,7 +205,12 @@ impl<'m> Engine<'m> {
             running: s.running,
             kv_used_blocks: kv.used_blocks,
             kv_free_blocks: kv.free_blocks,
-            seq_ids_in_use: self.ctx.n_seq_max() as usize - self.free_seqs.len(),
+            kv_cached_blocks: kv.cached_unreferenced_blocks,
+            prefix_hit_tokens: kv.hit_tokens,
+            prefix_miss_tokens: kv.miss_tokens,
+            prefix_evictions: kv.evictions,
+            seq_ids_in_use: self.max_running as usize - self.free_seqs.len(),
+            held_blocks: self.holders.len(),
             llama_cells,
             preemptions: s.preemptions,
             steps: self.steps,
@@ -289,6 +320,7 @@ impl<'m> Engine<'m> {
                 seq: None,
                 snapshot: None,
                 prompt_tokens: tokens.len() as u32,
+                cached_prompt_tokens: 0,
                 completion_tokens: 0,
                 submitted,
                 first_scheduled: None,
@@ -297,20 +329,136 @@ impl<'m> Engine<'m> {
         );
     }
 
-    /// Releases a request's engine sequence (its KV cells) and id.
-    fn drop_seq(&mut self, id: &RequestId) {
-        if let Some(live) = self.live.get_mut(id)
-            && let Some(seq) = live.seq.take()
-        {
-            let _ = self.ctx.seq_rm(seq, None, None);
-            self.free_seqs.push(seq);
+    /// Gives up a request's engine sequence: every block of `blocks` that
+    /// the prefix cache still holds and no running request references is
+    /// tagged into a holder sequence first (or dropped from the cache when no
+    /// holder has room at its position); then the sequence's cells are
+    /// removed and its id is free again.
+    fn retire(&mut self, seq: SeqId, blocks: &[BlockId]) {
+        let bs = self.block_size;
+        for (i, &b) in blocks.iter().enumerate() {
+            let pool = self.sched.kv().pool();
+            if !pool.is_cached(b) || pool.ref_count(b) > 0 || self.holders.get(b).is_some() {
+                continue;
+            }
+            let i = i as u32;
+            let kept = match self.holders.place(b, i) {
+                Some(h) => match self.ctx.seq_cp(seq, h, Some(i * bs), Some((i + 1) * bs)) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "could not keep a cached block");
+                        self.holders.remove(b);
+                        false
+                    }
+                },
+                None => false,
+            };
+            if !kept {
+                self.sched.uncache(b);
+            }
         }
+        if let Err(e) = self.ctx.seq_rm(seq, None, None) {
+            tracing::error!(error = %e, seq = seq.0, "could not free a sequence's cells");
+        }
+        self.free_seqs.push(seq);
+    }
+
+    /// Drops the cells of cached blocks the scheduler just evicted.
+    fn evict(&mut self, blocks: &[BlockId]) {
+        let bs = self.block_size;
+        for &b in blocks {
+            if let Some((h, i)) = self.holders.remove(b)
+                && let Err(e) = self.ctx.seq_rm(h, Some(i * bs), Some((i + 1) * bs))
+            {
+                tracing::error!(error = %e, "could not drop an evicted block's cells");
+            }
+        }
+    }
+
+    /// Tags the cells of the cached blocks that start `handle`'s table (its
+    /// first `n_tokens` tokens, a prefix-cache hit) into `seq`. A block's cells
+    /// come from its holder or from any sequence (running, or retiring in this
+    /// step) whose table has it at the same position.
+    fn copy_prefix(
+        &mut self,
+        id: &RequestId,
+        handle: SeqHandle,
+        seq: SeqId,
+        n_tokens: usize,
+        retiring: &[(SeqId, Vec<BlockId>)],
+    ) -> Result<(), RuntimeError> {
+        let bs = self.block_size as usize;
+        let kv = self.sched.kv();
+        let table = kv.block_table(handle);
+        let mut holding: Vec<(SeqId, &[BlockId])> = self
+            .live
+            .iter()
+            .filter(|(other, _)| *other != id)
+            .filter_map(|(other, l)| Some((l.seq?, kv.block_table(self.sched.handle(other)?))))
+            .collect();
+        holding.extend(retiring.iter().map(|(s, b)| (*s, b.as_slice())));
+        let mut sources = Vec::with_capacity(n_tokens / bs);
+        for (i, &b) in table.iter().enumerate().take(n_tokens / bs) {
+            let src = self.holders.get(b).or_else(|| {
+                holding
+                    .iter()
+                    .find(|(_, t)| t.get(i) == Some(&b))
+                    .map(|(s, _)| *s)
+            });
+            sources.push(src.ok_or_else(|| {
+                RuntimeError::Engine(format!(
+                    "prefix cache: no KV found for cached block {} at position {}",
+                    b.0,
+                    i * bs
+                ))
+            })?);
+        }
+        // One seq_cp per run of blocks with the same source.
+        let mut i = 0;
+        while i < sources.len() {
+            let j = (i..sources.len())
+                .find(|&j| sources[j] != sources[i])
+                .unwrap_or(sources.len());
+            self.ctx
+                .seq_cp(
+                    sources[i],
+                    seq,
+                    Some((i * bs) as u32),
+                    Some((j * bs) as u32),
+                )
+                .map_err(|e| RuntimeError::Engine(e.to_string()))?;
+            i = j;
+        }
+        Ok(())
     }
 
     /// Ends a request: frees its blocks, cells and id, sends `Done`.
     fn end(&mut self, id: &RequestId, reason: FinishReason, error: Option<RuntimeError>) {
-        self.sched.finish(id);
-        self.drop_seq(id);
+        self.close(id, reason, error, false);
+    }
+
+    /// [`end`](Self::end); with `abort`, the blocks of the step that failed are
+    /// not offered to the prefix cache.
+    fn close(
+        &mut self,
+        id: &RequestId,
+        reason: FinishReason,
+        error: Option<RuntimeError>,
+        abort: bool,
+    ) {
+        let blocks = self
+            .sched
+            .handle(id)
+            .map(|h| self.sched.kv().block_table(h).to_vec())
+            .unwrap_or_default();
+        if abort {
+            self.sched.abort(id);
+        } else {
+            self.sched.finish(id);
+        }
+        if let Some(seq) = self.live.get_mut(id).and_then(|l| l.seq.take()) {
+            self.retire(seq, &blocks);
+        }
         if let Some(mut live) = self.live.remove(id) {
             if reason != FinishReason::Stop && reason != FinishReason::Error {
                 // Release text held back for a possible stop string or a split character.
@@ -329,30 +477,40 @@ impl<'m> Engine<'m> {
     fn step(&mut self) {
         let now = self.now_ms();
         let step = self.sched.schedule(now);
-        for (id, cause) in &step.finished {
-            let reason = match cause {
+        debug_assert!(
+            step.copies.is_empty(),
+            "block copies arise only from forks and truncation, which the runtime does not use"
+        );
+        // Evicted blocks' cells go first: the step's new blocks need the room.
+        self.evict(&step.evicted);
+        // Sequences leaving this step keep their cells until the batch is
+        // built: a request admitted now may reuse their cached blocks.
+        let mut retiring: Vec<(SeqId, Vec<BlockId>)> = Vec::new();
+        for f in &step.finished {
+            if let Some(seq) = self.live.get_mut(&f.id).and_then(|l| l.seq.take()) {
+                retiring.push((seq, f.blocks.clone()));
+            }
+            let reason = match f.cause {
                 FinishCause::Length => FinishReason::Length,
                 FinishCause::Deadline => FinishReason::Cancelled,
             };
-            self.end(id, reason, None);
+            self.end(&f.id, reason, None);
         }
+        let mut failed = Vec::new();
         for p in &step.preempted {
             let Some(live) = self.live.get_mut(&p.id) else {
                 continue;
             };
-            if p.mode == PreemptMode::Swap
-                && let Some(seq) = live.seq
-            {
+            let Some(seq) = live.seq.take() else {
+                continue;
+            };
+            if p.mode == PreemptMode::Swap {
                 match self.ctx.save_seq(seq) {
                     Ok(snap) => live.snapshot = Some(snap),
-                    Err(e) => {
-                        let err = RuntimeError::Engine(e.to_string());
-                        self.end(&p.id.clone(), FinishReason::Error, Some(err));
-                        continue;
-                    }
+                    Err(e) => failed.push((p.id.clone(), RuntimeError::Engine(e.to_string()))),
                 }
             }
-            self.drop_seq(&p.id);
+            retiring.push((seq, p.blocks.clone()));
         }
         self.batch.clear();
         let mut want: Vec<(RequestId, usize)> = Vec::new();
@@ -362,13 +520,19 @@ impl<'m> Engine<'m> {
                 continue;
             };
             live.first_scheduled.get_or_insert(started);
+            if let ItemKind::Prefill { cached_tokens } = item.kind
+                && cached_tokens > 0
+            {
+                live.cached_prompt_tokens = cached_tokens as u32;
+            }
+            let fresh = live.seq.is_none();
             let seq = match live.seq {
                 Some(s) => s,
                 None => {
                     let s = self
                         .free_seqs
                         .pop()
-                        .expect("scheduler runs at most n_seq_max sequences");
+                        .expect("scheduler runs at most max_running sequences");
                     live.seq = Some(s);
                     s
                 }
@@ -384,6 +548,15 @@ impl<'m> Engine<'m> {
                 }
                 continue;
             }
+            if fresh
+                && item.start_pos > 0
+                && let Err(e) =
+                    self.copy_prefix(&item.id, item.handle, seq, item.start_pos, &retiring)
+            {
+                tracing::error!(error = %e, "prefix reuse failed");
+                self.end(&item.id.clone(), FinishReason::Error, Some(e));
+                continue;
+            }
             let n = item.tokens.len();
             for (i, &t) in item.tokens.iter().enumerate() {
                 let logits = item.wants_logits && i + 1 == n;
@@ -392,6 +565,12 @@ impl<'m> Engine<'m> {
                     want.push((item.id.clone(), idx));
                 }
             }
+        }
+        for (seq, blocks) in retiring {
+            self.retire(seq, &blocks);
+        }
+        for (id, err) in failed {
+            self.end(&id, FinishReason::Error, Some(err));
         }
         if self.batch.is_empty() {
             return;
@@ -403,13 +582,78 @@ impl<'m> Engine<'m> {
             tracing::error!(error = %e, tokens = self.batch.len(), "decode failed; failing the step's requests");
             let err = RuntimeError::Engine(e.to_string());
             for item in &step.items {
-                self.end(&item.id, FinishReason::Error, Some(err.clone()));
+                self.close(&item.id, FinishReason::Error, Some(err.clone()), true);
             }
             return;
         }
         for (id, idx) in want {
             self.sample(&id, idx);
         }
+    }
+
+    /// Checks that llama.cpp's cells agree with the block accounting: every
+    /// request sequence holds exactly positions `0..computed`, every holder
+    /// exactly its blocks' positions, free ids nothing; every cached block
+    /// nobody references is held and every held block is cached.
+    fn check_kv(&self) -> Result<(), String> {
+        self.sched.check()?;
+        let bs = self.block_size;
+        let range = |seq: SeqId| {
+            self.ctx
+                .seq_pos_range(seq)
+                .map_err(|e| format!("seq {}: {e}", seq.0))
+        };
+        let mut in_use = std::collections::HashSet::new();
+        for (id, live) in &self.live {
+            let Some(seq) = live.seq else { continue };
+            in_use.insert(seq);
+            let Some(h) = self.sched.handle(id) else {
+                return Err(format!("{id} holds seq {} but no blocks", seq.0));
+            };
+            let n = self.sched.kv().num_tokens(h) as u32;
+            let want = (n > 0).then(|| (0, n - 1));
+            let got = range(seq)?;
+            if got != want {
+                return Err(format!(
+                    "{id} (seq {}): llama.cpp holds positions {got:?}, blocks say {want:?}",
+                    seq.0
+                ));
+            }
+        }
+        for s in (0..self.max_running).map(SeqId) {
+            if !in_use.contains(&s) && !self.free_seqs.contains(&s) {
+                return Err(format!("seq {} is neither used nor free (leaked)", s.0));
+            }
+            if self.free_seqs.contains(&s) && range(s)?.is_some() {
+                return Err(format!("free seq {} still holds cells", s.0));
+            }
+        }
+        for h in self.holders.seq_ids() {
+            let idx = self.holders.indices(h);
+            let want = idx
+                .first()
+                .zip(idx.last())
+                .map(|(lo, hi)| (lo * bs, (hi + 1) * bs - 1));
+            let got = range(h)?;
+            if got != want {
+                return Err(format!(
+                    "holder {}: llama.cpp holds positions {got:?}, blocks at indices {idx:?}",
+                    h.0
+                ));
+            }
+        }
+        let pool = self.sched.kv().pool();
+        for b in self.holders.blocks() {
+            if !pool.is_cached(b) {
+                return Err(format!("held block {} is no longer cached", b.0));
+            }
+        }
+        for b in (0..pool.num_blocks() as u32).map(BlockId) {
+            if pool.is_cached(b) && pool.ref_count(b) == 0 && self.holders.get(b).is_none() {
+                return Err(format!("cached block {} has no KV left", b.0));
+            }
+        }
+        Ok(())
     }
 
     /// Samples the next token of `id` from batch index `idx` and streams it.
@@ -436,7 +680,10 @@ impl<'m> Engine<'m> {
         if closed {
             return self.end(id, FinishReason::Cancelled, None);
         }
-        if self.sched.on_token(id, token) == Some(FinishCause::Length) {
+        if let Some(f) = self.sched.on_token(id, token) {
+            if let Some(seq) = self.live.get_mut(id).and_then(|l| l.seq.take()) {
+                self.retire(seq, &f.blocks);
+            }
             self.end(id, FinishReason::Length, None);
         }
     }

@@ -13,9 +13,11 @@
 //! state) or recomputed, and continue with the same sampler, so their output
 //! does not change.
 //!
-//! **Not yet here** (runtime issue, next steps): mapping the prefix cache onto
-//! llama.cpp cells (holder sequences and `seq_cp`), so the scheduler runs with
-//! prefix caching off for now; speculative decoding.
+//! Prompt prefixes are cached in full blocks and reused across requests: the
+//! cells of a cached block stay tagged by a request's sequence while it runs
+//! and by a *holder* sequence after it ends; a hit tags them into the new
+//! request's sequence (`seq_cp`), an eviction untags them (`seq_rm`). See
+//! `holders.rs` and [`Runtime::check_kv`].
 //!
 //! ```no_run
 //! use siliceo_runtime::{Event, GenerateRequest, Input, Runtime, RuntimeConfig};
@@ -36,6 +38,7 @@
 #![deny(missing_docs)]
 
 mod engine_loop;
+mod holders;
 mod types;
 
 pub use types::{
@@ -58,6 +61,7 @@ pub(crate) enum Command {
     ),
     Cancel(RequestId),
     Stats(crossbeam_channel::Sender<RuntimeStats>),
+    CheckKv(crossbeam_channel::Sender<Result<(), String>>),
     Shutdown,
 }
 
@@ -78,6 +82,7 @@ impl std::fmt::Debug for Command {
             Command::Submit(_, id, _) => write!(f, "Submit({id})"),
             Command::Cancel(id) => write!(f, "Cancel({id})"),
             Command::Stats(_) => f.write_str("Stats"),
+            Command::CheckKv(_) => f.write_str("CheckKv"),
             Command::Shutdown => f.write_str("Shutdown"),
         }
     }
@@ -152,6 +157,17 @@ impl Runtime {
             .send(Command::Stats(tx))
             .map_err(|_| RuntimeError::Stopped)?;
         rx.recv().map_err(|_| RuntimeError::Stopped)
+    }
+
+    /// Checks, between steps, that llama.cpp's KV cells agree with the block
+    /// accounting (request and holder sequences, cached blocks); returns what
+    /// disagrees. For tests and debugging.
+    pub fn check_kv(&self) -> Result<(), String> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.tx
+            .send(Command::CheckKv(tx))
+            .map_err(|_| RuntimeError::Stopped.to_string())?;
+        rx.recv().map_err(|_| RuntimeError::Stopped.to_string())?
     }
 
     /// Stops the engine thread after cancelling what is in flight.

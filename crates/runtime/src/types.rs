@@ -20,11 +20,19 @@ pub struct RuntimeConfig {
     pub scheduler: SchedulerConfig,
     /// Tokens per KV block.
     pub block_size: u32,
+    /// Reuse the KV of prompt prefixes computed before (automatic prefix
+    /// caching over full blocks, LRU eviction).
+    pub prefix_caching: bool,
+    /// llama.cpp sequence ids set aside to keep cached blocks alive after the
+    /// requests that computed them end. Each holds at most one cached block per
+    /// block position, so this bounds how many different cached prefixes can
+    /// share a position; a block that finds no holder is dropped from the cache.
+    pub prefix_holders: u32,
 }
 
 impl RuntimeConfig {
     /// Defaults for `model_path`: 4096-token context, 8 running sequences,
-    /// 256-token steps, 64-token blocks.
+    /// 256-token steps, 64-token blocks, prefix caching with 16 holder sequences.
     pub fn new(model_path: impl Into<PathBuf>) -> Self {
         RuntimeConfig {
             model_path: model_path.into(),
@@ -41,6 +49,8 @@ impl RuntimeConfig {
                 ..SchedulerConfig::default()
             },
             block_size: 64,
+            prefix_caching: true,
+            prefix_holders: 16,
         }
     }
 }
@@ -176,10 +186,21 @@ pub struct RuntimeStats {
     pub running: usize,
     /// KV blocks referenced.
     pub kv_used_blocks: usize,
-    /// KV blocks free.
+    /// KV blocks free (cached-but-unreferenced ones included: taking them
+    /// evicts their prefix).
     pub kv_free_blocks: usize,
-    /// llama.cpp sequence ids in use.
+    /// Unreferenced blocks still holding a cached prefix.
+    pub kv_cached_blocks: usize,
+    /// Prompt tokens served from the prefix cache so far.
+    pub prefix_hit_tokens: u64,
+    /// Prompt tokens computed because the cache did not have them.
+    pub prefix_miss_tokens: u64,
+    /// Cached blocks evicted so far.
+    pub prefix_evictions: u64,
+    /// llama.cpp sequence ids in use by requests (holders not counted).
     pub seq_ids_in_use: usize,
+    /// Cached blocks kept alive by holder sequence ids.
+    pub held_blocks: usize,
     /// KV positions llama.cpp holds over all sequence ids.
     pub llama_cells: u64,
     /// Preemptions so far.

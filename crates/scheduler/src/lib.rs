@@ -49,8 +49,8 @@
 mod scheduler;
 
 pub use scheduler::{
-    FinishCause, ItemKind, PreemptMode, Preempted, Rejected, Request, Scheduler, SchedulerConfig,
-    SchedulerStats, Step, StepItem,
+    FinishCause, Finished, ItemKind, PreemptMode, Preempted, Rejected, Request, Scheduler,
+    SchedulerConfig, SchedulerStats, Step, StepItem,
 };
 pub use siliceo_core::Priority;
 pub use siliceo_kv_paging::KvCacheManager;

@@ -168,6 +168,17 @@ pub enum FinishCause {
     Deadline,
 }
 
+/// A request the scheduler ended on its own while planning a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Finished {
+    /// The request.
+    pub id: RequestId,
+    /// Why.
+    pub cause: FinishCause,
+    /// Its block table when it ended (now released); see [`Preempted::blocks`].
+    pub blocks: Vec<BlockId>,
+}
+
 /// What an item of a step asks the engine to do.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ItemKind {
@@ -209,7 +220,7 @@ pub struct Step {
     /// Sequences preempted; handle these before running `items`.
     pub preempted: Vec<Preempted>,
     /// Requests the scheduler ended (deadlines), already freed.
-    pub finished: Vec<(RequestId, FinishCause)>,
+    pub finished: Vec<Finished>,
     /// Block copies (copy-on-write) to make before running `items`.
     pub copies: Vec<BlockCopy>,
     /// Cached blocks evicted while planning this step (their old content is
@@ -422,9 +433,10 @@ impl Scheduler {
         self.release(id, true).is_some()
     }
 
-    /// Reports the token sampled for an item that wanted logits. Returns
-    /// `Some(Length)` when the request is now finished (and freed).
-    pub fn on_token(&mut self, id: &RequestId, token: TokenId) -> Option<FinishCause> {
+    /// Reports the token sampled for an item that wanted logits. Returns the
+    /// request, now finished and freed, when it reached `max_new_tokens` or
+    /// `max_seq_len` (cause `Length`).
+    pub fn on_token(&mut self, id: &RequestId, token: TokenId) -> Option<Finished> {
         let max_seq_len = self.cfg.max_seq_len;
         let e = self.entries.get_mut(id)?;
         debug_assert!(
@@ -435,8 +447,16 @@ impl Scheduler {
         e.tokens.push(token);
         e.generated += 1;
         if e.generated >= e.req.max_new_tokens || e.tokens.len() >= max_seq_len {
+            let blocks = e
+                .handle
+                .map(|h| self.kv.block_table(h).to_vec())
+                .unwrap_or_default();
             self.release(id, true);
-            return Some(FinishCause::Length);
+            return Some(Finished {
+                id: id.clone(),
+                cause: FinishCause::Length,
+                blocks,
+            });
         }
         None
     }
@@ -585,8 +605,18 @@ impl Scheduler {
             .collect();
         expired.sort();
         for id in expired {
+            let blocks = self
+                .entries
+                .get(&id)
+                .and_then(|e| e.handle)
+                .map(|h| self.kv.block_table(h).to_vec())
+                .unwrap_or_default();
             self.release(&id, true);
-            step.finished.push((id, FinishCause::Deadline));
+            step.finished.push(Finished {
+                id,
+                cause: FinishCause::Deadline,
+                blocks,
+            });
         }
 
         let mut budget = self.cfg.max_batch_tokens;

@@ -27,12 +27,13 @@ const PROMPTS: [&str; 8] = [
     "In 1969, the first humans",
 ];
 
-/// Greedy reference: each prompt generated alone by the engine, with the gap
-/// between the best and second-best logit at every step.
+/// Greedy reference: each prompt generated alone by the engine, with, at every
+/// step, the gap between the best and second-best logit and the other tokens
+/// whose logits are within `NEAR_TIE` of the best.
 struct Reference {
     tokens: Vec<TokenId>,
     margins: Vec<f32>,
-    runner_up: Vec<TokenId>,
+    near: Vec<Vec<TokenId>>,
 }
 
 fn alone(prompts: &[&str], max_tokens: u32) -> Vec<Reference> {
@@ -54,22 +55,22 @@ fn alone(prompts: &[&str], max_tokens: u32) -> Vec<Reference> {
             let mut r = Reference {
                 tokens: Vec::new(),
                 margins: Vec::new(),
-                runner_up: Vec::new(),
+                near: Vec::new(),
             };
             for _ in 0..max_tokens {
                 let mut idx: Vec<usize> = (0..logits.len()).collect();
-                idx.select_nth_unstable_by(1, |a, b| {
-                    logits[*b].total_cmp(&logits[*a]).then(a.cmp(b))
-                });
-                let (best, second) = if logits[idx[0]] >= logits[idx[1]] {
-                    (idx[0], idx[1])
-                } else {
-                    (idx[1], idx[0])
-                };
+                idx.sort_by(|a, b| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b)));
+                let (best, second) = (idx[0], idx[1]);
                 let t = TokenId(best as u32);
                 r.tokens.push(t);
                 r.margins.push(logits[best] - logits[second]);
-                r.runner_up.push(TokenId(second as u32));
+                r.near.push(
+                    idx[1..]
+                        .iter()
+                        .take_while(|i| logits[best] - logits[**i] < NEAR_TIE)
+                        .map(|i| TokenId(*i as u32))
+                        .collect(),
+                );
                 let mut b = siliceo_engine::Batch::new();
                 let i = b.push(t, toks.len() as u32, SeqId(0), true);
                 toks.push(t);
@@ -86,21 +87,21 @@ fn alone(prompts: &[&str], max_tokens: u32) -> Vec<Reference> {
 /// differently (holes left by finished or preempted sequences, a swap-in, a
 /// recompute) rounds differently, and this model amplifies rounding: perturbing
 /// attention by one ulp moves its logits by up to ~1 (docs/DESIGN facts). A flip
-/// is accepted only at the first divergence, only where the reference's top two
-/// logits are within `NEAR_TIE`, and only to the reference's runner-up — a
-/// scheduling bug (wrong position, lost or repeated token) fails this.
+/// is accepted only at the first divergence, and only to a token whose logit in
+/// the reference is within `NEAR_TIE` of the best one — a scheduling bug (wrong
+/// position, lost or repeated token, another request's KV) fails this.
 const NEAR_TIE: f32 = 0.5;
 
 fn assert_same_or_near_tie(got: &[TokenId], want: &Reference, what: &str) {
     assert_eq!(got.len(), want.tokens.len(), "{what}: lengths differ");
     if let Some(k) = got.iter().zip(&want.tokens).position(|(a, b)| a != b) {
         assert!(
-            want.margins[k] < NEAR_TIE && got[k] == want.runner_up[k],
-            "{what}: diverged at token {k} where the reference margin is {} (got {}, want {}, runner-up {})",
+            want.near[k].contains(&got[k]),
+            "{what}: diverged at token {k} where the reference margin is {} (got {}, want {}, near ties {:?})",
             want.margins[k],
             got[k],
             want.tokens[k],
-            want.runner_up[k]
+            want.near[k]
         );
         eprintln!(
             "{what}: near-tie flip at token {k} (margin {})",
@@ -134,6 +135,7 @@ fn assert_clean(rt: &Runtime) {
         (0, 0, 0, 0, 0),
         "{s:?}"
     );
+    rt.check_kv().unwrap();
 }
 
 #[test]
@@ -317,5 +319,124 @@ fn thirty_two_mixed_requests_on_a_small_cache_complete_without_leaks() {
         assert_eq!(usage.completion_tokens as usize, tokens.len());
         assert!(usage.ttft_ms >= usage.queue_ms);
     }
+    assert_clean(&rt);
+}
+
+/// A shared prefix of more than three 64-token blocks.
+const SYSTEM: &str = "You are a careful assistant for a small hardware shop. The shop sells \
+    screws, nails, hinges, brackets, hand tools, paint, brushes, garden hoses and seeds. \
+    Opening hours are nine to six on weekdays and ten to four on Saturdays; the shop is \
+    closed on Sundays and public holidays. Deliveries within the town are free above \
+    fifty euros. Returns are accepted within thirty days with a receipt. Answer in one \
+    or two short sentences, politely, and never invent products the shop does not sell. \
+    If a customer asks about something outside the shop, suggest they ask at the town \
+    hall information desk instead. The shop was founded in 1962 by two brothers who \
+    repaired bicycles; today it is run by their granddaughter, who also teaches a free \
+    workshop on simple home repairs every first Saturday of the month. Gift vouchers \
+    are available in any amount. Payment by card, cash or bank transfer is accepted, \
+    but not by cheque.";
+
+fn usage_of(done: &Event) -> siliceo_runtime::Usage {
+    match done {
+        Event::Done { usage, error, .. } => {
+            assert!(error.is_none(), "{error:?}");
+            *usage
+        }
+        other => panic!("not a Done event: {other:?}"),
+    }
+}
+
+#[test]
+fn prefix_cache_hits_keep_greedy_outputs() {
+    let n = 16;
+    let questions = [
+        " Question: do you sell paint?",
+        " Question: are you open on Sunday?",
+        " Question: can I return a hammer?",
+        " Question: do you deliver?",
+    ];
+    let prompts: Vec<String> = questions.iter().map(|q| format!("{SYSTEM}{q}")).collect();
+    let refs: Vec<&str> = prompts.iter().map(String::as_str).collect();
+    let expected = alone(&refs, n);
+    let rt = Runtime::start(RuntimeConfig::new(model_path())).unwrap();
+    let prompt_len = rt
+        .submit(request(&prompts[0], n, Priority::Normal))
+        .unwrap()
+        .blocking_collect();
+    let cold = usage_of(&prompt_len.2);
+    assert_eq!(cold.cached_prompt_tokens, 0, "nothing cached yet");
+    assert!(
+        cold.prompt_tokens > 200,
+        "the prefix must span blocks: {cold:?}"
+    );
+    assert_same_or_near_tie(&prompt_len.1, &expected[0], "cold");
+    rt.check_kv().unwrap();
+    assert!(rt.stats().unwrap().held_blocks > 0, "its blocks outlive it");
+
+    // The same prompt again, alone: served from the cache.
+    let (_, tokens, done) = rt
+        .submit(request(&prompts[0], n, Priority::Normal))
+        .unwrap()
+        .blocking_collect();
+    let warm = usage_of(&done);
+    let full_blocks = (cold.prompt_tokens - 1) / 64 * 64;
+    assert_eq!(warm.cached_prompt_tokens, full_blocks);
+    assert_same_or_near_tie(&tokens, &expected[0], "warm, same prompt");
+
+    // All four at once: each reuses the shared blocks.
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| rt.submit(request(p, n, Priority::Normal)).unwrap())
+        .collect();
+    for (i, s) in streams.into_iter().enumerate() {
+        let (_, tokens, done) = s.blocking_collect();
+        let u = usage_of(&done);
+        assert!(
+            u.cached_prompt_tokens >= 192,
+            "question {i} reused only {} tokens",
+            u.cached_prompt_tokens
+        );
+        assert_same_or_near_tie(&tokens, &expected[i], &format!("warm, question {i}"));
+    }
+    let s = rt.stats().unwrap();
+    assert!(s.prefix_hit_tokens >= 5 * 192, "{s:?}");
+    assert_clean(&rt);
+}
+
+#[test]
+fn cached_blocks_give_way_and_llama_has_the_cells_the_blocks_promise() {
+    // 512 cells in 16-token blocks: 31 blocks for requests and cache.
+    let mut cfg = RuntimeConfig::new(model_path());
+    cfg.context.n_ctx = 512;
+    cfg.block_size = 16;
+    let rt = Runtime::start(cfg).unwrap();
+    // Fill the cache with the prefixes of finished requests.
+    for p in PROMPTS {
+        let (_, _, done) = rt
+            .submit(request(&p.repeat(6), 8, Priority::Normal))
+            .unwrap()
+            .blocking_collect();
+        usage_of(&done);
+        rt.check_kv().unwrap();
+    }
+    let before = rt.stats().unwrap();
+    assert!(before.kv_cached_blocks > 10, "{before:?}");
+    assert_eq!(before.kv_cached_blocks, before.held_blocks);
+    // A request that needs nearly every block: kv-paging evicts cached ones,
+    // and llama.cpp must really have the cells for it (a mismatch would fail
+    // the decode with a full KV cache).
+    let long = "Counting sheep, one after another, slowly. ".repeat(45);
+    let (_, tokens, done) = rt
+        .submit(request(&long, 40, Priority::Normal))
+        .unwrap()
+        .blocking_collect();
+    let u = usage_of(&done);
+    assert!(u.prompt_tokens > 400, "{u:?}");
+    assert_eq!(tokens.len(), 40);
+    let after = rt.stats().unwrap();
+    assert!(
+        after.prefix_evictions > before.prefix_evictions,
+        "{after:?}"
+    );
     assert_clean(&rt);
 }

@@ -62,8 +62,8 @@ impl FakeEngine {
 
     /// Runs one planned step the way a real engine must, asserting positions.
     pub fn apply(&mut self, s: &mut Scheduler, step: &Step) {
-        for (id, _) in &step.finished {
-            self.forget(id);
+        for f in &step.finished {
+            self.forget(&f.id);
         }
         for b in &step.evicted {
             self.blocks.remove(b);

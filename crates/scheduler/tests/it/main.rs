@@ -247,9 +247,19 @@ fn deadlines_end_requests_in_the_step() {
     let step = s.schedule(10);
     e.apply(&mut s, &step);
     let step = s.schedule(50);
+    let ended: Vec<_> = step
+        .finished
+        .iter()
+        .map(|f| (f.id.clone(), f.cause))
+        .collect();
     assert_eq!(
-        step.finished,
+        ended,
         vec![(RequestId::from("late"), FinishCause::Deadline)]
+    );
+    assert_eq!(
+        step.finished[0].blocks.len(),
+        1,
+        "10 tokens in one 16-token block"
     );
     assert!(step.items.is_empty());
     assert_eq!(s.kv().pool().num_used(), 0);
