@@ -4,7 +4,9 @@
 //! llama.cpp throughput through our engine: prompt processing, single-sequence
 //! decode, and batched decode of B sequences in one `decode` per step.
 //! `siliceo-bench serve` measures the serving loop (`siliceo-runtime`) against
-//! that raw batched decode, side by side in one process. Every figure is the
+//! that raw batched decode, side by side in one process. `siliceo-bench
+//! prefix` measures prefix caching (cold vs warm TTFT, a shared prefix sent
+//! by 16 requests at once), with the cache on and off. Every figure is the
 //! median of `--reps` runs made in this one process.
 
 use std::path::PathBuf;
@@ -289,6 +291,160 @@ fn serve(model_path: PathBuf, reps: usize, quiet: bool, threads: Option<u32>) ->
     Ok(())
 }
 
+/// Time to first token and prompt tokens computed by one request, measured
+/// by the client: from `submit` to the first text event.
+fn timed_request(
+    rt: &siliceo_runtime::Runtime,
+    tokens: Vec<TokenId>,
+) -> Result<(siliceo_runtime::RequestStream, Instant)> {
+    use siliceo_core::SamplingParams;
+    use siliceo_runtime::{GenerateRequest, Input};
+    let req = GenerateRequest {
+        sampling: SamplingParams {
+            max_tokens: 8,
+            ignore_eos: true,
+            ..SamplingParams::greedy()
+        },
+        ..GenerateRequest::new(Input::Tokens(tokens))
+    };
+    let t = Instant::now();
+    Ok((rt.submit(req)?, t))
+}
+
+/// Waits for a request's first token (returns TTFT in ms) and its end.
+fn ttft_ms(mut s: siliceo_runtime::RequestStream, t0: Instant) -> Result<(f64, u32)> {
+    use siliceo_runtime::Event;
+    let mut first = None;
+    while let Some(e) = s.blocking_next() {
+        match e {
+            Event::Text { .. } => {
+                first.get_or_insert_with(|| t0.elapsed().as_secs_f64() * 1000.0);
+            }
+            Event::Done { usage, error, .. } => {
+                if let Some(e) = error {
+                    bail!("request failed: {e}");
+                }
+                return Ok((first.unwrap_or(f64::NAN), usage.cached_prompt_tokens));
+            }
+        }
+    }
+    bail!("stream ended without Done")
+}
+
+/// Prefix caching: 16 requests sharing a 1,500-token prefix with distinct
+/// 20-token suffixes, sent one after another and then all at once, with the
+/// cache on and off, side by side in one process.
+fn prefix(model_path: PathBuf, reps: usize) -> Result<()> {
+    use siliceo_runtime::{Runtime, RuntimeConfig};
+    const PREFIX: usize = 1500;
+    const SUFFIX: usize = 20;
+    const N: usize = 16;
+    let tokenizer = Model::load(&model_path, &ModelOptions::default())?;
+    let filler = tokenizer.tokenize(
+        " The committee reviewed the quarterly figures, the hiring plan and the travel budget.",
+        false,
+    )?;
+    // A different prefix per run and scenario, so every cold run is cold.
+    let prefix_for = |tag: usize| -> Result<Vec<TokenId>> {
+        let mut t = tokenizer.tokenize(&format!("Minutes of meeting number {tag}."), true)?;
+        while t.len() < PREFIX {
+            t.extend(&filler);
+        }
+        t.truncate(PREFIX);
+        Ok(t)
+    };
+    let with_suffix = |prefix: &[TokenId], i: usize| -> Result<Vec<TokenId>> {
+        let mut t = prefix.to_vec();
+        let mut q = tokenizer.tokenize(
+            &format!(" Question {i}: who proposed item {i}, and was it approved in the end?"),
+            false,
+        )?;
+        while q.len() < SUFFIX {
+            q.extend(&filler);
+        }
+        q.truncate(SUFFIX);
+        t.extend(q);
+        Ok(t)
+    };
+    let start = |caching: bool| -> Result<Runtime> {
+        let mut cfg = RuntimeConfig::new(&model_path);
+        cfg.context.n_ctx = 8192;
+        cfg.context.n_batch = 512;
+        cfg.context.n_ubatch = 512;
+        cfg.scheduler.max_batch_tokens = 512;
+        cfg.scheduler.max_running_seqs = N;
+        cfg.prefix_caching = caching;
+        Ok(Runtime::start(cfg)?)
+    };
+    println!(
+        "model: {} · {N} requests · {PREFIX}-token shared prefix + {SUFFIX}-token suffixes · 8 generated tokens each · {reps} runs",
+        tokenizer.name()
+    );
+    println!();
+    println!("| scenario | prompt tokens computed per run (median) | TTFT p50 ms | TTFT p95 ms |");
+    println!("|---|---:|---:|---:|");
+    let pct = |v: &mut Vec<f64>, q: f64| {
+        v.sort_by(f64::total_cmp);
+        v[((v.len() - 1) as f64 * q).round() as usize]
+    };
+    let mut tag = 0;
+    let mut rows: Vec<(String, Vec<f64>, Vec<f64>)> = Vec::new();
+    for caching in [true, false] {
+        let rt = start(caching)?;
+        let on = if caching { "cache on" } else { "cache off" };
+        let (mut cold, mut warm, mut together) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut cold_n, mut warm_n, mut together_n) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..reps {
+            // Sequential: the first is cold, the other 15 find the prefix.
+            tag += 1;
+            let p = prefix_for(tag)?;
+            for i in 0..N {
+                let (s, t0) = timed_request(&rt, with_suffix(&p, i)?)?;
+                let (ms, cached) = ttft_ms(s, t0)?;
+                let computed = (PREFIX + SUFFIX) as f64 - f64::from(cached);
+                if i == 0 {
+                    cold.push(ms);
+                    cold_n.push(computed);
+                } else {
+                    warm.push(ms);
+                    warm_n.push(computed);
+                }
+            }
+            // All at once, on a prefix nobody has seen.
+            tag += 1;
+            let p = prefix_for(tag)?;
+            let subs: Vec<_> = (0..N)
+                .map(|i| timed_request(&rt, with_suffix(&p, i)?))
+                .collect::<Result<_>>()?;
+            let mut computed = 0.0;
+            for (s, t0) in subs {
+                let (ms, cached) = ttft_ms(s, t0)?;
+                together.push(ms);
+                computed += (PREFIX + SUFFIX) as f64 - f64::from(cached);
+            }
+            together_n.push(computed);
+        }
+        let warm_per_run: Vec<f64> = warm_n.chunks(N - 1).map(|c| c.iter().sum()).collect();
+        rows.push((format!("sequential, first (cold), {on}"), cold_n, cold));
+        rows.push((
+            format!("sequential, other 15 (warm), {on}"),
+            warm_per_run,
+            warm,
+        ));
+        rows.push((format!("{N} at once, {on}"), together_n, together));
+        drop(rt);
+    }
+    for (name, computed, mut ttft) in rows {
+        println!(
+            "| {name} | {:.0} | {:.1} | {:.1} |",
+            median(computed),
+            pct(&mut ttft, 0.5),
+            pct(&mut ttft, 0.95)
+        );
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut model = std::env::var_os("SILICEO_MODEL")
@@ -312,13 +468,16 @@ fn main() -> Result<()> {
             "--threads" => threads = it.next().and_then(|r| r.parse().ok()),
             "engine" => what = "engine",
             "serve" => what = "serve",
+            "prefix" => what = "prefix",
             other => bail!(
-                "unknown argument `{other}`; usage: siliceo-bench engine|serve [--model PATH] [--reps N] [--json]"
+                "unknown argument `{other}`; usage: siliceo-bench engine|serve|prefix [--model PATH] [--reps N] [--json]"
             ),
         }
     }
     if what == "serve" {
         serve(model, reps.max(1), quiet, threads)
+    } else if what == "prefix" {
+        prefix(model, reps.max(1))
     } else {
         engine(model, reps.max(1), json)
     }

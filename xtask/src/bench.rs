@@ -44,7 +44,7 @@ fn run_json(portable: bool, reps: &str) -> Result<Value> {
     serde_json::from_str(line.trim()).context("benchmark printed no JSON")
 }
 
-/// `bench [engine|serve|kv] [--reps N] [--compare-portable]`.
+/// `bench [engine|serve|prefix|kv] [--reps N] [--compare-portable]`.
 pub fn bench(rest: &[String]) -> Result<()> {
     if rest.first().map(String::as_str) == Some("kv") {
         // Pure logic: criterion benchmarks of the block pool and prefix cache.
@@ -58,14 +58,20 @@ pub fn bench(rest: &[String]) -> Result<()> {
     }
     crate::deps::ensure_build_deps()?;
     crate::models::fetch(&crate::models::models_dir(), false)?;
-    if rest.first().map(String::as_str) == Some("serve") {
+    let first = rest.first().map(String::as_str);
+    if matches!(first, Some("serve" | "prefix")) {
         let reps = rest
             .iter()
             .skip_while(|a| *a != "--reps")
             .nth(1)
             .cloned()
             .unwrap_or_else(|| "3".into());
-        return crate::run(bench_cmd(false).args(["serve", "--reps", &reps]));
+        // `serve` covers the whole serving issue: streams, then prefix caching.
+        if first == Some("serve") {
+            crate::run(bench_cmd(false).args(["serve", "--reps", &reps]))?;
+            println!();
+        }
+        return crate::run(bench_cmd(false).args(["prefix", "--reps", &reps]));
     }
     let mut reps = "5".to_string();
     let mut compare = false;
@@ -75,7 +81,9 @@ pub fn bench(rest: &[String]) -> Result<()> {
             "engine" => {}
             "--reps" => reps = it.next().context("--reps needs a number")?.clone(),
             "--compare-portable" => compare = true,
-            other => bail!("bench: unknown argument `{other}` (benchmarks: engine, serve, kv)"),
+            other => {
+                bail!("bench: unknown argument `{other}` (benchmarks: engine, serve, prefix, kv)")
+            }
         }
     }
     if !compare {

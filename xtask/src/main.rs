@@ -29,7 +29,9 @@ tasks:
   bench [engine] [--reps N] [--compare-portable]
                         benchmarks on the real model (release build); --compare-portable
                         also builds llama.cpp portably (AVX2) and shows both side by side
-  bench serve [--reps N] the serving loop at 1/4/8/16 streams vs raw batched decode
+  bench serve [--reps N] the serving loop at 1/4/8/16/64 streams vs raw batched decode,
+                        then prefix caching (cold vs warm TTFT, 16 requests at once)
+  bench prefix [--reps N] prefix caching only
   bench kv              criterion benchmarks of the KV block pool and prefix cache
   tidy                  run the tidy checks (crate docs, layer rules)
 ";
