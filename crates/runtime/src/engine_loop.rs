@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
-use siliceo_core::{FinishReason, ModelGeometry, RequestId, Sampler, SeqId, TokenId};
+use siliceo_core::{FinishReason, RequestId, Sampler, SeqId, TokenId};
 use siliceo_engine::{Batch, Context, Model, SeqSnapshot, TokenText};
 use siliceo_kv_paging::{BlockId, CacheKeys, KvConfig, SeqHandle};
 use siliceo_scheduler::{FinishCause, ItemKind, PreemptMode, Request, Scheduler};
@@ -13,7 +13,8 @@ use crate::holders::Holders;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::{
-    Command, Event, GenerateRequest, Input, RuntimeConfig, RuntimeError, RuntimeStats, Usage,
+    Command, Event, GenerateRequest, Input, RuntimeConfig, RuntimeError, RuntimeInfo, RuntimeStats,
+    Usage,
 };
 
 struct Live<'m> {
@@ -61,6 +62,7 @@ struct Engine<'m> {
     steps: u64,
     step_us: u64,
     decode_us: u64,
+    panics: u64,
 }
 
 fn done(
@@ -79,7 +81,7 @@ fn done(
 pub(crate) fn run(
     cfg: RuntimeConfig,
     rx: Receiver<Command>,
-    ready: Sender<Result<(ModelGeometry, u32), RuntimeError>>,
+    ready: Sender<Result<RuntimeInfo, RuntimeError>>,
 ) {
     let model = match Model::load(&cfg.model_path, &cfg.model) {
         Ok(m) => m,
@@ -122,6 +124,18 @@ pub(crate) fn run(
         },
     );
     let kv_format = format!("{}/{}", cfg.context.type_k, cfg.context.type_v);
+    let info = RuntimeInfo {
+        model_name: model.name().to_string(),
+        architecture: model.architecture().to_string(),
+        geometry: model.geometry(),
+        n_ctx,
+        type_k: cfg.context.type_k,
+        type_v: cfg.context.type_v,
+        block_size: bs,
+        kv_blocks: num_blocks,
+        max_running_seqs: max_running,
+        prefix_caching: n_holders > 0,
+    };
     let mut engine = Engine {
         model: &model,
         free_seqs: (0..max_running).rev().map(SeqId).collect(),
@@ -137,8 +151,9 @@ pub(crate) fn run(
         steps: 0,
         step_us: 0,
         decode_us: 0,
+        panics: 0,
     };
-    let _ = ready.send(Ok((model.geometry(), n_ctx)));
+    let _ = ready.send(Ok(info));
     tracing::info!(
         n_ctx,
         num_blocks,
@@ -167,26 +182,104 @@ impl<'m> Engine<'m> {
             };
             for cmd in first.into_iter().chain(rx.try_iter()) {
                 match cmd {
-                    Command::Submit(req, id, tx) => self.submit(*req, id, tx),
-                    Command::Cancel(id) => self.end(&id, FinishReason::Cancelled, None),
+                    Command::Submit(req, id, tx) => {
+                        // A panic while admitting fails that request only.
+                        let etx = tx.clone();
+                        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            self.submit(*req, id.clone(), tx)
+                        }));
+                        if r.is_err() {
+                            tracing::error!(request = %id, "panic while admitting a request");
+                            self.live.remove(&id);
+                            self.sched.cancel(&id);
+                            done(
+                                &etx,
+                                FinishReason::Error,
+                                Usage::default(),
+                                Some(RuntimeError::Engine(
+                                    "internal error while admitting the request".into(),
+                                )),
+                            );
+                        }
+                    }
+                    Command::Cancel(id, reply) => {
+                        let known = self.live.contains_key(&id);
+                        self.end(&id, FinishReason::Cancelled, None);
+                        if let Some(r) = reply {
+                            let _ = r.send(known);
+                        }
+                    }
+                    Command::Tokenize(text, special, tx) => {
+                        let r = self.model.tokenize(&text, special).map_err(|e| {
+                            RuntimeError::InvalidRequest {
+                                field: "text",
+                                reason: e.to_string(),
+                            }
+                        });
+                        let _ = tx.send(r);
+                    }
+                    Command::Detokenize(tokens, tx) => {
+                        let r = match tokens.iter().find(|t| !self.model.is_valid_token(**t)) {
+                            Some(bad) => Err(RuntimeError::InvalidRequest {
+                                field: "ids",
+                                reason: format!(
+                                    "token id {bad} is outside the vocabulary of {}",
+                                    self.model.geometry().n_vocab
+                                ),
+                            }),
+                            None => Ok(self.model.detokenize(&tokens, false)),
+                        };
+                        let _ = tx.send(r);
+                    }
                     Command::Stats(tx) => {
                         let _ = tx.send(self.stats());
                     }
                     Command::CheckKv(tx) => {
                         let _ = tx.send(self.check_kv());
                     }
+                    Command::CancelAll => self.shutdown(),
                     Command::Shutdown => return self.shutdown(),
                 }
             }
             if !self.sched.is_idle() {
                 let t = Instant::now();
-                self.step();
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.step()));
+                if r.is_err() {
+                    self.recover_from_panic();
+                }
                 self.steps += 1;
                 self.step_us += t.elapsed().as_micros() as u64;
             }
         }
     }
 
+    /// After a panic inside a step nothing about its half-done state can be
+    /// trusted: every request in flight ends with an error, the KV cache is
+    /// cleared and the scheduler starts afresh. The engine keeps serving.
+    fn recover_from_panic(&mut self) {
+        self.panics += 1;
+        tracing::error!(
+            in_flight = self.live.len(),
+            "a step panicked; failing the requests in flight and resetting the KV cache"
+        );
+        let err = RuntimeError::Engine("internal error; the request was aborted".into());
+        for (_, mut live) in self.live.drain() {
+            live.seq = None;
+            done(
+                &live.tx,
+                FinishReason::Error,
+                live.usage(),
+                Some(err.clone()),
+            );
+        }
+        self.ctx.clear();
+        self.sched = Scheduler::new(*self.sched.config(), self.sched.kv().config());
+        self.free_seqs = (0..self.max_running).rev().map(SeqId).collect();
+        self.holders = Holders::new(self.max_running, self.holders.count());
+        self.batch.clear();
+    }
+
+    /// Ends every request in flight as cancelled.
     fn shutdown(&mut self) {
         let ids: Vec<RequestId> = self.live.keys().cloned().collect();
         for id in ids {
@@ -216,6 +309,7 @@ impl<'m> Engine<'m> {
             steps: self.steps,
             step_us: self.step_us,
             decode_us: self.decode_us,
+            panics: self.panics,
         }
     }
 
@@ -290,11 +384,15 @@ impl<'m> Engine<'m> {
             Err(e) => return fail(e),
         };
         let now = self.now_ms();
+        let keys = match &req.cache_salt {
+            Some(salt) if !salt.is_empty() => self.keys.clone().with_salt(salt.clone()),
+            _ => self.keys.clone(),
+        };
         let mut sreq = Request::new(
             id.clone(),
             tokens.clone(),
             req.sampling.max_tokens,
-            self.keys.clone(),
+            keys,
             req.priority,
             now,
         );
@@ -466,7 +564,7 @@ impl<'m> Engine<'m> {
                 if !tail.is_empty() {
                     let _ = live.tx.send(Event::Text {
                         text: tail,
-                        token: TokenId(0),
+                        token: None,
                     });
                 }
             }
@@ -673,7 +771,13 @@ impl<'m> Engine<'m> {
         live.completion_tokens += 1;
         live.first_token.get_or_insert_with(Instant::now);
         let (text, stopped) = live.text.push(token);
-        let closed = live.tx.send(Event::Text { text, token }).is_err();
+        let closed = live
+            .tx
+            .send(Event::Text {
+                text,
+                token: Some(token),
+            })
+            .is_err();
         if stopped {
             return self.end(id, FinishReason::Stop, None);
         }

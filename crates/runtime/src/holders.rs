@@ -43,6 +43,11 @@ impl Holders {
         (self.first..self.first + self.count).map(SeqId)
     }
 
+    /// Holder sequence ids.
+    pub(crate) fn count(&self) -> u32 {
+        self.count
+    }
+
     /// Blocks held.
     pub(crate) fn len(&self) -> usize {
         self.of.len()

@@ -42,14 +42,15 @@ mod holders;
 mod types;
 
 pub use types::{
-    Event, GenerateRequest, Input, RequestStream, RuntimeConfig, RuntimeError, RuntimeStats, Usage,
+    Event, GenerateRequest, Input, RequestStream, RuntimeConfig, RuntimeError, RuntimeInfo,
+    RuntimeStats, Usage,
 };
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::Sender;
-use siliceo_core::{ModelGeometry, RequestId};
+use siliceo_core::{ModelGeometry, RequestId, TokenId};
 
 pub use siliceo_scheduler::Scheduler;
 
@@ -59,9 +60,19 @@ pub(crate) enum Command {
         RequestId,
         tokio::sync::mpsc::UnboundedSender<Event>,
     ),
-    Cancel(RequestId),
+    Cancel(RequestId, Option<crossbeam_channel::Sender<bool>>),
+    Tokenize(
+        String,
+        bool,
+        crossbeam_channel::Sender<Result<Vec<siliceo_core::TokenId>, RuntimeError>>,
+    ),
+    Detokenize(
+        Vec<siliceo_core::TokenId>,
+        crossbeam_channel::Sender<Result<String, RuntimeError>>,
+    ),
     Stats(crossbeam_channel::Sender<RuntimeStats>),
     CheckKv(crossbeam_channel::Sender<Result<(), String>>),
+    CancelAll,
     Shutdown,
 }
 
@@ -71,8 +82,7 @@ pub(crate) enum Command {
 pub struct Runtime {
     tx: Sender<Command>,
     thread: Option<JoinHandle<()>>,
-    geometry: ModelGeometry,
-    n_ctx: u32,
+    info: RuntimeInfo,
     next_id: AtomicU64,
 }
 
@@ -80,9 +90,12 @@ impl std::fmt::Debug for Command {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Command::Submit(_, id, _) => write!(f, "Submit({id})"),
-            Command::Cancel(id) => write!(f, "Cancel({id})"),
+            Command::Cancel(id, _) => write!(f, "Cancel({id})"),
+            Command::Tokenize(..) => f.write_str("Tokenize"),
+            Command::Detokenize(..) => f.write_str("Detokenize"),
             Command::Stats(_) => f.write_str("Stats"),
             Command::CheckKv(_) => f.write_str("CheckKv"),
+            Command::CancelAll => f.write_str("CancelAll"),
             Command::Shutdown => f.write_str("Shutdown"),
         }
     }
@@ -98,11 +111,10 @@ impl Runtime {
             .spawn(move || engine_loop::run(cfg, rx, ready_tx))
             .map_err(|e| RuntimeError::Start(e.to_string()))?;
         match ready_rx.recv() {
-            Ok(Ok((geometry, n_ctx))) => Ok(Runtime {
+            Ok(Ok(info)) => Ok(Runtime {
                 tx,
                 thread: Some(thread),
-                geometry,
-                n_ctx,
+                info,
                 next_id: AtomicU64::new(1),
             }),
             Ok(Err(e)) => {
@@ -120,12 +132,37 @@ impl Runtime {
 
     /// The model's geometry.
     pub fn geometry(&self) -> ModelGeometry {
-        self.geometry
+        self.info.geometry
     }
 
     /// KV cells of the context (the longest sequence).
     pub fn n_ctx(&self) -> u32 {
-        self.n_ctx
+        self.info.n_ctx
+    }
+
+    /// The model, context and KV layout the engine runs.
+    pub fn info(&self) -> &RuntimeInfo {
+        &self.info
+    }
+
+    /// Tokenizes `text` with the model's tokenizer (on the engine thread,
+    /// between steps).
+    pub fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<TokenId>, RuntimeError> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.tx
+            .send(Command::Tokenize(text.to_string(), add_special, tx))
+            .map_err(|_| RuntimeError::Stopped)?;
+        rx.recv().map_err(|_| RuntimeError::Stopped)?
+    }
+
+    /// Turns token ids into text; ids outside the vocabulary are an
+    /// `InvalidRequest` naming `ids`.
+    pub fn detokenize(&self, tokens: &[TokenId]) -> Result<String, RuntimeError> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.tx
+            .send(Command::Detokenize(tokens.to_vec(), tx))
+            .map_err(|_| RuntimeError::Stopped)?;
+        rx.recv().map_err(|_| RuntimeError::Stopped)?
     }
 
     /// Queues a request. Validation errors (empty prompt, too long, bad
@@ -145,9 +182,20 @@ impl Runtime {
         Ok(RequestStream::new(id, erx, self.tx.clone()))
     }
 
-    /// Cancels a request by id (a no-op for unknown ids).
-    pub fn cancel(&self, id: &RequestId) {
-        let _ = self.tx.send(Command::Cancel(id.clone()));
+    /// Cancels a request by id; its KV is free when this returns. Returns
+    /// false when no such request is queued or running.
+    pub fn cancel(&self, id: &RequestId) -> Result<bool, RuntimeError> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.tx
+            .send(Command::Cancel(id.clone(), Some(tx)))
+            .map_err(|_| RuntimeError::Stopped)?;
+        rx.recv().map_err(|_| RuntimeError::Stopped)
+    }
+
+    /// Cancels every queued and running request (their streams end with
+    /// `Cancelled`); the engine keeps serving new ones.
+    pub fn cancel_all(&self) {
+        let _ = self.tx.send(Command::CancelAll);
     }
 
     /// Queue, running and KV occupancy, asked of the engine thread.

@@ -79,6 +79,9 @@ pub struct GenerateRequest {
     pub priority: Priority,
     /// Give up after this long (queue time included).
     pub deadline: Option<std::time::Duration>,
+    /// Prefix-cache partition: only requests with the same salt share cached
+    /// KV (per tenant, say). `None` shares with every other unsalted request.
+    pub cache_salt: Option<String>,
 }
 
 impl GenerateRequest {
@@ -90,6 +93,7 @@ impl GenerateRequest {
             sampling: SamplingParams::greedy(),
             priority: Priority::Normal,
             deadline: None,
+            cache_salt: None,
         }
     }
 }
@@ -119,8 +123,9 @@ pub enum Event {
     Text {
         /// The text.
         text: String,
-        /// The token.
-        token: TokenId,
+        /// The token; `None` for text held back earlier (a possible stop
+        /// string, a split character) and released at the end.
+        token: Option<TokenId>,
     },
     /// The last event.
     Done {
@@ -177,6 +182,31 @@ impl RuntimeError {
     }
 }
 
+/// What the engine runs: fixed once it has started.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RuntimeInfo {
+    /// The model's name from its metadata.
+    pub model_name: String,
+    /// Its architecture (`llama`, `qwen2`, …).
+    pub architecture: String,
+    /// Its geometry.
+    pub geometry: siliceo_core::ModelGeometry,
+    /// KV cells of the context (the longest sequence).
+    pub n_ctx: u32,
+    /// K cache type.
+    pub type_k: siliceo_core::KvType,
+    /// V cache type.
+    pub type_v: siliceo_core::KvType,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// KV blocks the scheduler manages.
+    pub kv_blocks: u32,
+    /// Most requests running at once.
+    pub max_running_seqs: u32,
+    /// Whether prompt prefixes are cached.
+    pub prefix_caching: bool,
+}
+
 /// Occupancy, for metrics and leak checks.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RuntimeStats {
@@ -212,6 +242,9 @@ pub struct RuntimeStats {
     /// Time of that spent inside llama.cpp's `decode`, in µs; the rest is
     /// host-side serving overhead.
     pub decode_us: u64,
+    /// Engine steps that panicked (each failed its requests and reset the KV
+    /// cache; the engine kept serving).
+    pub panics: u64,
 }
 
 /// The events of one request. Dropping it cancels the request.
@@ -249,6 +282,15 @@ impl RequestStream {
         e
     }
 
+    /// Polls for the next event (for a `Stream` adapter).
+    pub fn poll_next(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<Event>> {
+        let p = self.rx.poll_recv(cx);
+        if let std::task::Poll::Ready(e) = &p {
+            self.done |= matches!(e, Some(Event::Done { .. }) | None);
+        }
+        p
+    }
+
     /// The next event, blocking the thread (not for async contexts).
     pub fn blocking_next(&mut self) -> Option<Event> {
         let e = self.rx.blocking_recv();
@@ -264,7 +306,7 @@ impl RequestStream {
             match e {
                 Event::Text { text: t, token } => {
                     text.push_str(&t);
-                    tokens.push(token);
+                    tokens.extend(token);
                 }
                 done @ Event::Done { .. } => return (text, tokens, done),
             }
@@ -284,7 +326,7 @@ impl RequestStream {
 impl Drop for RequestStream {
     fn drop(&mut self) {
         if !self.done {
-            let _ = self.tx.send(Command::Cancel(self.id.clone()));
+            let _ = self.tx.send(Command::Cancel(self.id.clone(), None));
         }
     }
 }

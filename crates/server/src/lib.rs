@@ -1,10 +1,300 @@
 //! The gRPC server of siliceo-infer.
 //!
-//! **Status: the crate exists so the layering holds; its contents land with the
-//! server issue.** It will serve `proto/siliceo/v1/inference.proto` with tonic
-//! (streaming generation, embeddings, rerank, tokenize, model info, cancel),
-//! the standard health and reflection services, and Prometheus metrics.
+//! Serves `proto/siliceo/v1/inference.proto` (package `siliceo.v1`, service
+//! `Inference`) over a [`Runtime`] with tonic, next to the standard
+//! `grpc.health.v1` health service and server reflection (v1 and v1alpha, so
+//! `grpcurl -plaintext 127.0.0.1:50051 list` works with no .proto at hand).
+//! Optional: an API key (`authorization: Bearer <key>`, compared in constant
+//! time) on the `Inference` service, and Prometheus metrics on a separate port.
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use siliceo_runtime::{Runtime, RuntimeConfig};
+//! use siliceo_server::{ServerConfig, serve};
+//!
+//! let rt = Arc::new(Runtime::start(RuntimeConfig::new("models/SmolLM2-135M-Instruct.Q4_1.gguf"))?);
+//! serve(rt, ServerConfig::default(), async { let _ = tokio::signal::ctrl_c().await; }).await?;
+//! # Ok(()) }
+//! ```
 //!
 //! **Architecture invariant:** the only crate that knows the proto; mapping
 //! errors to `tonic::Status` happens here and nowhere else.
 #![deny(missing_docs)]
+
+mod metrics;
+mod service;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use metrics::Metrics;
+pub use service::{GenerateStream, InferenceService};
+use siliceo_runtime::{Runtime, RuntimeError};
+use tokio::net::TcpListener;
+use tonic::{Request, Status};
+
+/// Generated types and stubs of `siliceo.v1` (server and client).
+#[allow(missing_docs, clippy::all)]
+pub mod pb {
+    tonic::include_proto!("siliceo.v1");
+
+    /// The encoded file descriptor set (for reflection).
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        tonic::include_file_descriptor_set!("siliceo_v1_descriptor");
+}
+
+/// How the server listens and guards itself.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// gRPC address (default `127.0.0.1:50051`).
+    pub listen: SocketAddr,
+    /// When set, every `Inference` call needs `authorization: Bearer <key>`.
+    pub api_key: Option<String>,
+    /// Prometheus metrics address (`GET /metrics`); off when `None`.
+    pub metrics_listen: Option<SocketAddr>,
+    /// Largest request message, in bytes (default 4 MiB); larger ones get
+    /// `INVALID_ARGUMENT`.
+    pub max_request_bytes: usize,
+    /// On shutdown, in-flight streams get this long to finish before they are
+    /// cancelled (default 10 s).
+    pub shutdown_grace: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
+            api_key: None,
+            metrics_listen: None,
+            max_request_bytes: 4 << 20,
+            shutdown_grace: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Server failures (binding, transport).
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// Could not bind an address.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The transport failed.
+    #[error("gRPC transport: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    /// Reflection could not be built from the descriptor set.
+    #[error("reflection: {0}")]
+    Reflection(String),
+}
+
+/// The gRPC status for a runtime error: `INVALID_ARGUMENT` naming the field,
+/// `RESOURCE_EXHAUSTED` for a full queue or a request larger than the whole
+/// cache, `ALREADY_EXISTS` for a duplicate id, `UNAVAILABLE` when stopping,
+/// `INTERNAL` for engine failures.
+pub fn status_of(e: &RuntimeError) -> Status {
+    match e {
+        RuntimeError::InvalidRequest { field, reason } => {
+            Status::invalid_argument(format!("{field}: {reason}"))
+        }
+        RuntimeError::Rejected { kind, reason } => match *kind {
+            "duplicate_id" => Status::already_exists(reason.clone()),
+            "prompt_too_long" => Status::invalid_argument(format!("prompt: {reason}")),
+            _ => Status::resource_exhausted(reason.clone()),
+        },
+        RuntimeError::Stopped => Status::unavailable("the engine has stopped"),
+        RuntimeError::Start(m) | RuntimeError::Engine(m) => Status::internal(m.clone()),
+        other => Status::internal(other.to_string()),
+    }
+}
+
+/// Byte strings equal, in time that depends only on their lengths.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Checks `authorization: Bearer <key>`.
+fn check_key(key: &str, req: &Request<()>) -> Result<(), Status> {
+    let given = req
+        .metadata()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .ok_or_else(|| Status::unauthenticated("missing `authorization: Bearer <key>`"))?;
+    if constant_time_eq(given.as_bytes(), key.as_bytes()) {
+        Ok(())
+    } else {
+        Err(Status::unauthenticated("wrong API key"))
+    }
+}
+
+/// Binds `cfg.listen` and serves until `shutdown` resolves; see [`serve_on`].
+pub async fn serve(
+    rt: Arc<Runtime>,
+    cfg: ServerConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    let listener = TcpListener::bind(cfg.listen)
+        .await
+        .map_err(|source| ServerError::Bind {
+            addr: cfg.listen,
+            source,
+        })?;
+    serve_on(listener, rt, cfg, shutdown).await
+}
+
+/// Serves on an already bound listener until `shutdown` resolves. Then the
+/// health service reports `NOT_SERVING`, no new connection is accepted,
+/// in-flight streams get `cfg.shutdown_grace` to finish, and whatever is left
+/// is cancelled (its clients get a final `CANCELLED` message). Returns when
+/// every connection has closed.
+pub async fn serve_on(
+    listener: TcpListener,
+    rt: Arc<Runtime>,
+    cfg: ServerConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    let addr = listener.local_addr().map_err(|source| ServerError::Bind {
+        addr: cfg.listen,
+        source,
+    })?;
+    let metrics = Arc::new(Metrics::default());
+    if let Some(maddr) = cfg.metrics_listen {
+        let ml = TcpListener::bind(maddr)
+            .await
+            .map_err(|source| ServerError::Bind {
+                addr: maddr,
+                source,
+            })?;
+        let local = ml.local_addr().unwrap_or(maddr);
+        tracing::info!(%local, "metrics on http://{local}/metrics");
+        tokio::spawn(metrics::serve_metrics(ml, metrics.clone(), rt.clone()));
+    }
+    let svc = InferenceService::new(rt.clone(), metrics, cfg.max_request_bytes);
+    let key = cfg.api_key.clone();
+    // tonic's own hard cap; requests between our limit and this one get a
+    // clear INVALID_ARGUMENT from the service.
+    let inference = pb::inference_server::InferenceServer::new(svc)
+        .max_decoding_message_size(cfg.max_request_bytes.saturating_mul(4).max(1 << 20));
+    let inference =
+        tonic::service::interceptor::InterceptedService::new(inference, move |req: Request<()>| {
+            match &key {
+                Some(k) => check_key(k, &req).map(|()| req),
+                None => Ok(req),
+            }
+        });
+    let (health, health_svc) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<pb::inference_server::InferenceServer<InferenceService>>()
+        .await;
+    let reflection = |v1: bool| {
+        let b = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
+        if v1 {
+            b.build_v1().map(|s| (Some(s), None))
+        } else {
+            b.build_v1alpha().map(|s| (None, Some(s)))
+        }
+        .map_err(|e| ServerError::Reflection(e.to_string()))
+    };
+    let (Some(refl_v1), None) = reflection(true)? else {
+        unreachable!()
+    };
+    let (None, Some(refl_v1alpha)) = reflection(false)? else {
+        unreachable!()
+    };
+    let grace = cfg.shutdown_grace;
+    let rt_stop = rt.clone();
+    let signal = async move {
+        shutdown.await;
+        tracing::info!("shutting down: no new connections; draining streams for up to {grace:?}");
+        health
+            .set_not_serving::<pb::inference_server::InferenceServer<InferenceService>>()
+            .await;
+        // After the grace period, cancel what is still running so every
+        // stream ends and the server can close.
+        tokio::spawn(async move {
+            tokio::time::sleep(grace).await;
+            let _ = tokio::task::spawn_blocking(move || rt_stop.cancel_all()).await;
+        });
+    };
+    tracing::info!(%addr, "siliceo gRPC server ready on {addr}");
+    tonic::transport::Server::builder()
+        .add_service(health_svc)
+        .add_service(refl_v1)
+        .add_service(refl_v1alpha)
+        .add_service(inference)
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            signal,
+        )
+        .await?;
+    tracing::info!("server stopped");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn constant_time_eq_compares_bytes() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secret", b"secreT"));
+        assert!(!constant_time_eq(b"secret", b"secret!"));
+        assert!(constant_time_eq(b"", b""));
+    }
+
+    #[test]
+    fn keys_are_checked_from_bearer_metadata() {
+        let mut req = Request::new(());
+        assert_eq!(
+            check_key("k", &req).unwrap_err().code(),
+            tonic::Code::Unauthenticated
+        );
+        req.metadata_mut()
+            .insert("authorization", "Bearer nope".parse().unwrap());
+        assert_eq!(
+            check_key("k", &req).unwrap_err().code(),
+            tonic::Code::Unauthenticated
+        );
+        req.metadata_mut()
+            .insert("authorization", "Bearer k".parse().unwrap());
+        assert!(check_key("k", &req).is_ok());
+    }
+
+    #[test]
+    fn runtime_errors_map_to_typed_statuses() {
+        let inv = RuntimeError::InvalidRequest {
+            field: "top_p",
+            reason: "must be in (0, 1]".into(),
+        };
+        let s = status_of(&inv);
+        assert_eq!(s.code(), tonic::Code::InvalidArgument);
+        assert!(s.message().starts_with("top_p:"), "{}", s.message());
+        let full = RuntimeError::Rejected {
+            kind: "queue_full",
+            reason: "the queue is full".into(),
+        };
+        assert_eq!(status_of(&full).code(), tonic::Code::ResourceExhausted);
+        let dup = RuntimeError::Rejected {
+            kind: "duplicate_id",
+            reason: "dup".into(),
+        };
+        assert_eq!(status_of(&dup).code(), tonic::Code::AlreadyExists);
+        assert_eq!(
+            status_of(&RuntimeError::Stopped).code(),
+            tonic::Code::Unavailable
+        );
+    }
+}

@@ -1,5 +1,6 @@
 //! `siliceo`: the command line of siliceo-infer.
 //!
+//! - `siliceo serve`: the gRPC server (see `serve.rs` for flags and the TOML file).
 //! - `siliceo generate --prompt "..."`: streams a completion from a local GGUF.
 //! - `siliceo model-info`: a GGUF's geometry and KV bytes per token per KV type.
 //! - `siliceo plan`: what a memory budget holds (KV blocks, context, sequences).
@@ -8,6 +9,7 @@
 //! `models/SmolLM2-135M-Instruct.Q4_1.gguf`); `cargo xtask fetch-model` fetches it.
 
 mod plan;
+mod serve;
 
 use std::io::Write;
 use std::ops::ControlFlow;
@@ -40,6 +42,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
+    /// Serve the gRPC API (siliceo.v1.Inference, health, reflection) on a model.
+    Serve(serve::ServeArgs),
     /// Generate text from a prompt, streaming it as it is produced.
     Generate(GenerateArgs),
     /// Print a model's geometry and KV-cache bytes per token for each KV type.
@@ -313,8 +317,14 @@ fn cmd_model_info(a: ModelInfoArgs) -> Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The server logs its own progress at info; llama.cpp's chatter stays at warn.
+    let quiet = if matches!(cli.command, Cmd::Serve(_)) {
+        "info,llama-cpp-2=warn,llama_cpp_2=error"
+    } else {
+        "warn"
+    };
     let default_level = match cli.verbose {
-        0 => "warn",
+        0 => quiet,
         1 => "info",
         _ => "debug",
     };
@@ -326,6 +336,7 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let result = match cli.command {
+        Cmd::Serve(a) => serve::cmd_serve(a),
         Cmd::Generate(a) => cmd_generate(a),
         Cmd::ModelInfo(a) => cmd_model_info(a),
         Cmd::Plan(a) => plan::cmd_plan(a),

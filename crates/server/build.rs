@@ -1,0 +1,14 @@
+//! Compiles `proto/siliceo/v1/inference.proto` (server and client code, plus
+//! the encoded descriptor set the reflection service serves). Needs `protoc`
+//! on PATH or in `PROTOC` (`cargo xtask` installs `protobuf-compiler`).
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    let proto = root.join("siliceo/v1/inference.proto");
+    println!("cargo:rerun-if-changed={}", proto.display());
+    let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
+    tonic_prost_build::configure()
+        .file_descriptor_set_path(out.join("siliceo_v1_descriptor.bin"))
+        .compile_protos(&[proto], &[root])?;
+    Ok(())
+}

@@ -1,0 +1,389 @@
+//! The `siliceo.v1.Inference` service over a [`Runtime`].
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use prost::Message;
+use siliceo_core::{FinishReason, Priority, RequestId, SamplingParams, TokenId};
+use siliceo_engine::ChatMessage;
+use siliceo_runtime::{Event, GenerateRequest, Input, RequestStream, Runtime, RuntimeError, Usage};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+use crate::metrics::Metrics;
+use crate::pb;
+use crate::status_of;
+
+/// Roles a chat message may carry.
+const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
+
+/// The service. Cheap to clone (shared runtime and metrics).
+#[derive(Debug, Clone)]
+pub struct InferenceService {
+    rt: Arc<Runtime>,
+    metrics: Arc<Metrics>,
+    max_request_bytes: usize,
+}
+
+impl InferenceService {
+    /// A service over `rt`; requests larger than `max_request_bytes` are refused
+    /// with `INVALID_ARGUMENT`.
+    pub fn new(rt: Arc<Runtime>, metrics: Arc<Metrics>, max_request_bytes: usize) -> Self {
+        InferenceService {
+            rt,
+            metrics,
+            max_request_bytes,
+        }
+    }
+
+    fn check_size<M: Message>(&self, m: &M) -> Result<(), Status> {
+        let n = m.encoded_len();
+        if n > self.max_request_bytes {
+            return Err(Status::invalid_argument(format!(
+                "request: message of {n} bytes exceeds the limit of {} bytes",
+                self.max_request_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs a blocking runtime call off the async workers.
+    async fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Runtime) -> Result<T, RuntimeError> + Send + 'static,
+    ) -> Result<T, Status> {
+        let rt = self.rt.clone();
+        tokio::task::spawn_blocking(move || f(&rt))
+            .await
+            .map_err(|_| Status::internal("the request handler failed"))?
+            .map_err(|e| status_of(&e))
+    }
+}
+
+fn invalid(field: &str, reason: impl std::fmt::Display) -> Status {
+    Status::invalid_argument(format!("{field}: {reason}"))
+}
+
+/// Translates a wire request into a runtime request (wire-level checks only;
+/// the runtime validates the rest and names the field).
+fn to_runtime(r: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
+    let input = match r.input {
+        None => {
+            return Err(invalid(
+                "input",
+                "one of prompt, chat or tokens is required",
+            ));
+        }
+        Some(pb::generate_request::Input::Prompt(p)) => Input::Prompt(p),
+        Some(pb::generate_request::Input::Tokens(t)) => {
+            Input::Tokens(t.ids.into_iter().map(TokenId).collect())
+        }
+        Some(pb::generate_request::Input::Chat(c)) => {
+            let mut msgs = Vec::with_capacity(c.messages.len());
+            for (i, m) in c.messages.into_iter().enumerate() {
+                if !ROLES.contains(&m.role.as_str()) {
+                    return Err(invalid(
+                        &format!("chat.messages[{i}].role"),
+                        format!("`{}` is not one of {}", m.role, ROLES.join(", ")),
+                    ));
+                }
+                msgs.push(ChatMessage::new(m.role, m.content));
+            }
+            Input::Chat(msgs)
+        }
+    };
+    let s = r.sampling.unwrap_or_default();
+    let d = SamplingParams::greedy();
+    let sampling = SamplingParams {
+        temperature: s.temperature.unwrap_or(d.temperature),
+        top_k: s.top_k.unwrap_or(d.top_k),
+        top_p: s.top_p.unwrap_or(d.top_p),
+        min_p: s.min_p.unwrap_or(d.min_p),
+        seed: s.seed,
+        repetition_penalty: s.repetition_penalty.unwrap_or(d.repetition_penalty),
+        presence_penalty: s.presence_penalty.unwrap_or(d.presence_penalty),
+        frequency_penalty: s.frequency_penalty.unwrap_or(d.frequency_penalty),
+        penalty_last_n: s.penalty_last_n.unwrap_or(d.penalty_last_n),
+        max_tokens: if r.max_tokens == 0 {
+            d.max_tokens
+        } else {
+            r.max_tokens
+        },
+        stop: r.stop,
+        stop_token_ids: Vec::new(),
+        ignore_eos: r.ignore_eos,
+    };
+    let priority = match pb::Priority::try_from(r.priority) {
+        Ok(pb::Priority::Interactive) => Priority::Interactive,
+        Ok(pb::Priority::Batch) => Priority::Batch,
+        Ok(pb::Priority::Normal | pb::Priority::Unspecified) => Priority::Normal,
+        Err(_) => return Err(invalid("priority", format!("unknown value {}", r.priority))),
+    };
+    Ok(GenerateRequest {
+        id: (!r.request_id.is_empty()).then(|| RequestId(r.request_id)),
+        input,
+        sampling,
+        priority,
+        deadline: (r.deadline_ms > 0).then(|| Duration::from_millis(u64::from(r.deadline_ms))),
+        cache_salt: (!r.cache_salt.is_empty()).then_some(r.cache_salt),
+    })
+}
+
+fn usage_pb(u: &Usage) -> pb::Usage {
+    pb::Usage {
+        prompt_tokens: u.prompt_tokens,
+        cached_prompt_tokens: u.cached_prompt_tokens,
+        completion_tokens: u.completion_tokens,
+        queue_ms: u.queue_ms,
+        ttft_ms: u.ttft_ms,
+        decode_ms: u.decode_ms,
+        draft_tokens: 0,
+        accepted_draft_tokens: 0,
+    }
+}
+
+fn finish_pb(r: FinishReason) -> pb::FinishReason {
+    match r {
+        FinishReason::Stop => pb::FinishReason::Stop,
+        FinishReason::Length => pb::FinishReason::Length,
+        FinishReason::Cancelled => pb::FinishReason::Cancelled,
+        FinishReason::Error => pb::FinishReason::Error,
+    }
+}
+
+/// The response stream of one `Generate`: runtime events as wire messages.
+/// Dropping it (the client went away) drops the [`RequestStream`], which
+/// cancels the request and frees its KV.
+pub struct GenerateStream {
+    inner: RequestStream,
+    metrics: Arc<Metrics>,
+    started: Instant,
+    last_token: Option<Instant>,
+    sent_id: bool,
+    /// A status to send after the final message (engine failures).
+    trailer: Option<Status>,
+    ended: bool,
+}
+
+impl std::fmt::Debug for GenerateStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GenerateStream")
+            .field("id", self.inner.id())
+            .finish()
+    }
+}
+
+impl Stream for GenerateStream {
+    type Item = Result<pb::GenerateResponse, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        if let Some(s) = this.trailer.take() {
+            this.ended = true;
+            return Poll::Ready(Some(Err(s)));
+        }
+        if this.ended {
+            return Poll::Ready(None);
+        }
+        let event = match this.inner.poll_next(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(e) => e,
+        };
+        let request_id = |sent: &mut bool, id: &RequestId| {
+            if std::mem::replace(sent, true) {
+                String::new()
+            } else {
+                id.0.clone()
+            }
+        };
+        match event {
+            Some(Event::Text { text, token }) => {
+                let now = Instant::now();
+                if token.is_some() {
+                    this.metrics
+                        .generated_tokens
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    match this.last_token {
+                        None => this
+                            .metrics
+                            .ttft
+                            .observe((now - this.started).as_secs_f64()),
+                        Some(t) => this.metrics.inter_token.observe((now - t).as_secs_f64()),
+                    }
+                    this.last_token = Some(now);
+                }
+                let id = request_id(&mut this.sent_id, this.inner.id());
+                Poll::Ready(Some(Ok(pb::GenerateResponse {
+                    text,
+                    token_ids: token.map(|t| t.0).into_iter().collect(),
+                    finish_reason: pb::FinishReason::Unspecified as i32,
+                    usage: None,
+                    request_id: id,
+                })))
+            }
+            Some(Event::Done {
+                finish_reason,
+                usage,
+                error,
+            }) => {
+                this.ended = true;
+                let m = &this.metrics;
+                m.prompt_tokens.fetch_add(
+                    u64::from(usage.prompt_tokens),
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+                m.cached_prompt_tokens.fetch_add(
+                    u64::from(usage.cached_prompt_tokens),
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+                m.finished(&finish_reason.to_string());
+                if let Some(e) = error {
+                    m.error(e.error_kind());
+                    let status = status_of(&e);
+                    if matches!(e, RuntimeError::Engine(_)) && this.sent_id {
+                        // Tokens were streamed: close with the figures, then the status.
+                        this.ended = false;
+                        this.trailer = Some(status);
+                    } else {
+                        return Poll::Ready(Some(Err(status)));
+                    }
+                }
+                Poll::Ready(Some(Ok(pb::GenerateResponse {
+                    text: String::new(),
+                    token_ids: Vec::new(),
+                    finish_reason: finish_pb(finish_reason) as i32,
+                    usage: Some(usage_pb(&usage)),
+                    request_id: this.inner.id().0.clone(),
+                })))
+            }
+            None => {
+                this.ended = true;
+                Poll::Ready(Some(Err(Status::unavailable("the engine has stopped"))))
+            }
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl pb::inference_server::Inference for InferenceService {
+    type GenerateStream = GenerateStream;
+
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        self.check_size(request.get_ref())?;
+        let req = to_runtime(request.into_inner())
+            .inspect_err(|_| self.metrics.error("invalid_request"))?;
+        let inner = self.rt.submit(req).map_err(|e| status_of(&e))?;
+        Ok(Response::new(GenerateStream {
+            inner,
+            metrics: self.metrics.clone(),
+            started: Instant::now(),
+            last_token: None,
+            sent_id: false,
+            trailer: None,
+            ended: false,
+        }))
+    }
+
+    async fn embed(
+        &self,
+        _request: Request<pb::EmbedRequest>,
+    ) -> Result<Response<pb::EmbedResponse>, Status> {
+        Err(Status::unimplemented(
+            "Embed needs an embedding model; this server has none (embeddings are not built yet)",
+        ))
+    }
+
+    async fn rerank(
+        &self,
+        _request: Request<pb::RerankRequest>,
+    ) -> Result<Response<pb::RerankResponse>, Status> {
+        Err(Status::unimplemented(
+            "Rerank needs an embedding model; this server has none (embeddings are not built yet)",
+        ))
+    }
+
+    async fn tokenize(
+        &self,
+        request: Request<pb::TokenizeRequest>,
+    ) -> Result<Response<pb::TokenizeResponse>, Status> {
+        self.check_size(request.get_ref())?;
+        let r = request.into_inner();
+        let ids = self
+            .blocking(move |rt| rt.tokenize(&r.text, r.add_special))
+            .await?;
+        Ok(Response::new(pb::TokenizeResponse {
+            ids: ids.into_iter().map(|t| t.0).collect(),
+        }))
+    }
+
+    async fn detokenize(
+        &self,
+        request: Request<pb::DetokenizeRequest>,
+    ) -> Result<Response<pb::DetokenizeResponse>, Status> {
+        self.check_size(request.get_ref())?;
+        let ids: Vec<TokenId> = request.into_inner().ids.into_iter().map(TokenId).collect();
+        let text = self.blocking(move |rt| rt.detokenize(&ids)).await?;
+        Ok(Response::new(pb::DetokenizeResponse { text }))
+    }
+
+    async fn get_model_info(
+        &self,
+        _request: Request<pb::GetModelInfoRequest>,
+    ) -> Result<Response<pb::ModelInfo>, Status> {
+        let s = self.blocking(|rt| rt.stats()).await?;
+        let i = self.rt.info();
+        let g = i.geometry;
+        Ok(Response::new(pb::ModelInfo {
+            name: i.model_name.clone(),
+            architecture: i.architecture.clone(),
+            n_layer: g.n_layer,
+            n_head: g.n_head,
+            n_head_kv: g.n_head_kv,
+            n_embd: g.n_embd,
+            n_vocab: g.n_vocab,
+            context_tokens: i.n_ctx,
+            train_context: g.n_ctx_train,
+            kv_type_k: i.type_k.to_string(),
+            kv_type_v: i.type_v.to_string(),
+            block_size: i.block_size,
+            kv_blocks: u64::from(i.kv_blocks),
+            kv_bytes_per_token: g.kv_bytes_per_token(i.type_k, i.type_v),
+            max_running_seqs: i.max_running_seqs,
+            prefix_caching: i.prefix_caching,
+            speculative: String::new(),
+            kv: Some(pb::KvStats {
+                used_blocks: s.kv_used_blocks as u64,
+                free_blocks: s.kv_free_blocks as u64,
+                cached_blocks: s.kv_cached_blocks as u64,
+                prefix_hit_tokens: s.prefix_hit_tokens,
+                prefix_miss_tokens: s.prefix_miss_tokens,
+                running: s.running as u64,
+                waiting: s.waiting as u64,
+                seq_ids_in_use: s.seq_ids_in_use as u64,
+            }),
+        }))
+    }
+
+    async fn cancel(
+        &self,
+        request: Request<pb::CancelRequest>,
+    ) -> Result<Response<pb::CancelResponse>, Status> {
+        let id = request.into_inner().request_id;
+        if id.is_empty() {
+            return Err(invalid("request_id", "is empty"));
+        }
+        let rid = RequestId(id.clone());
+        if self.blocking(move |rt| rt.cancel(&rid)).await? {
+            Ok(Response::new(pb::CancelResponse {}))
+        } else {
+            Err(Status::not_found(format!(
+                "no request `{id}` is queued or running"
+            )))
+        }
+    }
+}

@@ -1,0 +1,254 @@
+//! `siliceo serve`: the gRPC server on one model.
+//!
+//! Settings come from defaults, then an optional TOML file (`--config`), then
+//! flags; a flag wins over the file. Every key of the file has the flag's name
+//! with `_` for `-`, e.g.:
+//!
+//! ```toml
+//! model = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+//! listen = "127.0.0.1:50051"
+//! context = 8192
+//! kv_k = "q8_0"
+//! kv_v = "q8_0"
+//! max_running = 16
+//! ```
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, Result, bail};
+use clap::Args;
+use serde::Deserialize;
+use siliceo_core::KvType;
+use siliceo_runtime::{Runtime, RuntimeConfig};
+use siliceo_server::ServerConfig;
+
+/// Flags of `siliceo serve` (all optional: the file, then the defaults, fill in).
+#[derive(Args, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServeArgs {
+    /// TOML file with any of these settings (flags win).
+    #[arg(long)]
+    #[serde(skip)]
+    config: Option<PathBuf>,
+    /// GGUF model (default: $SILICEO_MODEL, else the default model).
+    #[arg(long, short = 'm')]
+    model: Option<PathBuf>,
+    /// gRPC address [default: 127.0.0.1:50051].
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// Require `authorization: Bearer <key>` (or set SILICEO_API_KEY).
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Prometheus metrics address, e.g. 127.0.0.1:9090 [default: off].
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
+    /// Context (KV cells) shared by all running requests [default: 8192].
+    #[arg(long)]
+    context: Option<u32>,
+    /// K cache type: f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl [default: f16].
+    #[arg(long)]
+    kv_k: Option<String>,
+    /// V cache type; a quantized V turns flash attention on [default: f16].
+    #[arg(long)]
+    kv_v: Option<String>,
+    /// Tokens per KV block [default: 64].
+    #[arg(long)]
+    block_size: Option<u32>,
+    /// Most requests running at once [default: 16].
+    #[arg(long)]
+    max_running: Option<usize>,
+    /// Most requests waiting; beyond it, RESOURCE_EXHAUSTED [default: 1024].
+    #[arg(long)]
+    max_waiting: Option<usize>,
+    /// Tokens computed per engine step (decodes + prefill chunks) [default: 512].
+    #[arg(long)]
+    batch_tokens: Option<usize>,
+    /// Threads for llama.cpp [default: all cores].
+    #[arg(long)]
+    threads: Option<u32>,
+    /// Turn prefix caching off.
+    #[arg(long)]
+    no_prefix_cache: bool,
+    /// Seconds in-flight streams get to finish on SIGINT/SIGTERM [default: 10].
+    #[arg(long)]
+    shutdown_grace_s: Option<u64>,
+    /// Largest request message in bytes [default: 4194304].
+    #[arg(long)]
+    max_request_bytes: Option<usize>,
+    /// Draft model for speculative decoding (not available yet).
+    #[arg(long)]
+    draft_model: Option<PathBuf>,
+    /// Embedding model for Embed/Rerank (not available yet).
+    #[arg(long)]
+    embedding_model: Option<PathBuf>,
+}
+
+impl ServeArgs {
+    /// Fills every unset flag from `file`.
+    fn over(self, file: ServeArgs) -> ServeArgs {
+        ServeArgs {
+            config: self.config,
+            model: self.model.or(file.model),
+            listen: self.listen.or(file.listen),
+            api_key: self.api_key.or(file.api_key),
+            metrics_listen: self.metrics_listen.or(file.metrics_listen),
+            context: self.context.or(file.context),
+            kv_k: self.kv_k.or(file.kv_k),
+            kv_v: self.kv_v.or(file.kv_v),
+            block_size: self.block_size.or(file.block_size),
+            max_running: self.max_running.or(file.max_running),
+            max_waiting: self.max_waiting.or(file.max_waiting),
+            batch_tokens: self.batch_tokens.or(file.batch_tokens),
+            threads: self.threads.or(file.threads),
+            no_prefix_cache: self.no_prefix_cache || file.no_prefix_cache,
+            shutdown_grace_s: self.shutdown_grace_s.or(file.shutdown_grace_s),
+            max_request_bytes: self.max_request_bytes.or(file.max_request_bytes),
+            draft_model: self.draft_model.or(file.draft_model),
+            embedding_model: self.embedding_model.or(file.embedding_model),
+        }
+    }
+}
+
+fn kv_type(s: Option<&str>, flag: &str) -> Result<KvType> {
+    match s {
+        None => Ok(KvType::F16),
+        Some(s) => s.parse().with_context(|| format!("--{flag}")),
+    }
+}
+
+/// The runtime and server configuration `a` describes.
+fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig)> {
+    let a = match &a.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let file: ServeArgs =
+                toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+            a.over(file)
+        }
+        None => a,
+    };
+    if a.draft_model.is_some() {
+        bail!(
+            "--draft-model: speculative decoding is not built yet (the speculative issue); serve without it"
+        );
+    }
+    if a.embedding_model.is_some() {
+        bail!(
+            "--embedding-model: embeddings are not built yet (the embeddings issue); Embed and Rerank answer UNIMPLEMENTED"
+        );
+    }
+    let model = a.model.clone().unwrap_or_else(crate::default_model);
+    if !model.is_file() {
+        if a.model.is_none() {
+            bail!(
+                "the default model is not there ({})\nfetch it with: cargo xtask fetch-model",
+                model.display()
+            );
+        }
+        bail!("--model: no such file: {}", model.display());
+    }
+    let mut rc = RuntimeConfig::new(model);
+    rc.context.n_ctx = a.context.unwrap_or(8192);
+    rc.context.type_k = kv_type(a.kv_k.as_deref(), "kv-k")?;
+    rc.context.type_v = kv_type(a.kv_v.as_deref(), "kv-v")?;
+    rc.context.n_threads = a.threads;
+    rc.context.n_threads_batch = a.threads;
+    let batch = a.batch_tokens.unwrap_or(512);
+    if batch == 0 {
+        bail!("--batch-tokens must be at least 1");
+    }
+    rc.context.n_batch = batch as u32;
+    rc.context.n_ubatch = batch as u32;
+    rc.scheduler.max_batch_tokens = batch;
+    rc.scheduler.max_running_seqs = a.max_running.unwrap_or(16).clamp(1, 240);
+    if let Some(w) = a.max_waiting {
+        rc.scheduler.max_waiting = w;
+    }
+    rc.block_size = a.block_size.unwrap_or(64);
+    if rc.block_size == 0 {
+        bail!("--block-size must be at least 1");
+    }
+    rc.prefix_caching = !a.no_prefix_cache;
+    rc.context.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let sc = ServerConfig {
+        listen: a.listen.unwrap_or(ServerConfig::default().listen),
+        api_key: a
+            .api_key
+            .or_else(|| std::env::var("SILICEO_API_KEY").ok())
+            .filter(|k| !k.is_empty()),
+        metrics_listen: a.metrics_listen,
+        max_request_bytes: a
+            .max_request_bytes
+            .unwrap_or(ServerConfig::default().max_request_bytes),
+        shutdown_grace: Duration::from_secs(a.shutdown_grace_s.unwrap_or(10)),
+    };
+    Ok((rc, sc))
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// Runs `siliceo serve`.
+pub fn cmd_serve(a: ServeArgs) -> Result<()> {
+    let (rc, sc) = configs(a)?;
+    let model = rc.model_path.clone();
+    eprintln!("siliceo: loading {}", model.display());
+    let rt = Arc::new(Runtime::start(rc).map_err(|e| anyhow::anyhow!("{e}"))?);
+    let tokio = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    tokio.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(sc.listen)
+            .await
+            .with_context(|| format!("cannot listen on {}", sc.listen))?;
+        let addr = listener.local_addr()?;
+        let info = rt.info();
+        // One line when ready: scripts and tests wait for it.
+        println!(
+            "siliceo: ready on {addr} · model {} · context {} · KV {}/{} · blocks of {} · prefix cache {}{}",
+            info.model_name,
+            info.n_ctx,
+            info.type_k,
+            info.type_v,
+            info.block_size,
+            if info.prefix_caching { "on" } else { "off" },
+            if sc.api_key.is_some() {
+                " · API key required"
+            } else {
+                ""
+            }
+        );
+        use std::io::Write as _;
+        let _ = std::io::stdout().flush();
+        siliceo_server::serve_on(listener, rt, sc, shutdown_signal())
+            .await
+            .map_err(anyhow::Error::from)
+    })?;
+    eprintln!("siliceo: stopped");
+    Ok(())
+}
