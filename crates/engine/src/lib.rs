@@ -41,6 +41,7 @@ mod detok;
 mod error;
 mod generate;
 mod model;
+mod reference;
 
 pub use backend::{backend_init, supports_gpu_offload};
 pub use context::{Batch, Context, ContextOptions, FlashAttention, SeqSnapshot};
@@ -48,5 +49,6 @@ pub use detok::{Detokenizer, TokenText, Utf8Stream};
 pub use error::EngineError;
 pub use generate::{Generation, generate};
 pub use model::{ChatMessage, Model, ModelOptions};
+pub use reference::GreedyTrace;
 
 pub(crate) use backend::backend;
