@@ -215,12 +215,14 @@ pub async fn serve_on(
     };
     let grace = cfg.shutdown_grace;
     let rt_stop = rt.clone();
+    let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();
     let signal = async move {
         shutdown.await;
         tracing::info!("shutting down: no new connections; draining streams for up to {grace:?}");
         health
             .set_not_serving::<pb::inference_server::InferenceServer<InferenceService>>()
             .await;
+        let _ = stopping_tx.send(());
         // After the grace period, cancel what is still running so every
         // stream ends and the server can close.
         tokio::spawn(async move {
@@ -229,7 +231,7 @@ pub async fn serve_on(
         });
     };
     tracing::info!(%addr, "siliceo gRPC server ready on {addr}");
-    tonic::transport::Server::builder()
+    let server = tonic::transport::Server::builder()
         .add_service(health_svc)
         .add_service(refl_v1)
         .add_service(refl_v1alpha)
@@ -237,8 +239,21 @@ pub async fn serve_on(
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             signal,
-        )
-        .await?;
+        );
+    // Connections whose clients never answer the GOAWAY would hold a graceful
+    // shutdown open forever: past the grace period plus a little for the
+    // cancelled streams' last messages, they are dropped.
+    let deadline = async move {
+        if stopping_rx.await.is_ok() {
+            tokio::time::sleep(grace + Duration::from_secs(2)).await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        r = server => r?,
+        () = deadline => tracing::warn!("closing connections that did not finish in time"),
+    }
     tracing::info!("server stopped");
     Ok(())
 }

@@ -27,7 +27,7 @@ use siliceo_server::ServerConfig;
 
 /// Flags of `siliceo serve` (all optional: the file, then the defaults, fill in).
 #[derive(Args, Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct ServeArgs {
     /// TOML file with any of these settings (flags win).
     #[arg(long)]

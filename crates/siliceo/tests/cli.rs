@@ -221,3 +221,119 @@ fn plan_table_and_refusal() {
         text(&out.stderr)
     );
 }
+
+/// Starts `siliceo serve` with `args`, waits for its ready line and returns
+/// the child and the address it serves on.
+fn start_server(args: &[&str]) -> (std::process::Child, String, String) {
+    use std::io::BufRead;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_siliceo"))
+        .arg("serve")
+        .args(args)
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("run siliceo serve");
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let ready = lines
+        .next()
+        .expect("a ready line")
+        .expect("readable stdout");
+    let addr = ready
+        .strip_prefix("siliceo: ready on ")
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("not a ready line: {ready}"))
+        .to_string();
+    (child, addr, ready)
+}
+
+#[test]
+fn serve_answers_grpc_and_exits_cleanly_on_sigterm() {
+    let dir = std::env::temp_dir().join(format!("siliceo-serve-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("serve.toml");
+    // The file sets the context; the flag sets the address (flags win).
+    std::fs::write(
+        &cfg,
+        "context = 1024\nlisten = \"127.0.0.1:1\"\nmax_running = 4\n",
+    )
+    .unwrap();
+    let (mut child, addr, ready) =
+        start_server(&["--config", cfg.to_str().unwrap(), "--listen", "127.0.0.1:0"]);
+    assert!(ready.contains("context 1024"), "{ready}");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let text = rt.block_on(async {
+        use siliceo_server::pb;
+        let mut c = pb::inference_client::InferenceClient::connect(format!("http://{addr}"))
+            .await
+            .unwrap();
+        let info = c
+            .get_model_info(pb::GetModelInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(info.context_tokens, 1024);
+        assert_eq!(info.max_running_seqs, 4);
+        let mut s = c
+            .generate(pb::GenerateRequest {
+                input: Some(pb::generate_request::Input::Prompt(
+                    "The capital of France is".into(),
+                )),
+                max_tokens: 6,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut text = String::new();
+        while let Some(m) = s.message().await.unwrap() {
+            text.push_str(&m.text);
+        }
+        text
+    });
+    assert!(text.contains("Paris"), "{text}");
+    // Close the client's connection (its runtime), then stop the server.
+    drop(rt);
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let status = child.wait().unwrap();
+    assert!(status.success(), "exit after SIGTERM: {status}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn serve_refuses_what_it_cannot_do_with_a_clear_error() {
+    let out = siliceo(&[
+        "serve",
+        "--draft-model",
+        "x.gguf",
+        "--listen",
+        "127.0.0.1:0",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("--draft-model"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = siliceo(&["serve", "--kv-k", "q9_9", "--listen", "127.0.0.1:0"]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("--kv-k"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = siliceo(&["serve", "--model", "/nonexistent.gguf"]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("no such file"),
+        "{}",
+        text(&out.stderr)
+    );
+}
