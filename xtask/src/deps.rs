@@ -1,4 +1,5 @@
-//! System packages the build needs: cmake (llama.cpp) and libclang (bindgen).
+//! System packages the build needs: cmake (llama.cpp), libclang (bindgen) and
+//! protoc (the gRPC server's .proto).
 
 use std::path::Path;
 use std::process::Command;
@@ -64,6 +65,10 @@ pub fn ensure_build_deps() -> Result<()> {
     }
     if !have_libclang() {
         missing.push("libclang-dev");
+    }
+    // The server's build script compiles the .proto with protoc.
+    if !have("protoc") && std::env::var_os("PROTOC").is_none() {
+        missing.push("protobuf-compiler");
     }
     if !have("ccache") && is_root() {
         missing.push("ccache");

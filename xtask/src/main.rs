@@ -25,7 +25,8 @@ tasks:
   fetch-model [--all]   fetch the default model (SmolLM2-135M-Instruct Q4_1) into models/
   check-layers          build each crate on its own and check dependencies point down only
   test                  install what is missing, fetch the model, run the whole test suite
-  serve [-- ARGS]       run the main job on the default model (release build)
+  serve [-- ARGS]       the gRPC server on the default model (release build; ARGS go to
+                        `siliceo serve`, e.g. -- --listen 0.0.0.0:50051 --api-key KEY)
   bench [engine] [--reps N] [--compare-portable]
                         benchmarks on the real model (release build); --compare-portable
                         also builds llama.cpp portably (AVX2) and shows both side by side
@@ -129,18 +130,10 @@ fn serve(rest: &[String]) -> Result<()> {
         "-p",
         "siliceo",
         "--",
-        "generate",
+        "serve",
         "--model",
     ])
     .arg(&model);
-    if rest.is_empty() {
-        cmd.args([
-            "--chat",
-            "--prompt",
-            "Explain in three sentences why the sky is blue.",
-        ]);
-    } else {
-        cmd.args(rest.iter().skip_while(|a| *a == "--"));
-    }
+    cmd.args(rest.iter().skip_while(|a| *a == "--"));
     run(&mut cmd)
 }
