@@ -92,8 +92,11 @@ pub fn violations(meta: &Value) -> Vec<String> {
         for dep in pkg["dependencies"].as_array().into_iter().flatten() {
             let dep_name = dep["name"].as_str().unwrap_or_default();
             let kind = dep["kind"].as_str().unwrap_or("normal");
+            // A crate may dev-depend on itself to turn on a test-only feature.
+            let self_for_tests = dep_name == name && kind == "dev";
             if let Some(&dep_rank) = rank.get(dep_name)
                 && dep_rank >= my_rank
+                && !self_for_tests
             {
                 problems.push(format!(
                     "`{name}` (layer {my_rank}) depends on `{dep_name}` (layer {dep_rank}) [{kind}]: dependencies must point down"

@@ -44,13 +44,12 @@ impl GreedyTrace {
             },
         )?;
         let mut logits = ctx.prefill(SeqId(0), prompt, 0)?;
-        let mut pos = prompt.len() as u32;
         let mut t = GreedyTrace {
             tokens: Vec::new(),
             margins: Vec::new(),
             near: Vec::new(),
         };
-        for _ in 0..n {
+        for pos in (prompt.len() as u32..).take(n as usize) {
             let mut idx: Vec<usize> = (0..logits.len()).collect();
             idx.sort_unstable_by(|a, b| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b)));
             let best = idx[0];
@@ -65,7 +64,6 @@ impl GreedyTrace {
             );
             let mut b = Batch::new();
             let i = b.push(TokenId(best as u32), pos, SeqId(0), true);
-            pos += 1;
             ctx.decode(&b)?;
             logits = ctx.logits(i)?.to_vec();
         }

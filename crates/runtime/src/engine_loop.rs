@@ -575,6 +575,14 @@ impl<'m> Engine<'m> {
     fn step(&mut self) {
         let now = self.now_ms();
         let step = self.sched.schedule(now);
+        #[cfg(feature = "fault-injection")]
+        if step
+            .items
+            .iter()
+            .any(|i| i.id.0.starts_with("siliceo-fault-panic"))
+        {
+            panic!("injected fault (feature fault-injection)");
+        }
         debug_assert!(
             step.copies.is_empty(),
             "block copies arise only from forks and truncation, which the runtime does not use"

@@ -122,7 +122,7 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
         Err(_) => return Err(invalid("priority", format!("unknown value {}", r.priority))),
     };
     Ok(GenerateRequest {
-        id: (!r.request_id.is_empty()).then(|| RequestId(r.request_id)),
+        id: (!r.request_id.is_empty()).then_some(RequestId(r.request_id)),
         input,
         sampling,
         priority,

@@ -385,3 +385,45 @@ fn cached_blocks_give_way_and_llama_has_the_cells_the_blocks_promise() {
     );
     assert_clean(&rt);
 }
+
+#[test]
+fn a_panicking_step_fails_its_requests_and_the_engine_keeps_serving() {
+    let rt = Runtime::start(RuntimeConfig::new(model_path())).unwrap();
+    let bystander = rt
+        .submit(request(PROMPTS[0], 10_000, Priority::Normal))
+        .unwrap();
+    let mut bad = request(PROMPTS[1], 8, Priority::Normal);
+    bad.id = Some(siliceo_core::RequestId::from("siliceo-fault-panic-1"));
+    let (_, _, done) = rt.submit(bad).unwrap().blocking_collect();
+    assert!(
+        matches!(
+            done,
+            Event::Done {
+                finish_reason: FinishReason::Error,
+                error: Some(RuntimeError::Engine(_)),
+                ..
+            }
+        ),
+        "{done:?}"
+    );
+    // Everything in flight in that step failed too, with a clear error.
+    let (_, _, done) = bystander.blocking_collect();
+    assert!(
+        matches!(
+            done,
+            Event::Done {
+                finish_reason: FinishReason::Error,
+                ..
+            }
+        ),
+        "{done:?}"
+    );
+    assert_eq!(rt.stats().unwrap().panics, 1);
+    // Still serving, correctly, and nothing leaked.
+    let (_, tokens, _) = rt
+        .submit(request(PROMPTS[3], 12, Priority::Normal))
+        .unwrap()
+        .blocking_collect();
+    assert_same_or_near_tie(&tokens, &alone(&PROMPTS[3..4], 12)[0], "after the panic");
+    assert_clean(&rt);
+}
