@@ -1,0 +1,87 @@
+//! Prompt lookup: propose what followed the latest earlier occurrence of the
+//! sequence's last n tokens.
+
+use siliceo_core::TokenId;
+
+use crate::Drafter;
+
+/// Proposes continuations of the last `n` tokens (longest `n` first, from
+/// `n_max` down to `n_min`) found earlier in the history. Works well on
+/// outputs that quote their input (code edits, extraction, summaries).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NgramDrafter {
+    n_min: usize,
+    n_max: usize,
+}
+
+impl NgramDrafter {
+    /// A drafter matching suffixes of `n_min..=n_max` tokens (clamped to ≥ 1).
+    pub fn new(n_min: usize, n_max: usize) -> Self {
+        let n_min = n_min.max(1);
+        NgramDrafter {
+            n_min,
+            n_max: n_max.max(n_min),
+        }
+    }
+}
+
+impl Default for NgramDrafter {
+    /// Suffixes of 1 to 3 tokens.
+    fn default() -> Self {
+        NgramDrafter::new(1, 3)
+    }
+}
+
+impl Drafter for NgramDrafter {
+    fn propose(&mut self, history: &[TokenId], k: usize) -> Vec<TokenId> {
+        if k == 0 {
+            return Vec::new();
+        }
+        let len = history.len();
+        for n in (self.n_min..=self.n_max.min(len.saturating_sub(1))).rev() {
+            let suffix = &history[len - n..];
+            // The most recent earlier occurrence that has a continuation.
+            let found = (0..len - n).rev().find(|&j| &history[j..j + n] == suffix);
+            if let Some(j) = found {
+                let start = j + n;
+                let end = (start + k).min(len);
+                return history[start..end].to_vec();
+            }
+        }
+        Vec::new()
+    }
+
+    fn name(&self) -> &'static str {
+        "ngram"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(v: &[u32]) -> Vec<TokenId> {
+        v.iter().map(|&x| TokenId(x)).collect()
+    }
+
+    #[test]
+    fn longest_suffix_wins_and_latest_occurrence_is_used() {
+        let mut d = NgramDrafter::new(1, 3);
+        // "5 6" occurs twice; the later occurrence continues with 8.
+        let h = t(&[5, 6, 7, 1, 5, 6, 8, 2, 5, 6]);
+        assert_eq!(d.propose(&h, 2), t(&[8, 2]));
+        // The 3-token suffix "1 2 3" matches at the start.
+        let h = t(&[1, 2, 3, 9, 9, 1, 2, 3]);
+        assert_eq!(d.propose(&h, 3), t(&[9, 9, 1]));
+    }
+
+    #[test]
+    fn nothing_to_propose() {
+        let mut d = NgramDrafter::default();
+        assert!(d.propose(&t(&[1, 2, 3]), 4).is_empty());
+        assert!(d.propose(&t(&[]), 4).is_empty());
+        assert!(d.propose(&t(&[1, 1]), 0).is_empty());
+        // The continuation is cut at the end of the history.
+        assert_eq!(d.propose(&t(&[4, 7, 4]), 5), t(&[7, 4]));
+    }
+}
