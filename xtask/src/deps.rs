@@ -70,6 +70,10 @@ pub fn ensure_build_deps() -> Result<()> {
     if !have("protoc") && std::env::var_os("PROTOC").is_none() {
         missing.push("protobuf-compiler");
     }
+    // The server's TLS test makes its certificates with the openssl CLI.
+    if !have("openssl") {
+        missing.push("openssl");
+    }
     if !have("ccache") && is_root() {
         missing.push("ccache");
     }

@@ -61,6 +61,26 @@ pub struct ServerConfig {
     /// On shutdown, in-flight streams get this long to finish before they are
     /// cancelled (default 10 s).
     pub shutdown_grace: Duration,
+    /// Serve gRPC over TLS (rustls) with this certificate chain and key.
+    pub tls: Option<TlsIdentity>,
+}
+
+/// A PEM certificate chain and its PEM private key.
+#[derive(Clone)]
+pub struct TlsIdentity {
+    /// Certificate chain, PEM.
+    pub cert_pem: Vec<u8>,
+    /// Private key, PEM.
+    pub key_pem: Vec<u8>,
+}
+
+impl std::fmt::Debug for TlsIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the key.
+        f.debug_struct("TlsIdentity")
+            .field("cert_pem", &format!("{} bytes", self.cert_pem.len()))
+            .finish_non_exhaustive()
+    }
 }
 
 impl Default for ServerConfig {
@@ -71,6 +91,7 @@ impl Default for ServerConfig {
             metrics_listen: None,
             max_request_bytes: 4 << 20,
             shutdown_grace: Duration::from_secs(10),
+            tls: None,
         }
     }
 }
@@ -230,8 +251,14 @@ pub async fn serve_on(
             let _ = tokio::task::spawn_blocking(move || rt_stop.cancel_all()).await;
         });
     };
-    tracing::info!(%addr, "siliceo gRPC server ready on {addr}");
-    let server = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = &cfg.tls {
+        builder = builder.tls_config(tonic::transport::ServerTlsConfig::new().identity(
+            tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem),
+        ))?;
+    }
+    tracing::info!(%addr, tls = cfg.tls.is_some(), "siliceo gRPC server ready on {addr}");
+    let server = builder
         .add_service(health_svc)
         .add_service(refl_v1)
         .add_service(refl_v1alpha)

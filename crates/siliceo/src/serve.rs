@@ -78,6 +78,12 @@ pub struct ServeArgs {
     /// Largest request message in bytes [default: 4194304].
     #[arg(long)]
     max_request_bytes: Option<usize>,
+    /// Serve over TLS with this PEM certificate chain (with --tls-key).
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     /// Draft model for speculative decoding (not available yet).
     #[arg(long)]
     draft_model: Option<PathBuf>,
@@ -106,6 +112,8 @@ impl ServeArgs {
             no_prefix_cache: self.no_prefix_cache || file.no_prefix_cache,
             shutdown_grace_s: self.shutdown_grace_s.or(file.shutdown_grace_s),
             max_request_bytes: self.max_request_bytes.or(file.max_request_bytes),
+            tls_cert: self.tls_cert.or(file.tls_cert),
+            tls_key: self.tls_key.or(file.tls_key),
             draft_model: self.draft_model.or(file.draft_model),
             embedding_model: self.embedding_model.or(file.embedding_model),
         }
@@ -174,6 +182,14 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig)> {
     }
     rc.prefix_caching = !a.no_prefix_cache;
     rc.context.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let tls = match (&a.tls_cert, &a.tls_key) {
+        (Some(c), Some(k)) => Some(siliceo_server::TlsIdentity {
+            cert_pem: std::fs::read(c).with_context(|| format!("--tls-cert {}", c.display()))?,
+            key_pem: std::fs::read(k).with_context(|| format!("--tls-key {}", k.display()))?,
+        }),
+        (None, None) => None,
+        _ => bail!("--tls-cert and --tls-key go together"),
+    };
     let sc = ServerConfig {
         listen: a.listen.unwrap_or(ServerConfig::default().listen),
         api_key: a
@@ -185,6 +201,7 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig)> {
             .max_request_bytes
             .unwrap_or(ServerConfig::default().max_request_bytes),
         shutdown_grace: Duration::from_secs(a.shutdown_grace_s.unwrap_or(10)),
+        tls,
     };
     Ok((rc, sc))
 }
@@ -230,7 +247,7 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
         let info = rt.info();
         // One line when ready: scripts and tests wait for it.
         println!(
-            "siliceo: ready on {addr} · model {} · context {} · KV {}/{} · blocks of {} · prefix cache {}{}",
+            "siliceo: ready on {addr} · model {} · context {} · KV {}/{} · blocks of {} · prefix cache {}{}{}",
             info.model_name,
             info.n_ctx,
             info.type_k,
@@ -241,7 +258,8 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
                 " · API key required"
             } else {
                 ""
-            }
+            },
+            if sc.tls.is_some() { " · TLS" } else { "" }
         );
         use std::io::Write as _;
         let _ = std::io::stdout().flush();

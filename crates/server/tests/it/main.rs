@@ -81,6 +81,15 @@ impl TestServer {
         panic!("server at {} never accepted", self.addr);
     }
 
+    /// A plaintext client, connected lazily (for a TLS server it cannot work).
+    async fn client_plain_attempt(&self) -> InferenceClient<Channel> {
+        InferenceClient::new(
+            Channel::from_shared(format!("http://{}", self.addr))
+                .unwrap()
+                .connect_lazy(),
+        )
+    }
+
     async fn stop(mut self) {
         let _ = self.stop.take().unwrap().send(());
         self.done.await.unwrap().unwrap();
@@ -562,4 +571,124 @@ async fn shutdown_lets_streams_finish_then_cancels_what_is_left() {
     drop(s);
     drop(c);
     stopping.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tls_serves_clients_that_trust_the_certificate() {
+    use tonic::transport::{Certificate, ClientTlsConfig};
+    // A test CA and a localhost certificate it signs, made by the openssl CLI
+    // (rustls wants a real chain: a self-signed CA is refused as an end entity).
+    let dir = std::env::temp_dir().join(format!("siliceo-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let openssl = |args: &[&str]| {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .current_dir(&dir)
+            .output()
+            .expect("the openssl command line (Debian package openssl)");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+    ];
+    openssl(
+        &[
+            &["req", "-x509"][..],
+            &ec,
+            &[
+                "-days",
+                "1",
+                "-subj",
+                "/CN=siliceo test CA",
+                "-keyout",
+                "ca.key",
+                "-out",
+                "ca.pem",
+            ],
+        ]
+        .concat(),
+    );
+    openssl(
+        &[
+            &["req"][..],
+            &ec,
+            &[
+                "-subj",
+                "/CN=localhost",
+                "-keyout",
+                "key.pem",
+                "-out",
+                "leaf.csr",
+            ],
+        ]
+        .concat(),
+    );
+    std::fs::write(
+        dir.join("ext.cnf"),
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n",
+    )
+    .unwrap();
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "leaf.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-out",
+        "cert.pem",
+        "-extfile",
+        "ext.cnf",
+    ]);
+    let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+    let ca_pem = std::fs::read(dir.join("ca.pem")).unwrap();
+    let srv = TestServer::start(ServerConfig {
+        tls: Some(siliceo_server::TlsIdentity {
+            cert_pem: std::fs::read(&cert).unwrap(),
+            key_pem: std::fs::read(&key).unwrap(),
+        }),
+        ..ServerConfig::default()
+    })
+    .await;
+    let channel = Channel::from_shared(format!("https://{}", srv.addr))
+        .unwrap()
+        .tls_config(
+            ClientTlsConfig::new()
+                .ca_certificate(Certificate::from_pem(&ca_pem))
+                .domain_name("localhost"),
+        )
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut c = InferenceClient::new(channel);
+    let (text, _, last) = collect(&mut c, prompt_req("The capital of France is", 4))
+        .await
+        .unwrap();
+    assert!(!text.is_empty());
+    assert_eq!(last.finish_reason, pb::FinishReason::Length as i32);
+    // A plaintext client gets nowhere.
+    let mut plain = srv.client_plain_attempt().await;
+    assert!(
+        plain
+            .get_model_info(pb::GetModelInfoRequest {})
+            .await
+            .is_err(),
+        "plaintext must not work against a TLS server"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    srv.stop().await;
 }
