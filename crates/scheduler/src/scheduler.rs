@@ -210,6 +210,10 @@ pub struct StepItem {
     /// Whether the last token's logits are needed (a token will be sampled and
     /// reported back with [`Scheduler::on_token`]).
     pub wants_logits: bool,
+    /// Slots reserved after a decode token for drafted (speculative) tokens,
+    /// counted in this step's token budget and blocks; see
+    /// [`Scheduler::set_draft_len`] and [`Scheduler::on_tokens`].
+    pub draft_slots: usize,
 }
 
 /// The plan of one engine step.
@@ -273,6 +277,10 @@ struct Entry {
     awaiting_token: bool,
     /// Admitted in the step being planned (never preempted by that step's admissions).
     admitted_now: bool,
+    /// Drafted tokens wanted after the next decode token.
+    draft_len: usize,
+    /// Draft slots planned in the current step.
+    draft_planned: usize,
 }
 
 /// The scheduler. See the crate docs.
@@ -362,6 +370,8 @@ impl Scheduler {
                 admitted_once: false,
                 awaiting_token: false,
                 admitted_now: false,
+                draft_len: 0,
+                draft_planned: 0,
             },
         );
         Ok(())
@@ -433,18 +443,67 @@ impl Scheduler {
         self.release(id, true).is_some()
     }
 
+    /// Asks for up to `k` drafted tokens after each decode token of `id`
+    /// (0: no speculation). The scheduler plans fewer when the request is near
+    /// its length limit, or none when blocks are short.
+    pub fn set_draft_len(&mut self, id: &RequestId, k: usize) {
+        if let Some(e) = self.entries.get_mut(id) {
+            e.draft_len = k;
+        }
+    }
+
     /// Reports the token sampled for an item that wanted logits. Returns the
     /// request, now finished and freed, when it reached `max_new_tokens` or
     /// `max_seq_len` (cause `Length`).
     pub fn on_token(&mut self, id: &RequestId, token: TokenId) -> Option<Finished> {
+        self.on_tokens(id, &[], token)
+    }
+
+    /// Reports a verified speculative step: `accepted` drafted tokens (at most
+    /// the item's `draft_slots`; their KV was computed in the step and is kept)
+    /// and the target's `next` token. Unused draft slots are released. Returns
+    /// the request, finished and freed, when it reached its length limit.
+    ///
+    /// # Panics
+    /// When more tokens are accepted than slots were planned.
+    pub fn on_tokens(
+        &mut self,
+        id: &RequestId,
+        accepted: &[TokenId],
+        next: TokenId,
+    ) -> Option<Finished> {
         let max_seq_len = self.cfg.max_seq_len;
         let e = self.entries.get_mut(id)?;
         debug_assert!(
             e.awaiting_token,
             "{id}: token reported without a request for logits"
         );
+        assert!(
+            accepted.len() <= e.draft_planned,
+            "{id}: {} drafted tokens accepted, {} slots planned",
+            accepted.len(),
+            e.draft_planned
+        );
         e.awaiting_token = false;
-        e.tokens.push(token);
+        if e.draft_planned > 0 {
+            if let Some(h) = e.handle {
+                self.kv
+                    .append_pending(h, accepted)
+                    .expect("draft slots were reserved");
+                // Give back the slots of rejected drafts.
+                let n = self.kv.num_tokens(h);
+                let copies = self
+                    .kv
+                    .truncate(h, n)
+                    .expect("cutting at the end copies nothing");
+                debug_assert!(copies.is_empty());
+            }
+            e.draft_planned = 0;
+        }
+        e.tokens.extend_from_slice(accepted);
+        e.computed += accepted.len();
+        e.generated += accepted.len() as u32;
+        e.tokens.push(next);
         e.generated += 1;
         if e.generated >= e.req.max_new_tokens || e.tokens.len() >= max_seq_len {
             let blocks = e
@@ -499,10 +558,11 @@ impl Scheduler {
         // Undo its share of this step, if it had one.
         if let Some(pos) = step.items.iter().position(|i| &i.id == id) {
             let item = step.items.remove(pos);
-            *budget += item.tokens.len();
+            *budget += item.tokens.len() + item.draft_slots;
             let e = self.entries.get_mut(id).expect("running entry");
             e.computed -= item.tokens.len();
             e.awaiting_token = false;
+            e.draft_planned = 0;
         }
         let e = self.entries.get_mut(id).expect("running entry");
         let held = e.computed;
@@ -553,6 +613,21 @@ impl Scheduler {
             }
             let handle = e.handle.expect("running entry has blocks");
             let chunk = e.tokens[e.computed..e.computed + n].to_vec();
+            // Draft slots after a decode token: within the budget, the length
+            // limits, and blocks that are free now (no preemption for drafts).
+            let mut drafts = 0;
+            if kind == ItemKind::Decode && e.draft_len > 0 {
+                let left_new = (e.req.max_new_tokens - e.generated) as usize;
+                let left_len = self.cfg.max_seq_len.saturating_sub(e.tokens.len());
+                let k = e
+                    .draft_len
+                    .min(*budget - n)
+                    .min(left_new.saturating_sub(1))
+                    .min(left_len.saturating_sub(1));
+                if k > 0 && self.kv.reserve_lookahead(handle, n + k).is_ok() {
+                    drafts = k;
+                }
+            }
             match self.kv.append_pending(handle, &chunk) {
                 Ok(copies) => {
                     step.copies.extend(copies);
@@ -561,7 +636,8 @@ impl Scheduler {
                     e.computed += n;
                     let wants_logits = e.computed == e.tokens.len();
                     e.awaiting_token = wants_logits;
-                    *budget -= n;
+                    e.draft_planned = drafts;
+                    *budget -= n + drafts;
                     step.items.push(StepItem {
                         id: id.clone(),
                         handle,
@@ -569,6 +645,7 @@ impl Scheduler {
                         start_pos: start,
                         tokens: chunk,
                         wants_logits,
+                        draft_slots: drafts,
                     });
                     return true;
                 }
@@ -728,6 +805,7 @@ impl Scheduler {
                 start_pos: 0,
                 tokens: Vec::new(),
                 wants_logits: false,
+                draft_slots: 0,
             });
             return true;
         }

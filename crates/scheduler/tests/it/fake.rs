@@ -47,6 +47,9 @@ pub struct FakeEngine {
     /// hit must land on blocks whose KV really was computed.
     blocks: HashMap<BlockId, Vec<TokenId>>,
     pub preemptions: Vec<Preempted>,
+    /// Drafted tokens proposed and accepted (speculative items).
+    pub drafted: usize,
+    pub accepted: usize,
 }
 
 impl FakeEngine {
@@ -88,6 +91,7 @@ impl FakeEngine {
             self.preemptions.push(p.clone());
         }
         let mut sampled = Vec::new();
+        let mut spec = Vec::new();
         for item in &step.items {
             if item.kind == ItemKind::ResumeSwap {
                 let kv = self
@@ -131,13 +135,51 @@ impl FakeEngine {
             for (i, chunk) in kv.chunks_exact(bs).enumerate() {
                 self.blocks.insert(table[i], chunk.to_vec());
             }
-            if item.wants_logits {
+            if item.wants_logits && item.draft_slots > 0 {
+                // Draft the true continuation for half the slots, then a wrong
+                // token; verify greedily like the runtime: keep the agreeing
+                // prefix (its KV stays), then the model's own token.
+                let mut ctx = kv.clone();
+                let mut draft = Vec::new();
+                for i in 0..item.draft_slots {
+                    let t = next_token(&ctx);
+                    let d = if i < item.draft_slots.div_ceil(2) {
+                        t
+                    } else {
+                        TokenId(t.0 ^ 1)
+                    };
+                    draft.push(d);
+                    ctx.push(d);
+                }
+                let mut accepted = Vec::new();
+                let next = loop {
+                    let t = next_token(kv);
+                    match draft.get(accepted.len()) {
+                        Some(&d) if d == t => {
+                            accepted.push(d);
+                            kv.push(d);
+                        }
+                        _ => break t,
+                    }
+                };
+                self.drafted += draft.len();
+                self.accepted += accepted.len();
+                spec.push((item.id.clone(), accepted, next));
+            } else if item.wants_logits {
                 sampled.push((item.id.clone(), next_token(kv)));
             }
         }
         for (id, t) in sampled {
             self.outputs.entry(id.clone()).or_default().push(t);
             if s.on_token(&id, t).is_some() {
+                self.forget(&id);
+            }
+        }
+        for (id, accepted, next) in spec {
+            let out = self.outputs.entry(id.clone()).or_default();
+            out.extend_from_slice(&accepted);
+            out.push(next);
+            if s.on_tokens(&id, &accepted, next).is_some() {
                 self.forget(&id);
             }
         }
