@@ -9,6 +9,8 @@ use siliceo_engine::{Batch, Context, Model, SeqSnapshot, TokenText};
 use siliceo_kv_paging::{BlockId, CacheKeys, KvConfig, SeqHandle};
 use siliceo_scheduler::{FinishCause, ItemKind, PreemptMode, Request, Scheduler};
 
+use siliceo_speculative::{AdaptiveDraftLength, Drafter, NgramDrafter, verify_sampled};
+
 use crate::holders::Holders;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -17,8 +19,29 @@ use crate::{
     Usage,
 };
 
+/// A request's speculative state.
+struct Spec {
+    drafter: NgramDrafter,
+    len: AdaptiveDraftLength,
+    /// Prompt and generated tokens (what the drafter looks in).
+    history: Vec<TokenId>,
+}
+
+/// Logits a step wants read back for one request: the decode (or last
+/// prefill) token's, then one per drafted token.
+struct Want {
+    id: RequestId,
+    idx: Vec<usize>,
+    drafts: Vec<TokenId>,
+    /// Position of the token whose logits come first.
+    pos: usize,
+}
+
 struct Live<'m> {
     tx: UnboundedSender<Event>,
+    spec: Option<Spec>,
+    draft_tokens: u32,
+    accepted_draft_tokens: u32,
     sampler: Sampler,
     text: TokenText<'m>,
     seq: Option<SeqId>,
@@ -42,6 +65,8 @@ impl Live<'_> {
             queue_ms: self.first_scheduled.map_or(0, |t| ms(self.submitted, t)),
             ttft_ms: self.first_token.map_or(0, |t| ms(self.submitted, t)),
             decode_ms: self.first_token.map_or(0, |t| ms(t, now)),
+            draft_tokens: self.draft_tokens,
+            accepted_draft_tokens: self.accepted_draft_tokens,
         }
     }
 }
@@ -57,6 +82,7 @@ struct Engine<'m> {
     max_running: u32,
     holders: Holders,
     block_size: u32,
+    speculative: Option<crate::SpeculativeConfig>,
     epoch: Instant,
     batch: Batch,
     steps: u64,
@@ -135,6 +161,7 @@ pub(crate) fn run(
         kv_blocks: num_blocks,
         max_running_seqs: max_running,
         prefix_caching: n_holders > 0,
+        speculative: cfg.speculative,
     };
     let mut engine = Engine {
         model: &model,
@@ -142,6 +169,7 @@ pub(crate) fn run(
         max_running,
         holders: Holders::new(max_running, n_holders),
         block_size: bs,
+        speculative: cfg.speculative,
         ctx,
         sched,
         keys: CacheKeys::new(model.path().display().to_string(), kv_format),
@@ -409,10 +437,21 @@ impl<'m> Engine<'m> {
         for &t in &tokens {
             sampler.accept(t);
         }
+        let spec = match (self.speculative, req.speculative) {
+            (Some(c), true) => Some(Spec {
+                drafter: NgramDrafter::default(),
+                len: AdaptiveDraftLength::new(1, c.max_draft, c.max_draft.min(4), c.max_batch),
+                history: tokens.clone(),
+            }),
+            _ => None,
+        };
         self.live.insert(
             id,
             Live {
                 tx,
+                spec,
+                draft_tokens: 0,
+                accepted_draft_tokens: 0,
                 sampler,
                 text: TokenText::new(self.model, &req.sampling),
                 seq: None,
@@ -574,6 +613,14 @@ impl<'m> Engine<'m> {
 
     fn step(&mut self) {
         let now = self.now_ms();
+        // Draft lengths for speculating requests, from their acceptance rates
+        // and the batch size.
+        let running = self.sched.stats().running;
+        for (id, live) in &self.live {
+            if let Some(spec) = &live.spec {
+                self.sched.set_draft_len(id, spec.len.k(running));
+            }
+        }
         let step = self.sched.schedule(now);
         #[cfg(feature = "fault-injection")]
         if step
@@ -619,7 +666,7 @@ impl<'m> Engine<'m> {
             retiring.push((seq, p.blocks.clone()));
         }
         self.batch.clear();
-        let mut want: Vec<(RequestId, usize)> = Vec::new();
+        let mut want: Vec<Want> = Vec::new();
         let started = Instant::now();
         for item in &step.items {
             let Some(live) = self.live.get_mut(&item.id) else {
@@ -668,7 +715,23 @@ impl<'m> Engine<'m> {
                 let logits = item.wants_logits && i + 1 == n;
                 let idx = self.batch.push(t, (item.start_pos + i) as u32, seq, logits);
                 if logits {
-                    want.push((item.id.clone(), idx));
+                    want.push(Want {
+                        id: item.id.clone(),
+                        idx: vec![idx],
+                        drafts: Vec::new(),
+                        pos: item.start_pos + i,
+                    });
+                }
+            }
+            // Drafted tokens ride in the same batch, each with its logits.
+            if item.draft_slots > 0
+                && let Some(w) = want.last_mut().filter(|w| w.id == item.id)
+                && let Some(spec) = self.live.get_mut(&item.id).and_then(|l| l.spec.as_mut())
+            {
+                w.drafts = spec.drafter.propose(&spec.history, item.draft_slots);
+                for (k, &d) in w.drafts.iter().enumerate() {
+                    let p = (w.pos + 1 + k) as u32;
+                    w.idx.push(self.batch.push(d, p, seq, true));
                 }
             }
         }
@@ -692,8 +755,8 @@ impl<'m> Engine<'m> {
             }
             return;
         }
-        for (id, idx) in want {
-            self.sample(&id, idx);
+        for w in want {
+            self.sample(&w);
         }
     }
 
@@ -762,37 +825,84 @@ impl<'m> Engine<'m> {
         Ok(())
     }
 
-    /// Samples the next token of `id` from batch index `idx` and streams it.
-    fn sample(&mut self, id: &RequestId, idx: usize) {
-        let Ok(logits) = self.ctx.logits(idx) else {
-            return self.end(
-                id,
-                FinishReason::Error,
-                Some(RuntimeError::Engine("missing logits".into())),
-            );
-        };
+    /// Samples the next token of a request (verifying its drafted tokens
+    /// first, if any), streams what it produced, and reports it.
+    fn sample(&mut self, w: &Want) {
+        let id = &w.id;
         let Some(live) = self.live.get_mut(id) else {
             return;
         };
-        let token = live.sampler.sample(logits);
-        live.sampler.accept(token);
-        live.completion_tokens += 1;
+        let greedy = live.sampler.params().is_greedy();
+        let mut accepted: Vec<TokenId> = Vec::new();
+        let mut next = None;
+        for (i, &ix) in w.idx.iter().enumerate() {
+            let Ok(logits) = self.ctx.logits(ix) else {
+                let err = RuntimeError::Engine("missing logits".into());
+                return self.end(id, FinishReason::Error, Some(err));
+            };
+            let Some(&d) = w.drafts.get(i) else {
+                next = Some(live.sampler.sample(logits));
+                break;
+            };
+            // Verify drafted token d against the target at this position.
+            let p = live.sampler.distribution(logits);
+            let v = if greedy {
+                siliceo_speculative::verify_greedy(&[d], &[p[0].0, p[0].0])
+            } else {
+                let q = [(d, 1.0f32)];
+                let sampler = &mut live.sampler;
+                verify_sampled(&[d], &[&q], &[&p, &p], &mut || sampler.uniform())
+            };
+            if v.accepted == 1 {
+                live.sampler.accept(d);
+                accepted.push(d);
+            } else {
+                next = Some(v.next);
+                break;
+            }
+        }
+        let Some(next) = next else {
+            return;
+        };
+        live.draft_tokens += w.drafts.len() as u32;
+        live.accepted_draft_tokens += accepted.len() as u32;
+        if let Some(spec) = live.spec.as_mut() {
+            if !w.drafts.is_empty() {
+                spec.len.update(w.drafts.len(), accepted.len());
+            }
+            spec.history.extend_from_slice(&accepted);
+            spec.history.push(next);
+        }
+        // Rejected drafts' cells go at once.
+        if accepted.len() < w.drafts.len()
+            && let Some(seq) = live.seq
+        {
+            let from = (w.pos + 1 + accepted.len()) as u32;
+            if let Err(e) = self.ctx.seq_rm(seq, Some(from), None) {
+                let err = RuntimeError::Engine(e.to_string());
+                return self.end(id, FinishReason::Error, Some(err));
+            }
+        }
+        live.sampler.accept(next);
         live.first_token.get_or_insert_with(Instant::now);
-        let (text, stopped) = live.text.push(token);
-        let closed = live
-            .tx
-            .send(Event::Text {
-                text,
-                token: Some(token),
-            })
-            .is_err();
-        if stopped {
-            return self.end(id, FinishReason::Stop, None);
+        for &token in accepted.iter().chain(std::iter::once(&next)) {
+            live.completion_tokens += 1;
+            let (text, stopped) = live.text.push(token);
+            let closed = live
+                .tx
+                .send(Event::Text {
+                    text,
+                    token: Some(token),
+                })
+                .is_err();
+            if stopped {
+                return self.end(id, FinishReason::Stop, None);
+            }
+            if closed {
+                return self.end(id, FinishReason::Cancelled, None);
+            }
         }
-        if closed {
-            return self.end(id, FinishReason::Cancelled, None);
-        }
-        if let Some(f) = self.sched.on_token(id, token) {
+        if let Some(f) = self.sched.on_tokens(id, &accepted, next) {
             if let Some(seq) = self.live.get_mut(id).and_then(|l| l.seq.take()) {
                 self.retire(seq, &f.blocks);
             }

@@ -43,7 +43,7 @@ mod types;
 
 pub use types::{
     Event, GenerateRequest, Input, RequestStream, RuntimeConfig, RuntimeError, RuntimeInfo,
-    RuntimeStats, Usage,
+    RuntimeStats, SpeculativeConfig, Usage,
 };
 
 use std::sync::atomic::{AtomicU64, Ordering};

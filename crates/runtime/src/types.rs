@@ -23,6 +23,8 @@ pub struct RuntimeConfig {
     /// Reuse the KV of prompt prefixes computed before (automatic prefix
     /// caching over full blocks, LRU eviction).
     pub prefix_caching: bool,
+    /// Speculative decoding for requests that ask for it (`None`: off).
+    pub speculative: Option<SpeculativeConfig>,
     /// llama.cpp sequence ids set aside to keep cached blocks alive after the
     /// requests that computed them end. Each holds at most one cached block per
     /// block position, so this bounds how many different cached prefixes can
@@ -51,6 +53,29 @@ impl RuntimeConfig {
             block_size: 64,
             prefix_caching: true,
             prefix_holders: 16,
+            speculative: None,
+        }
+    }
+}
+
+/// Speculative decoding with the n-gram (prompt lookup) drafter: drafted
+/// tokens are verified in the same batch as everything else; greedy output is
+/// unchanged and sampled output keeps its distribution.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpeculativeConfig {
+    /// Most tokens drafted per step (the length adapts to the acceptance rate).
+    pub max_draft: usize,
+    /// No drafting while this many sequences or more are running (a large
+    /// batch already keeps the machine busy; verifying drafts would cost more
+    /// than it saves).
+    pub max_batch: usize,
+}
+
+impl Default for SpeculativeConfig {
+    fn default() -> Self {
+        SpeculativeConfig {
+            max_draft: 8,
+            max_batch: 4,
         }
     }
 }
@@ -79,6 +104,8 @@ pub struct GenerateRequest {
     pub priority: Priority,
     /// Give up after this long (queue time included).
     pub deadline: Option<std::time::Duration>,
+    /// Use speculative decoding when the runtime has it configured.
+    pub speculative: bool,
     /// Prefix-cache partition: only requests with the same salt share cached
     /// KV (per tenant, say). `None` shares with every other unsalted request.
     pub cache_salt: Option<String>,
@@ -93,6 +120,7 @@ impl GenerateRequest {
             sampling: SamplingParams::greedy(),
             priority: Priority::Normal,
             deadline: None,
+            speculative: false,
             cache_salt: None,
         }
     }
@@ -113,6 +141,10 @@ pub struct Usage {
     pub ttft_ms: u64,
     /// From the first generated token to the end.
     pub decode_ms: u64,
+    /// Speculative tokens drafted.
+    pub draft_tokens: u32,
+    /// Drafted tokens the target kept.
+    pub accepted_draft_tokens: u32,
 }
 
 /// What a request's stream carries.
@@ -205,6 +237,8 @@ pub struct RuntimeInfo {
     pub max_running_seqs: u32,
     /// Whether prompt prefixes are cached.
     pub prefix_caching: bool,
+    /// Speculative decoding configured (`None`: off).
+    pub speculative: Option<SpeculativeConfig>,
 }
 
 /// Occupancy, for metrics and leak checks.

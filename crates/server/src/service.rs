@@ -127,6 +127,7 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
         sampling,
         priority,
         deadline: (r.deadline_ms > 0).then(|| Duration::from_millis(u64::from(r.deadline_ms))),
+        speculative: r.speculative,
         cache_salt: (!r.cache_salt.is_empty()).then_some(r.cache_salt),
     })
 }
@@ -139,8 +140,8 @@ fn usage_pb(u: &Usage) -> pb::Usage {
         queue_ms: u.queue_ms,
         ttft_ms: u.ttft_ms,
         decode_ms: u.decode_ms,
-        draft_tokens: 0,
-        accepted_draft_tokens: 0,
+        draft_tokens: u.draft_tokens,
+        accepted_draft_tokens: u.accepted_draft_tokens,
     }
 }
 
@@ -236,6 +237,14 @@ impl Stream for GenerateStream {
                 );
                 m.cached_prompt_tokens.fetch_add(
                     u64::from(usage.cached_prompt_tokens),
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+                m.draft_tokens.fetch_add(
+                    u64::from(usage.draft_tokens),
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+                m.accepted_draft_tokens.fetch_add(
+                    u64::from(usage.accepted_draft_tokens),
                     std::sync::atomic::Ordering::Relaxed,
                 );
                 m.finished(&finish_reason.to_string());
@@ -355,7 +364,15 @@ impl pb::inference_server::Inference for InferenceService {
             kv_bytes_per_token: g.kv_bytes_per_token(i.type_k, i.type_v),
             max_running_seqs: i.max_running_seqs,
             prefix_caching: i.prefix_caching,
-            speculative: String::new(),
+            speculative: i
+                .speculative
+                .map(|c| {
+                    format!(
+                        "ngram (up to {} drafted tokens, below {} running)",
+                        c.max_draft, c.max_batch
+                    )
+                })
+                .unwrap_or_default(),
             kv: Some(pb::KvStats {
                 used_blocks: s.kv_used_blocks as u64,
                 free_blocks: s.kv_free_blocks as u64,

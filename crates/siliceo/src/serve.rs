@@ -84,6 +84,13 @@ pub struct ServeArgs {
     /// PEM private key of --tls-cert.
     #[arg(long, requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// Speculative decoding with the n-gram (prompt lookup) drafter, for
+    /// requests that set `speculative`.
+    #[arg(long)]
+    spec_ngram: bool,
+    /// Most drafted tokens per step [default: 8].
+    #[arg(long)]
+    spec_max_draft: Option<usize>,
     /// Draft model for speculative decoding (not available yet).
     #[arg(long)]
     draft_model: Option<PathBuf>,
@@ -112,6 +119,8 @@ impl ServeArgs {
             no_prefix_cache: self.no_prefix_cache || file.no_prefix_cache,
             shutdown_grace_s: self.shutdown_grace_s.or(file.shutdown_grace_s),
             max_request_bytes: self.max_request_bytes.or(file.max_request_bytes),
+            spec_ngram: self.spec_ngram || file.spec_ngram,
+            spec_max_draft: self.spec_max_draft.or(file.spec_max_draft),
             tls_cert: self.tls_cert.or(file.tls_cert),
             tls_key: self.tls_key.or(file.tls_key),
             draft_model: self.draft_model.or(file.draft_model),
@@ -181,6 +190,12 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig)> {
         bail!("--block-size must be at least 1");
     }
     rc.prefix_caching = !a.no_prefix_cache;
+    if a.spec_ngram {
+        rc.speculative = Some(siliceo_runtime::SpeculativeConfig {
+            max_draft: a.spec_max_draft.unwrap_or(8).clamp(1, 16),
+            ..Default::default()
+        });
+    }
     rc.context.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
     let tls = match (&a.tls_cert, &a.tls_key) {
         (Some(c), Some(k)) => Some(siliceo_server::TlsIdentity {

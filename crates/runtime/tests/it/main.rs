@@ -427,3 +427,67 @@ fn a_panicking_step_fails_its_requests_and_the_engine_keeps_serving() {
     assert_same_or_near_tie(&tokens, &alone(&PROMPTS[3..4], 12)[0], "after the panic");
     assert_clean(&rt);
 }
+
+const REPETITIVE: [&str; 3] = [
+    "Repeat the line five times.\nThe cat sat on the mat.\nThe cat sat on the mat.\nThe cat sat on the mat.\n",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+];
+
+fn speculative_request(p: &str, max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        speculative: true,
+        ..request(p, max_tokens, Priority::Normal)
+    }
+}
+
+#[test]
+fn ngram_speculation_keeps_greedy_outputs_and_leaves_no_stray_cells() {
+    let n = 32;
+    let expected = alone(&REPETITIVE, n);
+    let mut cfg = RuntimeConfig::new(model_path());
+    cfg.speculative = Some(siliceo_runtime::SpeculativeConfig::default());
+    let rt = Runtime::start(cfg).unwrap();
+    let (mut drafted, mut accepted) = (0, 0);
+    // One at a time (batch size 1, where speculation pays)…
+    for (i, p) in REPETITIVE.iter().enumerate() {
+        let (_, tokens, done) = rt
+            .submit(speculative_request(p, n))
+            .unwrap()
+            .blocking_collect();
+        let u = usage_of(&done);
+        assert_eq!(u.completion_tokens, n);
+        drafted += u.draft_tokens;
+        accepted += u.accepted_draft_tokens;
+        assert_same_or_near_tie(&tokens, &expected[i], &format!("speculative, alone, {i}"));
+        rt.check_kv().unwrap();
+    }
+    eprintln!("n-gram drafts alone: {accepted} of {drafted} accepted");
+    assert!(
+        drafted > 0 && accepted > 0,
+        "drafted {drafted}, accepted {accepted}"
+    );
+    // …and together (3 running: below the default max_batch of 4).
+    let streams: Vec<_> = REPETITIVE
+        .iter()
+        .map(|p| rt.submit(speculative_request(p, n)).unwrap())
+        .collect();
+    for (i, s) in streams.into_iter().enumerate() {
+        let (_, tokens, done) = s.blocking_collect();
+        usage_of(&done);
+        assert_same_or_near_tie(
+            &tokens,
+            &expected[i],
+            &format!("speculative, together, {i}"),
+        );
+    }
+    // Sampling with speculation runs to the end with drafts verified by
+    // rejection sampling (its distribution is tested in the speculative crate).
+    let mut sampled = speculative_request(REPETITIVE[1], n);
+    sampled.sampling.temperature = 0.8;
+    sampled.sampling.seed = Some(3);
+    let (_, tokens, done) = rt.submit(sampled).unwrap().blocking_collect();
+    assert_eq!(tokens.len(), n as usize);
+    assert!(usage_of(&done).draft_tokens > 0);
+    assert_clean(&rt);
+}
