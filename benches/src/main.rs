@@ -445,6 +445,83 @@ fn prefix(model_path: PathBuf, reps: usize) -> Result<()> {
     Ok(())
 }
 
+/// Speculative decoding with the n-gram drafter at batch size 1: decode
+/// tokens/s with and without it, on prompts whose continuations repeat what
+/// came before (where prompt lookup can help) and on one where they do not.
+fn spec(model_path: PathBuf, reps: usize) -> Result<()> {
+    use siliceo_core::SamplingParams;
+    use siliceo_runtime::{
+        Event, GenerateRequest, Input, Runtime, RuntimeConfig, SpeculativeConfig,
+    };
+    const GEN: u32 = 128;
+    let prompts: [(&str, &str); 4] = [
+        (
+            "repeat a line",
+            "Repeat the line five times.\nThe cat sat on the mat.\nThe cat sat on the mat.\n",
+        ),
+        ("count", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"),
+        (
+            "code",
+            "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+        ),
+        (
+            "free prose",
+            "Write a short story about a lighthouse keeper.",
+        ),
+    ];
+    let mut cfg = RuntimeConfig::new(&model_path);
+    cfg.speculative = Some(SpeculativeConfig::default());
+    let rt = Runtime::start(cfg)?;
+    let name = Model::load(&model_path, &ModelOptions::default())?
+        .name()
+        .to_string();
+    println!(
+        "model: {name} · greedy · {GEN} tokens · batch size 1 · median of {reps} runs · n-gram drafter, up to 8 tokens"
+    );
+    println!();
+    println!(
+        "| prompt | decode tok/s, off | decode tok/s, n-gram | speed-up | drafted | accepted |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|");
+    for (label, p) in prompts {
+        let mut rates = [Vec::new(), Vec::new()];
+        let (mut drafted, mut accepted) = (0, 0);
+        for _ in 0..reps {
+            for (k, speculative) in [false, true].into_iter().enumerate() {
+                let req = GenerateRequest {
+                    sampling: SamplingParams {
+                        max_tokens: GEN,
+                        ignore_eos: true,
+                        ..SamplingParams::greedy()
+                    },
+                    speculative,
+                    ..GenerateRequest::new(Input::Prompt(p.to_string()))
+                };
+                let (_, _, done) = rt.submit(req)?.blocking_collect();
+                let Event::Done { usage, error, .. } = done else {
+                    unreachable!("collect ends with Done")
+                };
+                if let Some(e) = error {
+                    bail!("run failed: {e}");
+                }
+                rates[k].push(
+                    f64::from(usage.completion_tokens - 1) * 1000.0 / usage.decode_ms.max(1) as f64,
+                );
+                if speculative {
+                    drafted = usage.draft_tokens;
+                    accepted = usage.accepted_draft_tokens;
+                }
+            }
+        }
+        let (off, on) = (median(rates[0].clone()), median(rates[1].clone()));
+        println!(
+            "| {label} | {off:.1} | {on:.1} | {:.2}× | {drafted} | {accepted} |",
+            on / off
+        );
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut model = std::env::var_os("SILICEO_MODEL")
@@ -469,8 +546,9 @@ fn main() -> Result<()> {
             "engine" => what = "engine",
             "serve" => what = "serve",
             "prefix" => what = "prefix",
+            "spec" => what = "spec",
             other => bail!(
-                "unknown argument `{other}`; usage: siliceo-bench engine|serve|prefix [--model PATH] [--reps N] [--json]"
+                "unknown argument `{other}`; usage: siliceo-bench engine|serve|prefix|spec [--model PATH] [--reps N] [--json]"
             ),
         }
     }
@@ -478,6 +556,8 @@ fn main() -> Result<()> {
         serve(model, reps.max(1), quiet, threads)
     } else if what == "prefix" {
         prefix(model, reps.max(1))
+    } else if what == "spec" {
+        spec(model, reps.max(1))
     } else {
         engine(model, reps.max(1), json)
     }

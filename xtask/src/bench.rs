@@ -59,6 +59,15 @@ pub fn bench(rest: &[String]) -> Result<()> {
     crate::deps::ensure_build_deps()?;
     crate::models::fetch(&crate::models::models_dir(), false)?;
     let first = rest.first().map(String::as_str);
+    if first == Some("spec") {
+        let reps = rest
+            .iter()
+            .skip_while(|a| *a != "--reps")
+            .nth(1)
+            .cloned()
+            .unwrap_or_else(|| "3".into());
+        return crate::run(bench_cmd(false).args(["spec", "--reps", &reps]));
+    }
     if matches!(first, Some("serve" | "prefix")) {
         let reps = rest
             .iter()
@@ -82,7 +91,9 @@ pub fn bench(rest: &[String]) -> Result<()> {
             "--reps" => reps = it.next().context("--reps needs a number")?.clone(),
             "--compare-portable" => compare = true,
             other => {
-                bail!("bench: unknown argument `{other}` (benchmarks: engine, serve, prefix, kv)")
+                bail!(
+                    "bench: unknown argument `{other}` (benchmarks: engine, serve, prefix, spec, kv)"
+                )
             }
         }
     }

@@ -33,6 +33,7 @@ tasks:
   bench serve [--reps N] the serving loop at 1/4/8/16/64 streams vs raw batched decode,
                         then prefix caching (cold vs warm TTFT, 16 requests at once)
   bench prefix [--reps N] prefix caching only
+  bench spec [--reps N]   n-gram speculative decoding vs none at batch size 1
   bench kv              criterion benchmarks of the KV block pool and prefix cache
   tidy                  run the tidy checks (crate docs, layer rules)
 ";

@@ -616,9 +616,9 @@ impl<'m> Engine<'m> {
         // Draft lengths for speculating requests, from their acceptance rates
         // and the batch size.
         let running = self.sched.stats().running;
-        for (id, live) in &self.live {
-            if let Some(spec) = &live.spec {
-                self.sched.set_draft_len(id, spec.len.k(running));
+        for (id, live) in &mut self.live {
+            if let Some(spec) = &mut live.spec {
+                self.sched.set_draft_len(id, spec.len.next_k(running));
             }
         }
         let step = self.sched.schedule(now);
