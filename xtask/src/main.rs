@@ -27,7 +27,7 @@ tasks:
                         --spec: the speculative pair (Qwen2.5-Coder 0.5B draft, 1.5B target,
                         1.6 GB from 28 packages); --all: all three
   check-layers          build each crate on its own and check dependencies point down only
-  test                  install what is missing, fetch the model, run the whole test suite
+  test                  install what is missing, fetch the models, run the whole test suite
   serve [-- ARGS]       the gRPC server on the default model (release build; ARGS go to
                         `siliceo serve`, e.g. -- --listen 0.0.0.0:50051 --api-key KEY)
   bench [engine] [--reps N] [--compare-portable]
@@ -114,7 +114,8 @@ pub(crate) fn run(cmd: &mut Command) -> Result<()> {
 
 fn test(rest: &[String]) -> Result<()> {
     deps::ensure_build_deps()?;
-    models::fetch(&models::models_dir(), false)?;
+    // The default model, and the speculative pair the draft tests load.
+    models::fetch(&models::models_dir(), true)?;
     let started = std::time::Instant::now();
     eprintln!("xtask test: cargo test --workspace");
     run(cargo().args(["test", "--workspace"]).args(rest))?;

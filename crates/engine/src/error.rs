@@ -5,6 +5,9 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum EngineError {
+    /// A draft model whose tokens do not mean what the target's tokens mean.
+    #[error("the draft model's vocabulary does not match the target's: {0}")]
+    IncompatibleVocab(String),
     /// llama.cpp's backend could not be initialised.
     #[error("llama.cpp backend failed to initialise: {0}")]
     Backend(String),
@@ -166,6 +169,7 @@ impl EngineError {
             EngineError::ChatTemplate(_) => "chat_template",
             EngineError::Tokenize(_) => "tokenize",
             EngineError::Params(e) => e.error_kind(),
+            EngineError::IncompatibleVocab(_) => "incompatible_vocab",
         }
     }
 }

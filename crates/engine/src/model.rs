@@ -238,6 +238,45 @@ impl Model {
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
+    /// Checks that `draft` can draft for this model: the same token ids must
+    /// mean the same text. Vocabulary sizes may differ by up to 128 padding
+    /// entries (llama.cpp's own speculative example allows the same); the ids
+    /// both have are compared on a sample (the first 512, every 97th, the last
+    /// 512) and on the tokenization of a probe text with special tokens.
+    pub fn check_draft_compatible(&self, draft: &Model) -> Result<(), EngineError> {
+        const MAX_SIZE_DIFFERENCE: u32 = 128;
+        let (nt, nd) = (self.geometry.n_vocab, draft.geometry.n_vocab);
+        if nt.abs_diff(nd) > MAX_SIZE_DIFFERENCE {
+            return Err(EngineError::IncompatibleVocab(format!(
+                "{nd} draft tokens vs {nt} target tokens (at most {MAX_SIZE_DIFFERENCE} apart)"
+            )));
+        }
+        let n = nt.min(nd);
+        let sample = (0..n.min(512))
+            .chain((0..n).step_by(97))
+            .chain(n.saturating_sub(512)..n);
+        for id in sample {
+            let (a, b) = (
+                self.token_bytes(TokenId(id), true),
+                draft.token_bytes(TokenId(id), true),
+            );
+            if a != b {
+                return Err(EngineError::IncompatibleVocab(format!(
+                    "token {id} is {:?} in the target and {:?} in the draft",
+                    String::from_utf8_lossy(&a),
+                    String::from_utf8_lossy(&b)
+                )));
+            }
+        }
+        let probe = "def f(x):\n    return x * 2  # naïve, 数字 🙂";
+        if self.tokenize(probe, true)? != draft.tokenize(probe, true)? {
+            return Err(EngineError::IncompatibleVocab(
+                "the same text tokenizes differently".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Whether `token` ends a generation (EOS, EOT, `<|im_end|>`, …).
     pub fn is_eog(&self, token: TokenId) -> bool {
         self.inner.vocab().is_eog(LlamaToken(token.0 as i32))

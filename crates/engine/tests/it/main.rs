@@ -3,6 +3,7 @@
 
 mod bad_input;
 mod decode;
+mod draft;
 mod text;
 
 use std::path::PathBuf;
