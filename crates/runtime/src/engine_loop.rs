@@ -25,6 +25,14 @@ struct Spec {
     len: AdaptiveDraftLength,
     /// Prompt and generated tokens (what the drafter looks in).
     history: Vec<TokenId>,
+    /// Leading tokens of `history` whose KV the draft model's context holds
+    /// for this request (its sequence has the same id as in the target).
+    draft_len: usize,
+}
+
+/// The draft model's context, on the engine thread.
+struct DraftModel<'m> {
+    ctx: Context<'m>,
 }
 
 /// Logits a step wants read back for one request: the decode (or last
@@ -83,6 +91,7 @@ struct Engine<'m> {
     holders: Holders,
     block_size: u32,
     speculative: Option<crate::SpeculativeConfig>,
+    draft: Option<DraftModel<'m>>,
     epoch: Instant,
     batch: Batch,
     steps: u64,
@@ -133,6 +142,46 @@ pub(crate) fn run(
         }
     };
     let n_ctx = ctx.n_ctx();
+    // The draft model, when configured: same vocabulary, its own context with
+    // a sequence per running request.
+    let draft_model = match cfg
+        .speculative
+        .as_ref()
+        .and_then(|c| c.draft_model.as_ref())
+    {
+        None => None,
+        Some(path) => {
+            let loaded = Model::load(path, &cfg.model).and_then(|d| {
+                model.check_draft_compatible(&d)?;
+                Ok(d)
+            });
+            match loaded {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    let _ = ready.send(Err(RuntimeError::Start(format!(
+                        "draft model {}: {e}",
+                        path.display()
+                    ))));
+                    return;
+                }
+            }
+        }
+    };
+    let draft = match &draft_model {
+        None => None,
+        Some(d) => {
+            let mut dopts = cfg.context.clone();
+            dopts.n_ctx = n_ctx;
+            dopts.n_seq_max = max_running;
+            match Context::new(d, dopts) {
+                Ok(ctx) => Some(DraftModel { ctx }),
+                Err(e) => {
+                    let _ = ready.send(Err(RuntimeError::Start(format!("draft context: {e}"))));
+                    return;
+                }
+            }
+        }
+    };
     let mut sched_cfg = cfg.scheduler;
     sched_cfg.max_batch_tokens = sched_cfg.max_batch_tokens.min(ctx.n_batch() as usize);
     sched_cfg.max_seq_len = sched_cfg.max_seq_len.min(n_ctx as usize);
@@ -161,7 +210,7 @@ pub(crate) fn run(
         kv_blocks: num_blocks,
         max_running_seqs: max_running,
         prefix_caching: n_holders > 0,
-        speculative: cfg.speculative,
+        speculative: cfg.speculative.clone(),
     };
     let mut engine = Engine {
         model: &model,
@@ -169,7 +218,8 @@ pub(crate) fn run(
         max_running,
         holders: Holders::new(max_running, n_holders),
         block_size: bs,
-        speculative: cfg.speculative,
+        speculative: cfg.speculative.clone(),
+        draft,
         ctx,
         sched,
         keys: CacheKeys::new(model.path().display().to_string(), kv_format),
@@ -301,6 +351,9 @@ impl<'m> Engine<'m> {
             );
         }
         self.ctx.clear();
+        if let Some(d) = self.draft.as_mut() {
+            d.ctx.clear();
+        }
         self.sched = Scheduler::new(*self.sched.config(), self.sched.kv().config());
         self.free_seqs = (0..self.max_running).rev().map(SeqId).collect();
         self.holders = Holders::new(self.max_running, self.holders.count());
@@ -437,11 +490,12 @@ impl<'m> Engine<'m> {
         for &t in &tokens {
             sampler.accept(t);
         }
-        let spec = match (self.speculative, req.speculative) {
+        let spec = match (&self.speculative, req.speculative) {
             (Some(c), true) => Some(Spec {
                 drafter: NgramDrafter::default(),
                 len: AdaptiveDraftLength::new(1, c.max_draft, c.max_draft.min(4), c.max_batch),
                 history: tokens.clone(),
+                draft_len: 0,
             }),
             _ => None,
         };
@@ -496,6 +550,9 @@ impl<'m> Engine<'m> {
         }
         if let Err(e) = self.ctx.seq_rm(seq, None, None) {
             tracing::error!(error = %e, seq = seq.0, "could not free a sequence's cells");
+        }
+        if let Some(d) = self.draft.as_mut() {
+            let _ = d.ctx.seq_rm(seq, None, None);
         }
         self.free_seqs.push(seq);
     }
@@ -679,6 +736,10 @@ impl<'m> Engine<'m> {
                 live.cached_prompt_tokens = cached_tokens as u32;
             }
             let fresh = live.seq.is_none();
+            if fresh && let Some(spec) = live.spec.as_mut() {
+                // A new sequence id: its draft KV starts empty.
+                spec.draft_len = 0;
+            }
             let seq = match live.seq {
                 Some(s) => s,
                 None => {
@@ -728,7 +789,16 @@ impl<'m> Engine<'m> {
                 && let Some(w) = want.last_mut().filter(|w| w.id == item.id)
                 && let Some(spec) = self.live.get_mut(&item.id).and_then(|l| l.spec.as_mut())
             {
-                w.drafts = spec.drafter.propose(&spec.history, item.draft_slots);
+                w.drafts = match self.draft.as_mut() {
+                    Some(d) => d.propose(seq, spec, item.draft_slots).unwrap_or_else(|e| {
+                        // A draft failure costs speed, never output.
+                        tracing::warn!(error = %e, "draft model failed; no drafts this step");
+                        let _ = d.ctx.seq_rm(seq, None, None);
+                        spec.draft_len = 0;
+                        Vec::new()
+                    }),
+                    None => spec.drafter.propose(&spec.history, item.draft_slots),
+                };
                 for (k, &d) in w.drafts.iter().enumerate() {
                     let p = (w.pos + 1 + k) as u32;
                     w.idx.push(self.batch.push(d, p, seq, true));
@@ -787,6 +857,26 @@ impl<'m> Engine<'m> {
                     "{id} (seq {}): llama.cpp holds positions {got:?}, blocks say {want:?}",
                     seq.0
                 ));
+            }
+        }
+        if let Some(d) = &self.draft {
+            for live in self.live.values() {
+                let (Some(seq), Some(spec)) = (live.seq, &live.spec) else {
+                    continue;
+                };
+                let want = (spec.draft_len > 0).then(|| (0, spec.draft_len as u32 - 1));
+                let got = d.ctx.seq_pos_range(seq).map_err(|e| e.to_string())?;
+                if got != want {
+                    return Err(format!(
+                        "draft seq {}: holds positions {got:?}, expected {want:?}",
+                        seq.0
+                    ));
+                }
+            }
+            for &s in &self.free_seqs {
+                if d.ctx.seq_pos_range(s).map_err(|e| e.to_string())?.is_some() {
+                    return Err(format!("free draft seq {} still holds cells", s.0));
+                }
             }
         }
         for s in (0..self.max_running).map(SeqId) {
@@ -870,6 +960,14 @@ impl<'m> Engine<'m> {
             if !w.drafts.is_empty() {
                 spec.len.update(w.drafts.len(), accepted.len());
             }
+            // The draft model's KV keeps the history and the accepted drafts.
+            let keep = spec.history.len() + accepted.len();
+            if spec.draft_len > keep {
+                if let (Some(d), Some(seq)) = (self.draft.as_mut(), live.seq) {
+                    let _ = d.ctx.seq_rm(seq, Some(keep as u32), None);
+                }
+                spec.draft_len = keep;
+            }
             spec.history.extend_from_slice(&accepted);
             spec.history.push(next);
         }
@@ -907,6 +1005,42 @@ impl<'m> Engine<'m> {
                 self.retire(seq, &f.blocks);
             }
             self.end(id, FinishReason::Length, None);
+        }
+    }
+}
+
+impl DraftModel<'_> {
+    /// Drafts up to `k` tokens greedily after `spec.history` in sequence
+    /// `seq`: first computes the history tokens the draft context lacks, then
+    /// one token at a time. The last drafted token is not computed (it is
+    /// computed next time if the target keeps it).
+    fn propose(
+        &mut self,
+        seq: SeqId,
+        spec: &mut Spec,
+        k: usize,
+    ) -> Result<Vec<TokenId>, siliceo_engine::EngineError> {
+        let h = &spec.history;
+        if spec.draft_len >= h.len() {
+            return Ok(Vec::new());
+        }
+        let mut logits = self
+            .ctx
+            .prefill(seq, &h[spec.draft_len..], spec.draft_len as u32)?;
+        spec.draft_len = h.len();
+        let mut out = Vec::with_capacity(k);
+        let mut batch = Batch::new();
+        loop {
+            let d = siliceo_core::sampler::argmax(&logits);
+            out.push(d);
+            if out.len() == k {
+                return Ok(out);
+            }
+            batch.clear();
+            let i = batch.push(d, spec.draft_len as u32, seq, true);
+            self.ctx.decode(&batch)?;
+            spec.draft_len += 1;
+            logits = self.ctx.logits(i)?.to_vec();
         }
     }
 }

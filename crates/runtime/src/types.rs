@@ -58,11 +58,16 @@ impl RuntimeConfig {
     }
 }
 
-/// Speculative decoding with the n-gram (prompt lookup) drafter: drafted
-/// tokens are verified in the same batch as everything else; greedy output is
-/// unchanged and sampled output keeps its distribution.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Speculative decoding: a draft model (its own llama.cpp context on the
+/// engine thread, kept in step with each request) or, without one, the n-gram
+/// prompt-lookup drafter. Drafted tokens are verified in the same batch as
+/// everything else; greedy output is unchanged and sampled output keeps its
+/// distribution.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpeculativeConfig {
+    /// Draft model (same vocabulary as the target, checked at start-up);
+    /// `None`: the n-gram drafter.
+    pub draft_model: Option<PathBuf>,
     /// Most tokens drafted per step (the length adapts to the acceptance rate).
     pub max_draft: usize,
     /// No drafting while this many sequences or more are running (a large
@@ -74,6 +79,7 @@ pub struct SpeculativeConfig {
 impl Default for SpeculativeConfig {
     fn default() -> Self {
         SpeculativeConfig {
+            draft_model: None,
             max_draft: 8,
             max_batch: 4,
         }

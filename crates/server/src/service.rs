@@ -366,9 +366,17 @@ impl pb::inference_server::Inference for InferenceService {
             prefix_caching: i.prefix_caching,
             speculative: i
                 .speculative
+                .as_ref()
                 .map(|c| {
+                    let drafter = match &c.draft_model {
+                        Some(p) => format!(
+                            "draft model {}",
+                            p.file_name().unwrap_or_default().to_string_lossy()
+                        ),
+                        None => "ngram".to_string(),
+                    };
                     format!(
-                        "ngram (up to {} drafted tokens, below {} running)",
+                        "{drafter} (up to {} drafted tokens, below {} running)",
                         c.max_draft, c.max_batch
                     )
                 })

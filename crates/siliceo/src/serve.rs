@@ -85,13 +85,15 @@ pub struct ServeArgs {
     #[arg(long, requires = "tls_cert")]
     tls_key: Option<PathBuf>,
     /// Speculative decoding with the n-gram (prompt lookup) drafter, for
-    /// requests that set `speculative`.
+    /// requests that set `speculative` (with --draft-model, the draft model
+    /// drafts instead).
     #[arg(long)]
     spec_ngram: bool,
     /// Most drafted tokens per step [default: 8].
     #[arg(long)]
     spec_max_draft: Option<usize>,
-    /// Draft model for speculative decoding (not available yet).
+    /// Draft model for speculative decoding (same vocabulary as --model,
+    /// checked at start-up); requests opt in with `speculative`.
     #[arg(long)]
     draft_model: Option<PathBuf>,
     /// Embedding model for Embed/Rerank (not available yet).
@@ -148,10 +150,10 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig)> {
         }
         None => a,
     };
-    if a.draft_model.is_some() {
-        bail!(
-            "--draft-model: speculative decoding is not built yet (the speculative issue); serve without it"
-        );
+    if let Some(d) = &a.draft_model
+        && !d.is_file()
+    {
+        bail!("--draft-model: no such file: {}", d.display());
     }
     if a.embedding_model.is_some() {
         bail!(
@@ -190,8 +192,9 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig)> {
         bail!("--block-size must be at least 1");
     }
     rc.prefix_caching = !a.no_prefix_cache;
-    if a.spec_ngram {
+    if a.spec_ngram || a.draft_model.is_some() {
         rc.speculative = Some(siliceo_runtime::SpeculativeConfig {
+            draft_model: a.draft_model.clone(),
             max_draft: a.spec_max_draft.unwrap_or(8).clamp(1, 16),
             ..Default::default()
         });

@@ -491,3 +491,88 @@ fn ngram_speculation_keeps_greedy_outputs_and_leaves_no_stray_cells() {
     assert!(usage_of(&done).draft_tokens > 0);
     assert_clean(&rt);
 }
+
+fn qwen(file: &str) -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models")
+        .join(file);
+    assert!(
+        p.is_file(),
+        "{} is missing: run `cargo xtask fetch-model --spec`",
+        p.display()
+    );
+    p
+}
+
+#[test]
+fn draft_model_speculation_keeps_greedy_outputs_of_the_target_in_both_models_kv() {
+    let target = qwen("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
+    let draft = qwen("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    let prompts = [
+        "def fibonacci(n):\n",
+        "# Print the numbers from 1 to 10 in Python\n",
+    ];
+    let n = 24;
+    let model = Model::load(&target, &ModelOptions::default()).unwrap();
+    let expected: Vec<GreedyTrace> = prompts
+        .iter()
+        .map(|p| {
+            let t = model.tokenize(p, true).unwrap();
+            GreedyTrace::run(&model, &t, n, NEAR_TIE).unwrap()
+        })
+        .collect();
+    drop(model);
+    let mut cfg = RuntimeConfig::new(&target);
+    cfg.context.n_ctx = 1024;
+    cfg.speculative = Some(siliceo_runtime::SpeculativeConfig {
+        draft_model: Some(draft),
+        ..Default::default()
+    });
+    let rt = Runtime::start(cfg).unwrap();
+    let (mut drafted, mut accepted) = (0, 0);
+    for (i, p) in prompts.iter().enumerate() {
+        let (_, tokens, done) = rt
+            .submit(speculative_request(p, n))
+            .unwrap()
+            .blocking_collect();
+        let u = usage_of(&done);
+        drafted += u.draft_tokens;
+        accepted += u.accepted_draft_tokens;
+        assert_same_or_near_tie(&tokens, &expected[i], &format!("draft model, {i}"));
+        // Rollback leaves no stray cells in either model's KV.
+        rt.check_kv().unwrap();
+    }
+    eprintln!("draft model: {accepted} of {drafted} drafted tokens accepted");
+    assert!(
+        drafted > 0 && accepted > 0,
+        "drafted {drafted}, accepted {accepted}"
+    );
+    // Two at once.
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| rt.submit(speculative_request(p, n)).unwrap())
+        .collect();
+    for (i, s) in streams.into_iter().enumerate() {
+        let (_, tokens, done) = s.blocking_collect();
+        usage_of(&done);
+        assert_same_or_near_tie(
+            &tokens,
+            &expected[i],
+            &format!("draft model, together, {i}"),
+        );
+    }
+    assert_clean(&rt);
+}
+
+#[test]
+fn an_incompatible_draft_model_is_refused_at_start() {
+    let mut cfg = RuntimeConfig::new(model_path());
+    cfg.speculative = Some(siliceo_runtime::SpeculativeConfig {
+        draft_model: Some(qwen("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")),
+        ..Default::default()
+    });
+    match Runtime::start(cfg) {
+        Err(RuntimeError::Start(m)) => assert!(m.contains("vocabulary"), "{m}"),
+        other => panic!("expected a start error, got {other:?}"),
+    }
+}
