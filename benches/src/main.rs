@@ -519,6 +519,104 @@ fn spec(model_path: PathBuf, reps: usize) -> Result<()> {
             on / off
         );
     }
+    drop(rt);
+    spec_pair(&model_path, reps)
+}
+
+/// The pair: Qwen2.5-Coder-1.5B alone, with the 0.5B draft model, and
+/// with the n-gram drafter, at batch size 1.
+fn spec_pair(default_model: &std::path::Path, reps: usize) -> Result<()> {
+    use siliceo_core::SamplingParams;
+    use siliceo_runtime::{
+        Event, GenerateRequest, Input, Runtime, RuntimeConfig, SpeculativeConfig,
+    };
+    const GEN: u32 = 64;
+    let dir = default_model
+        .parent()
+        .map(PathBuf::from)
+        .unwrap_or_default();
+    let target = dir.join("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
+    let draft = dir.join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    if !target.is_file() || !draft.is_file() {
+        println!(
+            "\n(the Qwen2.5-Coder pair is not in {}: `cargo xtask fetch-model --spec` to measure it)",
+            dir.display()
+        );
+        return Ok(());
+    }
+    let prompts: [(&str, &str); 4] = [
+        ("quicksort", "def quicksort(xs):\n"),
+        (
+            "is_prime",
+            "# A Python function that checks whether a number is prime\ndef is_prime(n):\n",
+        ),
+        ("class Stack", "class Stack:\n    def __init__(self):\n"),
+        ("prose", "Write a short poem about autumn leaves."),
+    ];
+    // rates[p][mode]: mode 0 target alone, 1 draft model, 2 n-gram.
+    let mut rates = vec![[Vec::new(), Vec::new(), Vec::new()]; prompts.len()];
+    let mut counts = vec![[(0u32, 0u32); 3]; prompts.len()];
+    for (draft_model, modes) in [
+        (Some(draft.clone()), &[0usize, 1][..]),
+        (None, &[2usize][..]),
+    ] {
+        let mut cfg = RuntimeConfig::new(&target);
+        cfg.context.n_ctx = 2048;
+        cfg.speculative = Some(SpeculativeConfig {
+            draft_model,
+            ..Default::default()
+        });
+        let rt = Runtime::start(cfg)?;
+        for _ in 0..reps {
+            for (pi, (_, p)) in prompts.iter().enumerate() {
+                for &mode in modes {
+                    let req = GenerateRequest {
+                        sampling: SamplingParams {
+                            max_tokens: GEN,
+                            ignore_eos: true,
+                            ..SamplingParams::greedy()
+                        },
+                        speculative: mode != 0,
+                        ..GenerateRequest::new(Input::Prompt(p.to_string()))
+                    };
+                    let (_, _, done) = rt.submit(req)?.blocking_collect();
+                    let Event::Done { usage, error, .. } = done else {
+                        unreachable!("collect ends with Done")
+                    };
+                    if let Some(e) = error {
+                        bail!("run failed: {e}");
+                    }
+                    rates[pi][mode].push(
+                        f64::from(usage.completion_tokens - 1) * 1000.0
+                            / usage.decode_ms.max(1) as f64,
+                    );
+                    counts[pi][mode] = (usage.draft_tokens, usage.accepted_draft_tokens);
+                }
+            }
+        }
+    }
+    println!();
+    println!(
+        "Qwen2.5-Coder-1.5B-Instruct Q4_K_M target · 0.5B draft · greedy · {GEN} tokens · batch size 1 · median of {reps} runs"
+    );
+    println!();
+    println!(
+        "| prompt | target alone tok/s | + 0.5B draft tok/s | speed-up | accepted / drafted | + n-gram tok/s | speed-up | accepted / drafted |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    for (pi, (label, _)) in prompts.iter().enumerate() {
+        let m = |k: usize| median(rates[pi][k].clone());
+        let (alone, d, g) = (m(0), m(1), m(2));
+        println!(
+            "| {label} | {alone:.1} | {d:.1} | {:.2}× | {} / {} | {g:.1} | {:.2}× | {} / {} |",
+            d / alone,
+            counts[pi][1].1,
+            counts[pi][1].0,
+            g / alone,
+            counts[pi][2].1,
+            counts[pi][2].0
+        );
+    }
     Ok(())
 }
 

@@ -7,8 +7,14 @@ use std::process::Command;
 use anyhow::{Result, bail};
 
 fn have(cmd: &str) -> bool {
+    // `openssl` answers `version`, not `--version`; the rest take `--version`.
+    let arg = if cmd == "openssl" {
+        "version"
+    } else {
+        "--version"
+    };
     Command::new(cmd)
-        .arg("--version")
+        .arg(arg)
         .output()
         .map(|o| o.status.success())
         .unwrap_or(false)
