@@ -445,14 +445,41 @@ fn prefix(model_path: PathBuf, reps: usize) -> Result<()> {
     Ok(())
 }
 
+/// One greedy request of `max_tokens` tokens alone: its decode tokens/s (after the
+/// first token) and usage.
+fn greedy_decode_rate(
+    rt: &siliceo_runtime::Runtime,
+    prompt: &str,
+    max_tokens: u32,
+    speculative: bool,
+) -> Result<(f64, siliceo_runtime::Usage)> {
+    use siliceo_core::SamplingParams;
+    use siliceo_runtime::{Event, GenerateRequest, Input};
+    let req = GenerateRequest {
+        sampling: SamplingParams {
+            max_tokens,
+            ignore_eos: true,
+            ..SamplingParams::greedy()
+        },
+        speculative,
+        ..GenerateRequest::new(Input::Prompt(prompt.to_string()))
+    };
+    let (_, _, done) = rt.submit(req)?.blocking_collect();
+    let Event::Done { usage, error, .. } = done else {
+        unreachable!("collect ends with Done")
+    };
+    if let Some(e) = error {
+        bail!("run failed: {e}");
+    }
+    let rate = f64::from(usage.completion_tokens - 1) * 1000.0 / usage.decode_ms.max(1) as f64;
+    Ok((rate, usage))
+}
+
 /// Speculative decoding with the n-gram drafter at batch size 1: decode
 /// tokens/s with and without it, on prompts whose continuations repeat what
 /// came before (where prompt lookup can help) and on one where they do not.
 fn spec(model_path: PathBuf, reps: usize) -> Result<()> {
-    use siliceo_core::SamplingParams;
-    use siliceo_runtime::{
-        Event, GenerateRequest, Input, Runtime, RuntimeConfig, SpeculativeConfig,
-    };
+    use siliceo_runtime::{Runtime, RuntimeConfig, SpeculativeConfig};
     const GEN: u32 = 128;
     let prompts: [(&str, &str); 4] = [
         (
@@ -488,25 +515,8 @@ fn spec(model_path: PathBuf, reps: usize) -> Result<()> {
         let (mut drafted, mut accepted) = (0, 0);
         for _ in 0..reps {
             for (k, speculative) in [false, true].into_iter().enumerate() {
-                let req = GenerateRequest {
-                    sampling: SamplingParams {
-                        max_tokens: GEN,
-                        ignore_eos: true,
-                        ..SamplingParams::greedy()
-                    },
-                    speculative,
-                    ..GenerateRequest::new(Input::Prompt(p.to_string()))
-                };
-                let (_, _, done) = rt.submit(req)?.blocking_collect();
-                let Event::Done { usage, error, .. } = done else {
-                    unreachable!("collect ends with Done")
-                };
-                if let Some(e) = error {
-                    bail!("run failed: {e}");
-                }
-                rates[k].push(
-                    f64::from(usage.completion_tokens - 1) * 1000.0 / usage.decode_ms.max(1) as f64,
-                );
+                let (rate, usage) = greedy_decode_rate(&rt, p, GEN, speculative)?;
+                rates[k].push(rate);
                 if speculative {
                     drafted = usage.draft_tokens;
                     accepted = usage.accepted_draft_tokens;
@@ -526,10 +536,7 @@ fn spec(model_path: PathBuf, reps: usize) -> Result<()> {
 /// The pair: Qwen2.5-Coder-1.5B alone, with the 0.5B draft model, and
 /// with the n-gram drafter, at batch size 1.
 fn spec_pair(default_model: &std::path::Path, reps: usize) -> Result<()> {
-    use siliceo_core::SamplingParams;
-    use siliceo_runtime::{
-        Event, GenerateRequest, Input, Runtime, RuntimeConfig, SpeculativeConfig,
-    };
+    use siliceo_runtime::{Runtime, RuntimeConfig, SpeculativeConfig};
     const GEN: u32 = 64;
     let dir = default_model
         .parent()
@@ -570,26 +577,8 @@ fn spec_pair(default_model: &std::path::Path, reps: usize) -> Result<()> {
         for _ in 0..reps {
             for (pi, (_, p)) in prompts.iter().enumerate() {
                 for &mode in modes {
-                    let req = GenerateRequest {
-                        sampling: SamplingParams {
-                            max_tokens: GEN,
-                            ignore_eos: true,
-                            ..SamplingParams::greedy()
-                        },
-                        speculative: mode != 0,
-                        ..GenerateRequest::new(Input::Prompt(p.to_string()))
-                    };
-                    let (_, _, done) = rt.submit(req)?.blocking_collect();
-                    let Event::Done { usage, error, .. } = done else {
-                        unreachable!("collect ends with Done")
-                    };
-                    if let Some(e) = error {
-                        bail!("run failed: {e}");
-                    }
-                    rates[pi][mode].push(
-                        f64::from(usage.completion_tokens - 1) * 1000.0
-                            / usage.decode_ms.max(1) as f64,
-                    );
+                    let (rate, usage) = greedy_decode_rate(&rt, p, GEN, mode != 0)?;
+                    rates[pi][mode].push(rate);
                     counts[pi][mode] = (usage.draft_tokens, usage.accepted_draft_tokens);
                 }
             }

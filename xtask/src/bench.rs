@@ -59,22 +59,18 @@ pub fn bench(rest: &[String]) -> Result<()> {
     crate::deps::ensure_build_deps()?;
     crate::models::fetch(&crate::models::models_dir(), false)?;
     let first = rest.first().map(String::as_str);
-    if first == Some("spec") {
-        let reps = rest
-            .iter()
+    let reps = || {
+        rest.iter()
             .skip_while(|a| *a != "--reps")
             .nth(1)
             .cloned()
-            .unwrap_or_else(|| "3".into());
-        return crate::run(bench_cmd(false).args(["spec", "--reps", &reps]));
+            .unwrap_or_else(|| "3".into())
+    };
+    if first == Some("spec") {
+        return crate::run(bench_cmd(false).args(["spec", "--reps", &reps()]));
     }
     if matches!(first, Some("serve" | "prefix")) {
-        let reps = rest
-            .iter()
-            .skip_while(|a| *a != "--reps")
-            .nth(1)
-            .cloned()
-            .unwrap_or_else(|| "3".into());
+        let reps = reps();
         // `serve` covers the whole serving issue: streams, then prefix caching.
         if first == Some("serve") {
             crate::run(bench_cmd(false).args(["serve", "--reps", &reps]))?;

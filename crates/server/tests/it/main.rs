@@ -122,6 +122,16 @@ async fn collect(
     panic!("the stream ended without a final message");
 }
 
+/// Reads a generation stream up to its final message (the one with usage).
+async fn final_message(s: &mut tonic::Streaming<pb::GenerateResponse>) -> pb::GenerateResponse {
+    loop {
+        let m = s.message().await.unwrap().expect("a final message");
+        if m.usage.is_some() {
+            return m;
+        }
+    }
+}
+
 async fn wait_idle(c: &mut InferenceClient<Channel>) -> pb::KvStats {
     // Bounded polling for a state change, not a timing assertion.
     for _ in 0..500 {
@@ -365,12 +375,7 @@ async fn dropped_streams_and_cancel_free_the_kv_at_once() {
     })
     .await
     .unwrap();
-    let last = loop {
-        let m = s.message().await.unwrap().unwrap();
-        if m.usage.is_some() {
-            break m;
-        }
-    };
+    let last = final_message(&mut s).await;
     assert_eq!(last.finish_reason, pb::FinishReason::Cancelled as i32);
     wait_idle(&mut c).await;
     let e = c
@@ -536,12 +541,7 @@ async fn shutdown_lets_streams_finish_then_cancels_what_is_left() {
         .into_inner();
     s.message().await.unwrap().unwrap();
     let stopping = tokio::spawn(srv.stop());
-    let last = loop {
-        let m = s.message().await.unwrap().unwrap();
-        if m.usage.is_some() {
-            break m;
-        }
-    };
+    let last = final_message(&mut s).await;
     assert_eq!(last.finish_reason, pb::FinishReason::Length as i32);
     drop(s);
     drop(c);
@@ -561,12 +561,7 @@ async fn shutdown_lets_streams_finish_then_cancels_what_is_left() {
         .into_inner();
     s.message().await.unwrap().unwrap();
     let stopping = tokio::spawn(srv.stop());
-    let last = loop {
-        let m = s.message().await.unwrap().unwrap();
-        if m.usage.is_some() {
-            break m;
-        }
-    };
+    let last = final_message(&mut s).await;
     assert_eq!(last.finish_reason, pb::FinishReason::Cancelled as i32);
     drop(s);
     drop(c);
