@@ -152,6 +152,15 @@ impl Batch {
         self.tokens.len() - 1
     }
 
+    /// Adds `seq` to the sequences of the token at `index` (a token that
+    /// several draft branches share).
+    ///
+    /// # Panics
+    /// When `index` is not a token of the batch.
+    pub fn share(&mut self, index: usize, seq: SeqId) {
+        self.tokens[index].seqs.push(seq.0 as i32);
+    }
+
     /// Adds `tokens` of `seq` at consecutive positions from `start`, asking for
     /// logits on the last one only; returns that token's index.
     pub fn push_run(&mut self, tokens: &[TokenId], start: u32, seq: SeqId) -> Option<usize> {

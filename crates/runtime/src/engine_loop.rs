@@ -43,6 +43,16 @@ struct Want {
     drafts: Vec<TokenId>,
     /// Position of the token whose logits come first.
     pos: usize,
+    /// Drafted branches verified as a token tree (`drafts` is then their
+    /// concatenation and `idx[1..]` their nodes' logits, in the same order).
+    tree: Option<TreeWant>,
+}
+
+/// A token tree in the batch: branch 0 runs in the request's own sequence,
+/// branch b > 0 in a temporary sequence id holding a copy of its context.
+struct TreeWant {
+    branches: Vec<Vec<TokenId>>,
+    temps: Vec<SeqId>,
 }
 
 struct Live<'m> {
@@ -98,6 +108,7 @@ struct Engine<'m> {
     step_us: u64,
     decode_us: u64,
     panics: u64,
+    tree_verifications: u64,
 }
 
 fn done(
@@ -230,6 +241,7 @@ pub(crate) fn run(
         step_us: 0,
         decode_us: 0,
         panics: 0,
+        tree_verifications: 0,
     };
     let _ = ready.send(Ok(info));
     tracing::info!(
@@ -391,6 +403,7 @@ impl<'m> Engine<'m> {
             step_us: self.step_us,
             decode_us: self.decode_us,
             panics: self.panics,
+            tree_verifications: self.tree_verifications,
         }
     }
 
@@ -781,14 +794,51 @@ impl<'m> Engine<'m> {
                         idx: vec![idx],
                         drafts: Vec::new(),
                         pos: item.start_pos + i,
+                        tree: None,
                     });
                 }
             }
             // Drafted tokens ride in the same batch, each with its logits.
             if item.draft_slots > 0
                 && let Some(w) = want.last_mut().filter(|w| w.id == item.id)
-                && let Some(spec) = self.live.get_mut(&item.id).and_then(|l| l.spec.as_mut())
+                && self.live.get(&item.id).is_some_and(|l| l.spec.is_some())
             {
+                // A token tree of n-gram branches, for greedy requests
+                // without penalties, when sequence ids are free for branches.
+                let width = self.speculative.as_ref().map_or(1, |c| c.tree_width);
+                let params = self.live[&item.id].sampler.params();
+                let plain_greedy = params.is_greedy() && !params.has_penalties();
+                let spec = self
+                    .live
+                    .get_mut(&item.id)
+                    .and_then(|l| l.spec.as_mut())
+                    .expect("checked above");
+                if self.draft.is_none() && width > 1 && plain_greedy {
+                    let branches =
+                        spec.drafter
+                            .propose_branches(&spec.history, item.draft_slots, width);
+                    if branches.len() > 1 && self.free_seqs.len() >= branches.len() - 1 {
+                        let temps: Vec<SeqId> = (1..branches.len())
+                            .filter_map(|_| self.free_seqs.pop())
+                            .collect();
+                        let decode_idx = w.idx[0];
+                        for &t in &temps {
+                            // The context so far, then the decode token, in every branch.
+                            let _ = self.ctx.seq_cp(seq, t, None, None);
+                            self.batch.share(decode_idx, t);
+                        }
+                        for (b, branch) in branches.iter().enumerate() {
+                            let bseq = if b == 0 { seq } else { temps[b - 1] };
+                            for (k, &d) in branch.iter().enumerate() {
+                                let p = (w.pos + 1 + k) as u32;
+                                w.idx.push(self.batch.push(d, p, bseq, true));
+                            }
+                        }
+                        w.drafts = branches.concat();
+                        w.tree = Some(TreeWant { branches, temps });
+                        continue;
+                    }
+                }
                 w.drafts = match self.draft.as_mut() {
                     Some(d) => d.propose(seq, spec, item.draft_slots).unwrap_or_else(|e| {
                         // A draft failure costs speed, never output.
@@ -820,6 +870,9 @@ impl<'m> Engine<'m> {
         if let Err(e) = decoded {
             tracing::error!(error = %e, tokens = self.batch.len(), "decode failed; failing the step's requests");
             let err = RuntimeError::Engine(e.to_string());
+            for w in &want {
+                self.release_tree(w);
+            }
             for item in &step.items {
                 self.close(&item.id, FinishReason::Error, Some(err.clone()), true);
             }
@@ -919,6 +972,9 @@ impl<'m> Engine<'m> {
     /// first, if any), streams what it produced, and reports it.
     fn sample(&mut self, w: &Want) {
         let id = &w.id;
+        if w.tree.is_some() {
+            return self.sample_tree(w);
+        }
         let Some(live) = self.live.get_mut(id) else {
             return;
         };
@@ -954,6 +1010,27 @@ impl<'m> Engine<'m> {
         let Some(next) = next else {
             return;
         };
+        // Rejected drafts' cells go at once.
+        if accepted.len() < w.drafts.len()
+            && let Some(seq) = live.seq
+        {
+            let from = (w.pos + 1 + accepted.len()) as u32;
+            if let Err(e) = self.ctx.seq_rm(seq, Some(from), None) {
+                let err = RuntimeError::Engine(e.to_string());
+                return self.end(id, FinishReason::Error, Some(err));
+            }
+        }
+        self.emit(w, accepted, next);
+    }
+
+    /// Streams and reports what a step produced for one request: accepted
+    /// drafted tokens (KV already fixed up, already given to the sampler) and
+    /// the target's next token.
+    fn emit(&mut self, w: &Want, accepted: Vec<TokenId>, next: TokenId) {
+        let id = &w.id;
+        let Some(live) = self.live.get_mut(id) else {
+            return;
+        };
         live.draft_tokens += w.drafts.len() as u32;
         live.accepted_draft_tokens += accepted.len() as u32;
         if let Some(spec) = live.spec.as_mut() {
@@ -970,16 +1047,6 @@ impl<'m> Engine<'m> {
             }
             spec.history.extend_from_slice(&accepted);
             spec.history.push(next);
-        }
-        // Rejected drafts' cells go at once.
-        if accepted.len() < w.drafts.len()
-            && let Some(seq) = live.seq
-        {
-            let from = (w.pos + 1 + accepted.len()) as u32;
-            if let Err(e) = self.ctx.seq_rm(seq, Some(from), None) {
-                let err = RuntimeError::Engine(e.to_string());
-                return self.end(id, FinishReason::Error, Some(err));
-            }
         }
         live.sampler.accept(next);
         live.first_token.get_or_insert_with(Instant::now);
@@ -1042,5 +1109,82 @@ impl DraftModel<'_> {
             spec.draft_len += 1;
             logits = self.ctx.logits(i)?.to_vec();
         }
+    }
+}
+
+impl Engine<'_> {
+    /// Gives back a token tree's temporary sequence ids and their cells.
+    fn release_tree(&mut self, w: &Want) {
+        if let Some(t) = &w.tree {
+            for &s in &t.temps {
+                let _ = self.ctx.seq_rm(s, None, None);
+                self.free_seqs.push(s);
+            }
+        }
+    }
+
+    /// Verifies a token tree greedily: the branch the target follows is kept
+    /// (its cells tagged into the request's own sequence), every other node's
+    /// cells and the temporary sequence ids go.
+    fn sample_tree(&mut self, w: &Want) {
+        let id = &w.id;
+        let t = w.tree.as_ref().expect("a tree");
+        let seq = self.live.get(id).and_then(|l| l.seq);
+        let argmax_at =
+            |ctx: &Context<'_>, ix: usize| ctx.logits(ix).map(siliceo_core::sampler::argmax);
+        let verdict = (|| {
+            let root = argmax_at(&self.ctx, w.idx[0])?;
+            let nodes = w.idx[1..]
+                .iter()
+                .map(|&ix| argmax_at(&self.ctx, ix))
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok::<_, siliceo_engine::EngineError>((root, nodes))
+        })();
+        let (root, node_argmax) = match (verdict, seq) {
+            (Ok(v), Some(_)) => v,
+            (Err(e), _) => {
+                self.release_tree(w);
+                return self.end(
+                    id,
+                    FinishReason::Error,
+                    Some(RuntimeError::Engine(e.to_string())),
+                );
+            }
+            (_, None) => return self.release_tree(w),
+        };
+        let seq = seq.expect("checked");
+        self.tree_verifications += 1;
+        let tree = siliceo_speculative::DraftTree::from_branches(&t.branches);
+        let (path, next) = siliceo_speculative::verify_tree_greedy(&tree, root, &node_argmax);
+        let accepted: Vec<TokenId> = path.iter().map(|&n| tree.token(n)).collect();
+        let a = accepted.len() as u32;
+        let first = (w.pos + 1) as u32;
+        // Which branch the kept path runs in (first tokens are distinct).
+        let b = accepted
+            .first()
+            .and_then(|f| t.branches.iter().position(|br| br[0] == *f))
+            .unwrap_or(0);
+        let fixed = if b == 0 {
+            self.ctx.seq_rm(seq, Some(first + a), None)
+        } else {
+            self.ctx.seq_rm(seq, Some(first), None).and_then(|()| {
+                self.ctx
+                    .seq_cp(t.temps[b - 1], seq, Some(first), Some(first + a))
+            })
+        };
+        self.release_tree(w);
+        if let Err(e) = fixed {
+            return self.end(
+                id,
+                FinishReason::Error,
+                Some(RuntimeError::Engine(e.to_string())),
+            );
+        }
+        if let Some(live) = self.live.get_mut(id) {
+            for &tok in &accepted {
+                live.sampler.accept(tok);
+            }
+        }
+        self.emit(w, accepted, next);
     }
 }

@@ -74,6 +74,11 @@ pub struct SpeculativeConfig {
     /// batch already keeps the machine busy; verifying drafts would cost more
     /// than it saves).
     pub max_batch: usize,
+    /// With the n-gram drafter, draft up to this many branches (distinct
+    /// continuations found in the history) and verify them as a token tree in
+    /// one batch, one sequence id per branch; 1: chains only. Greedy requests
+    /// without penalties only.
+    pub tree_width: usize,
 }
 
 impl Default for SpeculativeConfig {
@@ -82,6 +87,7 @@ impl Default for SpeculativeConfig {
             draft_model: None,
             max_draft: 8,
             max_batch: 4,
+            tree_width: 1,
         }
     }
 }
@@ -285,6 +291,8 @@ pub struct RuntimeStats {
     /// Engine steps that panicked (each failed its requests and reset the KV
     /// cache; the engine kept serving).
     pub panics: u64,
+    /// Speculative verifications done as a token tree (several branches).
+    pub tree_verifications: u64,
 }
 
 /// The events of one request. Dropping it cancels the request.

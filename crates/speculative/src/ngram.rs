@@ -25,6 +25,43 @@ impl NgramDrafter {
     }
 }
 
+impl NgramDrafter {
+    /// Up to `width` drafted branches with distinct first tokens, at most
+    /// `k` tokens in all: continuations of the latest earlier occurrences of
+    /// the history's last n tokens (longest n first). The first branch is
+    /// what [`Drafter::propose`] would give, shortened to its share.
+    pub fn propose_branches(
+        &self,
+        history: &[TokenId],
+        k: usize,
+        width: usize,
+    ) -> Vec<Vec<TokenId>> {
+        let width = width.max(1);
+        let share = (k / width).max(1);
+        let len = history.len();
+        let mut out: Vec<Vec<TokenId>> = Vec::new();
+        for n in (self.n_min..=self.n_max.min(len.saturating_sub(1))).rev() {
+            let suffix = &history[len - n..];
+            for j in (0..len - n).rev() {
+                if out.len() == width || out.iter().map(Vec::len).sum::<usize>() + 1 > k {
+                    return out;
+                }
+                if &history[j..j + n] != suffix {
+                    continue;
+                }
+                let start = j + n;
+                let end = (start + share).min(len);
+                let cont = &history[start..end];
+                if !cont.is_empty() && out.iter().all(|b| b[0] != cont[0]) {
+                    let room = k - out.iter().map(Vec::len).sum::<usize>();
+                    out.push(cont[..cont.len().min(room)].to_vec());
+                }
+            }
+        }
+        out
+    }
+}
+
 impl Default for NgramDrafter {
     /// Suffixes of 1 to 3 tokens.
     fn default() -> Self {
@@ -73,6 +110,24 @@ mod tests {
         // The 3-token suffix "1 2 3" matches at the start.
         let h = t(&[1, 2, 3, 9, 9, 1, 2, 3]);
         assert_eq!(d.propose(&h, 3), t(&[9, 9, 1]));
+    }
+
+    #[test]
+    fn branches_have_distinct_first_tokens_and_fit_the_budget() {
+        let d = NgramDrafter::new(1, 2);
+        // "7" was followed by 1 2, then by 3 4, then by 1 5.
+        let h = t(&[7, 1, 2, 9, 7, 3, 4, 9, 7, 1, 5, 9, 7]);
+        let b = d.propose_branches(&h, 4, 2);
+        assert_eq!(b, vec![t(&[1, 5]), t(&[3, 4])]);
+        // One branch when width is 1; the budget caps the total.
+        assert_eq!(d.propose_branches(&h, 4, 1), vec![t(&[1, 5, 9, 7])]);
+        let b = d.propose_branches(&h, 3, 3);
+        assert!(b.iter().map(Vec::len).sum::<usize>() <= 3, "{b:?}");
+        assert_eq!(
+            b.len(),
+            2,
+            "only two distinct continuations of 7 exist: {b:?}"
+        );
     }
 
     #[test]

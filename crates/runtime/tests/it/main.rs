@@ -576,3 +576,44 @@ fn an_incompatible_draft_model_is_refused_at_start() {
         other => panic!("expected a start error, got {other:?}"),
     }
 }
+
+#[test]
+fn ngram_token_trees_keep_greedy_outputs_and_free_their_branch_sequences() {
+    // Continuations of "the" differ earlier in the prompt: the drafter
+    // proposes several branches, verified as a tree in one batch.
+    let prompts = [
+        "the cat sat. the dog ran. the cat ran. the dog sat. the cat sat. the dog ran. the",
+        "a = 1\nb = 2\na = 3\nb = 4\na = 1\nb = 2\na =",
+    ];
+    let n = 24;
+    let expected = alone(&prompts, n);
+    let mut cfg = RuntimeConfig::new(model_path());
+    cfg.speculative = Some(siliceo_runtime::SpeculativeConfig {
+        tree_width: 3,
+        ..Default::default()
+    });
+    let rt = Runtime::start(cfg).unwrap();
+    let mut drafted = 0;
+    for (i, p) in prompts.iter().enumerate() {
+        let (_, tokens, done) = rt
+            .submit(speculative_request(p, n))
+            .unwrap()
+            .blocking_collect();
+        drafted += usage_of(&done).draft_tokens;
+        assert_same_or_near_tie(&tokens, &expected[i], &format!("tree, {i}"));
+        rt.check_kv().unwrap();
+    }
+    let trees = rt.stats().unwrap().tree_verifications;
+    eprintln!("token trees: {trees} verifications, {drafted} drafted tokens");
+    assert!(trees > 0, "the drafter must have proposed several branches");
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| rt.submit(speculative_request(p, n)).unwrap())
+        .collect();
+    for (i, s) in streams.into_iter().enumerate() {
+        let (_, tokens, done) = s.blocking_collect();
+        usage_of(&done);
+        assert_same_or_near_tie(&tokens, &expected[i], &format!("tree, together, {i}"));
+    }
+    assert_clean(&rt);
+}
