@@ -475,13 +475,58 @@ fn greedy_decode_rate(
     Ok((rate, usage))
 }
 
+/// Decode tok/s of each prompt under several runtime configurations: `runs`
+/// is a list of (speculative configuration, [(column, request speculative?)]);
+/// returns rates[prompt][column] (medians over `reps`) and the last run's
+/// (drafted, accepted) per prompt and column.
+type Columns<'a> = &'a [(
+    Option<siliceo_runtime::SpeculativeConfig>,
+    &'a [(usize, bool)],
+)];
+
+#[allow(clippy::type_complexity)]
+fn measure_columns(
+    model: &std::path::Path,
+    n_ctx: u32,
+    prompts: &[(&str, &str)],
+    max_tokens: u32,
+    runs: Columns<'_>,
+    n_columns: usize,
+    reps: usize,
+) -> Result<(Vec<Vec<f64>>, Vec<Vec<(u32, u32)>>)> {
+    use siliceo_runtime::{Runtime, RuntimeConfig};
+    let mut rates = vec![vec![Vec::new(); n_columns]; prompts.len()];
+    let mut counts = vec![vec![(0u32, 0u32); n_columns]; prompts.len()];
+    for (spec, columns) in runs {
+        let mut cfg = RuntimeConfig::new(model);
+        cfg.context.n_ctx = n_ctx;
+        cfg.speculative = spec.clone();
+        let rt = Runtime::start(cfg)?;
+        for _ in 0..reps {
+            for (pi, (_, p)) in prompts.iter().enumerate() {
+                for &(col, speculative) in *columns {
+                    let (rate, usage) = greedy_decode_rate(&rt, p, max_tokens, speculative)?;
+                    rates[pi][col].push(rate);
+                    counts[pi][col] = (usage.draft_tokens, usage.accepted_draft_tokens);
+                }
+            }
+        }
+    }
+    let medians = rates
+        .into_iter()
+        .map(|cols| cols.into_iter().map(median).collect())
+        .collect();
+    Ok((medians, counts))
+}
+
 /// Speculative decoding with the n-gram drafter at batch size 1: decode
-/// tokens/s with and without it, on prompts whose continuations repeat what
-/// came before (where prompt lookup can help) and on one where they do not.
+/// tokens/s with and without it (chains, and trees of up to 3 branches), on
+/// prompts whose continuations repeat what came before (where prompt lookup
+/// can help) and on one where they do not.
 fn spec(model_path: PathBuf, reps: usize) -> Result<()> {
-    use siliceo_runtime::{Runtime, RuntimeConfig, SpeculativeConfig};
+    use siliceo_runtime::SpeculativeConfig;
     const GEN: u32 = 128;
-    let prompts: [(&str, &str); 4] = [
+    let prompts: [(&str, &str); 5] = [
         (
             "repeat a line",
             "Repeat the line five times.\nThe cat sat on the mat.\nThe cat sat on the mat.\n",
@@ -492,13 +537,24 @@ fn spec(model_path: PathBuf, reps: usize) -> Result<()> {
             "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
         ),
         (
+            "alternating",
+            "the cat sat. the dog ran. the cat ran. the dog sat. the cat sat. the dog ran. the",
+        ),
+        (
             "free prose",
             "Write a short story about a lighthouse keeper.",
         ),
     ];
-    let mut cfg = RuntimeConfig::new(&model_path);
-    cfg.speculative = Some(SpeculativeConfig::default());
-    let rt = Runtime::start(cfg)?;
+    let chain = SpeculativeConfig::default();
+    let tree = SpeculativeConfig {
+        tree_width: 3,
+        ..SpeculativeConfig::default()
+    };
+    let runs: Columns<'_> = &[
+        (Some(chain), &[(0, false), (1, true)]),
+        (Some(tree), &[(2, true)]),
+    ];
+    let (r, c) = measure_columns(&model_path, 4096, &prompts, GEN, runs, 3, reps)?;
     let name = Model::load(&model_path, &ModelOptions::default())?
         .name()
         .to_string();
@@ -507,36 +563,29 @@ fn spec(model_path: PathBuf, reps: usize) -> Result<()> {
     );
     println!();
     println!(
-        "| prompt | decode tok/s, off | decode tok/s, n-gram | speed-up | drafted | accepted |"
+        "| prompt | off tok/s | n-gram chain tok/s | speed-up | accepted / drafted | n-gram tree (3) tok/s | speed-up | accepted / drafted |"
     );
-    println!("|---|---:|---:|---:|---:|---:|");
-    for (label, p) in prompts {
-        let mut rates = [Vec::new(), Vec::new()];
-        let (mut drafted, mut accepted) = (0, 0);
-        for _ in 0..reps {
-            for (k, speculative) in [false, true].into_iter().enumerate() {
-                let (rate, usage) = greedy_decode_rate(&rt, p, GEN, speculative)?;
-                rates[k].push(rate);
-                if speculative {
-                    drafted = usage.draft_tokens;
-                    accepted = usage.accepted_draft_tokens;
-                }
-            }
-        }
-        let (off, on) = (median(rates[0].clone()), median(rates[1].clone()));
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    for (pi, (label, _)) in prompts.iter().enumerate() {
+        let (off, ch, tr) = (r[pi][0], r[pi][1], r[pi][2]);
         println!(
-            "| {label} | {off:.1} | {on:.1} | {:.2}× | {drafted} | {accepted} |",
-            on / off
+            "| {label} | {off:.1} | {ch:.1} | {:.2}× | {} / {} | {tr:.1} | {:.2}× | {} / {} |",
+            ch / off,
+            c[pi][1].1,
+            c[pi][1].0,
+            tr / off,
+            c[pi][2].1,
+            c[pi][2].0
         );
     }
-    drop(rt);
     spec_pair(&model_path, reps)
 }
 
-/// The pair: Qwen2.5-Coder-1.5B alone, with the 0.5B draft model, and
-/// with the n-gram drafter, at batch size 1.
+/// The pair: Qwen2.5-Coder-1.5B alone, with the 0.5B draft model
+/// (adaptive length, fixed 4, fixed 8), and with the n-gram drafter, at batch
+/// size 1.
 fn spec_pair(default_model: &std::path::Path, reps: usize) -> Result<()> {
-    use siliceo_runtime::{Runtime, RuntimeConfig, SpeculativeConfig};
+    use siliceo_runtime::SpeculativeConfig;
     const GEN: u32 = 64;
     let dir = default_model
         .parent()
@@ -560,50 +609,46 @@ fn spec_pair(default_model: &std::path::Path, reps: usize) -> Result<()> {
         ("class Stack", "class Stack:\n    def __init__(self):\n"),
         ("prose", "Write a short poem about autumn leaves."),
     ];
-    // rates[p][mode]: mode 0 target alone, 1 draft model, 2 n-gram.
-    let mut rates = vec![[Vec::new(), Vec::new(), Vec::new()]; prompts.len()];
-    let mut counts = vec![[(0u32, 0u32); 3]; prompts.len()];
-    for (draft_model, modes) in [
-        (Some(draft.clone()), &[0usize, 1][..]),
-        (None, &[2usize][..]),
-    ] {
-        let mut cfg = RuntimeConfig::new(&target);
-        cfg.context.n_ctx = 2048;
-        cfg.speculative = Some(SpeculativeConfig {
-            draft_model,
-            ..Default::default()
-        });
-        let rt = Runtime::start(cfg)?;
-        for _ in 0..reps {
-            for (pi, (_, p)) in prompts.iter().enumerate() {
-                for &mode in modes {
-                    let (rate, usage) = greedy_decode_rate(&rt, p, GEN, mode != 0)?;
-                    rates[pi][mode].push(rate);
-                    counts[pi][mode] = (usage.draft_tokens, usage.accepted_draft_tokens);
-                }
-            }
-        }
-    }
+    let with_draft = |max_draft: usize, fixed_draft: bool| SpeculativeConfig {
+        draft_model: Some(draft.clone()),
+        max_draft,
+        fixed_draft,
+        ..SpeculativeConfig::default()
+    };
+    // Columns: 0 target alone, 1 draft adaptive (≤ 8), 2 draft k = 4, 3 draft k = 8, 4 n-gram.
+    let runs: Columns<'_> = &[
+        (Some(with_draft(8, false)), &[(0, false), (1, true)]),
+        (Some(with_draft(4, true)), &[(2, true)]),
+        (Some(with_draft(8, true)), &[(3, true)]),
+        (Some(SpeculativeConfig::default()), &[(4, true)]),
+    ];
+    let (r, c) = measure_columns(&target, 2048, &prompts, GEN, runs, 5, reps)?;
     println!();
     println!(
-        "Qwen2.5-Coder-1.5B-Instruct Q4_K_M target · 0.5B draft · greedy · {GEN} tokens · batch size 1 · median of {reps} runs"
+        "Qwen2.5-Coder-1.5B-Instruct Q4_K_M target · 0.5B draft · greedy · {GEN} tokens · batch size 1 · median of {reps} runs · tok/s (speed-up; accepted / drafted)"
     );
     println!();
     println!(
-        "| prompt | target alone tok/s | + 0.5B draft tok/s | speed-up | accepted / drafted | + n-gram tok/s | speed-up | accepted / drafted |"
+        "| prompt | target alone | + draft, adaptive ≤ 8 | + draft, k = 4 | + draft, k = 8 | + n-gram |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|");
     for (pi, (label, _)) in prompts.iter().enumerate() {
-        let m = |k: usize| median(rates[pi][k].clone());
-        let (alone, d, g) = (m(0), m(1), m(2));
+        let alone = r[pi][0];
+        let cell = |k: usize| {
+            format!(
+                "{:.1} ({:.2}×; {} / {})",
+                r[pi][k],
+                r[pi][k] / alone,
+                c[pi][k].1,
+                c[pi][k].0
+            )
+        };
         println!(
-            "| {label} | {alone:.1} | {d:.1} | {:.2}× | {} / {} | {g:.1} | {:.2}× | {} / {} |",
-            d / alone,
-            counts[pi][1].1,
-            counts[pi][1].0,
-            g / alone,
-            counts[pi][2].1,
-            counts[pi][2].0
+            "| {label} | {alone:.1} | {} | {} | {} | {} |",
+            cell(1),
+            cell(2),
+            cell(3),
+            cell(4)
         );
     }
     Ok(())

@@ -506,7 +506,11 @@ impl<'m> Engine<'m> {
         let spec = match (&self.speculative, req.speculative) {
             (Some(c), true) => Some(Spec {
                 drafter: NgramDrafter::default(),
-                len: AdaptiveDraftLength::new(1, c.max_draft, c.max_draft.min(4), c.max_batch),
+                len: if c.fixed_draft {
+                    AdaptiveDraftLength::fixed(c.max_draft, c.max_batch)
+                } else {
+                    AdaptiveDraftLength::new(1, c.max_draft, c.max_draft.min(4), c.max_batch)
+                },
                 history: tokens.clone(),
                 draft_len: 0,
             }),

@@ -79,6 +79,9 @@ pub struct SpeculativeConfig {
     /// one batch, one sequence id per branch; 1: chains only. Greedy requests
     /// without penalties only.
     pub tree_width: usize,
+    /// Draft exactly `max_draft` tokens every step instead of adapting the
+    /// length to the acceptance rate (for measurements).
+    pub fixed_draft: bool,
 }
 
 impl Default for SpeculativeConfig {
@@ -88,6 +91,7 @@ impl Default for SpeculativeConfig {
             max_draft: 8,
             max_batch: 4,
             tree_width: 1,
+            fixed_draft: false,
         }
     }
 }

@@ -92,6 +92,10 @@ pub struct ServeArgs {
     /// Most drafted tokens per step [default: 8].
     #[arg(long)]
     spec_max_draft: Option<usize>,
+    /// With --spec-ngram, verify up to this many drafted branches as a token
+    /// tree (greedy requests) [default: 1: chains].
+    #[arg(long)]
+    spec_tree_width: Option<usize>,
     /// Draft model for speculative decoding (same vocabulary as --model,
     /// checked at start-up); requests opt in with `speculative`.
     #[arg(long)]
@@ -123,6 +127,7 @@ impl ServeArgs {
             max_request_bytes: self.max_request_bytes.or(file.max_request_bytes),
             spec_ngram: self.spec_ngram || file.spec_ngram,
             spec_max_draft: self.spec_max_draft.or(file.spec_max_draft),
+            spec_tree_width: self.spec_tree_width.or(file.spec_tree_width),
             tls_cert: self.tls_cert.or(file.tls_cert),
             tls_key: self.tls_key.or(file.tls_key),
             draft_model: self.draft_model.or(file.draft_model),
@@ -196,6 +201,7 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig)> {
         rc.speculative = Some(siliceo_runtime::SpeculativeConfig {
             draft_model: a.draft_model.clone(),
             max_draft: a.spec_max_draft.unwrap_or(8).clamp(1, 16),
+            tree_width: a.spec_tree_width.unwrap_or(1).clamp(1, 8),
             ..Default::default()
         });
     }

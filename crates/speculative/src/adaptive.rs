@@ -16,6 +16,7 @@ pub struct AdaptiveDraftLength {
     k: usize,
     rate: f64,
     pause: usize,
+    fixed: bool,
     /// Running sequences at or above which no drafts are made.
     pub max_batch: usize,
 }
@@ -31,7 +32,17 @@ impl AdaptiveDraftLength {
             k: k_start.clamp(k_min, k_max),
             rate: 0.7,
             pause: 0,
+            fixed: false,
             max_batch,
+        }
+    }
+
+    /// Always `k` drafted tokens (below `max_batch` running), whatever the
+    /// acceptance rate: for measuring a fixed draft length.
+    pub fn fixed(k: usize, max_batch: usize) -> Self {
+        AdaptiveDraftLength {
+            fixed: true,
+            ..AdaptiveDraftLength::new(k, k, k, max_batch)
         }
     }
 
@@ -71,6 +82,9 @@ impl AdaptiveDraftLength {
         }
         let r = accepted.min(proposed) as f64 / proposed as f64;
         self.rate = 0.8 * self.rate + 0.2 * r;
+        if self.fixed {
+            return;
+        }
         if self.rate > 0.75 && self.k < self.k_max {
             self.k += 1;
         } else if self.rate < Self::PAUSE_BELOW {
@@ -118,5 +132,12 @@ mod tests {
         assert_eq!(a.k(8), 0, "batch of 8: off");
         a.update(0, 0);
         assert_eq!(a.k(1), 1);
+        // A fixed length ignores the rate.
+        let mut f = AdaptiveDraftLength::fixed(4, 8);
+        for _ in 0..30 {
+            let k = f.next_k(1);
+            f.update(k, 0);
+        }
+        assert_eq!(f.next_k(1), 4);
     }
 }
