@@ -615,23 +615,29 @@ fn spec_pair(default_model: &std::path::Path, reps: usize) -> Result<()> {
         fixed_draft,
         ..SpeculativeConfig::default()
     };
-    // Columns: 0 target alone, 1 draft adaptive (≤ 8), 2 draft k = 4, 3 draft k = 8, 4 n-gram.
+    // Columns: 0 target alone, 1 draft adaptive (≤ 8), 2 draft k = 4, 3 draft
+    // k = 8, 4 draft tree (top 2 at the first position, k = 4), 5 n-gram.
+    let tree = SpeculativeConfig {
+        tree_width: 2,
+        ..with_draft(4, true)
+    };
     let runs: Columns<'_> = &[
         (Some(with_draft(8, false)), &[(0, false), (1, true)]),
         (Some(with_draft(4, true)), &[(2, true)]),
         (Some(with_draft(8, true)), &[(3, true)]),
-        (Some(SpeculativeConfig::default()), &[(4, true)]),
+        (Some(tree), &[(4, true)]),
+        (Some(SpeculativeConfig::default()), &[(5, true)]),
     ];
-    let (r, c) = measure_columns(&target, 2048, &prompts, GEN, runs, 5, reps)?;
+    let (r, c) = measure_columns(&target, 2048, &prompts, GEN, runs, 6, reps)?;
     println!();
     println!(
         "Qwen2.5-Coder-1.5B-Instruct Q4_K_M target · 0.5B draft · greedy · {GEN} tokens · batch size 1 · median of {reps} runs · tok/s (speed-up; accepted / drafted)"
     );
     println!();
     println!(
-        "| prompt | target alone | + draft, adaptive ≤ 8 | + draft, k = 4 | + draft, k = 8 | + n-gram |"
+        "| prompt | target alone | + draft, adaptive ≤ 8 | + draft, k = 4 | + draft, k = 8 | + draft tree (top 2, k = 4) | + n-gram |"
     );
-    println!("|---|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
     for (pi, (label, _)) in prompts.iter().enumerate() {
         let alone = r[pi][0];
         let cell = |k: usize| {
@@ -644,11 +650,12 @@ fn spec_pair(default_model: &std::path::Path, reps: usize) -> Result<()> {
             )
         };
         println!(
-            "| {label} | {alone:.1} | {} | {} | {} | {} |",
+            "| {label} | {alone:.1} | {} | {} | {} | {} | {} |",
             cell(1),
             cell(2),
             cell(3),
-            cell(4)
+            cell(4),
+            cell(5)
         );
     }
     Ok(())

@@ -817,6 +817,42 @@ impl<'m> Engine<'m> {
                     .get_mut(&item.id)
                     .and_then(|l| l.spec.as_mut())
                     .expect("checked above");
+                if let Some(d) = self.draft.as_mut()
+                    && width > 1
+                    && plain_greedy
+                    && item.draft_slots >= 2
+                    && let Some(temp) = self.free_seqs.pop()
+                {
+                    // The draft model's top 2 at the first position, a greedy
+                    // chain after each (the second in a temporary sequence).
+                    match d.propose_top2(seq, temp, spec, item.draft_slots) {
+                        Ok(branches) => {
+                            let decode_idx = w.idx[0];
+                            let _ = self.ctx.seq_cp(seq, temp, None, None);
+                            self.batch.share(decode_idx, temp);
+                            for (b, branch) in branches.iter().enumerate() {
+                                let bseq = if b == 0 { seq } else { temp };
+                                for (k, &tok) in branch.iter().enumerate() {
+                                    let p = (w.pos + 1 + k) as u32;
+                                    w.idx.push(self.batch.push(tok, p, bseq, true));
+                                }
+                            }
+                            w.drafts = branches.concat();
+                            w.tree = Some(TreeWant {
+                                branches,
+                                temps: vec![temp],
+                            });
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "draft model failed; no drafts this step");
+                            let _ = d.ctx.seq_rm(seq, None, None);
+                            let _ = d.ctx.seq_rm(temp, None, None);
+                            spec.draft_len = 0;
+                            self.free_seqs.push(temp);
+                        }
+                    }
+                    continue;
+                }
                 if self.draft.is_none() && width > 1 && plain_greedy {
                     let branches =
                         spec.drafter
@@ -1081,6 +1117,55 @@ impl<'m> Engine<'m> {
 }
 
 impl DraftModel<'_> {
+    /// Two branches: the draft's best and second-best first tokens, each
+    /// followed greedily (about `k / 2` tokens each); the first in `seq`, the
+    /// second in `temp` (a copy of `seq`'s context). As in
+    /// [`DraftModel::propose`], a branch's last token is not computed.
+    fn propose_top2(
+        &mut self,
+        seq: SeqId,
+        temp: SeqId,
+        spec: &mut Spec,
+        k: usize,
+    ) -> Result<Vec<Vec<TokenId>>, siliceo_engine::EngineError> {
+        let h = &spec.history;
+        let logits = if spec.draft_len < h.len() {
+            self.ctx
+                .prefill(seq, &h[spec.draft_len..], spec.draft_len as u32)?
+        } else {
+            return Ok(Vec::new());
+        };
+        spec.draft_len = h.len();
+        let p = h.len() as u32;
+        let mut idx: Vec<usize> = (0..logits.len()).collect();
+        idx.select_nth_unstable_by(1, |a, b| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b)));
+        let (first, second) = if logits[idx[0]] >= logits[idx[1]] {
+            (idx[0], idx[1])
+        } else {
+            (idx[1], idx[0])
+        };
+        self.ctx.seq_cp(seq, temp, None, None)?;
+        let lens = [k.div_ceil(2), (k / 2).max(1)];
+        let mut out = Vec::with_capacity(2);
+        let mut batch = Batch::new();
+        for (b, (start, bseq)) in [(first, seq), (second, temp)].into_iter().enumerate() {
+            let mut branch = vec![TokenId(start as u32)];
+            while branch.len() < lens[b] {
+                batch.clear();
+                let pos = p + branch.len() as u32 - 1;
+                let last = *branch.last().expect("non-empty");
+                let i = batch.push(last, pos, bseq, true);
+                self.ctx.decode(&batch)?;
+                if b == 0 {
+                    spec.draft_len += 1;
+                }
+                branch.push(siliceo_core::sampler::argmax(self.ctx.logits(i)?));
+            }
+            out.push(branch);
+        }
+        Ok(out)
+    }
+
     /// Drafts up to `k` tokens greedily after `spec.history` in sequence
     /// `seq`: first computes the history tokens the draft context lacks, then
     /// one token at a time. The last drafted token is not computed (it is
@@ -1122,6 +1207,9 @@ impl Engine<'_> {
         if let Some(t) = &w.tree {
             for &s in &t.temps {
                 let _ = self.ctx.seq_rm(s, None, None);
+                if let Some(d) = self.draft.as_mut() {
+                    let _ = d.ctx.seq_rm(s, None, None);
+                }
                 self.free_seqs.push(s);
             }
         }
@@ -1168,6 +1256,29 @@ impl Engine<'_> {
             .first()
             .and_then(|f| t.branches.iter().position(|br| br[0] == *f))
             .unwrap_or(0);
+        // The draft model's cells: with branch b > 0 kept, the request's draft
+        // sequence takes that branch's computed cells (all but its last token).
+        if b > 0
+            && let (Some(d), Some(spec)) = (
+                self.draft.as_mut(),
+                self.live.get_mut(id).and_then(|l| l.spec.as_mut()),
+            )
+        {
+            let p = spec.history.len() as u32;
+            let have = (t.branches[b].len() as u32 - 1).min(a);
+            let moved = d
+                .ctx
+                .seq_rm(seq, Some(p), None)
+                .and_then(|()| d.ctx.seq_cp(t.temps[b - 1], seq, Some(p), Some(p + have)));
+            spec.draft_len = if moved.is_ok() {
+                (p + have) as usize
+            } else {
+                0
+            };
+            if moved.is_err() {
+                let _ = d.ctx.seq_rm(seq, None, None);
+            }
+        }
         let fixed = if b == 0 {
             self.ctx.seq_rm(seq, Some(first + a), None)
         } else {

@@ -617,3 +617,43 @@ fn ngram_token_trees_keep_greedy_outputs_and_free_their_branch_sequences() {
     }
     assert_clean(&rt);
 }
+
+#[test]
+fn draft_model_token_trees_keep_greedy_outputs_in_both_models_kv() {
+    let target = qwen("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
+    let draft = qwen("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    let prompts = ["def is_even(n):\n", "Write a haiku about the sea.\n"];
+    let n = 20;
+    let model = Model::load(&target, &ModelOptions::default()).unwrap();
+    let expected: Vec<GreedyTrace> = prompts
+        .iter()
+        .map(|p| {
+            let t = model.tokenize(p, true).unwrap();
+            GreedyTrace::run(&model, &t, n, NEAR_TIE).unwrap()
+        })
+        .collect();
+    drop(model);
+    let mut cfg = RuntimeConfig::new(&target);
+    cfg.context.n_ctx = 1024;
+    cfg.speculative = Some(siliceo_runtime::SpeculativeConfig {
+        draft_model: Some(draft),
+        tree_width: 2,
+        ..Default::default()
+    });
+    let rt = Runtime::start(cfg).unwrap();
+    for (i, p) in prompts.iter().enumerate() {
+        let (_, tokens, done) = rt
+            .submit(speculative_request(p, n))
+            .unwrap()
+            .blocking_collect();
+        usage_of(&done);
+        assert_same_or_near_tie(&tokens, &expected[i], &format!("draft tree, {i}"));
+        rt.check_kv().unwrap();
+    }
+    let trees = rt.stats().unwrap().tree_verifications;
+    assert!(
+        trees > 0,
+        "the draft model's top-2 trees must have been verified"
+    );
+    assert_clean(&rt);
+}
