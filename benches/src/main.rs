@@ -478,7 +478,7 @@ fn greedy_decode_rate(
 /// Decode tok/s of each prompt under several runtime configurations: `runs`
 /// is a list of (speculative configuration, [(column, request speculative?)]);
 /// returns rates[prompt][column] (medians over `reps`) and the last run's
-/// (drafted, accepted) per prompt and column.
+/// (drafted, accepted, verification steps) per prompt and column.
 type Columns<'a> = &'a [(
     Option<siliceo_runtime::SpeculativeConfig>,
     &'a [(usize, bool)],
@@ -493,10 +493,10 @@ fn measure_columns(
     runs: Columns<'_>,
     n_columns: usize,
     reps: usize,
-) -> Result<(Vec<Vec<f64>>, Vec<Vec<(u32, u32)>>)> {
+) -> Result<(Vec<Vec<f64>>, Vec<Vec<(u32, u32, u32)>>)> {
     use siliceo_runtime::{Runtime, RuntimeConfig};
     let mut rates = vec![vec![Vec::new(); n_columns]; prompts.len()];
-    let mut counts = vec![vec![(0u32, 0u32); n_columns]; prompts.len()];
+    let mut counts = vec![vec![(0u32, 0u32, 0u32); n_columns]; prompts.len()];
     for (spec, columns) in runs {
         let mut cfg = RuntimeConfig::new(model);
         cfg.context.n_ctx = n_ctx;
@@ -507,7 +507,11 @@ fn measure_columns(
                 for &(col, speculative) in *columns {
                     let (rate, usage) = greedy_decode_rate(&rt, p, max_tokens, speculative)?;
                     rates[pi][col].push(rate);
-                    counts[pi][col] = (usage.draft_tokens, usage.accepted_draft_tokens);
+                    counts[pi][col] = (
+                        usage.draft_tokens,
+                        usage.accepted_draft_tokens,
+                        usage.speculative_steps,
+                    );
                 }
             }
         }
@@ -600,7 +604,7 @@ fn spec_pair(default_model: &std::path::Path, reps: usize) -> Result<()> {
         );
         return Ok(());
     }
-    let prompts: [(&str, &str); 4] = [
+    let prompts: [(&str, &str); 5] = [
         ("quicksort", "def quicksort(xs):\n"),
         (
             "is_prime",
@@ -608,6 +612,10 @@ fn spec_pair(default_model: &std::path::Path, reps: usize) -> Result<()> {
         ),
         ("class Stack", "class Stack:\n    def __init__(self):\n"),
         ("prose", "Write a short poem about autumn leaves."),
+        (
+            "quotes its input",
+            "Add type hints to this function and return it unchanged otherwise:\n\ndef area(width, height):\n    if width < 0 or height < 0:\n        raise ValueError(\"negative size\")\n    return width * height\n\n",
+        ),
     ];
     let with_draft = |max_draft: usize, fixed_draft: bool| SpeculativeConfig {
         draft_model: Some(draft.clone()),
@@ -631,7 +639,7 @@ fn spec_pair(default_model: &std::path::Path, reps: usize) -> Result<()> {
     let (r, c) = measure_columns(&target, 2048, &prompts, GEN, runs, 6, reps)?;
     println!();
     println!(
-        "Qwen2.5-Coder-1.5B-Instruct Q4_K_M target · 0.5B draft · greedy · {GEN} tokens · batch size 1 · median of {reps} runs · tok/s (speed-up; accepted / drafted)"
+        "Qwen2.5-Coder-1.5B-Instruct Q4_K_M target · 0.5B draft · greedy · {GEN} tokens · batch size 1 · median of {reps} runs · tok/s (speed-up; accepted / drafted; mean accepted per step)"
     );
     println!();
     println!(
@@ -642,11 +650,12 @@ fn spec_pair(default_model: &std::path::Path, reps: usize) -> Result<()> {
         let alone = r[pi][0];
         let cell = |k: usize| {
             format!(
-                "{:.1} ({:.2}×; {} / {})",
+                "{:.1} ({:.2}×; {} / {}; {:.1})",
                 r[pi][k],
                 r[pi][k] / alone,
                 c[pi][k].1,
-                c[pi][k].0
+                c[pi][k].0,
+                f64::from(c[pi][k].1) / f64::from(c[pi][k].2.max(1))
             )
         };
         println!(

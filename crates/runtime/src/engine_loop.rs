@@ -60,6 +60,7 @@ struct Live<'m> {
     spec: Option<Spec>,
     draft_tokens: u32,
     accepted_draft_tokens: u32,
+    speculative_steps: u32,
     sampler: Sampler,
     text: TokenText<'m>,
     seq: Option<SeqId>,
@@ -85,6 +86,7 @@ impl Live<'_> {
             decode_ms: self.first_token.map_or(0, |t| ms(t, now)),
             draft_tokens: self.draft_tokens,
             accepted_draft_tokens: self.accepted_draft_tokens,
+            speculative_steps: self.speculative_steps,
         }
     }
 }
@@ -523,6 +525,7 @@ impl<'m> Engine<'m> {
                 spec,
                 draft_tokens: 0,
                 accepted_draft_tokens: 0,
+                speculative_steps: 0,
                 sampler,
                 text: TokenText::new(self.model, &req.sampling),
                 seq: None,
@@ -1072,6 +1075,7 @@ impl<'m> Engine<'m> {
             return;
         };
         live.draft_tokens += w.drafts.len() as u32;
+        live.speculative_steps += u32::from(!w.drafts.is_empty());
         live.accepted_draft_tokens += accepted.len() as u32;
         if let Some(spec) = live.spec.as_mut() {
             if !w.drafts.is_empty() {

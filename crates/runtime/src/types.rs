@@ -161,6 +161,9 @@ pub struct Usage {
     pub draft_tokens: u32,
     /// Drafted tokens the target kept.
     pub accepted_draft_tokens: u32,
+    /// Steps that verified drafted tokens (accepted ÷ this = mean accepted
+    /// length per step).
+    pub speculative_steps: u32,
 }
 
 /// What a request's stream carries.
