@@ -34,7 +34,11 @@ const PROMPTS: [&str; 8] = [
 const NEAR_TIE: f32 = 0.5;
 
 fn alone(prompts: &[&str], max_tokens: u32) -> Vec<GreedyTrace> {
-    let model = Model::load(model_path(), &ModelOptions::default()).unwrap();
+    alone_on(&model_path(), prompts, max_tokens)
+}
+
+fn alone_on(path: &std::path::Path, prompts: &[&str], max_tokens: u32) -> Vec<GreedyTrace> {
+    let model = Model::load(path, &ModelOptions::default()).unwrap();
     prompts
         .iter()
         .map(|p| {
@@ -441,16 +445,18 @@ fn speculative_request(p: &str, max_tokens: u32) -> GenerateRequest {
     }
 }
 
-#[test]
-fn ngram_speculation_keeps_greedy_outputs_and_leaves_no_stray_cells() {
-    let n = 32;
-    let expected = alone(&REPETITIVE, n);
-    let mut cfg = RuntimeConfig::new(model_path());
-    cfg.speculative = Some(siliceo_runtime::SpeculativeConfig::default());
-    let rt = Runtime::start(cfg).unwrap();
+/// Runs `prompts` with speculation one at a time (checking KV after each),
+/// then all together; every greedy output must match its solo reference.
+/// Returns (drafted, accepted) over the one-at-a-time runs.
+fn speculate_alone_and_together(
+    rt: &Runtime,
+    prompts: &[&str],
+    expected: &[GreedyTrace],
+    n: u32,
+    what: &str,
+) -> (u32, u32) {
     let (mut drafted, mut accepted) = (0, 0);
-    // One at a time (batch size 1, where speculation pays)…
-    for (i, p) in REPETITIVE.iter().enumerate() {
+    for (i, p) in prompts.iter().enumerate() {
         let (_, tokens, done) = rt
             .submit(speculative_request(p, n))
             .unwrap()
@@ -459,28 +465,37 @@ fn ngram_speculation_keeps_greedy_outputs_and_leaves_no_stray_cells() {
         assert_eq!(u.completion_tokens, n);
         drafted += u.draft_tokens;
         accepted += u.accepted_draft_tokens;
-        assert_same_or_near_tie(&tokens, &expected[i], &format!("speculative, alone, {i}"));
+        assert_same_or_near_tie(&tokens, &expected[i], &format!("{what}, alone, {i}"));
+        // Rollback leaves no stray cells in the target's (or draft's) KV.
         rt.check_kv().unwrap();
     }
-    eprintln!("n-gram drafts alone: {accepted} of {drafted} accepted");
-    assert!(
-        drafted > 0 && accepted > 0,
-        "drafted {drafted}, accepted {accepted}"
-    );
-    // …and together (3 running: below the default max_batch of 4).
-    let streams: Vec<_> = REPETITIVE
+    let streams: Vec<_> = prompts
         .iter()
         .map(|p| rt.submit(speculative_request(p, n)).unwrap())
         .collect();
     for (i, s) in streams.into_iter().enumerate() {
         let (_, tokens, done) = s.blocking_collect();
         usage_of(&done);
-        assert_same_or_near_tie(
-            &tokens,
-            &expected[i],
-            &format!("speculative, together, {i}"),
-        );
+        assert_same_or_near_tie(&tokens, &expected[i], &format!("{what}, together, {i}"));
     }
+    eprintln!("{what}: {accepted} of {drafted} drafted tokens accepted");
+    (drafted, accepted)
+}
+
+#[test]
+fn ngram_speculation_keeps_greedy_outputs_and_leaves_no_stray_cells() {
+    let n = 32;
+    let expected = alone(&REPETITIVE, n);
+    let mut cfg = RuntimeConfig::new(model_path());
+    cfg.speculative = Some(siliceo_runtime::SpeculativeConfig::default());
+    let rt = Runtime::start(cfg).unwrap();
+    // 3 requests together stay below the default max_batch of 4.
+    let (drafted, accepted) =
+        speculate_alone_and_together(&rt, &REPETITIVE, &expected, n, "n-gram");
+    assert!(
+        drafted > 0 && accepted > 0,
+        "drafted {drafted}, accepted {accepted}"
+    );
     // Sampling with speculation runs to the end with drafts verified by
     // rejection sampling (its distribution is tested in the speculative crate).
     let mut sampled = speculative_request(REPETITIVE[1], n);
@@ -492,75 +507,20 @@ fn ngram_speculation_keeps_greedy_outputs_and_leaves_no_stray_cells() {
     assert_clean(&rt);
 }
 
-fn qwen(file: &str) -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models")
-        .join(file);
-    assert!(
-        p.is_file(),
-        "{} is missing: run `cargo xtask fetch-model --spec`",
-        p.display()
-    );
-    p
-}
-
 #[test]
 fn draft_model_speculation_keeps_greedy_outputs_of_the_target_in_both_models_kv() {
-    let target = qwen("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
-    let draft = qwen("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
     let prompts = [
         "def fibonacci(n):\n",
         "# Print the numbers from 1 to 10 in Python\n",
     ];
     let n = 24;
-    let model = Model::load(&target, &ModelOptions::default()).unwrap();
-    let expected: Vec<GreedyTrace> = prompts
-        .iter()
-        .map(|p| {
-            let t = model.tokenize(p, true).unwrap();
-            GreedyTrace::run(&model, &t, n, NEAR_TIE).unwrap()
-        })
-        .collect();
-    drop(model);
-    let mut cfg = RuntimeConfig::new(&target);
-    cfg.context.n_ctx = 1024;
-    cfg.speculative = Some(siliceo_runtime::SpeculativeConfig {
-        draft_model: Some(draft),
-        ..Default::default()
-    });
-    let rt = Runtime::start(cfg).unwrap();
-    let (mut drafted, mut accepted) = (0, 0);
-    for (i, p) in prompts.iter().enumerate() {
-        let (_, tokens, done) = rt
-            .submit(speculative_request(p, n))
-            .unwrap()
-            .blocking_collect();
-        let u = usage_of(&done);
-        drafted += u.draft_tokens;
-        accepted += u.accepted_draft_tokens;
-        assert_same_or_near_tie(&tokens, &expected[i], &format!("draft model, {i}"));
-        // Rollback leaves no stray cells in either model's KV.
-        rt.check_kv().unwrap();
-    }
-    eprintln!("draft model: {accepted} of {drafted} drafted tokens accepted");
+    let (rt, expected) = qwen_pair(&prompts, n, 1);
+    let (drafted, accepted) =
+        speculate_alone_and_together(&rt, &prompts, &expected, n, "draft model");
     assert!(
         drafted > 0 && accepted > 0,
         "drafted {drafted}, accepted {accepted}"
     );
-    // Two at once.
-    let streams: Vec<_> = prompts
-        .iter()
-        .map(|p| rt.submit(speculative_request(p, n)).unwrap())
-        .collect();
-    for (i, s) in streams.into_iter().enumerate() {
-        let (_, tokens, done) = s.blocking_collect();
-        usage_of(&done);
-        assert_same_or_near_tie(
-            &tokens,
-            &expected[i],
-            &format!("draft model, together, {i}"),
-        );
-    }
     assert_clean(&rt);
 }
 
@@ -593,67 +553,52 @@ fn ngram_token_trees_keep_greedy_outputs_and_free_their_branch_sequences() {
         ..Default::default()
     });
     let rt = Runtime::start(cfg).unwrap();
-    let mut drafted = 0;
-    for (i, p) in prompts.iter().enumerate() {
-        let (_, tokens, done) = rt
-            .submit(speculative_request(p, n))
-            .unwrap()
-            .blocking_collect();
-        drafted += usage_of(&done).draft_tokens;
-        assert_same_or_near_tie(&tokens, &expected[i], &format!("tree, {i}"));
-        rt.check_kv().unwrap();
-    }
+    let (drafted, _) = speculate_alone_and_together(&rt, &prompts, &expected, n, "n-gram tree");
     let trees = rt.stats().unwrap().tree_verifications;
-    eprintln!("token trees: {trees} verifications, {drafted} drafted tokens");
-    assert!(trees > 0, "the drafter must have proposed several branches");
-    let streams: Vec<_> = prompts
-        .iter()
-        .map(|p| rt.submit(speculative_request(p, n)).unwrap())
-        .collect();
-    for (i, s) in streams.into_iter().enumerate() {
-        let (_, tokens, done) = s.blocking_collect();
-        usage_of(&done);
-        assert_same_or_near_tie(&tokens, &expected[i], &format!("tree, together, {i}"));
-    }
+    assert!(
+        drafted > 0 && trees > 0,
+        "the drafter must have proposed several branches"
+    );
     assert_clean(&rt);
 }
 
 #[test]
 fn draft_model_token_trees_keep_greedy_outputs_in_both_models_kv() {
-    let target = qwen("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
-    let draft = qwen("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
     let prompts = ["def is_even(n):\n", "Write a haiku about the sea.\n"];
     let n = 20;
-    let model = Model::load(&target, &ModelOptions::default()).unwrap();
-    let expected: Vec<GreedyTrace> = prompts
-        .iter()
-        .map(|p| {
-            let t = model.tokenize(p, true).unwrap();
-            GreedyTrace::run(&model, &t, n, NEAR_TIE).unwrap()
-        })
-        .collect();
-    drop(model);
-    let mut cfg = RuntimeConfig::new(&target);
-    cfg.context.n_ctx = 1024;
-    cfg.speculative = Some(siliceo_runtime::SpeculativeConfig {
-        draft_model: Some(draft),
-        tree_width: 2,
-        ..Default::default()
-    });
-    let rt = Runtime::start(cfg).unwrap();
-    for (i, p) in prompts.iter().enumerate() {
-        let (_, tokens, done) = rt
-            .submit(speculative_request(p, n))
-            .unwrap()
-            .blocking_collect();
-        usage_of(&done);
-        assert_same_or_near_tie(&tokens, &expected[i], &format!("draft tree, {i}"));
-        rt.check_kv().unwrap();
-    }
+    let (rt, expected) = qwen_pair(&prompts, n, 2);
+    speculate_alone_and_together(&rt, &prompts, &expected, n, "draft tree");
     let trees = rt.stats().unwrap().tree_verifications;
     assert!(
         trees > 0,
         "the draft model's top-2 trees must have been verified"
     );
     assert_clean(&rt);
+}
+
+/// The Qwen2.5-Coder 1.5B target with the 0.5B draft (trees of `tree_width`
+/// branches), and the target's solo greedy references for `prompts`.
+fn qwen_pair(prompts: &[&str], n: u32, tree_width: usize) -> (Runtime, Vec<GreedyTrace>) {
+    let target = qwen("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
+    let expected = alone_on(&target, prompts, n);
+    let mut cfg = RuntimeConfig::new(&target);
+    cfg.context.n_ctx = 1024;
+    cfg.speculative = Some(siliceo_runtime::SpeculativeConfig {
+        draft_model: Some(qwen("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")),
+        tree_width,
+        ..Default::default()
+    });
+    (Runtime::start(cfg).unwrap(), expected)
+}
+
+fn qwen(file: &str) -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models")
+        .join(file);
+    assert!(
+        p.is_file(),
+        "{} is missing: run `cargo xtask fetch-model --spec`",
+        p.display()
+    );
+    p
 }

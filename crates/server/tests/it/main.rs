@@ -525,47 +525,39 @@ async fn api_key_health_reflection_and_metrics() {
     srv.stop().await;
 }
 
+/// Starts a server with `grace`, opens a stream of `max_tokens`, shuts the
+/// server down after the first message and returns how the stream ended.
+async fn finish_reason_on_shutdown(grace: Duration, prompt: &str, max_tokens: u32) -> i32 {
+    let srv = TestServer::start(ServerConfig {
+        shutdown_grace: grace,
+        ..ServerConfig::default()
+    })
+    .await;
+    let mut c = srv.client().await;
+    let mut s = c
+        .generate(prompt_req(prompt, max_tokens))
+        .await
+        .unwrap()
+        .into_inner();
+    s.message().await.unwrap().unwrap();
+    let stopping = tokio::spawn(srv.stop());
+    let last = final_message(&mut s).await;
+    drop(s);
+    drop(c);
+    stopping.await.unwrap();
+    last.finish_reason
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn shutdown_lets_streams_finish_then_cancels_what_is_left() {
-    // A short stream finishes inside the grace period.
-    let srv = TestServer::start(ServerConfig {
-        shutdown_grace: Duration::from_secs(120),
-        ..ServerConfig::default()
-    })
-    .await;
-    let mut c = srv.client().await;
-    let mut s = c
-        .generate(prompt_req("Counting: one, two,", 24))
-        .await
-        .unwrap()
-        .into_inner();
-    s.message().await.unwrap().unwrap();
-    let stopping = tokio::spawn(srv.stop());
-    let last = final_message(&mut s).await;
-    assert_eq!(last.finish_reason, pb::FinishReason::Length as i32);
-    drop(s);
-    drop(c);
-    stopping.await.unwrap();
-
-    // An endless stream is cancelled when the grace period runs out.
-    let srv = TestServer::start(ServerConfig {
-        shutdown_grace: Duration::from_millis(300),
-        ..ServerConfig::default()
-    })
-    .await;
-    let mut c = srv.client().await;
-    let mut s = c
-        .generate(prompt_req("Once upon a time", 1_000_000))
-        .await
-        .unwrap()
-        .into_inner();
-    s.message().await.unwrap().unwrap();
-    let stopping = tokio::spawn(srv.stop());
-    let last = final_message(&mut s).await;
-    assert_eq!(last.finish_reason, pb::FinishReason::Cancelled as i32);
-    drop(s);
-    drop(c);
-    stopping.await.unwrap();
+    // A short stream finishes inside the grace period…
+    let short =
+        finish_reason_on_shutdown(Duration::from_secs(120), "Counting: one, two,", 24).await;
+    assert_eq!(short, pb::FinishReason::Length as i32);
+    // …an endless one is cancelled when the grace period runs out.
+    let endless =
+        finish_reason_on_shutdown(Duration::from_millis(300), "Once upon a time", 1_000_000).await;
+    assert_eq!(endless, pb::FinishReason::Cancelled as i32);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
