@@ -281,6 +281,8 @@ struct Entry {
     draft_len: usize,
     /// Draft slots planned in the current step.
     draft_planned: usize,
+    /// Tokens computed before the current step (committed to the cache).
+    computed_before: usize,
 }
 
 /// The scheduler. See the crate docs.
@@ -372,6 +374,7 @@ impl Scheduler {
                 admitted_now: false,
                 draft_len: 0,
                 draft_planned: 0,
+                computed_before: 0,
             },
         );
         Ok(())
@@ -672,6 +675,7 @@ impl Scheduler {
             if let Some(h) = e.handle {
                 self.kv.commit(h, e.computed);
             }
+            e.computed_before = e.computed;
         }
         // Deadlines first: whatever expired is freed now.
         let mut expired: Vec<RequestId> = self
@@ -729,10 +733,18 @@ impl Scheduler {
         }
 
         // Admissions, best effective class first, FCFS inside a class.
+        let mut deferred: Vec<RequestId> = Vec::new();
         while budget > 0 && self.running.len() < self.cfg.max_running_seqs {
-            let Some(id) = self.best_waiting(now_ms, &step) else {
+            let Some(id) = self.best_waiting(now_ms, &step, &deferred) else {
                 break;
             };
+            // A request whose next uncached block a running request is
+            // computing right now waits: in a step or two it finds that block
+            // in the cache instead of computing it a second time.
+            if self.prefix_in_flight(&id) {
+                deferred.push(id);
+                continue;
+            }
             if !self.admit(&id, &mut step, &mut budget) {
                 break;
             }
@@ -741,11 +753,40 @@ impl Scheduler {
         step
     }
 
-    fn best_waiting(&self, now_ms: u64, step: &Step) -> Option<RequestId> {
+    /// Whether a running request is computing (not yet committed) the block
+    /// that follows the cached prefix of waiting request `id`'s prompt.
+    fn prefix_in_flight(&self, id: &RequestId) -> bool {
+        let e = &self.entries[id];
+        if e.state != State::Waiting || !self.kv.config().prefix_caching {
+            return false;
+        }
+        let bs = self.kv.config().block_size as usize;
+        let root = e.req.keys.root_hash();
+        let hit = self.kv.peek_prefix(root, &e.tokens).len();
+        let end = (hit + 1) * bs;
+        // Only a full block before the prompt's last token can be reused.
+        if end >= e.tokens.len() {
+            return false;
+        }
+        // Running requests that had not computed that block before this step
+        // (a block computed earlier but not cached — a duplicate — never will
+        // be, so nobody waits for it).
+        self.running.iter().any(|r| {
+            let o = &self.entries[r];
+            o.req.keys.root_hash() == root
+                && o.computed_before < end
+                && o.tokens.len() >= end
+                && o.tokens[..end] == e.tokens[..end]
+        })
+    }
+
+    fn best_waiting(&self, now_ms: u64, step: &Step, deferred: &[RequestId]) -> Option<RequestId> {
         self.entries
             .iter()
             .filter(|(id, e)| {
-                e.state != State::Running && !step.preempted.iter().any(|p| &p.id == *id)
+                e.state != State::Running
+                    && !step.preempted.iter().any(|p| &p.id == *id)
+                    && !deferred.contains(id)
             })
             .min_by_key(|(_, e)| (self.effective_class(e, now_ms), e.req.arrival_ms, e.order))
             .map(|(id, _)| id.clone())
@@ -812,6 +853,7 @@ impl Scheduler {
         e.state = State::Running;
         let cached = self.kv.match_prefix(handle, &e.tokens);
         e.computed = cached;
+        e.computed_before = cached;
         // Hold the blocks for the whole prompt (and the first generated token)
         // now, so chunks admitted later in this step cannot take them.
         let rest = e.tokens.len() - cached + 1;

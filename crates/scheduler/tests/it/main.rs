@@ -414,10 +414,11 @@ proptest! {
 }
 
 #[test]
-fn blocks_still_being_computed_are_not_matched() {
-    // `a` prefills 330 tokens in chunks of 200; `b` (same prompt) is admitted
-    // in the second step, while `a`'s blocks 3 and 4 are being computed in that
-    // very step: `b` may reuse only the three blocks computed in the first.
+fn blocks_still_being_computed_are_not_matched_and_their_readers_wait() {
+    // `a` prefills 330 tokens in chunks of 200; `b` (same prompt) arrives after
+    // the first step, while `a` is still computing its blocks: `b` must neither
+    // match blocks still being computed nor compute them a second time — it
+    // waits until `a`'s prompt is in the cache, then reuses all of it.
     let mut s = sched(
         SchedulerConfig {
             max_batch_tokens: 200,
@@ -443,14 +444,26 @@ fn blocks_still_being_computed_are_not_matched() {
     e.apply(&mut s, &step);
     s.add(mk("b")).unwrap();
     let step = s.schedule(0);
-    let b = step
-        .items
-        .iter()
-        .find(|i| i.id.0 == "b")
-        .expect("b admitted");
-    assert_eq!(b.kind, ItemKind::Prefill { cached_tokens: 192 });
+    assert!(
+        step.items.iter().all(|i| i.id.0 != "b"),
+        "b waits while a computes the blocks it needs"
+    );
     e.apply(&mut s, &step);
-    e.run(&mut s, 0, 100);
+    let mut cached = None;
+    for _ in 0..100 {
+        if s.is_idle() {
+            break;
+        }
+        let step = s.schedule(0);
+        for i in &step.items {
+            if let (true, ItemKind::Prefill { cached_tokens }) = (i.id.0 == "b", &i.kind) {
+                cached.get_or_insert(*cached_tokens);
+            }
+        }
+        e.apply(&mut s, &step);
+        s.check().unwrap();
+    }
+    assert_eq!(cached, Some(320), "b reuses every full block of a's prompt");
     assert_eq!(e.output(&RequestId::from("a")), solo(&mk("a")));
     assert_eq!(e.output(&RequestId::from("b")), solo(&mk("b")));
     s.check().unwrap();
