@@ -670,6 +670,141 @@ fn spec_pair(default_model: &std::path::Path, reps: usize) -> Result<()> {
     Ok(())
 }
 
+/// End-to-end generation over gRPC against the same requests submitted to the
+/// runtime directly, in one process and one runtime: what the wire, tonic and
+/// the stream adapter cost. Aggregate tok/s = generated tokens / (first submit
+/// → last end); TTFT from submit to the first text.
+fn grpc(model_path: PathBuf, reps: usize) -> Result<()> {
+    use siliceo_core::SamplingParams;
+    use siliceo_runtime::{Event, GenerateRequest, Input, Runtime, RuntimeConfig};
+    use siliceo_server::pb::{self, inference_client::InferenceClient};
+    const GEN: u32 = 64;
+    let streams = [1usize, 8, 16];
+    let mut cfg = RuntimeConfig::new(&model_path);
+    cfg.context.n_ctx = 8192;
+    cfg.context.n_batch = 512;
+    cfg.context.n_ubatch = 512;
+    cfg.scheduler.max_batch_tokens = 512;
+    cfg.scheduler.max_running_seqs = 16;
+    cfg.block_size = 16;
+    let rt = std::sync::Arc::new(Runtime::start(cfg)?);
+    let tokio = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let listener = tokio.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let addr = listener.local_addr()?;
+    tokio.spawn(siliceo_server::serve_on(
+        listener,
+        rt.clone(),
+        siliceo_server::ServerConfig::default(),
+        std::future::pending(),
+    ));
+    let prompt = |i: usize| format!("{} (stream {i})", PROMPTS[i % PROMPTS.len()]);
+    let direct = |n: usize| -> Result<(f64, Vec<f64>)> {
+        let t0 = Instant::now();
+        let subs: Vec<_> = (0..n)
+            .map(|i| {
+                let req = GenerateRequest {
+                    sampling: SamplingParams {
+                        max_tokens: GEN,
+                        ignore_eos: true,
+                        ..SamplingParams::greedy()
+                    },
+                    ..GenerateRequest::new(Input::Prompt(prompt(i)))
+                };
+                rt.submit(req)
+            })
+            .collect::<Result<_, _>>()?;
+        let mut tokens = 0u64;
+        let mut ttft = Vec::new();
+        // Streams are read one after another here, so TTFT is the runtime's
+        // own figure (submit to first token), not when this loop saw it.
+        for s in subs {
+            let (_, _, done) = s.blocking_collect();
+            let Event::Done { usage, error, .. } = done else {
+                unreachable!("collect ends with Done")
+            };
+            if let Some(e) = error {
+                bail!("direct run failed: {e}");
+            }
+            tokens += u64::from(usage.completion_tokens);
+            ttft.push(usage.ttft_ms as f64);
+        }
+        Ok((tokens as f64 / t0.elapsed().as_secs_f64(), ttft))
+    };
+    let over_grpc = |n: usize| -> Result<(f64, Vec<f64>)> {
+        tokio.block_on(async {
+            let t0 = Instant::now();
+            let tasks: Vec<_> = (0..n)
+                .map(|i| {
+                    let p = prompt(i);
+                    tokio::spawn(async move {
+                        let mut c = InferenceClient::connect(format!("http://{addr}")).await?;
+                        let req = pb::GenerateRequest {
+                            input: Some(pb::generate_request::Input::Prompt(p)),
+                            max_tokens: GEN,
+                            ignore_eos: true,
+                            ..Default::default()
+                        };
+                        let mut s = c.generate(req).await?.into_inner();
+                        let mut first = None;
+                        let mut tokens = 0u64;
+                        while let Some(m) = s.message().await? {
+                            if !m.token_ids.is_empty() {
+                                first.get_or_insert_with(|| t0.elapsed().as_secs_f64() * 1000.0);
+                            }
+                            if let Some(u) = m.usage {
+                                tokens = u64::from(u.completion_tokens);
+                            }
+                        }
+                        Ok::<_, anyhow::Error>((tokens, first.unwrap_or(f64::NAN)))
+                    })
+                })
+                .collect();
+            let mut tokens = 0;
+            let mut ttft = Vec::new();
+            for t in tasks {
+                let (k, f) = t.await??;
+                tokens += k;
+                ttft.push(f);
+            }
+            Ok((tokens as f64 / t0.elapsed().as_secs_f64(), ttft))
+        })
+    };
+    let name = Model::load(&model_path, &ModelOptions::default())?
+        .name()
+        .to_string();
+    println!(
+        "model: {name} · {GEN} greedy tokens per stream · median of {reps} runs · one runtime, direct and over gRPC on 127.0.0.1 alternating"
+    );
+    println!();
+    println!(
+        "| streams | direct tok/s | gRPC tok/s | gRPC / direct | TTFT p50 direct ms | TTFT p50 gRPC ms |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|");
+    for n in streams {
+        let (mut d_rate, mut g_rate, mut d_ttft, mut g_ttft) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..reps {
+            let (r, t) = direct(n)?;
+            d_rate.push(r);
+            d_ttft.extend(t);
+            let (r, t) = over_grpc(n)?;
+            g_rate.push(r);
+            g_ttft.extend(t);
+        }
+        let (d, g) = (median(d_rate), median(g_rate));
+        println!(
+            "| {n} | {d:.1} | {g:.1} | {:.0} % | {:.0} | {:.0} |",
+            g * 100.0 / d,
+            median(d_ttft),
+            median(g_ttft)
+        );
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut model = std::env::var_os("SILICEO_MODEL")
@@ -695,8 +830,9 @@ fn main() -> Result<()> {
             "serve" => what = "serve",
             "prefix" => what = "prefix",
             "spec" => what = "spec",
+            "grpc" => what = "grpc",
             other => bail!(
-                "unknown argument `{other}`; usage: siliceo-bench engine|serve|prefix|spec [--model PATH] [--reps N] [--json]"
+                "unknown argument `{other}`; usage: siliceo-bench engine|serve|prefix|spec|grpc [--model PATH] [--reps N] [--json]"
             ),
         }
     }
@@ -706,6 +842,8 @@ fn main() -> Result<()> {
         prefix(model, reps.max(1))
     } else if what == "spec" {
         spec(model, reps.max(1))
+    } else if what == "grpc" {
+        grpc(model, reps.max(1))
     } else {
         engine(model, reps.max(1), json)
     }

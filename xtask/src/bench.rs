@@ -66,8 +66,8 @@ pub fn bench(rest: &[String]) -> Result<()> {
             .cloned()
             .unwrap_or_else(|| "3".into())
     };
-    if first == Some("spec") {
-        return crate::run(bench_cmd(false).args(["spec", "--reps", &reps()]));
+    if let Some(which @ ("spec" | "grpc")) = first {
+        return crate::run(bench_cmd(false).args([which, "--reps", &reps()]));
     }
     if matches!(first, Some("serve" | "prefix")) {
         let reps = reps();
@@ -88,7 +88,7 @@ pub fn bench(rest: &[String]) -> Result<()> {
             "--compare-portable" => compare = true,
             other => {
                 bail!(
-                    "bench: unknown argument `{other}` (benchmarks: engine, serve, prefix, spec, kv)"
+                    "bench: unknown argument `{other}` (benchmarks: engine, serve, prefix, spec, grpc, kv)"
                 )
             }
         }

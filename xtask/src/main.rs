@@ -36,7 +36,8 @@ tasks:
   bench serve [--reps N] the serving loop at 1/4/8/16/64 streams vs raw batched decode,
                         then prefix caching (cold vs warm TTFT, 16 requests at once)
   bench prefix [--reps N] prefix caching only
-  bench spec [--reps N]   n-gram speculative decoding vs none at batch size 1
+  bench spec [--reps N]   speculative decoding (n-gram; the Qwen draft/target pair) at batch size 1
+  bench grpc [--reps N]   generation over gRPC vs the runtime directly, 1/8/16 streams
   bench kv              criterion benchmarks of the KV block pool and prefix cache
   tidy                  run the tidy checks (crate docs, layer rules)
 ";
