@@ -174,8 +174,7 @@ fn engine(model_path: PathBuf, reps: usize, json: bool) -> Result<()> {
 /// The serving loop at 1, 4, 8, 16 concurrent streams vs raw batched decode of
 /// the same number of sequences, plus time to first token.
 fn serve(model_path: PathBuf, reps: usize, quiet: bool, threads: Option<u32>) -> Result<()> {
-    use siliceo_core::SamplingParams;
-    use siliceo_runtime::{Event, GenerateRequest, Input, Runtime, RuntimeConfig};
+    use siliceo_runtime::{Event, Input, Runtime, RuntimeConfig};
     const GEN: u32 = 64;
     const PROMPT: usize = 32;
     let streams = [1usize, 4, 8, 16, 64];
@@ -235,15 +234,8 @@ fn serve(model_path: PathBuf, reps: usize, quiet: bool, threads: Option<u32>) ->
         for _ in 0..reps {
             let subs: Vec<_> = (0..n)
                 .map(|i| {
-                    let req = GenerateRequest {
-                        sampling: SamplingParams {
-                            max_tokens: GEN,
-                            ignore_eos: true,
-                            ..SamplingParams::greedy()
-                        },
-                        ..GenerateRequest::new(Input::Tokens(prompt_tokens(&tokenizer, i, PROMPT)?))
-                    };
-                    Ok(rt.submit(req)?)
+                    let input = Input::Tokens(prompt_tokens(&tokenizer, i, PROMPT)?);
+                    Ok(rt.submit(greedy_request(input, GEN))?)
                 })
                 .collect::<Result<_>>()?;
             if quiet {
@@ -297,16 +289,7 @@ fn timed_request(
     rt: &siliceo_runtime::Runtime,
     tokens: Vec<TokenId>,
 ) -> Result<(siliceo_runtime::RequestStream, Instant)> {
-    use siliceo_core::SamplingParams;
-    use siliceo_runtime::{GenerateRequest, Input};
-    let req = GenerateRequest {
-        sampling: SamplingParams {
-            max_tokens: 8,
-            ignore_eos: true,
-            ..SamplingParams::greedy()
-        },
-        ..GenerateRequest::new(Input::Tokens(tokens))
-    };
+    let req = greedy_request(siliceo_runtime::Input::Tokens(tokens), 8);
     let t = Instant::now();
     Ok((rt.submit(req)?, t))
 }
@@ -453,16 +436,10 @@ fn greedy_decode_rate(
     max_tokens: u32,
     speculative: bool,
 ) -> Result<(f64, siliceo_runtime::Usage)> {
-    use siliceo_core::SamplingParams;
-    use siliceo_runtime::{Event, GenerateRequest, Input};
-    let req = GenerateRequest {
-        sampling: SamplingParams {
-            max_tokens,
-            ignore_eos: true,
-            ..SamplingParams::greedy()
-        },
+    use siliceo_runtime::{Event, Input};
+    let req = siliceo_runtime::GenerateRequest {
         speculative,
-        ..GenerateRequest::new(Input::Prompt(prompt.to_string()))
+        ..greedy_request(Input::Prompt(prompt.to_string()), max_tokens)
     };
     let (_, _, done) = rt.submit(req)?.blocking_collect();
     let Event::Done { usage, error, .. } = done else {
@@ -675,8 +652,7 @@ fn spec_pair(default_model: &std::path::Path, reps: usize) -> Result<()> {
 /// the stream adapter cost. Aggregate tok/s = generated tokens / (first submit
 /// → last end); TTFT from submit to the first text.
 fn grpc(model_path: PathBuf, reps: usize) -> Result<()> {
-    use siliceo_core::SamplingParams;
-    use siliceo_runtime::{Event, GenerateRequest, Input, Runtime, RuntimeConfig};
+    use siliceo_runtime::{Event, Input, Runtime, RuntimeConfig};
     use siliceo_server::pb::{self, inference_client::InferenceClient};
     const GEN: u32 = 64;
     let streams = [1usize, 8, 16];
@@ -704,17 +680,7 @@ fn grpc(model_path: PathBuf, reps: usize) -> Result<()> {
     let direct = |n: usize| -> Result<(f64, Vec<f64>)> {
         let t0 = Instant::now();
         let subs: Vec<_> = (0..n)
-            .map(|i| {
-                let req = GenerateRequest {
-                    sampling: SamplingParams {
-                        max_tokens: GEN,
-                        ignore_eos: true,
-                        ..SamplingParams::greedy()
-                    },
-                    ..GenerateRequest::new(Input::Prompt(prompt(i)))
-                };
-                rt.submit(req)
-            })
+            .map(|i| rt.submit(greedy_request(Input::Prompt(prompt(i)), GEN)))
             .collect::<Result<_, _>>()?;
         let mut tokens = 0u64;
         let mut ttft = Vec::new();
@@ -803,6 +769,22 @@ fn grpc(model_path: PathBuf, reps: usize) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// A greedy request of exactly `max_tokens` tokens (end-of-generation tokens
+/// do not stop it), as every serving benchmark sends.
+fn greedy_request(
+    input: siliceo_runtime::Input,
+    max_tokens: u32,
+) -> siliceo_runtime::GenerateRequest {
+    siliceo_runtime::GenerateRequest {
+        sampling: siliceo_core::SamplingParams {
+            max_tokens,
+            ignore_eos: true,
+            ..siliceo_core::SamplingParams::greedy()
+        },
+        ..siliceo_runtime::GenerateRequest::new(input)
+    }
 }
 
 fn main() -> Result<()> {

@@ -692,10 +692,12 @@ impl<'m> Engine<'m> {
         let now = self.now_ms();
         // Draft lengths for speculating requests, from their acceptance rates
         // and the batch size.
-        let running = self.sched.stats().running;
-        for (id, live) in &mut self.live {
-            if let Some(spec) = &mut live.spec {
-                self.sched.set_draft_len(id, spec.len.next_k(running));
+        if self.speculative.is_some() {
+            let running = self.sched.stats().running;
+            for (id, live) in &mut self.live {
+                if let Some(spec) = &mut live.spec {
+                    self.sched.set_draft_len(id, spec.len.next_k(running));
+                }
             }
         }
         let step = self.sched.schedule(now);

@@ -122,6 +122,16 @@ async fn collect(
     panic!("the stream ended without a final message");
 }
 
+/// Opens a generation stream and waits for its first message.
+async fn open_stream(
+    c: &mut InferenceClient<Channel>,
+    req: pb::GenerateRequest,
+) -> (tonic::Streaming<pb::GenerateResponse>, pb::GenerateResponse) {
+    let mut s = c.generate(req).await.unwrap().into_inner();
+    let first = s.message().await.unwrap().expect("a first message");
+    (s, first)
+}
+
 /// Reads a generation stream up to its final message (the one with usage).
 async fn final_message(s: &mut tonic::Streaming<pb::GenerateResponse>) -> pb::GenerateResponse {
     loop {
@@ -173,12 +183,7 @@ const PROMPTS: [&str; 16] = [
 async fn streams_text_tokens_and_usage() {
     let srv = TestServer::start(ServerConfig::default()).await;
     let mut c = srv.client().await;
-    let mut s = c
-        .generate(prompt_req("The capital of France is", 12))
-        .await
-        .unwrap()
-        .into_inner();
-    let first = s.message().await.unwrap().unwrap();
+    let (mut s, first) = open_stream(&mut c, prompt_req("The capital of France is", 12)).await;
     assert!(
         !first.request_id.is_empty(),
         "the first message names the request"
@@ -346,12 +351,7 @@ async fn dropped_streams_and_cancel_free_the_kv_at_once() {
     let srv = TestServer::start(ServerConfig::default()).await;
     let mut c = srv.client().await;
     // A client that goes away mid-stream.
-    let mut s = c
-        .generate(prompt_req("Once upon a time", 100_000))
-        .await
-        .unwrap()
-        .into_inner();
-    let first = s.message().await.unwrap().unwrap();
+    let (s, first) = open_stream(&mut c, prompt_req("Once upon a time", 100_000)).await;
     assert!(!first.text.is_empty() || !first.token_ids.is_empty());
     let during = c
         .get_model_info(pb::GetModelInfoRequest {})
@@ -368,8 +368,7 @@ async fn dropped_streams_and_cancel_free_the_kv_at_once() {
     // Cancel by id: the stream ends with CANCELLED.
     let mut req = prompt_req("Once upon a time", 100_000);
     req.request_id = "to-cancel".into();
-    let mut s = c.generate(req).await.unwrap().into_inner();
-    s.message().await.unwrap().unwrap();
+    let (mut s, _) = open_stream(&mut c, req).await;
     c.cancel(pb::CancelRequest {
         request_id: "to-cancel".into(),
     })
@@ -534,12 +533,7 @@ async fn finish_reason_on_shutdown(grace: Duration, prompt: &str, max_tokens: u3
     })
     .await;
     let mut c = srv.client().await;
-    let mut s = c
-        .generate(prompt_req(prompt, max_tokens))
-        .await
-        .unwrap()
-        .into_inner();
-    s.message().await.unwrap().unwrap();
+    let (mut s, _) = open_stream(&mut c, prompt_req(prompt, max_tokens)).await;
     let stopping = tokio::spawn(srv.stop());
     let last = final_message(&mut s).await;
     drop(s);
