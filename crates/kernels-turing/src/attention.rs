@@ -1,0 +1,399 @@
+//! The CPU paged-attention kernel: decode (one query token per sequence) and
+//! prefill chunks (several query tokens, causal) over a [`KvStore`] in any
+//! layout, grouped-query heads, online (streaming) softmax, multi-threaded,
+//! with an optional split of long contexts into partitions that are reduced
+//! at the end (the same plan as the CUDA kernels).
+//!
+//! Per (sequence, KV head, partition) the kernel decodes each block's K and V
+//! segment once into f32 tiles that stay in L1/L2, then serves every query
+//! token and every query head of the group from them: the bytes of KV read
+//! from memory are the format's bytes, once per call.
+
+use crate::codec::Codec;
+use crate::hadamard::hadamard;
+use crate::store::{KvStore, SeqKv};
+use crate::KernelError;
+
+/// Tuning knobs of the CPU kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnParams {
+    /// Worker threads (1 = run on the caller's thread).
+    pub threads: usize,
+    /// Blocks per partition of a long context (0 = no split).
+    pub partition_blocks: usize,
+}
+
+impl Default for AttnParams {
+    fn default() -> Self {
+        AttnParams {
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            partition_blocks: 32,
+        }
+    }
+}
+
+/// One sequence's queries: the last `n_q` tokens of `kv` (already appended).
+#[derive(Debug, Clone, Copy)]
+pub struct SeqQuery<'a> {
+    /// The sequence's KV blocks.
+    pub kv: &'a SeqKv,
+    /// Queries, `n_q × n_heads × head_dim` (token-major, then head).
+    pub q: &'a [f32],
+    /// Query tokens (1 for decode); query `i` sits at position `kv.len - n_q + i`
+    /// and attends to positions `0..=kv.len - n_q + i`.
+    pub n_q: usize,
+}
+
+/// Running softmax state of one (sequence, KV head, partition) for all its
+/// query rows (`n_q × group`).
+#[derive(Debug, Clone)]
+struct Partial {
+    m: Vec<f32>,
+    l: Vec<f32>,
+    acc: Vec<f32>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Item {
+    seq: usize,
+    kv_head: usize,
+    b0: usize,
+    b1: usize,
+}
+
+/// Computes attention for every query of `seqs` into `out` (the queries'
+/// shape, concatenated in order). `scale` multiplies Q·K (usually
+/// `1/sqrt(head_dim)`).
+pub fn paged_attention(
+    store: &KvStore,
+    n_heads: usize,
+    scale: f32,
+    seqs: &[SeqQuery<'_>],
+    out: &mut [f32],
+    params: &AttnParams,
+) -> Result<(), KernelError> {
+    let l = store.layout();
+    let d = l.head_dim;
+    if n_heads == 0 || n_heads % l.kv_heads != 0 {
+        return Err(KernelError::Shape(format!(
+            "{n_heads} query heads are not a multiple of {} KV heads",
+            l.kv_heads
+        )));
+    }
+    let mut total = 0;
+    for (i, s) in seqs.iter().enumerate() {
+        if s.n_q == 0 || s.n_q > s.kv.len {
+            return Err(KernelError::Shape(format!(
+                "sequence {i}: {} queries over {} stored tokens",
+                s.n_q, s.kv.len
+            )));
+        }
+        if s.kv.blocks() != s.kv.len.div_ceil(l.block_tokens) {
+            return Err(KernelError::Shape(format!("sequence {i}: block table does not match its length")));
+        }
+        if s.q.len() != s.n_q * n_heads * d {
+            return Err(KernelError::Shape(format!(
+                "sequence {i}: q has {} values, expected {} × {n_heads} × {d}",
+                s.q.len(),
+                s.n_q
+            )));
+        }
+        total += s.q.len();
+    }
+    if out.len() != total {
+        return Err(KernelError::Shape(format!("out has {} values, expected {total}", out.len())));
+    }
+
+    let part = if params.partition_blocks == 0 { usize::MAX } else { params.partition_blocks };
+    let mut items = Vec::new();
+    for (si, s) in seqs.iter().enumerate() {
+        let nb = s.kv.blocks();
+        for kv_head in 0..l.kv_heads {
+            let mut b0 = 0;
+            while b0 < nb {
+                let b1 = nb.min(b0.saturating_add(part));
+                items.push(Item { seq: si, kv_head, b0, b1 });
+                b0 = b1;
+            }
+        }
+    }
+
+    let threads = params.threads.max(1).min(items.len());
+    let group = n_heads / l.kv_heads;
+    let mut partials: Vec<Option<Partial>> = vec![None; items.len()];
+    if threads <= 1 {
+        let mut scratch = Scratch::new(store, seqs, group);
+        for (slot, item) in partials.iter_mut().zip(&items) {
+            *slot = Some(run_item(store, seqs, n_heads, scale, *item, &mut scratch));
+        }
+    } else {
+        let items = &items;
+        let done: Vec<Vec<(usize, Partial)>> = std::thread::scope(|sc| {
+            let handles: Vec<_> = (0..threads)
+                .map(|w| {
+                    sc.spawn(move || {
+                        let mut scratch = Scratch::new(store, seqs, group);
+                        (w..items.len())
+                            .step_by(threads)
+                            .map(|i| (i, run_item(store, seqs, n_heads, scale, items[i], &mut scratch)))
+                            .collect()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("attention worker panicked")).collect()
+        });
+        for (i, p) in done.into_iter().flatten() {
+            partials[i] = Some(p);
+        }
+    }
+
+    // Reduce partitions in order and normalise.
+    let mut offsets = Vec::with_capacity(seqs.len());
+    let mut off = 0;
+    for s in seqs {
+        offsets.push(off);
+        off += s.q.len();
+    }
+    let mut i = 0;
+    while i < items.len() {
+        let (si, kh) = (items[i].seq, items[i].kv_head);
+        let mut acc = partials[i].take().expect("every item ran");
+        i += 1;
+        while i < items.len() && items[i].seq == si && items[i].kv_head == kh {
+            merge(&mut acc, partials[i].take().expect("every item ran"), d);
+            i += 1;
+        }
+        let n_q = seqs[si].n_q;
+        for qi in 0..n_q {
+            for g in 0..group {
+                let r = qi * group + g;
+                let h = kh * group + g;
+                let dst = offsets[si] + (qi * n_heads + h) * d;
+                let inv = 1.0 / acc.l[r];
+                for (o, a) in out[dst..dst + d].iter_mut().zip(&acc.acc[r * d..(r + 1) * d]) {
+                    *o = a * inv;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Per-thread working memory.
+struct Scratch {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    q: Vec<f32>,
+    s: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(store: &KvStore, seqs: &[SeqQuery<'_>], group: usize) -> Scratch {
+        let l = store.layout();
+        let max_q = seqs.iter().map(|s| s.n_q).max().unwrap_or(0);
+        Scratch {
+            k: vec![0.0; l.block_tokens * l.head_dim],
+            v: vec![0.0; l.block_tokens * l.head_dim],
+            q: vec![0.0; max_q * group * l.head_dim],
+            s: vec![0.0; l.block_tokens],
+        }
+    }
+}
+
+fn run_item(
+    store: &KvStore,
+    seqs: &[SeqQuery<'_>],
+    n_heads: usize,
+    scale: f32,
+    item: Item,
+    sc: &mut Scratch,
+) -> Partial {
+    let l = store.layout();
+    let (t, d) = (l.block_tokens, l.head_dim);
+    let group = n_heads / l.kv_heads;
+    let sq = &seqs[item.seq];
+    let (n_q, len) = (sq.n_q, sq.kv.len);
+    let rows = n_q * group;
+    for qi in 0..n_q {
+        for g in 0..group {
+            let src = (qi * n_heads + item.kv_head * group + g) * d;
+            let dst = &mut sc.q[(qi * group + g) * d..(qi * group + g + 1) * d];
+            for (o, x) in dst.iter_mut().zip(&sq.q[src..src + d]) {
+                *o = x * scale;
+            }
+            if l.rotate_k {
+                hadamard(dst);
+            }
+        }
+    }
+    let mut p = Partial { m: vec![f32::NEG_INFINITY; rows], l: vec![0.0; rows], acc: vec![0.0; rows * d] };
+    let first_pos = len - n_q;
+    for b in item.b0..item.b1 {
+        let start = b * t;
+        let n_t = t.min(len - start);
+        let first_q = start.saturating_sub(first_pos);
+        if first_q >= n_q {
+            continue;
+        }
+        let (kc, kseg): (Codec, &[u8]) = store.segment(sq.kv, b, item.kv_head, false);
+        kc.decode(kseg, t, d, &mut sc.k);
+        let (vc, vseg) = store.segment(sq.kv, b, item.kv_head, true);
+        vc.decode(vseg, t, d, &mut sc.v);
+        for qi in first_q..n_q {
+            let valid = n_t.min(first_pos + qi + 1 - start);
+            for g in 0..group {
+                let r = qi * group + g;
+                let q = &sc.q[r * d..(r + 1) * d];
+                let s = &mut sc.s[..valid];
+                for (j, s) in s.iter_mut().enumerate() {
+                    *s = dot(q, &sc.k[j * d..(j + 1) * d]);
+                }
+                let bm = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                let m_new = p.m[r].max(bm);
+                let corr = if p.m[r] == f32::NEG_INFINITY { 0.0 } else { fast_exp(p.m[r] - m_new) };
+                let mut sum = 0.0;
+                for x in s.iter_mut() {
+                    *x = fast_exp(*x - m_new);
+                    sum += *x;
+                }
+                p.l[r] = p.l[r] * corr + sum;
+                p.m[r] = m_new;
+                let acc = &mut p.acc[r * d..(r + 1) * d];
+                if corr != 1.0 {
+                    for a in acc.iter_mut() {
+                        *a *= corr;
+                    }
+                }
+                for (j, &w) in s.iter().enumerate() {
+                    for (a, x) in acc.iter_mut().zip(&sc.v[j * d..(j + 1) * d]) {
+                        *a += w * x;
+                    }
+                }
+            }
+        }
+    }
+    p
+}
+
+/// Folds partition `b` (later positions) into `a`.
+fn merge(a: &mut Partial, b: Partial, d: usize) {
+    for r in 0..a.m.len() {
+        if b.m[r] == f32::NEG_INFINITY {
+            continue;
+        }
+        let m = a.m[r].max(b.m[r]);
+        let ca = if a.m[r] == f32::NEG_INFINITY { 0.0 } else { fast_exp(a.m[r] - m) };
+        let cb = fast_exp(b.m[r] - m);
+        a.l[r] = a.l[r] * ca + b.l[r] * cb;
+        a.m[r] = m;
+        for (x, y) in a.acc[r * d..(r + 1) * d].iter_mut().zip(&b.acc[r * d..(r + 1) * d]) {
+            *x = *x * ca + y * cb;
+        }
+    }
+}
+
+/// Dot product with 16 independent lanes, so it vectorises without reassociating.
+#[inline]
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..16 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    for (i, (x, y)) in ra.iter().zip(rb).enumerate() {
+        acc[i] += x * y;
+    }
+    acc.iter().sum()
+}
+
+/// `e^x` to about 2 ulp for x ≤ 0 (the only inputs softmax gives it), branch
+/// free so loops over it vectorise; inputs below −87 give ~0.
+#[inline]
+pub(crate) fn fast_exp(x: f32) -> f32 {
+    let x = x.clamp(-87.0, 88.0);
+    let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
+    // Cody–Waite: r = x − n·ln 2 in two parts, so large |x| keeps its precision.
+    let r = x - n * 0.693_145_75 - n * 1.428_606_8e-6;
+    // e^r on [−ln2/2, ln2/2]: Taylor series to degree 7.
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0
+                    + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
+    f32::from_bits(((n as i32 + 127) as u32) << 23) * p
+}
+
+/// Plain causal attention in f64 over f32 K/V (`len × kv_heads × head_dim`):
+/// the reference the kernels are tested and benchmarked against.
+#[allow(clippy::too_many_arguments)]
+pub fn naive_attention(
+    q: &[f32],
+    n_q: usize,
+    n_heads: usize,
+    k: &[f32],
+    v: &[f32],
+    kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+) -> Vec<f32> {
+    let d = head_dim;
+    let len = k.len() / (kv_heads * d);
+    let group = n_heads / kv_heads;
+    let mut out = vec![0f32; n_q * n_heads * d];
+    let mut w = vec![0f64; len];
+    for qi in 0..n_q {
+        let pos = len - n_q + qi;
+        for h in 0..n_heads {
+            let kh = h / group;
+            let qv = &q[(qi * n_heads + h) * d..(qi * n_heads + h + 1) * d];
+            let mut m = f64::NEG_INFINITY;
+            for (j, w) in w.iter_mut().enumerate().take(pos + 1) {
+                let kv = &k[(j * kv_heads + kh) * d..(j * kv_heads + kh + 1) * d];
+                *w = qv.iter().zip(kv).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64;
+                m = m.max(*w);
+            }
+            let mut sum = 0.0;
+            for w in w.iter_mut().take(pos + 1) {
+                *w = (*w - m).exp();
+                sum += *w;
+            }
+            let o = &mut out[(qi * n_heads + h) * d..(qi * n_heads + h + 1) * d];
+            for c in 0..d {
+                let mut a = 0.0;
+                for (j, w) in w.iter().enumerate().take(pos + 1) {
+                    a += w * v[(j * kv_heads + kh) * d + c] as f64;
+                }
+                o[c] = (a / sum) as f32;
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fast_exp_matches_std() {
+        let mut worst = 0f32;
+        for i in 0..=20_000 {
+            let x = -80.0 + i as f32 * 0.004;
+            let (a, b) = (fast_exp(x), x.exp());
+            worst = worst.max(((a - b) / b).abs());
+        }
+        assert!(worst < 5e-7, "relative error {worst}");
+        assert!(fast_exp(-1000.0) < 1e-37);
+        assert_eq!(fast_exp(0.0), 1.0);
+    }
+
+    #[test]
+    fn dot_handles_remainders() {
+        let a: Vec<f32> = (0..40).map(|i| i as f32).collect();
+        let b = vec![2f32; 40];
+        assert_eq!(dot(&a, &b), 2.0 * (0..40).sum::<i32>() as f32);
+    }
+}

@@ -1,0 +1,422 @@
+//! A paged KV store for one layer in siliceo's formats.
+//!
+//! **Block layout** (the one the CUDA kernels and the native path use): a block
+//! holds `block_tokens` tokens of every KV head. Its bytes are, for each KV head
+//! `h` in order, the K segment then the V segment of that head
+//! (see [`crate::codec`] for a segment's layout). Block `b` of a pool starts at
+//! `b · block_bytes`.
+//!
+//! **Two pools**: *sealed* blocks in the layout's K/V codecs, and *tail* blocks
+//! in F16 holding the most recent tokens. A sequence's tokens are its sealed
+//! blocks (all full) followed by its tail blocks (all full but the last). When
+//! the tail holds at least `tail_tokens + block_tokens` tokens, its oldest
+//! block is quantized into a sealed block: the most recent `tail_tokens`
+//! tokens (and the current partial block) stay full-precision. Per-channel
+//! codecs (K5) need a full block anyway, so every format goes through the tail.
+//!
+//! With `rotate_k`, K is stored Hadamard-rotated per head (tail included) and
+//! the kernels rotate Q the same way.
+
+use half::f16;
+
+use crate::codec::{Codec, MAX_HEAD_DIM};
+use crate::hadamard::hadamard;
+use crate::KernelError;
+
+/// The shape and formats of one layer's KV store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Tokens per block (64 in serving; even).
+    pub block_tokens: usize,
+    /// KV heads.
+    pub kv_heads: usize,
+    /// Channels per head.
+    pub head_dim: usize,
+    /// Codec of sealed K.
+    pub k: Codec,
+    /// Codec of sealed V.
+    pub v: Codec,
+    /// Hadamard-rotate K per head (and Q at attention time).
+    pub rotate_k: bool,
+    /// Most recent tokens kept in F16 beyond the current partial block.
+    pub tail_tokens: usize,
+}
+
+impl KvLayout {
+    /// A layout with 64-token blocks, no rotation and no extra tail.
+    pub fn new(kv_heads: usize, head_dim: usize, k: Codec, v: Codec) -> KvLayout {
+        KvLayout { block_tokens: 64, kv_heads, head_dim, k, v, rotate_k: false, tail_tokens: 0 }
+    }
+
+    /// The named presets: `f16` (F16/F16), `kv8` (KV8/KV8), `k5v4` (K5/V4).
+    pub fn preset(name: &str, kv_heads: usize, head_dim: usize) -> Result<KvLayout, KernelError> {
+        let (k, v) = match name {
+            "f16" => (Codec::F16, Codec::F16),
+            "kv8" => (Codec::KV8, Codec::KV8),
+            "k5v4" => (Codec::K5, Codec::V4),
+            other => {
+                let (k, v) = other.split_once(':').ok_or_else(|| {
+                    KernelError::Layout(format!("unknown format `{other}` (f16, kv8, k5v4 or K:V codecs)"))
+                })?;
+                (Codec::parse(k, head_dim)?, Codec::parse(v, head_dim)?)
+            }
+        };
+        Ok(KvLayout::new(kv_heads, head_dim, k, v))
+    }
+
+    /// Checks the layout is one the codecs and kernels accept.
+    pub fn check(&self) -> Result<(), KernelError> {
+        if self.kv_heads == 0 {
+            return Err(KernelError::Layout("at least one KV head".into()));
+        }
+        if self.head_dim > MAX_HEAD_DIM {
+            return Err(KernelError::Layout(format!(
+                "head dimension {} over the maximum {MAX_HEAD_DIM}",
+                self.head_dim
+            )));
+        }
+        if self.block_tokens < 2 || self.block_tokens % 2 != 0 {
+            return Err(KernelError::Layout(format!(
+                "block size {} must be even and at least 2",
+                self.block_tokens
+            )));
+        }
+        if self.rotate_k && !self.head_dim.is_power_of_two() {
+            return Err(KernelError::Layout(format!(
+                "Hadamard rotation needs a power-of-two head dimension, not {}",
+                self.head_dim
+            )));
+        }
+        self.k.check(self.block_tokens, self.head_dim)?;
+        self.v.check(self.block_tokens, self.head_dim)
+    }
+
+    /// Bytes of one K segment (one head of one sealed block).
+    pub fn k_segment_bytes(&self) -> usize {
+        self.k.segment_bytes(self.block_tokens, self.head_dim)
+    }
+
+    /// Bytes of one V segment.
+    pub fn v_segment_bytes(&self) -> usize {
+        self.v.segment_bytes(self.block_tokens, self.head_dim)
+    }
+
+    /// Bytes of one sealed block (all heads, K and V).
+    pub fn block_bytes(&self) -> usize {
+        self.kv_heads * (self.k_segment_bytes() + self.v_segment_bytes())
+    }
+
+    /// Bytes of one tail block (F16).
+    pub fn tail_block_bytes(&self) -> usize {
+        self.kv_heads * 2 * Codec::F16.segment_bytes(self.block_tokens, self.head_dim)
+    }
+
+    /// KV bytes per token in sealed blocks (metadata included), all heads, K and V.
+    pub fn bytes_per_token(&self) -> f64 {
+        self.block_bytes() as f64 / self.block_tokens as f64
+    }
+
+    /// Average bits per K/V element in sealed blocks.
+    pub fn bits_per_element(&self) -> f64 {
+        self.bytes_per_token() * 8.0 / (2 * self.kv_heads * self.head_dim) as f64
+    }
+
+    /// A short name, e.g. `k5/v4/32+rot+tail128`.
+    pub fn name(&self) -> String {
+        let c = |c: Codec| match c {
+            Codec::F16 => "f16".to_string(),
+            Codec::Kv8 { group } => format!("kv8/{group}"),
+            Codec::K5 => "k5".to_string(),
+            Codec::V4 { group } => format!("v4/{group}"),
+        };
+        let mut s = format!("{}:{}", c(self.k), c(self.v));
+        if self.rotate_k {
+            s.push_str("+rot");
+        }
+        if self.tail_tokens > 0 {
+            s.push_str(&format!("+tail{}", self.tail_tokens));
+        }
+        s
+    }
+}
+
+/// The blocks of one sequence in a [`KvStore`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SeqKv {
+    /// Sealed blocks, oldest first (all full).
+    pub sealed: Vec<u32>,
+    /// Tail blocks (F16) after the sealed ones (all full but the last).
+    pub tail: Vec<u32>,
+    /// Tokens stored.
+    pub len: usize,
+}
+
+impl SeqKv {
+    /// Blocks in all (sealed, then tail).
+    pub fn blocks(&self) -> usize {
+        self.sealed.len() + self.tail.len()
+    }
+}
+
+/// Aligned byte storage (f16 views need 2-byte alignment; 64-byte chunks keep
+/// blocks on cache lines when block sizes allow).
+#[derive(Debug)]
+struct Bytes {
+    words: Vec<[u64; 8]>,
+    len: usize,
+}
+
+impl Bytes {
+    fn zeroed(len: usize) -> Bytes {
+        Bytes { words: vec![[0u64; 8]; len.div_ceil(64)], len }
+    }
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: the words are plain initialised integers; the byte length is within them.
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast::<u8>(), self.len) }
+    }
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and `&mut self` gives unique access.
+        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast::<u8>(), self.len) }
+    }
+}
+
+/// One layer's KV in siliceo's formats: a pool of sealed blocks and a pool of
+/// F16 tail blocks, each with a free list.
+#[derive(Debug)]
+pub struct KvStore {
+    layout: KvLayout,
+    sealed: Bytes,
+    tail: Bytes,
+    sealed_free: Vec<u32>,
+    tail_free: Vec<u32>,
+    sealed_blocks: usize,
+    tail_blocks: usize,
+}
+
+impl KvStore {
+    /// A store with `sealed_blocks` sealed blocks and `tail_blocks` tail blocks.
+    pub fn new(layout: KvLayout, sealed_blocks: usize, tail_blocks: usize) -> Result<KvStore, KernelError> {
+        layout.check()?;
+        if sealed_blocks > u32::MAX as usize || tail_blocks > u32::MAX as usize {
+            return Err(KernelError::Layout("too many blocks".into()));
+        }
+        Ok(KvStore {
+            layout,
+            sealed: Bytes::zeroed(sealed_blocks * layout.block_bytes()),
+            tail: Bytes::zeroed(tail_blocks * layout.tail_block_bytes()),
+            sealed_free: (0..sealed_blocks as u32).rev().collect(),
+            tail_free: (0..tail_blocks as u32).rev().collect(),
+            sealed_blocks,
+            tail_blocks,
+        })
+    }
+
+    /// Tail blocks a sequence holds at most: `tail_tokens` plus a full block
+    /// (the moment before the oldest is sealed).
+    pub fn tail_blocks_per_seq(layout: &KvLayout) -> usize {
+        (layout.tail_tokens + layout.block_tokens).div_ceil(layout.block_tokens)
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// Free (sealed, tail) blocks.
+    pub fn free_blocks(&self) -> (usize, usize) {
+        (self.sealed_free.len(), self.tail_free.len())
+    }
+
+    /// Total (sealed, tail) blocks.
+    pub fn capacity(&self) -> (usize, usize) {
+        (self.sealed_blocks, self.tail_blocks)
+    }
+
+    /// The bytes of sealed block `b`.
+    pub fn sealed_block(&self, b: u32) -> &[u8] {
+        let n = self.layout.block_bytes();
+        &self.sealed.as_slice()[b as usize * n..(b as usize + 1) * n]
+    }
+
+    /// The bytes of tail block `b`.
+    pub fn tail_block(&self, b: u32) -> &[u8] {
+        let n = self.layout.tail_block_bytes();
+        &self.tail.as_slice()[b as usize * n..(b as usize + 1) * n]
+    }
+
+    /// All sealed-pool bytes (for copying to a device).
+    pub fn sealed_bytes(&self) -> &[u8] {
+        self.sealed.as_slice()
+    }
+
+    /// All tail-pool bytes (for copying to a device).
+    pub fn tail_bytes(&self) -> &[u8] {
+        self.tail.as_slice()
+    }
+
+    /// Appends `n` tokens: `k` and `v` are `n × kv_heads × head_dim` (token-major,
+    /// then head). Either every token is stored or, when blocks run out, none is
+    /// and the sequence is unchanged.
+    pub fn append(&mut self, seq: &mut SeqKv, k: &[f32], v: &[f32]) -> Result<(), KernelError> {
+        let l = self.layout;
+        let row = l.kv_heads * l.head_dim;
+        if k.len() != v.len() || k.len() % row != 0 {
+            return Err(KernelError::Shape(format!(
+                "K ({}) and V ({}) must both be n × {} × {}",
+                k.len(),
+                v.len(),
+                l.kv_heads,
+                l.head_dim
+            )));
+        }
+        let n = k.len() / row;
+        let t = l.block_tokens;
+        // Dry run over the counts: tail blocks to hold new tokens, sealed blocks
+        // for what ages out (a sealed tail block is free again at once).
+        let (mut tail_n, mut sealed_n, mut len) = (seq.tail.len(), seq.sealed.len(), seq.len);
+        let (mut tail_free, mut sealed_free) = (self.tail_free.len(), self.sealed_free.len());
+        for _ in 0..n {
+            if (len - sealed_n * t) / t == tail_n {
+                if tail_free == 0 {
+                    return Err(self.out_of_blocks(n));
+                }
+                tail_free -= 1;
+                tail_n += 1;
+            }
+            len += 1;
+            if len - sealed_n * t >= l.tail_tokens + t {
+                if sealed_free == 0 {
+                    return Err(self.out_of_blocks(n));
+                }
+                sealed_free -= 1;
+                sealed_n += 1;
+                tail_n -= 1;
+                tail_free += 1;
+            }
+        }
+        let tail_bytes = l.tail_block_bytes();
+        let seg = Codec::F16.segment_bytes(t, l.head_dim);
+        let mut krow = [0f32; MAX_HEAD_DIM];
+        for i in 0..n {
+            let pos = seq.len - seq.sealed.len() * t;
+            let (bi, slot) = (pos / t, pos % t);
+            if bi == seq.tail.len() {
+                seq.tail.push(self.tail_free.pop().expect("checked by the dry run"));
+            }
+            let base = seq.tail[bi] as usize * tail_bytes;
+            let tail = self.tail.as_mut_slice();
+            for h in 0..l.kv_heads {
+                let src = i * row + h * l.head_dim;
+                let kdst = base + h * 2 * seg + slot * l.head_dim * 2;
+                let vdst = kdst + seg;
+                let kr = &mut krow[..l.head_dim];
+                kr.copy_from_slice(&k[src..src + l.head_dim]);
+                if l.rotate_k {
+                    hadamard(kr);
+                }
+                write_f16(&mut tail[kdst..kdst + l.head_dim * 2], kr);
+                write_f16(&mut tail[vdst..vdst + l.head_dim * 2], &v[src..src + l.head_dim]);
+            }
+            seq.len += 1;
+            if seq.len - seq.sealed.len() * t >= l.tail_tokens + t {
+                self.seal_oldest(seq);
+            }
+        }
+        debug_assert_eq!((seq.tail.len(), seq.sealed.len()), (tail_n, sealed_n));
+        Ok(())
+    }
+
+    fn out_of_blocks(&self, tokens: usize) -> KernelError {
+        KernelError::OutOfBlocks {
+            tokens,
+            sealed_free: self.sealed_free.len(),
+            tail_free: self.tail_free.len(),
+        }
+    }
+
+    /// Quantizes the oldest tail block of `seq` into a new sealed block.
+    fn seal_oldest(&mut self, seq: &mut SeqKv) {
+        let l = self.layout;
+        let (t, d) = (l.block_tokens, l.head_dim);
+        let src_b = seq.tail.remove(0);
+        let dst_b = self.sealed_free.pop().expect("checked by append");
+        let f16_seg = Codec::F16.segment_bytes(t, d);
+        let (ks, vs) = (l.k_segment_bytes(), l.v_segment_bytes());
+        let mut tile = vec![0f32; t * d];
+        let src_base = src_b as usize * l.tail_block_bytes();
+        let dst_base = dst_b as usize * l.block_bytes();
+        for h in 0..l.kv_heads {
+            for (which, codec, dst_off, dst_len) in
+                [(0, l.k, h * (ks + vs), ks), (1, l.v, h * (ks + vs) + ks, vs)]
+            {
+                let s = src_base + (h * 2 + which) * f16_seg;
+                Codec::F16.decode(&self.tail.as_slice()[s..s + f16_seg], t, d, &mut tile);
+                let dst = &mut self.sealed.as_mut_slice()[dst_base + dst_off..dst_base + dst_off + dst_len];
+                codec.encode(&tile, t, d, dst);
+            }
+        }
+        seq.sealed.push(dst_b);
+        self.tail_free.push(src_b);
+    }
+
+    /// Returns the sequence's blocks to the pools and empties it.
+    pub fn release(&mut self, seq: &mut SeqKv) {
+        self.sealed_free.append(&mut seq.sealed);
+        self.tail_free.append(&mut seq.tail);
+        seq.len = 0;
+    }
+
+    /// Decodes a sequence back to f32 K and V (`len × kv_heads × head_dim`), K
+    /// un-rotated: what the kernel sees, for references and quality checks.
+    pub fn read(&self, seq: &SeqKv) -> (Vec<f32>, Vec<f32>) {
+        let l = self.layout;
+        let (t, d, hn) = (l.block_tokens, l.head_dim, l.kv_heads);
+        let mut k = vec![0f32; seq.len * hn * d];
+        let mut v = vec![0f32; seq.len * hn * d];
+        let mut tile = vec![0f32; t * d];
+        for b in 0..seq.blocks() {
+            let tokens = (seq.len - b * t).min(t);
+            for h in 0..hn {
+                for (which, out) in [(0, &mut k), (1, &mut v)] {
+                    let (codec, seg) = self.segment(seq, b, h, which == 1);
+                    codec.decode(seg, t, d, &mut tile);
+                    for r in 0..tokens {
+                        let dst = ((b * t + r) * hn + h) * d;
+                        out[dst..dst + d].copy_from_slice(&tile[r * d..(r + 1) * d]);
+                        if which == 0 && l.rotate_k {
+                            hadamard(&mut out[dst..dst + d]);
+                        }
+                    }
+                }
+            }
+        }
+        (k, v)
+    }
+
+    /// The codec and bytes of K (`value == false`) or V of head `h` in block `b`
+    /// (0-based over the sequence's sealed then tail blocks).
+    pub fn segment<'a>(&'a self, seq: &SeqKv, b: usize, h: usize, value: bool) -> (Codec, &'a [u8]) {
+        let l = &self.layout;
+        if b < seq.sealed.len() {
+            let (ks, vs) = (l.k_segment_bytes(), l.v_segment_bytes());
+            let block = self.sealed_block(seq.sealed[b]);
+            let off = h * (ks + vs);
+            if value {
+                (l.v, &block[off + ks..off + ks + vs])
+            } else {
+                (l.k, &block[off..off + ks])
+            }
+        } else {
+            let seg = Codec::F16.segment_bytes(l.block_tokens, l.head_dim);
+            let block = self.tail_block(seq.tail[b - seq.sealed.len()]);
+            let off = (h * 2 + usize::from(value)) * seg;
+            (Codec::F16, &block[off..off + seg])
+        }
+    }
+}
+
+fn write_f16(dst: &mut [u8], src: &[f32]) {
+    for (o, v) in dst.chunks_exact_mut(2).zip(src) {
+        o.copy_from_slice(&f16::from_f32(*v).to_le_bytes());
+    }
+}
