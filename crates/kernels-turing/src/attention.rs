@@ -9,10 +9,11 @@
 //! token and every query head of the group from them: the bytes of KV read
 //! from memory are the format's bytes, once per call.
 
+use crate::KernelError;
 use crate::codec::Codec;
 use crate::hadamard::hadamard;
+use crate::simd;
 use crate::store::{KvStore, SeqKv};
-use crate::KernelError;
 
 /// Tuning knobs of the CPU kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,6 +22,9 @@ pub struct AttnParams {
     pub threads: usize,
     /// Blocks per partition of a long context (0 = no split).
     pub partition_blocks: usize,
+    /// Tokens decoded at a time (a sub-tile of a block; 0 = the whole block).
+    /// 16 × 128 channels of K and V in f32 are 16 KiB, which stays in L1.
+    pub sub_tile: usize,
 }
 
 impl Default for AttnParams {
@@ -28,6 +32,7 @@ impl Default for AttnParams {
         AttnParams {
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             partition_blocks: 32,
+            sub_tile: 16,
         }
     }
 }
@@ -44,8 +49,8 @@ pub struct SeqQuery<'a> {
     pub n_q: usize,
 }
 
-/// Running softmax state of one (sequence, KV head, partition) for all its
-/// query rows (`n_q × group`).
+/// Running softmax state of one (sequence, partition) for all its query rows
+/// (`n_q × n_heads`).
 #[derive(Debug, Clone)]
 struct Partial {
     m: Vec<f32>,
@@ -53,10 +58,11 @@ struct Partial {
     acc: Vec<f32>,
 }
 
+/// A run of blocks `b0..b1` of one sequence, all heads: a block's heads are
+/// contiguous in memory, so a worker reads one long stream.
 #[derive(Debug, Clone, Copy)]
 struct Item {
     seq: usize,
-    kv_head: usize,
     b0: usize,
     b1: usize,
 }
@@ -74,7 +80,7 @@ pub fn paged_attention(
 ) -> Result<(), KernelError> {
     let l = store.layout();
     let d = l.head_dim;
-    if n_heads == 0 || n_heads % l.kv_heads != 0 {
+    if n_heads == 0 || !n_heads.is_multiple_of(l.kv_heads) {
         return Err(KernelError::Shape(format!(
             "{n_heads} query heads are not a multiple of {} KV heads",
             l.kv_heads
@@ -89,7 +95,9 @@ pub fn paged_attention(
             )));
         }
         if s.kv.blocks() != s.kv.len.div_ceil(l.block_tokens) {
-            return Err(KernelError::Shape(format!("sequence {i}: block table does not match its length")));
+            return Err(KernelError::Shape(format!(
+                "sequence {i}: block table does not match its length"
+            )));
         }
         if s.q.len() != s.n_q * n_heads * d {
             return Err(KernelError::Shape(format!(
@@ -101,30 +109,47 @@ pub fn paged_attention(
         total += s.q.len();
     }
     if out.len() != total {
-        return Err(KernelError::Shape(format!("out has {} values, expected {total}", out.len())));
+        return Err(KernelError::Shape(format!(
+            "out has {} values, expected {total}",
+            out.len()
+        )));
     }
 
-    let part = if params.partition_blocks == 0 { usize::MAX } else { params.partition_blocks };
+    let part = if params.partition_blocks == 0 {
+        usize::MAX
+    } else {
+        params.partition_blocks
+    };
     let mut items = Vec::new();
     for (si, s) in seqs.iter().enumerate() {
         let nb = s.kv.blocks();
-        for kv_head in 0..l.kv_heads {
-            let mut b0 = 0;
-            while b0 < nb {
-                let b1 = nb.min(b0.saturating_add(part));
-                items.push(Item { seq: si, kv_head, b0, b1 });
-                b0 = b1;
-            }
+        let mut b0 = 0;
+        while b0 < nb {
+            let b1 = nb.min(b0.saturating_add(part));
+            items.push(Item { seq: si, b0, b1 });
+            b0 = b1;
         }
     }
 
     let threads = params.threads.max(1).min(items.len());
-    let group = n_heads / l.kv_heads;
+    let sub = if params.sub_tile == 0 {
+        l.block_tokens
+    } else {
+        params.sub_tile.min(l.block_tokens)
+    };
     let mut partials: Vec<Option<Partial>> = vec![None; items.len()];
     if threads <= 1 {
-        let mut scratch = Scratch::new(store, seqs, group);
+        let mut scratch = Scratch::new(store, seqs, n_heads, sub);
         for (slot, item) in partials.iter_mut().zip(&items) {
-            *slot = Some(run_item(store, seqs, n_heads, scale, *item, &mut scratch));
+            *slot = Some(run_item(
+                store,
+                seqs,
+                n_heads,
+                scale,
+                *item,
+                sub,
+                &mut scratch,
+            ));
         }
     } else {
         let items = &items;
@@ -132,15 +157,31 @@ pub fn paged_attention(
             let handles: Vec<_> = (0..threads)
                 .map(|w| {
                     sc.spawn(move || {
-                        let mut scratch = Scratch::new(store, seqs, group);
+                        let mut scratch = Scratch::new(store, seqs, n_heads, sub);
                         (w..items.len())
                             .step_by(threads)
-                            .map(|i| (i, run_item(store, seqs, n_heads, scale, items[i], &mut scratch)))
+                            .map(|i| {
+                                (
+                                    i,
+                                    run_item(
+                                        store,
+                                        seqs,
+                                        n_heads,
+                                        scale,
+                                        items[i],
+                                        sub,
+                                        &mut scratch,
+                                    ),
+                                )
+                            })
                             .collect()
                     })
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join().expect("attention worker panicked")).collect()
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("attention worker panicked"))
+                .collect()
         });
         for (i, p) in done.into_iter().flatten() {
             partials[i] = Some(p);
@@ -156,23 +197,18 @@ pub fn paged_attention(
     }
     let mut i = 0;
     while i < items.len() {
-        let (si, kh) = (items[i].seq, items[i].kv_head);
+        let si = items[i].seq;
         let mut acc = partials[i].take().expect("every item ran");
         i += 1;
-        while i < items.len() && items[i].seq == si && items[i].kv_head == kh {
+        while i < items.len() && items[i].seq == si {
             merge(&mut acc, partials[i].take().expect("every item ran"), d);
             i += 1;
         }
-        let n_q = seqs[si].n_q;
-        for qi in 0..n_q {
-            for g in 0..group {
-                let r = qi * group + g;
-                let h = kh * group + g;
-                let dst = offsets[si] + (qi * n_heads + h) * d;
-                let inv = 1.0 / acc.l[r];
-                for (o, a) in out[dst..dst + d].iter_mut().zip(&acc.acc[r * d..(r + 1) * d]) {
-                    *o = a * inv;
-                }
+        let dst = &mut out[offsets[si]..offsets[si] + seqs[si].q.len()];
+        for (r, o) in dst.chunks_exact_mut(d).enumerate() {
+            let inv = 1.0 / acc.l[r];
+            for (o, a) in o.iter_mut().zip(&acc.acc[r * d..(r + 1) * d]) {
+                *o = a * inv;
             }
         }
     }
@@ -188,14 +224,14 @@ struct Scratch {
 }
 
 impl Scratch {
-    fn new(store: &KvStore, seqs: &[SeqQuery<'_>], group: usize) -> Scratch {
+    fn new(store: &KvStore, seqs: &[SeqQuery<'_>], n_heads: usize, sub: usize) -> Scratch {
         let l = store.layout();
         let max_q = seqs.iter().map(|s| s.n_q).max().unwrap_or(0);
         Scratch {
-            k: vec![0.0; l.block_tokens * l.head_dim],
-            v: vec![0.0; l.block_tokens * l.head_dim],
-            q: vec![0.0; max_q * group * l.head_dim],
-            s: vec![0.0; l.block_tokens],
+            k: vec![0.0; sub * l.head_dim],
+            v: vec![0.0; sub * l.head_dim],
+            q: vec![0.0; max_q * n_heads * l.head_dim],
+            s: vec![0.0; sub],
         }
     }
 }
@@ -206,6 +242,7 @@ fn run_item(
     n_heads: usize,
     scale: f32,
     item: Item,
+    sub: usize,
     sc: &mut Scratch,
 ) -> Partial {
     let l = store.layout();
@@ -213,60 +250,57 @@ fn run_item(
     let group = n_heads / l.kv_heads;
     let sq = &seqs[item.seq];
     let (n_q, len) = (sq.n_q, sq.kv.len);
-    let rows = n_q * group;
-    for qi in 0..n_q {
-        for g in 0..group {
-            let src = (qi * n_heads + item.kv_head * group + g) * d;
-            let dst = &mut sc.q[(qi * group + g) * d..(qi * group + g + 1) * d];
-            for (o, x) in dst.iter_mut().zip(&sq.q[src..src + d]) {
-                *o = x * scale;
-            }
-            if l.rotate_k {
-                hadamard(dst);
-            }
+    // Row r = qi · n_heads + h, as in `q` and `out`.
+    let rows = n_q * n_heads;
+    for (dst, src) in sc.q[..rows * d]
+        .chunks_exact_mut(d)
+        .zip(sq.q.chunks_exact(d))
+    {
+        for (o, x) in dst.iter_mut().zip(src) {
+            *o = x * scale;
+        }
+        if l.rotate_k {
+            hadamard(dst);
         }
     }
-    let mut p = Partial { m: vec![f32::NEG_INFINITY; rows], l: vec![0.0; rows], acc: vec![0.0; rows * d] };
+    let mut p = Partial {
+        m: vec![f32::NEG_INFINITY; rows],
+        l: vec![0.0; rows],
+        acc: vec![0.0; rows * d],
+    };
     let first_pos = len - n_q;
     for b in item.b0..item.b1 {
         let start = b * t;
         let n_t = t.min(len - start);
-        let first_q = start.saturating_sub(first_pos);
-        if first_q >= n_q {
-            continue;
-        }
-        let (kc, kseg): (Codec, &[u8]) = store.segment(sq.kv, b, item.kv_head, false);
-        kc.decode(kseg, t, d, &mut sc.k);
-        let (vc, vseg) = store.segment(sq.kv, b, item.kv_head, true);
-        vc.decode(vseg, t, d, &mut sc.v);
-        for qi in first_q..n_q {
-            let valid = n_t.min(first_pos + qi + 1 - start);
-            for g in 0..group {
-                let r = qi * group + g;
-                let q = &sc.q[r * d..(r + 1) * d];
-                let s = &mut sc.s[..valid];
-                for (j, s) in s.iter_mut().enumerate() {
-                    *s = dot(q, &sc.k[j * d..(j + 1) * d]);
+        for kh in 0..l.kv_heads {
+            let (kc, kseg): (Codec, &[u8]) = store.segment(sq.kv, b, kh, false);
+            let (vc, vseg) = store.segment(sq.kv, b, kh, true);
+            // Sub-tiles of `sub` tokens keep the decoded K and V in L1 while every
+            // query row of the group reads them.
+            for r0 in (0..n_t).step_by(sub) {
+                let r1 = n_t.min(r0 + sub);
+                let first_q = (start + r0).saturating_sub(first_pos);
+                if first_q >= n_q {
+                    break;
                 }
-                let bm = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-                let m_new = p.m[r].max(bm);
-                let corr = if p.m[r] == f32::NEG_INFINITY { 0.0 } else { fast_exp(p.m[r] - m_new) };
-                let mut sum = 0.0;
-                for x in s.iter_mut() {
-                    *x = fast_exp(*x - m_new);
-                    sum += *x;
-                }
-                p.l[r] = p.l[r] * corr + sum;
-                p.m[r] = m_new;
-                let acc = &mut p.acc[r * d..(r + 1) * d];
-                if corr != 1.0 {
-                    for a in acc.iter_mut() {
-                        *a *= corr;
-                    }
-                }
-                for (j, &w) in s.iter().enumerate() {
-                    for (a, x) in acc.iter_mut().zip(&sc.v[j * d..(j + 1) * d]) {
-                        *a += w * x;
+                kc.decode_rows(kseg, t, d, r0..r1, &mut sc.k);
+                vc.decode_rows(vseg, t, d, r0..r1, &mut sc.v);
+                for qi in first_q..n_q {
+                    let valid = r1.min(first_pos + qi + 1 - start) - r0;
+                    for h in kh * group..(kh + 1) * group {
+                        let r = qi * n_heads + h;
+                        let q = &sc.q[r * d..(r + 1) * d];
+                        let s = &mut sc.s[..valid];
+                        simd::scores(q, &sc.k, d, s);
+                        let m_new = p.m[r].max(simd::max(s));
+                        let corr = if p.m[r] == f32::NEG_INFINITY {
+                            0.0
+                        } else {
+                            fast_exp(p.m[r] - m_new)
+                        };
+                        p.l[r] = p.l[r] * corr + simd::exp_sum(s, m_new);
+                        p.m[r] = m_new;
+                        simd::accumulate(&mut p.acc[r * d..(r + 1) * d], corr, s, &sc.v, d);
                     }
                 }
             }
@@ -282,31 +316,21 @@ fn merge(a: &mut Partial, b: Partial, d: usize) {
             continue;
         }
         let m = a.m[r].max(b.m[r]);
-        let ca = if a.m[r] == f32::NEG_INFINITY { 0.0 } else { fast_exp(a.m[r] - m) };
+        let ca = if a.m[r] == f32::NEG_INFINITY {
+            0.0
+        } else {
+            fast_exp(a.m[r] - m)
+        };
         let cb = fast_exp(b.m[r] - m);
         a.l[r] = a.l[r] * ca + b.l[r] * cb;
         a.m[r] = m;
-        for (x, y) in a.acc[r * d..(r + 1) * d].iter_mut().zip(&b.acc[r * d..(r + 1) * d]) {
+        for (x, y) in a.acc[r * d..(r + 1) * d]
+            .iter_mut()
+            .zip(&b.acc[r * d..(r + 1) * d])
+        {
             *x = *x * ca + y * cb;
         }
     }
-}
-
-/// Dot product with 16 independent lanes, so it vectorises without reassociating.
-#[inline]
-pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..16 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    for (i, (x, y)) in ra.iter().zip(rb).enumerate() {
-        acc[i] += x * y;
-    }
-    acc.iter().sum()
 }
 
 /// `e^x` to about 2 ulp for x ≤ 0 (the only inputs softmax gives it), branch
@@ -322,7 +346,8 @@ pub(crate) fn fast_exp(x: f32) -> f32 {
         + r * (1.0
             + r * (0.5
                 + r * (1.0 / 6.0
-                    + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
+                    + r * (1.0 / 24.0
+                        + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
     f32::from_bits(((n as i32 + 127) as u32) << 23) * p
 }
 
@@ -352,7 +377,12 @@ pub fn naive_attention(
             let mut m = f64::NEG_INFINITY;
             for (j, w) in w.iter_mut().enumerate().take(pos + 1) {
                 let kv = &k[(j * kv_heads + kh) * d..(j * kv_heads + kh + 1) * d];
-                *w = qv.iter().zip(kv).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64;
+                *w = qv
+                    .iter()
+                    .zip(kv)
+                    .map(|(a, b)| *a as f64 * *b as f64)
+                    .sum::<f64>()
+                    * scale as f64;
                 m = m.max(*w);
             }
             let mut sum = 0.0;
@@ -388,12 +418,5 @@ mod tests {
         assert!(worst < 5e-7, "relative error {worst}");
         assert!(fast_exp(-1000.0) < 1e-37);
         assert_eq!(fast_exp(0.0), 1.0);
-    }
-
-    #[test]
-    fn dot_handles_remainders() {
-        let a: Vec<f32> = (0..40).map(|i| i as f32).collect();
-        let b = vec![2f32; 40];
-        assert_eq!(dot(&a, &b), 2.0 * (0..40).sum::<i32>() as f32);
     }
 }

@@ -9,8 +9,8 @@
 //! |---|---|---|
 //! | `F16` | `x[t][d]` as f16 | 16 |
 //! | `Kv8{g}` | scales `s[t][D/g]` f16, then codes `c[t][d]` i8 | 8.5 |
-//! | `K5` | per channel `scale[d]` f16 then `min[d]` f16; low nibbles `n[t][D/2]` (byte `j`: channel `2j` in bits 0–3, `2j+1` in bits 4–7); high bits `h[t][D/8]` (bit `i` of byte `j`: fifth bit of channel `8j+i`) | 5.5 |
-//! | `V4{g}` | per group `scale[t][D/g]` f16 then `min[t][D/g]` f16; nibbles `n[t][D/2]` as in K5 | 5.0 |
+//! | `K5` | per channel `scale[d]` f16 then `min[d]` f16; low four bits `n[t][D/2]` (byte `j`: channel `j` in bits 0–3, channel `j + D/2` in bits 4–7); fifth bits `h[t][D/8]` (bit `i` of byte `j`: channel `j + i·D/8`) | 5.5 |
+//! | `V4{g}` | per group `scale[t][D/g]` f16 then `min[t][D/g]` f16; codes `n[t][D/2]`, `g/2` bytes per group (byte `j` of group `G`: channel `G·g + j` in bits 0–3, `G·g + j + g/2` in bits 4–7) | 5.0 |
 //!
 //! Values decode as:
 //! - `Kv8`: `x = s[t][d/g] · c[t][d]` (symmetric, codes in −127..=127, `s = max|x| / 127`
@@ -23,6 +23,10 @@
 //! **Error bounds** (checked by the tests, per element, `q` = the f16-rounded step):
 //! `Kv8`: `|x − x̂| ≤ q/2 + 2⁻¹¹·|x|`; `K5`, `V4`: `|x − x̂| ≤ q/2 + 2⁻¹⁰·(|min| + |max|)`
 //! (rounding to nearest code, plus the f16 rounding of the stored scale and minimum).
+//!
+//! The bit planes are laid out so that decoding a row is a few straight loops
+//! over contiguous bytes (split nibbles, OR in the fifth bits, convert, scale):
+//! the compiler vectorises them and the CUDA kernel reads them the same way.
 //! `F16`: the f16 rounding of `x`.
 //!
 //! Why `Kv8` scales per group of 32 by default rather than per token and head:
@@ -62,7 +66,11 @@ impl Codec {
 
     /// Parses `f16`, `kv8`, `kv8/G` (G channels per scale; `kv8/head` = one per head), `k5`, `v4`, `v4/G`.
     pub fn parse(s: &str, head_dim: usize) -> Result<Codec, KernelError> {
-        let bad = || KernelError::Layout(format!("unknown codec `{s}` (f16, kv8[/G|/head], k5, v4[/G])"));
+        let bad = || {
+            KernelError::Layout(format!(
+                "unknown codec `{s}` (f16, kv8[/G|/head], k5, v4[/G])"
+            ))
+        };
         let (name, group) = match s.split_once('/') {
             Some((n, "head")) => (n, Some(head_dim)),
             Some((n, g)) => (n, Some(g.parse::<usize>().map_err(|_| bad())?)),
@@ -86,8 +94,10 @@ impl Codec {
     /// Checks that the codec can store segments of `tokens` × `head_dim`.
     pub fn check(self, tokens: usize, head_dim: usize) -> Result<(), KernelError> {
         let err = |m: String| Err(KernelError::Layout(m));
-        if head_dim == 0 || head_dim % 8 != 0 {
-            return err(format!("head dimension {head_dim} must be a positive multiple of 8"));
+        if head_dim == 0 || !head_dim.is_multiple_of(8) {
+            return err(format!(
+                "head dimension {head_dim} must be a positive multiple of 8"
+            ));
         }
         if tokens == 0 {
             return err("a block must hold at least one token".into());
@@ -95,7 +105,7 @@ impl Codec {
         match self {
             Codec::Kv8 { group } | Codec::V4 { group } => {
                 let g = group as usize;
-                if g == 0 || g % 2 != 0 || head_dim % g != 0 {
+                if g == 0 || !g.is_multiple_of(2) || !head_dim.is_multiple_of(g) {
                     return err(format!(
                         "{self:?}: group {g} must be even and divide the head dimension {head_dim}"
                     ));
@@ -170,9 +180,9 @@ impl Codec {
                     let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
                     for r in 0..t {
                         let code = ((x[r * d + c] - min) * inv).round().clamp(0.0, 31.0) as u8;
-                        let byte = &mut nib[r * d / 2 + c / 2];
-                        *byte |= (code & 0xF) << ((c % 2) * 4);
-                        high[r * d / 8 + c / 8] |= (code >> 4) << (c % 8);
+                        let (half, e) = (d / 2, d / 8);
+                        nib[r * half + c % half] |= (code & 0xF) << (c / half * 4);
+                        high[r * e + c % e] |= (code >> 4) << (c / e);
                     }
                 }
             }
@@ -182,18 +192,20 @@ impl Codec {
                 let (params, nib) = out.split_at_mut(ng * 4);
                 nib.fill(0);
                 for (gi, xs) in x.chunks_exact(g).enumerate() {
-                    let (lo, hi) = xs.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), v| {
-                        (a.min(*v), b.max(*v))
-                    });
+                    let (lo, hi) = xs
+                        .iter()
+                        .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), v| {
+                            (a.min(*v), b.max(*v))
+                        });
                     let (scale, min) = quant_params(lo, hi, 15.0);
                     params[gi * 2..gi * 2 + 2].copy_from_slice(&scale.to_le_bytes());
-                    params[ng * 2 + gi * 2..ng * 2 + gi * 2 + 2].copy_from_slice(&min.to_le_bytes());
+                    params[ng * 2 + gi * 2..ng * 2 + gi * 2 + 2]
+                        .copy_from_slice(&min.to_le_bytes());
                     let (scale, min) = (scale.to_f32(), min.to_f32());
                     let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
                     for (j, v) in xs.iter().enumerate() {
                         let code = ((v - min) * inv).round().clamp(0.0, 15.0) as u8;
-                        let e = gi * g + j;
-                        nib[e / 2] |= code << ((e % 2) * 4);
+                        nib[gi * g / 2 + j % (g / 2)] |= code << (j / (g / 2) * 4);
                     }
                 }
             }
@@ -201,22 +213,40 @@ impl Codec {
     }
 
     /// Decodes a whole segment into `out` (`tokens` × `head_dim` f32, row-major by token).
-    /// This is the kernel's inner step: written as straight loops over contiguous memory
-    /// so the compiler vectorises them.
     pub fn decode(self, seg: &[u8], tokens: usize, head_dim: usize, out: &mut [f32]) {
+        self.decode_rows(seg, tokens, head_dim, 0..tokens, out);
+    }
+
+    /// Decodes tokens `rows` of a segment into `out` (`rows.len()` × `head_dim`).
+    /// This is the kernel's inner step: straight loops over contiguous memory
+    /// that the compiler vectorises.
+    pub fn decode_rows(
+        self,
+        seg: &[u8],
+        tokens: usize,
+        head_dim: usize,
+        rows: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) {
         let (t, d) = (tokens, head_dim);
+        let (r0, r1) = (rows.start, rows.end);
         debug_assert_eq!(seg.len(), self.segment_bytes(t, d));
-        debug_assert_eq!(out.len(), t * d);
+        debug_assert!(r0 <= r1 && r1 <= t);
+        let out = &mut out[..(r1 - r0) * d];
         match self {
             Codec::F16 => {
-                let halves: &[f16] = bytes_as_f16(seg);
-                halves.convert_to_f32_slice(out);
+                bytes_as_f16(&seg[r0 * d * 2..r1 * d * 2]).convert_to_f32_slice(out);
             }
             Codec::Kv8 { group } => {
                 let g = group as usize;
                 let (scales, codes) = seg.split_at(t * (d / g) * 2);
-                let scales = bytes_as_f16(scales);
-                for ((o, c), s) in out.chunks_exact_mut(g).zip(codes.chunks_exact(g)).zip(scales) {
+                let scales = &bytes_as_f16(scales)[r0 * (d / g)..r1 * (d / g)];
+                let codes = &codes[r0 * d..r1 * d];
+                for ((o, c), s) in out
+                    .chunks_exact_mut(g)
+                    .zip(codes.chunks_exact(g))
+                    .zip(scales)
+                {
                     let s = s.to_f32();
                     for (o, c) in o.iter_mut().zip(c) {
                         *o = s * (*c as i8) as f32;
@@ -231,16 +261,13 @@ impl Codec {
                 let mut min = [0f32; MAX_HEAD_DIM];
                 params[..d].convert_to_f32_slice(&mut scale[..d]);
                 params[d..].convert_to_f32_slice(&mut min[..d]);
+                let (half, e) = (d / 2, d / 8);
                 for ((o, n), h) in out
                     .chunks_exact_mut(d)
-                    .zip(nib.chunks_exact(d / 2))
-                    .zip(high.chunks_exact(d / 8))
+                    .zip(nib[r0 * half..r1 * half].chunks_exact(half))
+                    .zip(high[r0 * e..r1 * e].chunks_exact(e))
                 {
-                    for c in 0..d {
-                        let lo = (n[c / 2] >> ((c % 2) * 4)) & 0xF;
-                        let hb = (h[c / 8] >> (c % 8)) & 1;
-                        o[c] = min[c] + scale[c] * (lo | (hb << 4)) as f32;
-                    }
+                    crate::simd::k5_row(n, h, &scale[..d], &min[..d], o);
                 }
             }
             Codec::V4 { group } => {
@@ -249,12 +276,14 @@ impl Codec {
                 let (params, nib) = seg.split_at(ng * 4);
                 let params = bytes_as_f16(params);
                 let (scales, mins) = params.split_at(ng);
-                for (gi, o) in out.chunks_exact_mut(g).enumerate() {
-                    let (s, m) = (scales[gi].to_f32(), mins[gi].to_f32());
-                    let n = &nib[gi * g / 2..(gi + 1) * g / 2];
-                    for (j, o) in o.iter_mut().enumerate() {
-                        *o = m + s * ((n[j / 2] >> ((j % 2) * 4)) & 0xF) as f32;
-                    }
+                let (g0, g1) = (r0 * (d / g), r1 * (d / g));
+                for (((o, n), s), m) in out
+                    .chunks_exact_mut(g)
+                    .zip(nib[g0 * g / 2..g1 * g / 2].chunks_exact(g / 2))
+                    .zip(&scales[g0..g1])
+                    .zip(&mins[g0..g1])
+                {
+                    crate::simd::v4_group(n, s.to_f32(), m.to_f32(), o);
                 }
             }
         }
@@ -266,7 +295,9 @@ impl Codec {
     pub fn error_bound(self, x: &[f32]) -> f32 {
         let (lo, hi) = x
             .iter()
-            .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), v| (a.min(*v), b.max(*v)));
+            .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), v| {
+                (a.min(*v), b.max(*v))
+            });
         let amax = lo.abs().max(hi.abs());
         let f16_rel = 1.0 / 2048.0;
         match self {
@@ -304,6 +335,9 @@ pub(crate) fn bytes_as_f16(b: &[u8]) -> &[f16] {
     // SAFETY: f16 is a plain 2-byte value with no invalid bit patterns; the
     // alignment and length are checked by `align_to`'s contract below.
     let (pre, mid, post) = unsafe { b.align_to::<f16>() };
-    assert!(pre.is_empty() && post.is_empty(), "f16 data not 2-byte aligned");
+    assert!(
+        pre.is_empty() && post.is_empty(),
+        "f16 data not 2-byte aligned"
+    );
     mid
 }

@@ -32,7 +32,9 @@ mod tests {
 
     #[test]
     fn hadamard_is_orthonormal_and_self_inverse() {
-        let x: Vec<f32> = (0..64).map(|i| ((i * 37 % 17) as f32 - 8.0) / 3.0).collect();
+        let x: Vec<f32> = (0..64)
+            .map(|i| ((i * 37 % 17) as f32 - 8.0) / 3.0)
+            .collect();
         let mut y = x.clone();
         hadamard(&mut y);
         let n2 = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>();
@@ -46,6 +48,10 @@ mod tests {
         let mut spike = vec![0f32; 128];
         spike[5] = 100.0;
         hadamard(&mut spike);
-        assert!(spike.iter().all(|v| (v.abs() - 100.0 / 128f32.sqrt()).abs() < 1e-3));
+        assert!(
+            spike
+                .iter()
+                .all(|v| (v.abs() - 100.0 / 128f32.sqrt()).abs() < 1e-3)
+        );
     }
 }

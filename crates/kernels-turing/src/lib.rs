@@ -44,6 +44,7 @@ pub mod codec;
 pub mod cuda;
 pub mod hadamard;
 pub mod membw;
+mod simd;
 pub mod store;
 
 pub use attention::{AttnParams, SeqQuery, naive_attention, paged_attention};
@@ -60,7 +61,9 @@ pub enum KernelError {
     #[error("shape mismatch: {0}")]
     Shape(String),
     /// The store has no room for the tokens.
-    #[error("KV store full: {tokens} token(s) need more blocks ({sealed_free} sealed and {tail_free} tail blocks free)")]
+    #[error(
+        "KV store full: {tokens} token(s) need more blocks ({sealed_free} sealed and {tail_free} tail blocks free)"
+    )]
     OutOfBlocks {
         /// Tokens being appended.
         tokens: usize,

@@ -16,8 +16,13 @@ pub fn read_bandwidth(bytes: usize, threads: usize, reps: usize) -> f64 {
     for _ in 0..reps.max(1) {
         let t0 = Instant::now();
         let sums: Vec<f32> = std::thread::scope(|sc| {
-            let hs: Vec<_> = buf.chunks(chunk).map(|c| sc.spawn(move || sum(c))).collect();
-            hs.into_iter().map(|h| h.join().expect("bandwidth worker")).collect()
+            let hs: Vec<_> = buf
+                .chunks(chunk)
+                .map(|c| sc.spawn(move || sum(c)))
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().expect("bandwidth worker"))
+                .collect()
         });
         let dt = t0.elapsed().as_secs_f64();
         sink += sums.iter().sum::<f32>();

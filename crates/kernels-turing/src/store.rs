@@ -19,9 +19,9 @@
 
 use half::f16;
 
+use crate::KernelError;
 use crate::codec::{Codec, MAX_HEAD_DIM};
 use crate::hadamard::hadamard;
-use crate::KernelError;
 
 /// The shape and formats of one layer's KV store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,7 +45,15 @@ pub struct KvLayout {
 impl KvLayout {
     /// A layout with 64-token blocks, no rotation and no extra tail.
     pub fn new(kv_heads: usize, head_dim: usize, k: Codec, v: Codec) -> KvLayout {
-        KvLayout { block_tokens: 64, kv_heads, head_dim, k, v, rotate_k: false, tail_tokens: 0 }
+        KvLayout {
+            block_tokens: 64,
+            kv_heads,
+            head_dim,
+            k,
+            v,
+            rotate_k: false,
+            tail_tokens: 0,
+        }
     }
 
     /// The named presets: `f16` (F16/F16), `kv8` (KV8/KV8), `k5v4` (K5/V4).
@@ -56,7 +64,9 @@ impl KvLayout {
             "k5v4" => (Codec::K5, Codec::V4),
             other => {
                 let (k, v) = other.split_once(':').ok_or_else(|| {
-                    KernelError::Layout(format!("unknown format `{other}` (f16, kv8, k5v4 or K:V codecs)"))
+                    KernelError::Layout(format!(
+                        "unknown format `{other}` (f16, kv8, k5v4 or K:V codecs)"
+                    ))
                 })?;
                 (Codec::parse(k, head_dim)?, Codec::parse(v, head_dim)?)
             }
@@ -75,7 +85,7 @@ impl KvLayout {
                 self.head_dim
             )));
         }
-        if self.block_tokens < 2 || self.block_tokens % 2 != 0 {
+        if self.block_tokens < 2 || !self.block_tokens.is_multiple_of(2) {
             return Err(KernelError::Layout(format!(
                 "block size {} must be even and at least 2",
                 self.block_tokens
@@ -168,7 +178,10 @@ struct Bytes {
 
 impl Bytes {
     fn zeroed(len: usize) -> Bytes {
-        Bytes { words: vec![[0u64; 8]; len.div_ceil(64)], len }
+        Bytes {
+            words: vec![[0u64; 8]; len.div_ceil(64)],
+            len,
+        }
     }
     fn as_slice(&self) -> &[u8] {
         // SAFETY: the words are plain initialised integers; the byte length is within them.
@@ -195,7 +208,11 @@ pub struct KvStore {
 
 impl KvStore {
     /// A store with `sealed_blocks` sealed blocks and `tail_blocks` tail blocks.
-    pub fn new(layout: KvLayout, sealed_blocks: usize, tail_blocks: usize) -> Result<KvStore, KernelError> {
+    pub fn new(
+        layout: KvLayout,
+        sealed_blocks: usize,
+        tail_blocks: usize,
+    ) -> Result<KvStore, KernelError> {
         layout.check()?;
         if sealed_blocks > u32::MAX as usize || tail_blocks > u32::MAX as usize {
             return Err(KernelError::Layout("too many blocks".into()));
@@ -260,7 +277,7 @@ impl KvStore {
     pub fn append(&mut self, seq: &mut SeqKv, k: &[f32], v: &[f32]) -> Result<(), KernelError> {
         let l = self.layout;
         let row = l.kv_heads * l.head_dim;
-        if k.len() != v.len() || k.len() % row != 0 {
+        if k.len() != v.len() || !k.len().is_multiple_of(row) {
             return Err(KernelError::Shape(format!(
                 "K ({}) and V ({}) must both be n × {} × {}",
                 k.len(),
@@ -301,7 +318,8 @@ impl KvStore {
             let pos = seq.len - seq.sealed.len() * t;
             let (bi, slot) = (pos / t, pos % t);
             if bi == seq.tail.len() {
-                seq.tail.push(self.tail_free.pop().expect("checked by the dry run"));
+                seq.tail
+                    .push(self.tail_free.pop().expect("checked by the dry run"));
             }
             let base = seq.tail[bi] as usize * tail_bytes;
             let tail = self.tail.as_mut_slice();
@@ -315,7 +333,10 @@ impl KvStore {
                     hadamard(kr);
                 }
                 write_f16(&mut tail[kdst..kdst + l.head_dim * 2], kr);
-                write_f16(&mut tail[vdst..vdst + l.head_dim * 2], &v[src..src + l.head_dim]);
+                write_f16(
+                    &mut tail[vdst..vdst + l.head_dim * 2],
+                    &v[src..src + l.head_dim],
+                );
             }
             seq.len += 1;
             if seq.len - seq.sealed.len() * t >= l.tail_tokens + t {
@@ -346,12 +367,14 @@ impl KvStore {
         let src_base = src_b as usize * l.tail_block_bytes();
         let dst_base = dst_b as usize * l.block_bytes();
         for h in 0..l.kv_heads {
-            for (which, codec, dst_off, dst_len) in
-                [(0, l.k, h * (ks + vs), ks), (1, l.v, h * (ks + vs) + ks, vs)]
-            {
+            for (which, codec, dst_off, dst_len) in [
+                (0, l.k, h * (ks + vs), ks),
+                (1, l.v, h * (ks + vs) + ks, vs),
+            ] {
                 let s = src_base + (h * 2 + which) * f16_seg;
                 Codec::F16.decode(&self.tail.as_slice()[s..s + f16_seg], t, d, &mut tile);
-                let dst = &mut self.sealed.as_mut_slice()[dst_base + dst_off..dst_base + dst_off + dst_len];
+                let dst = &mut self.sealed.as_mut_slice()
+                    [dst_base + dst_off..dst_base + dst_off + dst_len];
                 codec.encode(&tile, t, d, dst);
             }
         }
@@ -395,7 +418,13 @@ impl KvStore {
 
     /// The codec and bytes of K (`value == false`) or V of head `h` in block `b`
     /// (0-based over the sequence's sealed then tail blocks).
-    pub fn segment<'a>(&'a self, seq: &SeqKv, b: usize, h: usize, value: bool) -> (Codec, &'a [u8]) {
+    pub fn segment<'a>(
+        &'a self,
+        seq: &SeqKv,
+        b: usize,
+        h: usize,
+        value: bool,
+    ) -> (Codec, &'a [u8]) {
         let l = &self.layout;
         if b < seq.sealed.len() {
             let (ks, vs) = (l.k_segment_bytes(), l.v_segment_bytes());

@@ -1,7 +1,8 @@
 //! Codecs, the paged store and the CPU kernel against the naive reference.
 
 use siliceo_kernels_turing::{
-    AttnParams, Codec, KernelError, KvLayout, KvStore, SeqKv, SeqQuery, naive_attention, paged_attention,
+    AttnParams, Codec, KernelError, KvLayout, KvStore, SeqKv, SeqQuery, naive_attention,
+    paged_attention,
 };
 
 /// xorshift64* with Box–Muller normals: deterministic test data.
@@ -29,7 +30,11 @@ fn kv_data(rng: &mut Rng, tokens: usize, heads: usize, d: usize) -> (Vec<f32>, V
             for c in 0..d {
                 let i = (t * heads + h) * d + c;
                 let outlier = c % 29 == 3;
-                k[i] = if outlier { 12.0 + 4.0 * rng.normal() } else { rng.normal() };
+                k[i] = if outlier {
+                    12.0 + 4.0 * rng.normal()
+                } else {
+                    rng.normal()
+                };
                 v[i] = rng.normal();
             }
         }
@@ -49,7 +54,14 @@ const FORMATS: [(Codec, Codec); 5] = [
 fn codecs_round_trip_within_their_bounds() {
     let mut rng = Rng(7);
     let (t, d) = (64, 64);
-    for codec in [Codec::F16, Codec::KV8, Codec::Kv8 { group: 64 }, Codec::K5, Codec::V4, Codec::V4 { group: 16 }] {
+    for codec in [
+        Codec::F16,
+        Codec::KV8,
+        Codec::Kv8 { group: 64 },
+        Codec::K5,
+        Codec::V4,
+        Codec::V4 { group: 16 },
+    ] {
         codec.check(t, d).unwrap();
         let (x, _) = kv_data(&mut rng, t, 1, d);
         let mut bytes = vec![0u8; codec.segment_bytes(t, d)];
@@ -70,13 +82,21 @@ fn codecs_round_trip_within_their_bounds() {
                 };
                 let err = (x[r * d + c] - y[r * d + c]).abs();
                 let bound = codec.error_bound(&grp);
-                assert!(err <= bound, "{codec:?} [{r}][{c}]: |{} - {}| = {err} > {bound}", x[r * d + c], y[r * d + c]);
+                assert!(
+                    err <= bound,
+                    "{codec:?} [{r}][{c}]: |{} - {}| = {err} > {bound}",
+                    x[r * d + c],
+                    y[r * d + c]
+                );
                 worst = worst.max(err / bound.max(1e-12));
             }
         }
         // The bound is tight enough to mean something: some element comes close.
         if codec != Codec::F16 {
-            assert!(worst > 0.5, "{codec:?}: worst error only {worst} of the bound");
+            assert!(
+                worst > 0.5,
+                "{codec:?}: worst error only {worst} of the bound"
+            );
         }
     }
     assert_eq!(Codec::F16.bits_per_element(64, 128), 16.0);
@@ -95,7 +115,11 @@ fn kv8_groups_of_32_beat_one_scale_per_head_on_outlier_keys() {
         codec.encode(&x, t, d, &mut bytes);
         let mut y = vec![0f32; t * d];
         codec.decode(&bytes, t, d, &mut y);
-        x.iter().zip(&y).map(|(a, b)| (a - b) * (a - b)).sum::<f32>() / x.len() as f32
+        x.iter()
+            .zip(&y)
+            .map(|(a, b)| (a - b) * (a - b))
+            .sum::<f32>()
+            / x.len() as f32
     };
     let (g32, head) = (mse(Codec::KV8), mse(Codec::Kv8 { group: 128 }));
     assert!(g32 < head * 0.8, "group 32 MSE {g32} vs per head {head}");
@@ -104,15 +128,30 @@ fn kv8_groups_of_32_beat_one_scale_per_head_on_outlier_keys() {
 #[test]
 fn codec_parse_and_layout_errors_are_typed() {
     assert_eq!(Codec::parse("kv8", 64).unwrap(), Codec::KV8);
-    assert_eq!(Codec::parse("kv8/head", 64).unwrap(), Codec::Kv8 { group: 64 });
+    assert_eq!(
+        Codec::parse("kv8/head", 64).unwrap(),
+        Codec::Kv8 { group: 64 }
+    );
     assert_eq!(Codec::parse("v4/16", 64).unwrap(), Codec::V4 { group: 16 });
-    assert!(matches!(Codec::parse("q3", 64), Err(KernelError::Layout(_))));
-    assert!(matches!(Codec::Kv8 { group: 48 }.check(64, 64), Err(KernelError::Layout(_))));
+    assert!(matches!(
+        Codec::parse("q3", 64),
+        Err(KernelError::Layout(_))
+    ));
+    assert!(matches!(
+        Codec::Kv8 { group: 48 }.check(64, 64),
+        Err(KernelError::Layout(_))
+    ));
     let mut l = KvLayout::new(2, 96, Codec::F16, Codec::F16);
     l.check().unwrap();
     l.rotate_k = true;
-    assert!(matches!(l.check(), Err(KernelError::Layout(_))), "rotation needs a power of two");
-    assert!(matches!(KvStore::new(KvLayout::new(2, 12, Codec::F16, Codec::F16), 1, 1), Err(KernelError::Layout(_))));
+    assert!(
+        matches!(l.check(), Err(KernelError::Layout(_))),
+        "rotation needs a power of two"
+    );
+    assert!(matches!(
+        KvStore::new(KvLayout::new(2, 12, Codec::F16, Codec::F16), 1, 1),
+        Err(KernelError::Layout(_))
+    ));
     let l = KvLayout::preset("k5v4", 8, 128).unwrap();
     assert_eq!(l.bits_per_element(), 5.25);
     assert_eq!(l.bytes_per_token(), 8.0 * 2.0 * 128.0 * 5.25 / 8.0);
@@ -133,10 +172,19 @@ fn the_store_seals_aged_blocks_keeps_a_tail_and_frees_everything() {
     let row = heads * d;
     let mut at = 0;
     for n in [1, 63, 100, 7, 129, 100] {
-        store.append(&mut seq, &k[at * row..(at + n) * row], &v[at * row..(at + n) * row]).unwrap();
+        store
+            .append(
+                &mut seq,
+                &k[at * row..(at + n) * row],
+                &v[at * row..(at + n) * row],
+            )
+            .unwrap();
         at += n;
         let tail_tokens = seq.len - seq.sealed.len() * 64;
-        assert!(tail_tokens >= layout.tail_tokens.min(seq.len) && tail_tokens < layout.tail_tokens + 64, "{tail_tokens}");
+        assert!(
+            tail_tokens >= layout.tail_tokens.min(seq.len) && tail_tokens < layout.tail_tokens + 64,
+            "{tail_tokens}"
+        );
         assert_eq!(seq.blocks(), seq.len.div_ceil(64));
     }
     assert_eq!(seq.len, 400);
@@ -147,16 +195,30 @@ fn the_store_seals_aged_blocks_keeps_a_tail_and_frees_everything() {
         assert_eq!(rk[i], half::f16::from_f32(k[i]).to_f32());
         assert_eq!(rv[i], half::f16::from_f32(v[i]).to_f32());
     }
-    let max_err = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-    assert!(max_err(&k[..256 * row], &rk[..256 * row]) < 0.6, "K5 error on ±20 keys");
-    assert!(max_err(&v[..256 * row], &rv[..256 * row]) < 0.5, "V4 error on normals");
+    let max_err = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max)
+    };
+    assert!(
+        max_err(&k[..256 * row], &rk[..256 * row]) < 0.6,
+        "K5 error on ±20 keys"
+    );
+    assert!(
+        max_err(&v[..256 * row], &rv[..256 * row]) < 0.5,
+        "V4 error on normals"
+    );
     // Full: nothing is written, the sequence is unchanged.
     let before = seq.clone();
     let (k2, v2) = kv_data(&mut rng, 7 * 64, heads, d);
     let err = store.append(&mut seq, &k2, &v2).unwrap_err();
     assert!(matches!(err, KernelError::OutOfBlocks { .. }), "{err}");
     assert_eq!(seq, before);
-    assert!(matches!(store.append(&mut seq, &k2[..5], &v2[..5]), Err(KernelError::Shape(_))));
+    assert!(matches!(
+        store.append(&mut seq, &k2[..5], &v2[..5]),
+        Err(KernelError::Shape(_))
+    ));
     store.release(&mut seq);
     assert_eq!(store.free_blocks(), store.capacity());
     assert_eq!(seq, SeqKv::default());
@@ -165,7 +227,10 @@ fn the_store_seals_aged_blocks_keeps_a_tail_and_frees_everything() {
 fn close(a: &[f32], b: &[f32], tol: f32, what: &str) {
     assert_eq!(a.len(), b.len());
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!((x - y).abs() <= tol * (1.0 + y.abs()), "{what}: [{i}] {x} vs {y}");
+        assert!(
+            (x - y).abs() <= tol * (1.0 + y.abs()),
+            "{what}: [{i}] {x} vs {y}"
+        );
     }
 }
 
@@ -192,9 +257,16 @@ fn check_layout(layout: KvLayout, seed: u64) -> f32 {
         seqs.push(s);
         originals.push((k, v));
     }
-    let qs: Vec<Vec<f32>> = n_qs.iter().map(|&n| (0..n * n_heads * d).map(|_| rng.normal()).collect()).collect();
-    let queries: Vec<SeqQuery<'_>> =
-        seqs.iter().zip(&qs).zip(n_qs).map(|((kv, q), n_q)| SeqQuery { kv, q, n_q }).collect();
+    let qs: Vec<Vec<f32>> = n_qs
+        .iter()
+        .map(|&n| (0..n * n_heads * d).map(|_| rng.normal()).collect())
+        .collect();
+    let queries: Vec<SeqQuery<'_>> = seqs
+        .iter()
+        .zip(&qs)
+        .zip(n_qs)
+        .map(|((kv, q), n_q)| SeqQuery { kv, q, n_q })
+        .collect();
     let mut want_stored = Vec::new();
     let mut want_orig = Vec::new();
     for ((s, q), ((k, v), &n_q)) in seqs.iter().zip(&qs).zip(originals.iter().zip(&n_qs)) {
@@ -203,21 +275,44 @@ fn check_layout(layout: KvLayout, seed: u64) -> f32 {
         want_orig.extend(naive_attention(q, n_q, n_heads, k, v, heads, d, scale));
     }
     let mut first: Option<Vec<f32>> = None;
-    for (threads, partition_blocks) in [(1, 0), (3, 0), (2, 1), (4, 3)] {
+    for (threads, partition_blocks, sub_tile) in [(1, 0, 0), (3, 0, 16), (2, 1, 5), (4, 3, 64)] {
         let mut out = vec![0f32; want_stored.len()];
-        paged_attention(&store, n_heads, scale, &queries, &mut out, &AttnParams { threads, partition_blocks })
-            .unwrap();
+        paged_attention(
+            &store,
+            n_heads,
+            scale,
+            &queries,
+            &mut out,
+            &AttnParams {
+                threads,
+                partition_blocks,
+                sub_tile,
+            },
+        )
+        .unwrap();
         // Rotation goes through f32 Hadamard transforms on both sides, so it may
         // differ from the reference by a little more rounding.
         let tol = if layout.rotate_k { 2e-4 } else { 5e-5 };
-        close(&out, &want_stored, tol, &format!("{} threads={threads} part={partition_blocks}", layout.name()));
+        close(
+            &out,
+            &want_stored,
+            tol,
+            &format!(
+                "{} threads={threads} part={partition_blocks} sub={sub_tile}",
+                layout.name()
+            ),
+        );
         match &first {
             None => first = Some(out),
             Some(f) => close(&out, f, 1e-5, "thread/partition settings agree"),
         }
     }
     let out = first.unwrap();
-    let num: f32 = out.iter().zip(&want_orig).map(|(a, b)| (a - b) * (a - b)).sum();
+    let num: f32 = out
+        .iter()
+        .zip(&want_orig)
+        .map(|(a, b)| (a - b) * (a - b))
+        .sum();
     let den: f32 = want_orig.iter().map(|b| b * b).sum();
     for mut s in seqs {
         store.release(&mut s);
@@ -235,7 +330,10 @@ fn the_kernel_matches_naive_attention_in_every_format() {
             layout.rotate_k = rotate_k;
             layout.tail_tokens = tail_tokens;
             let err = check_layout(layout, 100 + i as u64);
-            eprintln!("{}: relative RMS error of the output {err:.5}", layout.name());
+            eprintln!(
+                "{}: relative RMS error of the output {err:.5}",
+                layout.name()
+            );
             // Documented output error against attention over the original
             // values (model-like keys with outlier channels).
             let bound = match (k, v) {
@@ -243,14 +341,24 @@ fn the_kernel_matches_naive_attention_in_every_format() {
                 (Codec::Kv8 { .. }, Codec::Kv8 { .. }) => 3e-2,
                 _ => 0.1,
             };
-            assert!(err < bound, "{}: relative RMS error {err} >= {bound}", layout.name());
+            assert!(
+                err < bound,
+                "{}: relative RMS error {err} >= {bound}",
+                layout.name()
+            );
             errors.insert(layout.name(), err);
         }
     }
     // Rotation spreads the outlier channels: KV8's error on model-like keys drops.
-    assert!(errors["kv8/32:kv8/32+rot"] < 0.75 * errors["kv8/32:kv8/32"], "{errors:?}");
+    assert!(
+        errors["kv8/32:kv8/32+rot"] < 0.75 * errors["kv8/32:kv8/32"],
+        "{errors:?}"
+    );
     // The F16 tail holds the recent tokens at full precision: less error.
-    assert!(errors["k5:v4/32+tail128"] < errors["k5:v4/32"], "{errors:?}");
+    assert!(
+        errors["k5:v4/32+tail128"] < errors["k5:v4/32"],
+        "{errors:?}"
+    );
 }
 
 #[test]
@@ -267,17 +375,38 @@ fn bad_shapes_are_typed_errors() {
     let layout = KvLayout::preset("f16", 2, 64).unwrap();
     let mut store = KvStore::new(layout, 4, 4).unwrap();
     let mut s = SeqKv::default();
-    store.append(&mut s, &[0.5; 3 * 128], &[0.5; 3 * 128]).unwrap();
+    store
+        .append(&mut s, &[0.5; 3 * 128], &[0.5; 3 * 128])
+        .unwrap();
     let q = vec![0.0; 4 * 64];
     let mut out = vec![0.0; 4 * 64];
     let p = AttnParams::default();
     let run = |n_heads, n_q, q: &[f32], out: &mut [f32]| {
-        paged_attention(&store, n_heads, 1.0, &[SeqQuery { kv: &s, q, n_q }], out, &p)
+        paged_attention(
+            &store,
+            n_heads,
+            1.0,
+            &[SeqQuery { kv: &s, q, n_q }],
+            out,
+            &p,
+        )
     };
-    assert!(matches!(run(3, 1, &q[..3 * 64], &mut out[..3 * 64]), Err(KernelError::Shape(_))));
-    assert!(matches!(run(4, 4, &q, &mut out), Err(KernelError::Shape(_))), "more queries than tokens");
-    assert!(matches!(run(4, 1, &q[..64], &mut out), Err(KernelError::Shape(_))));
-    assert!(matches!(run(4, 1, &q, &mut out[..64]), Err(KernelError::Shape(_))));
+    assert!(matches!(
+        run(3, 1, &q[..3 * 64], &mut out[..3 * 64]),
+        Err(KernelError::Shape(_))
+    ));
+    assert!(
+        matches!(run(4, 4, &q, &mut out), Err(KernelError::Shape(_))),
+        "more queries than tokens"
+    );
+    assert!(matches!(
+        run(4, 1, &q[..64], &mut out),
+        Err(KernelError::Shape(_))
+    ));
+    assert!(matches!(
+        run(4, 1, &q, &mut out[..64]),
+        Err(KernelError::Shape(_))
+    ));
     run(4, 1, &q, &mut out).unwrap();
     // Uniform V ⇒ output 0.5 whatever the weights.
     assert!(out.iter().all(|x| (x - 0.5).abs() < 1e-6));

@@ -1,0 +1,304 @@
+//! The kernel benchmark and tuning tool (`cargo xtask bench kernels`).
+//!
+//! For each KV format, context length, mode (decode: one query token; prefill:
+//! a chunk of query tokens at the end of the context) and each combination of
+//! the swept parameters (threads, partition size, block size) it times the
+//! CPU kernel and the naive reference, and reports the bytes of KV the kernel
+//! reads per second against the machine's read bandwidth measured in the
+//! same run. With `--gpu` (feature `cuda`) it also runs the CUDA kernels.
+//!
+//! ```text
+//! cargo run --release -p siliceo-kernels-turing --example bench -- \
+//!     [--ctx 256,1024,4096,32768] [--formats f16,kv8,k5v4] [--mode decode,prefill]
+//!     [--threads 1,2] [--partition 0,32] [--block-size 64] [--sub-tile 16] [--heads 32] [--kv-heads 8]
+//!     [--head-dim 128] [--chunk 64] [--reps 5] [--naive-max-ctx 4096] [--gpu [--batch 1,8]]
+//! ```
+
+use std::time::Instant;
+
+use siliceo_kernels_turing::membw::read_bandwidth;
+use siliceo_kernels_turing::{
+    AttnParams, KvLayout, KvStore, SeqKv, SeqQuery, naive_attention, paged_attention,
+};
+
+struct Opts {
+    ctx: Vec<usize>,
+    formats: Vec<String>,
+    modes: Vec<String>,
+    threads: Vec<usize>,
+    partition: Vec<usize>,
+    block: Vec<usize>,
+    sub: Vec<usize>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    chunk: usize,
+    reps: usize,
+    naive_max_ctx: usize,
+    gpu: bool,
+    batch: Vec<usize>,
+}
+
+fn list<T: std::str::FromStr>(s: &str, what: &str) -> Vec<T> {
+    s.split(',')
+        .map(|x| {
+            x.trim()
+                .parse()
+                .unwrap_or_else(|_| die(&format!("bad {what} `{x}`")))
+        })
+        .collect()
+}
+
+fn die(msg: &str) -> ! {
+    eprintln!("bench: {msg}");
+    std::process::exit(2)
+}
+
+fn parse() -> Opts {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut o = Opts {
+        ctx: vec![256, 1024, 4096, 16384, 32768],
+        formats: vec!["f16".into(), "kv8".into(), "k5v4".into()],
+        modes: vec!["decode".into(), "prefill".into()],
+        threads: vec![cpus],
+        partition: vec![32],
+        block: vec![64],
+        sub: vec![16],
+        heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        chunk: 64,
+        reps: 5,
+        naive_max_ctx: 4096,
+        gpu: false,
+        batch: vec![1],
+    };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut val = || {
+            it.next()
+                .cloned()
+                .unwrap_or_else(|| die(&format!("{a} needs a value")))
+        };
+        match a.as_str() {
+            "--ctx" => o.ctx = list(&val(), "context"),
+            "--formats" => o.formats = val().split(',').map(str::to_string).collect(),
+            "--mode" => o.modes = val().split(',').map(str::to_string).collect(),
+            "--threads" => o.threads = list(&val(), "thread count"),
+            "--partition" => o.partition = list(&val(), "partition size"),
+            "--block-size" => o.block = list(&val(), "block size"),
+            "--sub-tile" => o.sub = list(&val(), "sub-tile"),
+            "--heads" => o.heads = list(&val(), "heads")[0],
+            "--kv-heads" => o.kv_heads = list(&val(), "KV heads")[0],
+            "--head-dim" => o.head_dim = list(&val(), "head dimension")[0],
+            "--chunk" => o.chunk = list(&val(), "chunk")[0],
+            "--reps" => o.reps = list(&val(), "reps")[0],
+            "--naive-max-ctx" => o.naive_max_ctx = list(&val(), "context")[0],
+            "--gpu" => o.gpu = true,
+            "--batch" => o.batch = list(&val(), "batch"),
+            other => die(&format!("unknown argument `{other}` (see the file's docs)")),
+        }
+    }
+    if o.modes.iter().any(|m| m != "decode" && m != "prefill") {
+        die("--mode takes decode and/or prefill");
+    }
+    o
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Deterministic pseudo-random values in −1..1 (with a few larger channels in K).
+fn data(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|i| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let x = (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+            if i % 29 == 3 { 8.0 + 4.0 * x } else { x }
+        })
+        .collect()
+}
+
+fn main() {
+    let o = parse();
+    if o.gpu {
+        gpu(&o);
+        return;
+    }
+    println!(
+        "heads {} / KV heads {} / head dim {}; prefill chunk {} tokens; {} reps (median)",
+        o.heads, o.kv_heads, o.head_dim, o.chunk, o.reps
+    );
+    let mut bw = Vec::new();
+    for &t in &o.threads {
+        eprintln!("measuring memory read bandwidth with {t} thread(s)…");
+        let b = read_bandwidth(1 << 30, t, 5);
+        println!("memory read bandwidth, {t} thread(s): {:.1} GB/s", b / 1e9);
+        bw.push((t, b));
+    }
+    println!();
+    println!(
+        "| format | bits/elem | mode | context | threads | partition | sub-tile | block | kernel ms | KV read GB/s | % of bandwidth | naive ms | speed-up |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let scale = 1.0 / (o.head_dim as f32).sqrt();
+    for fmt in &o.formats {
+        for &block in &o.block {
+            for &ctx in &o.ctx {
+                let (mut layout, name) = layout_of(fmt, &o);
+                layout.block_tokens = block;
+                if let Err(e) = layout.check() {
+                    die(&format!("{fmt}: {e}"));
+                }
+                eprintln!("{name}: filling {ctx} tokens (block {block})…");
+                let sealed = ctx.div_ceil(block);
+                let mut store = KvStore::new(layout, sealed, KvStore::tail_blocks_per_seq(&layout))
+                    .unwrap_or_else(|e| die(&e.to_string()));
+                let mut seq = SeqKv::default();
+                let row = o.kv_heads * o.head_dim;
+                // Fill in chunks so the f32 staging stays small.
+                let mut at = 0;
+                while at < ctx {
+                    let n = (ctx - at).min(4096);
+                    let k = data(n * row, at as u64 + 1);
+                    let v = data(n * row, at as u64 + 7);
+                    store
+                        .append(&mut seq, &k, &v)
+                        .unwrap_or_else(|e| die(&e.to_string()));
+                    at += n;
+                }
+                let kv_bytes = seq.sealed.len() * layout.block_bytes()
+                    + seq.tail.len() * layout.tail_block_bytes();
+                for mode in &o.modes {
+                    let n_q = if mode == "decode" {
+                        1
+                    } else {
+                        o.chunk.min(ctx)
+                    };
+                    let q = data(n_q * o.heads * o.head_dim, 99);
+                    let mut out = vec![0f32; q.len()];
+                    let naive = (ctx <= o.naive_max_ctx).then(|| {
+                        let (k, v) = store.read(&seq);
+                        let t0 = Instant::now();
+                        let r = naive_attention(
+                            &q, n_q, o.heads, &k, &v, o.kv_heads, o.head_dim, scale,
+                        );
+                        let dt = t0.elapsed().as_secs_f64();
+                        (dt, r)
+                    });
+                    for &threads in &o.threads {
+                        for (&partition_blocks, &sub_tile) in o
+                            .partition
+                            .iter()
+                            .flat_map(|p| o.sub.iter().map(move |s| (p, s)))
+                        {
+                            let p = AttnParams {
+                                threads,
+                                partition_blocks,
+                                sub_tile,
+                            };
+                            let qs = [SeqQuery {
+                                kv: &seq,
+                                q: &q,
+                                n_q,
+                            }];
+                            paged_attention(&store, o.heads, scale, &qs, &mut out, &p).unwrap();
+                            if let Some((_, want)) = &naive {
+                                let worst = out
+                                    .iter()
+                                    .zip(want)
+                                    .map(|(a, b)| (a - b).abs())
+                                    .fold(0f32, f32::max);
+                                assert!(
+                                    worst < 1e-3,
+                                    "{name}: kernel and reference differ by {worst}"
+                                );
+                            }
+                            let times: Vec<f64> = (0..o.reps.max(1))
+                                .map(|_| {
+                                    let t0 = Instant::now();
+                                    paged_attention(&store, o.heads, scale, &qs, &mut out, &p)
+                                        .unwrap();
+                                    t0.elapsed().as_secs_f64()
+                                })
+                                .collect();
+                            let dt = median(times);
+                            let rate = kv_bytes as f64 / dt;
+                            let peak = bw
+                                .iter()
+                                .find(|(t, _)| *t == threads)
+                                .map(|b| b.1)
+                                .unwrap_or(f64::NAN);
+                            let (naive_ms, speedup) = match &naive {
+                                Some((n, _)) => {
+                                    (format!("{:.2}", n * 1e3), format!("{:.0}×", n / dt))
+                                }
+                                None => ("—".into(), "—".into()),
+                            };
+                            println!(
+                                "| {name} | {:.2} | {mode} | {ctx} | {threads} | {partition_blocks} | {sub_tile} | {block} | {:.3} | {:.2} | {:.0}% | {naive_ms} | {speedup} |",
+                                layout.bits_per_element(),
+                                dt * 1e3,
+                                rate / 1e9,
+                                100.0 * rate / peak,
+                            );
+                        }
+                    }
+                }
+                store.release(&mut seq);
+            }
+        }
+    }
+}
+
+/// A format name from the command line: a preset (`f16`, `kv8`, `k5v4`), or
+/// `K:V` codecs, with optional `+rot` and `+tailN`.
+fn layout_of(fmt: &str, o: &Opts) -> (KvLayout, String) {
+    let mut parts = fmt.split('+');
+    let base = parts.next().unwrap_or("f16");
+    let mut l =
+        KvLayout::preset(base, o.kv_heads, o.head_dim).unwrap_or_else(|e| die(&e.to_string()));
+    for p in parts {
+        if p == "rot" {
+            l.rotate_k = true;
+        } else if let Some(n) = p.strip_prefix("tail") {
+            l.tail_tokens = n
+                .parse()
+                .unwrap_or_else(|_| die(&format!("bad tail `{p}`")));
+        } else {
+            die(&format!("unknown modifier `+{p}`"));
+        }
+    }
+    (l, fmt.to_string())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu(_: &Opts) {
+    die("--gpu needs the `cuda` feature: cargo xtask bench kernels --gpu");
+}
+
+#[cfg(feature = "cuda")]
+fn gpu(o: &Opts) {
+    // Partition sizes are in tokens on the GPU: blocks × block size.
+    for &p in &o.partition {
+        for &batch in &o.batch {
+            siliceo_kernels_turing::cuda::bench::run(
+                &o.ctx,
+                &o.formats,
+                o.heads,
+                o.kv_heads,
+                o.head_dim,
+                o.reps,
+                p * o.block[0],
+                batch,
+            )
+            .unwrap_or_else(|e| die(&e.to_string()));
+        }
+    }
+}

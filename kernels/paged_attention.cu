@@ -1,0 +1,381 @@
+// Paged attention over siliceo's KV formats, for Turing (sm_75) and newer.
+//
+// The memory layout is the CPU crate's (crates/kernels-turing/src/store.rs and
+// codec.rs): a sealed block holds, for each KV head, a K segment then a V
+// segment in the layout's codecs; a tail block holds the same in F16. Block
+// tables are u32 indices into the two pools. Q comes pre-scaled (and
+// Hadamard-rotated when the layout rotates K) from the host.
+//
+// Kernels (extern "C", names stable; the Rust loader in cuda.rs uses them):
+//   siliceo_attn_decode_<k>_<v>_d<D>  one query token per sequence; grid
+//       (kv_heads, sequences, partitions), 128 threads; each CTA serves the
+//       query heads of one KV head over one partition of the context. With one
+//       partition it writes the output, else partial (max, sum, acc) rows.
+//   siliceo_attn_reduce               merges the partitions of each head.
+//   siliceo_kv_append                 writes new K/V rows (f32) into tail
+//       blocks as f16 (the F16 tail of recent tokens).
+//   siliceo_kv_seal_<k>_<v>           quantizes one full tail block into a
+//       sealed block (the tail block ageing out), all heads.
+//
+// Codec ids: 0 F16, 1 KV8 (int8 + f16 scale per group), 2 K5 (5-bit per
+// channel across the block), 3 V4 (4-bit per token per group).
+
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define WARPS 4
+#define THREADS (WARPS * 32)
+#define G_MAX 8
+#define F16 0
+#define KV8 1
+#define K5 2
+#define V4 3
+
+__device__ __forceinline__ int seg_bytes(int codec, int T, int D, int g) {
+    switch (codec) {
+    case KV8: return T * (D / g) * 2 + T * D;
+    case K5: return D * 4 + T * D / 2 + T * D / 8;
+    case V4: return T * (D / g) * 4 + T * D / 2;
+    default: return T * D * 2;
+    }
+}
+
+// Element (t, c) of a segment, dequantized (fused into the attention loops).
+template <int C>
+__device__ __forceinline__ float elem(const uint8_t* seg, int T, int D, int g, int t, int c) {
+    if (C == F16) {
+        return __half2float(reinterpret_cast<const __half*>(seg)[t * D + c]);
+    } else if (C == KV8) {
+        const __half* scales = reinterpret_cast<const __half*>(seg);
+        const int8_t* codes = reinterpret_cast<const int8_t*>(seg + T * (D / g) * 2);
+        return __half2float(scales[t * (D / g) + c / g]) * (float)codes[t * D + c];
+    } else if (C == K5) {
+        const __half* params = reinterpret_cast<const __half*>(seg);
+        const uint8_t* nib = seg + D * 4;
+        const uint8_t* high = nib + T * D / 2;
+        int half_d = D / 2, e = D / 8;
+        int lo = (nib[t * half_d + c % half_d] >> ((c / half_d) * 4)) & 0xF;
+        int hb = (high[t * e + c % e] >> (c / e)) & 1;
+        return __half2float(params[D + c]) + __half2float(params[c]) * (float)(lo | (hb << 4));
+    } else {
+        int ng = T * (D / g);
+        const __half* params = reinterpret_cast<const __half*>(seg);
+        const uint8_t* nib = seg + ng * 4;
+        int gi = t * (D / g) + c / g, j = c % g, hg = g / 2;
+        int code = (nib[gi * hg + j % hg] >> ((j / hg) * 4)) & 0xF;
+        return __half2float(params[ng + gi]) + __half2float(params[gi]) * (float)code;
+    }
+}
+
+struct Tables {
+    const uint8_t* sealed;
+    const uint8_t* tail;
+    const uint32_t* sealed_tab;  // [S][max_sealed]
+    const uint32_t* tail_tab;    // [S][max_tail]
+    const int* seq_len;          // [S]
+    const int* n_sealed;         // [S]
+    int max_sealed, max_tail;
+};
+
+// Dot product of K row `t` of a segment with the G query rows in shared
+// memory; lanes split the channels, half2 loads for F16.
+template <int D, int C>
+__device__ __forceinline__ void k_dots(const uint8_t* seg, int T, int g, int t, const float* qs, int G,
+                                       float* acc) {
+    const int lane = threadIdx.x & 31;
+    if (C == F16) {
+        const __half2* row = reinterpret_cast<const __half2*>(seg) + t * (D / 2);
+#pragma unroll
+        for (int i = lane; i < D / 2; i += 32) {
+            float2 k = __half22float2(row[i]);
+            for (int q = 0; q < G; q++) acc[q] += qs[q * D + 2 * i] * k.x + qs[q * D + 2 * i + 1] * k.y;
+        }
+    } else {
+#pragma unroll
+        for (int c = lane; c < D; c += 32) {
+            float k = elem<C>(seg, T, D, g, t, c);
+            for (int q = 0; q < G; q++) acc[q] += qs[q * D + c] * k;
+        }
+    }
+}
+
+template <int D, int C>
+__device__ __forceinline__ void v_accum(const uint8_t* seg, int T, int g, int t, const float* w, int G,
+                                        float (*acc)[D / 32]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < D / 32; i++) {
+        float v = elem<C>(seg, T, D, g, t, lane + 32 * i);
+        for (int q = 0; q < G; q++) acc[q][i] += w[q] * v;
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+
+// Shared memory: qs[G_MAX][D] | scores[G_MAX][part_tokens] | red[WARPS][G_MAX][D]
+template <int D, int KC, int VC>
+__device__ void attn_decode(float* out, float* part_m, float* part_l, float* part_acc, const float* q,
+                            Tables tb, int H, int KVH, int T, int kg, int vg, int part_tokens, int P) {
+    extern __shared__ float smem[];
+    const int kh = blockIdx.x, s = blockIdx.y, p = blockIdx.z;
+    const int G = H / KVH;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float* qs = smem;
+    float* sc = qs + G_MAX * D;
+    float* red = sc + G_MAX * part_tokens;
+    __shared__ float m_s[G_MAX], l_s[G_MAX];
+
+    const int len = tb.seq_len[s];
+    const int start = p * part_tokens;
+    const int end = min(len, start + part_tokens);
+    const int n = end - start;
+    const int ns = tb.n_sealed[s];
+    const int ksb = seg_bytes(KC, T, D, kg), vsb = seg_bytes(VC, T, D, vg);
+    const int sealed_bb = KVH * (ksb + vsb), tail_seg = T * D * 2, tail_bb = KVH * 2 * tail_seg;
+
+    for (int i = threadIdx.x; i < G * D; i += THREADS) qs[i] = q[((size_t)s * H + kh * G) * D + i];
+    __syncthreads();
+
+    // Scores: a warp per token.
+    for (int j = warp; j < n; j += WARPS) {
+        int tok = start + j, b = tok / T, r = tok % T;
+        float acc[G_MAX];
+        for (int g = 0; g < G; g++) acc[g] = 0.f;
+        if (b < ns) {
+            const uint8_t* seg = tb.sealed + (size_t)tb.sealed_tab[s * tb.max_sealed + b] * sealed_bb + kh * (ksb + vsb);
+            k_dots<D, KC>(seg, T, kg, r, qs, G, acc);
+        } else {
+            const uint8_t* seg = tb.tail + (size_t)tb.tail_tab[s * tb.max_tail + (b - ns)] * tail_bb + kh * 2 * tail_seg;
+            k_dots<D, F16>(seg, T, 0, r, qs, G, acc);
+        }
+        for (int g = 0; g < G; g++) {
+            float x = warp_sum(acc[g]);
+            if (lane == 0) sc[g * part_tokens + j] = x;
+        }
+    }
+    __syncthreads();
+
+    // Softmax over the partition: a warp per query head.
+    for (int g = warp; g < G; g += WARPS) {
+        float m = -INFINITY;
+        for (int j = lane; j < n; j += 32) m = fmaxf(m, sc[g * part_tokens + j]);
+        m = warp_max(m);
+        float l = 0.f;
+        for (int j = lane; j < n; j += 32) {
+            float e = __expf(sc[g * part_tokens + j] - m);
+            sc[g * part_tokens + j] = e;
+            l += e;
+        }
+        l = warp_sum(l);
+        if (lane == 0) {
+            m_s[g] = n > 0 ? m : -INFINITY;
+            l_s[g] = l;
+        }
+    }
+    __syncthreads();
+
+    // V: a warp per token, lanes over channels; then the warps' sums are added.
+    float acc[G_MAX][D / 32];
+    for (int g = 0; g < G_MAX; g++)
+        for (int i = 0; i < D / 32; i++) acc[g][i] = 0.f;
+    for (int j = warp; j < n; j += WARPS) {
+        int tok = start + j, b = tok / T, r = tok % T;
+        float w[G_MAX];
+        for (int g = 0; g < G; g++) w[g] = sc[g * part_tokens + j];
+        if (b < ns) {
+            const uint8_t* seg = tb.sealed + (size_t)tb.sealed_tab[s * tb.max_sealed + b] * sealed_bb + kh * (ksb + vsb) + ksb;
+            v_accum<D, VC>(seg, T, vg, r, w, G, acc);
+        } else {
+            const uint8_t* seg = tb.tail + (size_t)tb.tail_tab[s * tb.max_tail + (b - ns)] * tail_bb + kh * 2 * tail_seg + tail_seg;
+            v_accum<D, F16>(seg, T, 0, r, w, G, acc);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < D / 32; i++) red[(warp * G_MAX + g) * D + lane + 32 * i] = acc[g][i];
+    __syncthreads();
+    for (int x = threadIdx.x; x < G * D; x += THREADS) {
+        int g = x / D, c = x % D;
+        float v = 0.f;
+        for (int w = 0; w < WARPS; w++) v += red[(w * G_MAX + g) * D + c];
+        size_t row = (size_t)s * H + kh * G + g;
+        if (P == 1) {
+            out[row * D + c] = v / l_s[g];
+        } else {
+            part_acc[(row * P + p) * D + c] = v;
+            if (c == 0) {
+                part_m[row * P + p] = m_s[g];
+                part_l[row * P + p] = l_s[g];
+            }
+        }
+    }
+}
+
+#define DECODE(NAME, KC, VC, D)                                                                              \
+    extern "C" __global__ void __launch_bounds__(THREADS) siliceo_attn_decode_##NAME##_d##D(                  \
+        float* out, float* part_m, float* part_l, float* part_acc, const float* q, const uint8_t* sealed,      \
+        const uint8_t* tail, const uint32_t* sealed_tab, const uint32_t* tail_tab, const int* seq_len,        \
+        const int* n_sealed, int max_sealed, int max_tail, int H, int KVH, int T, int kg, int vg,             \
+        int part_tokens, int P) {                                                                             \
+        Tables tb = {sealed, tail, sealed_tab, tail_tab, seq_len, n_sealed, max_sealed, max_tail};            \
+        attn_decode<D, KC, VC>(out, part_m, part_l, part_acc, q, tb, H, KVH, T, kg, vg, part_tokens, P);     \
+    }
+
+DECODE(f16_f16, F16, F16, 64)
+DECODE(f16_f16, F16, F16, 128)
+DECODE(kv8_kv8, KV8, KV8, 64)
+DECODE(kv8_kv8, KV8, KV8, 128)
+DECODE(k5_v4, K5, V4, 64)
+DECODE(k5_v4, K5, V4, 128)
+
+// Grid (H, S), D threads: merges P partial rows per head.
+extern "C" __global__ void siliceo_attn_reduce(float* out, const float* part_m, const float* part_l,
+                                               const float* part_acc, int H, int D, int P) {
+    const size_t row = (size_t)blockIdx.y * H + blockIdx.x;
+    const int c = threadIdx.x;
+    if (c >= D) return;
+    float m = -INFINITY;
+    for (int p = 0; p < P; p++) m = fmaxf(m, part_m[row * P + p]);
+    float l = 0.f, v = 0.f;
+    for (int p = 0; p < P; p++) {
+        float pl = part_l[row * P + p];
+        if (pl == 0.f) continue;
+        float w = __expf(part_m[row * P + p] - m);
+        l += pl * w;
+        v += part_acc[(row * P + p) * D + c] * w;
+    }
+    out[row * D + c] = v / l;
+}
+
+// One thread per (token, head, channel): row `slot_row[i]` of tail block
+// `slot_block[i]` gets token i's K and V as f16.
+extern "C" __global__ void siliceo_kv_append(uint8_t* tail, const float* k, const float* v,
+                                             const uint32_t* slot_block, const int* slot_row, int n, int KVH,
+                                             int D, int T) {
+    size_t x = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (x >= (size_t)n * KVH * D) return;
+    int c = x % D, h = (x / D) % KVH, i = x / ((size_t)D * KVH);
+    size_t seg = (size_t)T * D * 2;
+    uint8_t* base = tail + (size_t)slot_block[i] * KVH * 2 * seg + h * 2 * seg;
+    reinterpret_cast<__half*>(base)[slot_row[i] * D + c] = __float2half(k[x]);
+    reinterpret_cast<__half*>(base + seg)[slot_row[i] * D + c] = __float2half(v[x]);
+}
+
+// Scale and minimum of an asymmetric code with `levels` steps, as the CPU codec.
+__device__ __forceinline__ void quant_params(float lo, float hi, float levels, __half* scale, __half* minv) {
+    __half mn = __float2half(lo);
+    float step = fmaxf(hi - __half2float(mn), 0.f) / levels;
+    __half sc = __float2half(step);
+    if (__half2float(sc) * levels + __half2float(mn) < hi) sc = __ushort_as_half(__half_as_ushort(sc) + 1);
+    *scale = sc;
+    *minv = mn;
+}
+
+// Quantizes one segment (T × D f16 in `src`) with codec C into `dst`.
+// codes: shared scratch of T × D bytes.
+template <int C>
+__device__ void seal_segment(const __half* src, uint8_t* dst, int T, int D, int g, uint8_t* codes) {
+    const int tid = threadIdx.x;
+    if (C == F16) {
+        for (int i = tid; i < T * D; i += blockDim.x) reinterpret_cast<__half*>(dst)[i] = src[i];
+        return;
+    }
+    if (C == KV8) {
+        __half* scales = reinterpret_cast<__half*>(dst);
+        int8_t* out = reinterpret_cast<int8_t*>(dst + T * (D / g) * 2);
+        for (int gi = tid; gi < T * (D / g); gi += blockDim.x) {
+            float amax = 0.f;
+            for (int j = 0; j < g; j++) amax = fmaxf(amax, fabsf(__half2float(src[gi * g + j])));
+            __half s = __float2half(amax / 127.f);
+            scales[gi] = s;
+            float sf = __half2float(s), inv = sf > 0.f ? 1.f / sf : 0.f;
+            for (int j = 0; j < g; j++)
+                out[gi * g + j] = (int8_t)fminf(fmaxf(roundf(__half2float(src[gi * g + j]) * inv), -127.f), 127.f);
+        }
+        return;
+    }
+    if (C == K5) {
+        __half* params = reinterpret_cast<__half*>(dst);
+        for (int c = tid; c < D; c += blockDim.x) {
+            float lo = INFINITY, hi = -INFINITY;
+            for (int t = 0; t < T; t++) {
+                float x = __half2float(src[t * D + c]);
+                lo = fminf(lo, x);
+                hi = fmaxf(hi, x);
+            }
+            __half sc, mn;
+            quant_params(lo, hi, 31.f, &sc, &mn);
+            params[c] = sc;
+            params[D + c] = mn;
+            float sf = __half2float(sc), mf = __half2float(mn), inv = sf > 0.f ? 1.f / sf : 0.f;
+            for (int t = 0; t < T; t++)
+                codes[t * D + c] = (uint8_t)fminf(fmaxf(roundf((__half2float(src[t * D + c]) - mf) * inv), 0.f), 31.f);
+        }
+        __syncthreads();
+        uint8_t* nib = dst + D * 4;
+        uint8_t* high = nib + T * D / 2;
+        int half_d = D / 2, e = D / 8;
+        for (int x = tid; x < T * half_d; x += blockDim.x) {
+            int t = x / half_d, j = x % half_d;
+            nib[x] = (codes[t * D + j] & 0xF) | ((codes[t * D + j + half_d] & 0xF) << 4);
+        }
+        for (int x = tid; x < T * e; x += blockDim.x) {
+            int t = x / e, j = x % e;
+            uint8_t b = 0;
+            for (int i = 0; i < 8; i++) b |= ((codes[t * D + j + i * e] >> 4) & 1) << i;
+            high[x] = b;
+        }
+        return;
+    }
+    // V4
+    int ng = T * (D / g), hg = g / 2;
+    __half* params = reinterpret_cast<__half*>(dst);
+    uint8_t* nib = dst + ng * 4;
+    for (int gi = tid; gi < ng; gi += blockDim.x) {
+        float lo = INFINITY, hi = -INFINITY;
+        for (int j = 0; j < g; j++) {
+            float x = __half2float(src[gi * g + j]);
+            lo = fminf(lo, x);
+            hi = fmaxf(hi, x);
+        }
+        __half sc, mn;
+        quant_params(lo, hi, 15.f, &sc, &mn);
+        params[gi] = sc;
+        params[ng + gi] = mn;
+        float sf = __half2float(sc), mf = __half2float(mn), inv = sf > 0.f ? 1.f / sf : 0.f;
+        for (int j = 0; j < hg; j++) {
+            int a = (int)fminf(fmaxf(roundf((__half2float(src[gi * g + j]) - mf) * inv), 0.f), 15.f);
+            int b = (int)fminf(fmaxf(roundf((__half2float(src[gi * g + j + hg]) - mf) * inv), 0.f), 15.f);
+            nib[gi * hg + j] = (uint8_t)(a | (b << 4));
+        }
+    }
+}
+
+// Grid (KVH, 2): y = 0 seals K, y = 1 seals V of head x. Dynamic shared
+// memory: T × D bytes (K5's codes).
+#define SEAL(NAME, KC, VC)                                                                                 \
+    extern "C" __global__ void siliceo_kv_seal_##NAME(uint8_t* sealed, const uint8_t* tail, uint32_t src,  \
+                                                       uint32_t dst, int KVH, int D, int T, int kg, int vg) { \
+        extern __shared__ uint8_t codes[];                                                                 \
+        const int h = blockIdx.x, which = blockIdx.y;                                                      \
+        const int ksb = seg_bytes(KC, T, D, kg), vsb = seg_bytes(VC, T, D, vg);                            \
+        size_t tseg = (size_t)T * D * 2;                                                                   \
+        const __half* s = reinterpret_cast<const __half*>(tail + (size_t)src * KVH * 2 * tseg +            \
+                                                          (2 * h + which) * tseg);                         \
+        uint8_t* d = sealed + (size_t)dst * KVH * (ksb + vsb) + h * (ksb + vsb) + which * ksb;             \
+        if (which == 0) seal_segment<KC>(s, d, T, D, kg, codes);                                           \
+        else seal_segment<VC>(s, d, T, D, vg, codes);                                                      \
+    }
+
+SEAL(f16_f16, F16, F16)
+SEAL(kv8_kv8, KV8, KV8)
+SEAL(k5_v4, K5, V4)
