@@ -3,7 +3,10 @@
 //! on PATH or in `PROTOC` (`cargo xtask` installs `protobuf-compiler`).
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    // Read at run time, not baked in with env!(): a target directory shared by
+    // two checkouts (CI's persistent cache) may reuse this compiled script.
+    let manifest = std::path::PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?);
+    let root = manifest.join("../../proto");
     let proto = root.join("siliceo/v1/inference.proto");
     println!("cargo:rerun-if-changed={}", proto.display());
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
