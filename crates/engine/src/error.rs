@@ -139,6 +139,9 @@ pub enum EngineError {
     /// Tokenization failed.
     #[error("tokenization failed: {0}")]
     Tokenize(String),
+    /// llama.cpp could not compute embeddings.
+    #[error("embedding failed: {0}")]
+    Embed(String),
     /// A sampling parameter is invalid.
     #[error(transparent)]
     Params(#[from] siliceo_core::Error),
@@ -168,6 +171,7 @@ impl EngineError {
             EngineError::NoChatTemplate => "no_chat_template",
             EngineError::ChatTemplate(_) => "chat_template",
             EngineError::Tokenize(_) => "tokenize",
+            EngineError::Embed(_) => "embed",
             EngineError::Params(e) => e.error_kind(),
             EngineError::IncompatibleVocab(_) => "incompatible_vocab",
         }

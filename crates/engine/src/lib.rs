@@ -38,6 +38,7 @@
 mod backend;
 mod context;
 mod detok;
+mod embed;
 mod error;
 mod generate;
 mod model;
@@ -46,6 +47,7 @@ mod reference;
 pub use backend::{backend_init, supports_gpu_offload};
 pub use context::{Batch, Context, ContextOptions, FlashAttention, SeqSnapshot};
 pub use detok::{Detokenizer, TokenText, Utf8Stream};
+pub use embed::{Embedder, EmbedderOptions, Embeddings, Pooling, cosine, l2_normalize};
 pub use error::EngineError;
 pub use generate::{Generation, generate};
 pub use model::{ChatMessage, Model, ModelOptions};

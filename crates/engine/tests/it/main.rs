@@ -4,6 +4,7 @@
 mod bad_input;
 mod decode;
 mod draft;
+mod embed;
 mod text;
 
 use std::path::PathBuf;
