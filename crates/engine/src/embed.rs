@@ -154,6 +154,11 @@ impl<'m> Embedder<'m> {
         })
     }
 
+    /// The options it was made with.
+    pub fn options(&self) -> &EmbedderOptions {
+        &self.opts
+    }
+
     /// The model's pooling.
     pub fn pooling(&self) -> Pooling {
         self.pooling

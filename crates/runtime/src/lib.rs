@@ -37,6 +37,7 @@
 //! it to the wire.
 #![deny(missing_docs)]
 
+pub mod embeddings;
 mod engine_loop;
 mod holders;
 mod types;
@@ -52,6 +53,10 @@ use std::thread::JoinHandle;
 use crossbeam_channel::Sender;
 use siliceo_core::{ModelGeometry, RequestId, TokenId};
 
+pub use embeddings::{
+    EmbedResult, EmbeddingConfig, EmbeddingInfo, EmbeddingService, RerankMethod, RerankResult,
+};
+pub use siliceo_engine::Pooling;
 pub use siliceo_scheduler::Scheduler;
 
 pub(crate) enum Command {

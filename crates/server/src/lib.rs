@@ -32,7 +32,7 @@ use std::time::Duration;
 
 pub use metrics::Metrics;
 pub use service::{GenerateStream, InferenceService};
-use siliceo_runtime::{Runtime, RuntimeError};
+use siliceo_runtime::{EmbeddingService, Runtime, RuntimeError};
 use tokio::net::TcpListener;
 use tonic::{Request, Status};
 
@@ -63,6 +63,9 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// Serve gRPC over TLS (rustls) with this certificate chain and key.
     pub tls: Option<TlsIdentity>,
+    /// The embedding model behind `Embed` and `Rerank`; without one they
+    /// answer `UNIMPLEMENTED`.
+    pub embeddings: Option<Arc<EmbeddingService>>,
 }
 
 /// A PEM certificate chain and its PEM private key.
@@ -92,6 +95,7 @@ impl Default for ServerConfig {
             max_request_bytes: 4 << 20,
             shutdown_grace: Duration::from_secs(10),
             tls: None,
+            embeddings: None,
         }
     }
 }
@@ -200,7 +204,8 @@ pub async fn serve_on(
         tracing::info!(%local, "metrics on http://{local}/metrics");
         tokio::spawn(metrics::serve_metrics(ml, metrics.clone(), rt.clone()));
     }
-    let svc = InferenceService::new(rt.clone(), metrics, cfg.max_request_bytes);
+    let svc = InferenceService::new(rt.clone(), metrics, cfg.max_request_bytes)
+        .with_embeddings(cfg.embeddings.clone());
     let key = cfg.api_key.clone();
     // tonic's own hard cap; requests between our limit and this one get a
     // clear INVALID_ARGUMENT from the service.

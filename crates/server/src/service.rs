@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 use prost::Message;
 use siliceo_core::{FinishReason, Priority, RequestId, SamplingParams, TokenId};
 use siliceo_engine::ChatMessage;
-use siliceo_runtime::{Event, GenerateRequest, Input, RequestStream, Runtime, RuntimeError, Usage};
+use siliceo_runtime::{
+    EmbeddingService, Event, GenerateRequest, Input, RequestStream, Runtime, RuntimeError, Usage,
+};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
@@ -25,6 +27,7 @@ pub struct InferenceService {
     rt: Arc<Runtime>,
     metrics: Arc<Metrics>,
     max_request_bytes: usize,
+    embeddings: Option<Arc<EmbeddingService>>,
 }
 
 impl InferenceService {
@@ -35,7 +38,23 @@ impl InferenceService {
             rt,
             metrics,
             max_request_bytes,
+            embeddings: None,
         }
+    }
+
+    /// Serves `Embed` and `Rerank` with this embedding model.
+    pub fn with_embeddings(mut self, embeddings: Option<Arc<EmbeddingService>>) -> Self {
+        self.embeddings = embeddings;
+        self
+    }
+
+    fn embedder(&self, rpc: &str) -> Result<&EmbeddingService, Status> {
+        self.embeddings.as_deref().ok_or_else(|| {
+            Status::unimplemented(format!(
+                "{rpc} needs an embedding model; start the server with --embedding-model PATH \
+                 (`cargo xtask fetch-model --embed` fetches all-MiniLM-L6-v2)"
+            ))
+        })
     }
 
     fn check_size<M: Message>(&self, m: &M) -> Result<(), Status> {
@@ -300,20 +319,56 @@ impl pb::inference_server::Inference for InferenceService {
 
     async fn embed(
         &self,
-        _request: Request<pb::EmbedRequest>,
+        request: Request<pb::EmbedRequest>,
     ) -> Result<Response<pb::EmbedResponse>, Status> {
-        Err(Status::unimplemented(
-            "Embed needs an embedding model; this server has none (embeddings are not built yet)",
-        ))
+        let r = request.into_inner();
+        self.check_size(&r)?;
+        let e = self.embedder("Embed")?;
+        let t0 = Instant::now();
+        let out = e
+            .embed(r.inputs, r.normalize, r.truncate)
+            .await
+            .map_err(|e| status_of(&e))?;
+        tracing::debug!(
+            inputs = out.vectors.len(),
+            ms = t0.elapsed().as_millis() as u64,
+            "embed"
+        );
+        Ok(Response::new(pb::EmbedResponse {
+            embeddings: out
+                .vectors
+                .into_iter()
+                .map(|values| pb::Embedding { values })
+                .collect(),
+            prompt_tokens: out.prompt_tokens,
+        }))
     }
 
     async fn rerank(
         &self,
-        _request: Request<pb::RerankRequest>,
+        request: Request<pb::RerankRequest>,
     ) -> Result<Response<pb::RerankResponse>, Status> {
-        Err(Status::unimplemented(
-            "Rerank needs an embedding model; this server has none (embeddings are not built yet)",
-        ))
+        let r = request.into_inner();
+        self.check_size(&r)?;
+        let e = self.embedder("Rerank")?;
+        if r.query.trim().is_empty() {
+            return Err(invalid("query", "must not be empty"));
+        }
+        let out = e
+            .rerank(r.query, r.documents, r.top_n as usize, r.truncate)
+            .await
+            .map_err(|e| status_of(&e))?;
+        Ok(Response::new(pb::RerankResponse {
+            results: out
+                .ranked
+                .into_iter()
+                .map(|(index, score)| pb::RerankResult {
+                    index: index as u32,
+                    score,
+                })
+                .collect(),
+            method: out.method.as_str().to_string(),
+        }))
     }
 
     async fn tokenize(
@@ -347,7 +402,11 @@ impl pb::inference_server::Inference for InferenceService {
         let s = self.blocking(|rt| rt.stats()).await?;
         let i = self.rt.info();
         let g = i.geometry;
+        let emb = self.embeddings.as_deref().map(EmbeddingService::info);
         Ok(Response::new(pb::ModelInfo {
+            embedding_model: emb.map(|e| e.model_name.clone()).unwrap_or_default(),
+            embedding_dim: emb.map_or(0, |e| e.dim as u32),
+            embedding_max_tokens: emb.map_or(0, |e| e.max_tokens),
             name: i.model_name.clone(),
             architecture: i.architecture.clone(),
             n_layer: g.n_layer,

@@ -100,7 +100,9 @@ pub struct ServeArgs {
     /// checked at start-up); requests opt in with `speculative`.
     #[arg(long)]
     draft_model: Option<PathBuf>,
-    /// Embedding model for Embed/Rerank (not available yet).
+    /// Embedding model (GGUF with pooling, e.g. all-MiniLM-L6-v2 from
+    /// `cargo xtask fetch-model --embed`) behind the Embed and Rerank RPCs;
+    /// it runs on its own thread next to generation.
     #[arg(long)]
     embedding_model: Option<PathBuf>,
 }
@@ -160,9 +162,12 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig)> {
     {
         bail!("--draft-model: no such file: {}", d.display());
     }
-    if a.embedding_model.is_some() {
+    if let Some(e) = &a.embedding_model
+        && !e.is_file()
+    {
         bail!(
-            "--embedding-model: embeddings are not built yet (the embeddings issue); Embed and Rerank answer UNIMPLEMENTED"
+            "--embedding-model: no such file: {}\nfetch all-MiniLM-L6-v2 with: cargo xtask fetch-model --embed",
+            e.display()
         );
     }
     let model = a.model.clone().unwrap_or_else(crate::default_model);
@@ -226,6 +231,7 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig)> {
             .unwrap_or(ServerConfig::default().max_request_bytes),
         shutdown_grace: Duration::from_secs(a.shutdown_grace_s.unwrap_or(10)),
         tls,
+        embeddings: None,
     };
     Ok((rc, sc))
 }
@@ -255,10 +261,18 @@ async fn shutdown_signal() {
 
 /// Runs `siliceo serve`.
 pub fn cmd_serve(a: ServeArgs) -> Result<()> {
-    let (rc, sc) = configs(a)?;
+    let embedding_model = a.embedding_model.clone();
+    let (rc, mut sc) = configs(a)?;
     let model = rc.model_path.clone();
     eprintln!("siliceo: loading {}", model.display());
     let rt = Arc::new(Runtime::start(rc).map_err(|e| anyhow::anyhow!("{e}"))?);
+    if let Some(path) = embedding_model {
+        eprintln!("siliceo: loading embedding model {}", path.display());
+        let svc =
+            siliceo_runtime::EmbeddingService::start(siliceo_runtime::EmbeddingConfig::new(path))
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+        sc.embeddings = Some(Arc::new(svc));
+    }
     let tokio = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -271,7 +285,7 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
         let info = rt.info();
         // One line when ready: scripts and tests wait for it.
         println!(
-            "siliceo: ready on {addr} · model {} · context {} · KV {}/{} · blocks of {} · prefix cache {}{}{}",
+            "siliceo: ready on {addr} · model {} · context {} · KV {}/{} · blocks of {} · prefix cache {}{}{}{}",
             info.model_name,
             info.n_ctx,
             info.type_k,
@@ -283,7 +297,11 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
             } else {
                 ""
             },
-            if sc.tls.is_some() { " · TLS" } else { "" }
+            if sc.tls.is_some() { " · TLS" } else { "" },
+            match &sc.embeddings {
+                Some(e) => format!(" · embeddings {} ({} dims)", e.info().model_name, e.info().dim),
+                None => String::new(),
+            }
         );
         use std::io::Write as _;
         let _ = std::io::stdout().flush();

@@ -16,6 +16,8 @@ use tokio::sync::oneshot;
 use tonic::Code;
 use tonic::transport::Channel;
 
+mod embed;
+
 fn model_path() -> PathBuf {
     std::env::var_os("SILICEO_MODEL")
         .map(PathBuf::from)
@@ -429,6 +431,10 @@ async fn tokenize_detokenize_model_info_and_unimplemented_embeddings() {
     assert_eq!(info.kv_type_k, "f16");
     assert!(info.prefix_caching);
     assert!(info.kv_bytes_per_token > 0);
+    assert_eq!(
+        info.embedding_model, "",
+        "no embedding model in this server"
+    );
     let e = c
         .embed(pb::EmbedRequest {
             inputs: vec!["x".into()],
