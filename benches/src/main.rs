@@ -787,6 +787,100 @@ fn greedy_request(
     }
 }
 
+/// `embed`: texts/s of all-MiniLM-L6-v2 over gRPC, requests of 1, 8, 32 and
+/// 64 texts sent one after another, against one request per text with many
+/// in flight at once (the service batches waiting requests together).
+fn embed(model_path: PathBuf, reps: usize) -> Result<()> {
+    use siliceo_runtime::{EmbeddingConfig, EmbeddingService, Runtime, RuntimeConfig};
+    use siliceo_server::pb::{self, inference_client::InferenceClient};
+    let emb_path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/all-MiniLM-L6-v2.f16.gguf");
+    if !emb_path.is_file() {
+        bail!("{} missing: run `cargo xtask fetch-model --embed`", emb_path.display());
+    }
+    let mut cfg = RuntimeConfig::new(&model_path);
+    cfg.context.n_ctx = 1024;
+    let rt = std::sync::Arc::new(Runtime::start(cfg)?);
+    let svc = std::sync::Arc::new(EmbeddingService::start(EmbeddingConfig::new(&emb_path))?);
+    let tokio = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let listener = tokio.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let addr = listener.local_addr()?;
+    let sc = siliceo_server::ServerConfig { embeddings: Some(svc.clone()), ..Default::default() };
+    tokio.spawn(siliceo_server::serve_on(listener, rt, sc, std::future::pending()));
+    // 256 sentences of 8–20 words (12–30 tokens), all different.
+    const WORDS: [&str; 24] = [
+        "the", "model", "serves", "requests", "quickly", "while", "a", "small", "cache", "keeps", "recent",
+        "blocks", "of", "memory", "close", "to", "each", "running", "sequence", "and", "every", "client", "waits", "less",
+    ];
+    let texts: Vec<String> = (0..256)
+        .map(|i| {
+            let n = 8 + i % 13;
+            (0..n).map(|j| WORDS[(i * 7 + j * 5 + j * j) % WORDS.len()]).collect::<Vec<_>>().join(" ") + &format!(" {i}.")
+        })
+        .collect();
+    let texts = std::sync::Arc::new(texts);
+    let url = format!("http://{addr}");
+    let run = |batch: usize, concurrent: bool| -> Result<f64> {
+        let texts = texts.clone();
+        let url = url.clone();
+        tokio.block_on(async move {
+            let c = InferenceClient::connect(url).await?;
+            let t0 = Instant::now();
+            if concurrent {
+                let mut set = tokio::task::JoinSet::new();
+                for t in texts.iter().cloned() {
+                    let mut c = c.clone();
+                    set.spawn(async move {
+                        c.embed(pb::EmbedRequest { inputs: vec![t], normalize: true, truncate: false }).await.map(|_| ())
+                    });
+                }
+                while let Some(r) = set.join_next().await {
+                    r??;
+                }
+            } else {
+                let mut c = c.clone();
+                for chunk in texts.chunks(batch) {
+                    c.embed(pb::EmbedRequest { inputs: chunk.to_vec(), normalize: true, truncate: false }).await?;
+                }
+            }
+            Ok::<f64, anyhow::Error>(texts.len() as f64 / t0.elapsed().as_secs_f64())
+        })
+    };
+    run(8, false)?; // warm-up
+    println!(
+        "all-MiniLM-L6-v2 (F16 GGUF) over gRPC on 127.0.0.1 · {} texts of 12–30 tokens · median of {reps} · {} threads",
+        texts.len(),
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+    println!();
+    println!("| requests | texts/s | vs batches of 64 |");
+    println!("|---|---:|---:|");
+    let mut rows = Vec::new();
+    for (name, batch, conc) in [
+        ("1 text per request, one at a time", 1, false),
+        ("8 texts per request", 8, false),
+        ("32 texts per request", 32, false),
+        ("64 texts per request", 64, false),
+        ("1 text per request, all 256 at once", 1, true),
+    ] {
+        let v: Vec<f64> = (0..reps).map(|_| run(batch, conc)).collect::<Result<_>>()?;
+        rows.push((name, median(v)));
+    }
+    let base = rows[3].1;
+    for (name, r) in rows {
+        println!("| {name} | {r:.0} | {:.2}× |", r / base);
+    }
+    let st = svc.stats();
+    use std::sync::atomic::Ordering::Relaxed;
+    println!();
+    println!(
+        "service: {} requests, {} inputs in {} llama.cpp batches",
+        st.requests.load(Relaxed),
+        st.inputs.load(Relaxed),
+        st.batches.load(Relaxed)
+    );
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut model = std::env::var_os("SILICEO_MODEL")
@@ -813,8 +907,9 @@ fn main() -> Result<()> {
             "prefix" => what = "prefix",
             "spec" => what = "spec",
             "grpc" => what = "grpc",
+            "embed" => what = "embed",
             other => bail!(
-                "unknown argument `{other}`; usage: siliceo-bench engine|serve|prefix|spec|grpc [--model PATH] [--reps N] [--json]"
+                "unknown argument `{other}`; usage: siliceo-bench engine|serve|prefix|spec|grpc|embed [--model PATH] [--reps N] [--json]"
             ),
         }
     }
@@ -824,6 +919,8 @@ fn main() -> Result<()> {
         prefix(model, reps.max(1))
     } else if what == "spec" {
         spec(model, reps.max(1))
+    } else if what == "embed" {
+        embed(model, reps.max(1))
     } else if what == "grpc" {
         grpc(model, reps.max(1))
     } else {

@@ -69,7 +69,10 @@ pub fn bench(rest: &[String]) -> Result<()> {
             .cloned()
             .unwrap_or_else(|| "3".into())
     };
-    if let Some(which @ ("spec" | "grpc")) = first {
+    if first == Some("embed") {
+        crate::embed::fetch(&crate::models::models_dir())?;
+    }
+    if let Some(which @ ("spec" | "grpc" | "embed")) = first {
         return crate::run(bench_cmd(false).args([which, "--reps", &reps()]));
     }
     if matches!(first, Some("serve" | "prefix")) {
@@ -91,7 +94,7 @@ pub fn bench(rest: &[String]) -> Result<()> {
             "--compare-portable" => compare = true,
             other => {
                 bail!(
-                    "bench: unknown argument `{other}` (benchmarks: engine, serve, prefix, spec, grpc, kv)"
+                    "bench: unknown argument `{other}` (benchmarks: engine, serve, prefix, spec, grpc, embed, kernels, kv)"
                 )
             }
         }

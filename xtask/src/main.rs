@@ -42,6 +42,8 @@ tasks:
   bench prefix [--reps N] prefix caching only
   bench spec [--reps N]   speculative decoding (n-gram; the Qwen draft/target pair) at batch size 1
   bench grpc [--reps N]   generation over gRPC vs the runtime directly, 1/8/16 streams
+  bench embed [--reps N]  embeddings over gRPC: texts/s for requests of 1/8/32/64 texts
+                        and for one request per text, all at once
   bench kv              criterion benchmarks of the KV block pool and prefix cache
   bench kernels [--gpu] [ARGS]
                         the paged-attention kernels: CPU kernel vs naive reference per KV
