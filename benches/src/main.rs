@@ -793,28 +793,48 @@ fn greedy_request(
 fn embed(model_path: PathBuf, reps: usize) -> Result<()> {
     use siliceo_runtime::{EmbeddingConfig, EmbeddingService, Runtime, RuntimeConfig};
     use siliceo_server::pb::{self, inference_client::InferenceClient};
-    let emb_path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/all-MiniLM-L6-v2.f16.gguf");
+    let emb_path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/all-MiniLM-L6-v2.f16.gguf");
     if !emb_path.is_file() {
-        bail!("{} missing: run `cargo xtask fetch-model --embed`", emb_path.display());
+        bail!(
+            "{} missing: run `cargo xtask fetch-model --embed`",
+            emb_path.display()
+        );
     }
     let mut cfg = RuntimeConfig::new(&model_path);
     cfg.context.n_ctx = 1024;
     let rt = std::sync::Arc::new(Runtime::start(cfg)?);
     let svc = std::sync::Arc::new(EmbeddingService::start(EmbeddingConfig::new(&emb_path))?);
-    let tokio = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let tokio = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     let listener = tokio.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
     let addr = listener.local_addr()?;
-    let sc = siliceo_server::ServerConfig { embeddings: Some(svc.clone()), ..Default::default() };
-    tokio.spawn(siliceo_server::serve_on(listener, rt, sc, std::future::pending()));
+    let sc = siliceo_server::ServerConfig {
+        embeddings: Some(svc.clone()),
+        ..Default::default()
+    };
+    tokio.spawn(siliceo_server::serve_on(
+        listener,
+        rt,
+        sc,
+        std::future::pending(),
+    ));
     // 256 sentences of 8–20 words (12–30 tokens), all different.
     const WORDS: [&str; 24] = [
-        "the", "model", "serves", "requests", "quickly", "while", "a", "small", "cache", "keeps", "recent",
-        "blocks", "of", "memory", "close", "to", "each", "running", "sequence", "and", "every", "client", "waits", "less",
+        "the", "model", "serves", "requests", "quickly", "while", "a", "small", "cache", "keeps",
+        "recent", "blocks", "of", "memory", "close", "to", "each", "running", "sequence", "and",
+        "every", "client", "waits", "less",
     ];
     let texts: Vec<String> = (0..256)
         .map(|i| {
             let n = 8 + i % 13;
-            (0..n).map(|j| WORDS[(i * 7 + j * 5 + j * j) % WORDS.len()]).collect::<Vec<_>>().join(" ") + &format!(" {i}.")
+            (0..n)
+                .map(|j| WORDS[(i * 7 + j * 5 + j * j) % WORDS.len()])
+                .collect::<Vec<_>>()
+                .join(" ")
+                + &format!(" {i}.")
         })
         .collect();
     let texts = std::sync::Arc::new(texts);
@@ -830,7 +850,13 @@ fn embed(model_path: PathBuf, reps: usize) -> Result<()> {
                 for t in texts.iter().cloned() {
                     let mut c = c.clone();
                     set.spawn(async move {
-                        c.embed(pb::EmbedRequest { inputs: vec![t], normalize: true, truncate: false }).await.map(|_| ())
+                        c.embed(pb::EmbedRequest {
+                            inputs: vec![t],
+                            normalize: true,
+                            truncate: false,
+                        })
+                        .await
+                        .map(|_| ())
                     });
                 }
                 while let Some(r) = set.join_next().await {
@@ -839,7 +865,12 @@ fn embed(model_path: PathBuf, reps: usize) -> Result<()> {
             } else {
                 let mut c = c.clone();
                 for chunk in texts.chunks(batch) {
-                    c.embed(pb::EmbedRequest { inputs: chunk.to_vec(), normalize: true, truncate: false }).await?;
+                    c.embed(pb::EmbedRequest {
+                        inputs: chunk.to_vec(),
+                        normalize: true,
+                        truncate: false,
+                    })
+                    .await?;
                 }
             }
             Ok::<f64, anyhow::Error>(texts.len() as f64 / t0.elapsed().as_secs_f64())
