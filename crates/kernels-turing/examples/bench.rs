@@ -10,7 +10,7 @@
 //! ```text
 //! cargo run --release -p siliceo-kernels-turing --example bench -- \
 //!     [--ctx 256,1024,4096,32768] [--formats f16,kv8,k5v4] [--mode decode,prefill]
-//!     [--threads 1,2] [--partition 0,32] [--block-size 64] [--sub-tile 16] [--heads 32] [--kv-heads 8]
+//!     [--threads 1,2] [--partition 0,32] [--block-size 64] [--sub-tile 64] [--heads 32] [--kv-heads 8]
 //!     [--head-dim 128] [--chunk 64] [--reps 5] [--naive-max-ctx 4096] [--gpu [--batch 1,8]]
 //! ```
 
@@ -63,7 +63,7 @@ fn parse() -> Opts {
         threads: vec![cpus],
         partition: vec![32],
         block: vec![64],
-        sub: vec![16],
+        sub: vec![64],
         heads: 32,
         kv_heads: 8,
         head_dim: 128,

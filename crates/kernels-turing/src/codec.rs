@@ -289,6 +289,32 @@ impl Codec {
         }
     }
 
+    /// For KV8 with a power-of-two group: the int8 codes of tokens `rows`
+    /// (row-major) and log2 of the group, with the rows' scales written to
+    /// `scales` as f32 — what the kernel reads without decoding a tile.
+    pub fn kv8_rows<'s>(
+        self,
+        seg: &'s [u8],
+        tokens: usize,
+        head_dim: usize,
+        rows: std::ops::Range<usize>,
+        scales: &mut [f32],
+    ) -> Option<(&'s [u8], u32)> {
+        let Codec::Kv8 { group } = self else {
+            return None;
+        };
+        let g = group as usize;
+        if !g.is_power_of_two() {
+            return None;
+        }
+        let (t, d) = (tokens, head_dim);
+        let (sc, codes) = seg.split_at(t * (d / g) * 2);
+        let per = d / g;
+        bytes_as_f16(&sc[rows.start * per * 2..rows.end * per * 2])
+            .convert_to_f32_slice(&mut scales[..rows.len() * per]);
+        Some((&codes[rows.start * d..rows.end * d], g.trailing_zeros()))
+    }
+
     /// The largest error [`Codec::decode`] may make on one element of a group whose
     /// values are `x` (a row's group for Kv8/V4, a channel's column for K5); see the
     /// module docs.

@@ -3,46 +3,11 @@
 //! versions kept their accumulators in memory (one store-to-load chain per
 //! FMA) and ran at a fifth of the memory bandwidth (docs/BENCHMARKS.md).
 //!
-//! - [`scores`]: `out[j] = q · k[j]` for the rows of a K tile.
-//! - [`accumulate`]: `acc = acc · corr + Σ_j w[j] · v[j]` over the rows of a V tile.
+//! - [`group_scores`]: `out[r][j] = q[r] · k[j]` for the query rows of a GQA
+//!   group (each K load serves every row), K from an f32 tile or straight from F16.
+//! - [`group_accumulate`]: `acc[r] = acc[r] · corr[r] + Σ_j w[r][j] · v[j]`, likewise.
 //! - [`max`], [`exp_sum`]: the online softmax's reductions.
 //! - [`k5_row`], [`v4_group`]: the packed codecs' decoders.
-
-/// `out[j] = q · k[j·d .. (j+1)·d]` for `j < out.len()`.
-#[inline]
-pub fn scores(q: &[f32], k: &[f32], d: usize, out: &mut [f32]) {
-    assert!(q.len() >= d && k.len() >= out.len() * d && d.is_multiple_of(8));
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
-        // SAFETY: the CPU has AVX2 and FMA (checked), and the bounds above
-        // cover every load and store the function makes.
-        unsafe { x86::scores(q, k, d, out) };
-        return;
-    }
-    for (j, o) in out.iter_mut().enumerate() {
-        *o = portable_dot(q, &k[j * d..(j + 1) * d]);
-    }
-}
-
-/// `acc = acc · corr + Σ_j w[j] · v[j·d .. (j+1)·d]`.
-#[inline]
-pub fn accumulate(acc: &mut [f32], corr: f32, w: &[f32], v: &[f32], d: usize) {
-    assert!(acc.len() == d && v.len() >= w.len() * d && d.is_multiple_of(8));
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
-        // SAFETY: as in `scores`.
-        unsafe { x86::accumulate(acc, corr, w, v, d) };
-        return;
-    }
-    for a in acc.iter_mut() {
-        *a *= corr;
-    }
-    for (j, &wj) in w.iter().enumerate() {
-        for (a, x) in acc.iter_mut().zip(&v[j * d..(j + 1) * d]) {
-            *a = x.mul_add(wj, *a);
-        }
-    }
-}
 
 /// The largest value of `x` (−∞ when empty).
 #[inline]
@@ -109,14 +74,121 @@ pub fn v4_group(n: &[u8], scale: f32, min: f32, out: &mut [f32]) {
     }
 }
 
-fn portable_dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
-        for i in 0..8 {
-            acc[i] = x[i].mul_add(y[i], acc[i]);
+/// Rows of K or V the group kernels read: an f32 tile, or F16 bytes read and
+/// converted in the loop (no tile at all: the F16 format and the F16 tail).
+#[derive(Debug, Clone, Copy)]
+pub enum Rows<'a> {
+    /// `n × d` f32, row-major.
+    F32(&'a [f32]),
+    /// `n × d` little-endian f16 bytes, row-major.
+    F16(&'a [u8]),
+    /// KV8 read in the loops: `n × d` int8 codes and the rows' scales as f32
+    /// (`n × d/g`), groups of `g = 1 << shift` channels.
+    Kv8 {
+        /// Codes, row-major.
+        codes: &'a [u8],
+        /// Scales, `d >> shift` per row.
+        scales: &'a [f32],
+        /// log2 of the group size.
+        shift: u32,
+    },
+}
+
+impl Rows<'_> {
+    fn len_values(&self) -> usize {
+        match self {
+            Rows::F32(x) => x.len(),
+            Rows::F16(b) => b.len() / 2,
+            Rows::Kv8 { codes, .. } => codes.len(),
         }
     }
-    ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+    fn get(&self, j: usize, c: usize, d: usize) -> f32 {
+        let i = j * d + c;
+        match self {
+            Rows::F32(x) => x[i],
+            Rows::F16(b) => half::f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32(),
+            Rows::Kv8 {
+                codes,
+                scales,
+                shift,
+            } => codes[i] as i8 as f32 * scales[j * (d >> shift) + (c >> shift)],
+        }
+    }
+}
+
+/// Scores of a group of query rows that share K rows:
+/// `out[r·n + j] = q[r] · k[j]` for `r < rows`, `j < n`.
+pub fn group_scores(q: &[f32], rows: usize, k: Rows<'_>, n: usize, d: usize, out: &mut [f32]) {
+    assert!(
+        q.len() >= rows * d
+            && k.len_values() >= n * d
+            && out.len() >= rows * n
+            && d.is_multiple_of(8)
+    );
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        let mut r = 0;
+        while r < rows {
+            let take = (rows - r).min(4);
+            let (qs, os) = (&q[r * d..], &mut out[r * n..]);
+            // SAFETY: AVX2/FMA/F16C checked; the bounds above cover every access.
+            unsafe {
+                match take {
+                    4 => x86::group_scores::<4>(qs, k, n, d, os),
+                    3 => x86::group_scores::<3>(qs, k, n, d, os),
+                    2 => x86::group_scores::<2>(qs, k, n, d, os),
+                    _ => x86::group_scores::<1>(qs, k, n, d, os),
+                }
+            }
+            r += take;
+        }
+        return;
+    }
+    for r in 0..rows {
+        for j in 0..n {
+            out[r * n + j] = (0..d).map(|c| q[r * d + c] * k.get(j, c, d)).sum();
+        }
+    }
+}
+
+/// `acc[r] = acc[r] · corr[r] + Σ_j w[r·n + j] · v[j]` for a group of rows
+/// sharing V rows (`acc` is `rows × d`).
+pub fn group_accumulate(acc: &mut [f32], corr: &[f32], w: &[f32], v: Rows<'_>, n: usize, d: usize) {
+    let rows = corr.len();
+    assert!(
+        acc.len() >= rows * d
+            && w.len() >= rows * n
+            && v.len_values() >= n * d
+            && d.is_multiple_of(8)
+    );
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        let mut r = 0;
+        while r < rows {
+            let take = (rows - r).min(4);
+            let (a, c, ws) = (&mut acc[r * d..], &corr[r..r + take], &w[r * n..]);
+            // SAFETY: as in `group_scores`.
+            unsafe {
+                match take {
+                    4 => x86::group_accumulate::<4>(a, c, ws, v, n, d),
+                    3 => x86::group_accumulate::<3>(a, c, ws, v, n, d),
+                    2 => x86::group_accumulate::<2>(a, c, ws, v, n, d),
+                    _ => x86::group_accumulate::<1>(a, c, ws, v, n, d),
+                }
+            }
+            r += take;
+        }
+        return;
+    }
+    for r in 0..rows {
+        for c in 0..d {
+            let mut a = acc[r * d + c] * corr[r];
+            for j in 0..n {
+                a += w[r * n + j] * v.get(j, c, d);
+            }
+            acc[r * d + c] = a;
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -127,6 +199,7 @@ fn has_avx2_fma() -> bool {
         std::env::var_os("SILICEO_KERNELS_PORTABLE").is_none()
             && std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
     })
 }
 
@@ -134,85 +207,7 @@ fn has_avx2_fma() -> bool {
 mod x86 {
     use std::arch::x86_64::*;
 
-    /// Eight tokens at a time: one Q load serves eight K rows, eight FMA chains
-    /// run side by side, and one transpose-and-add turns the eight
-    /// accumulators into eight scores.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn scores(q: &[f32], k: &[f32], d: usize, out: &mut [f32]) {
-        let n = out.len();
-        let (qp, kp, op) = (q.as_ptr(), k.as_ptr(), out.as_mut_ptr());
-        let mut j = 0;
-        // SAFETY (all pointer arithmetic below): rows j..j+8 < n and channels
-        // c..c+8 ≤ d are inside `k` (n·d values) and `q` (d values); the
-        // caller checked those lengths.
-        unsafe {
-            while j + 8 <= n {
-                let mut a = [_mm256_setzero_ps(); 8];
-                let mut c = 0;
-                while c < d {
-                    let qv = _mm256_loadu_ps(qp.add(c));
-                    for (t, a) in a.iter_mut().enumerate() {
-                        *a = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp.add((j + t) * d + c)), *a);
-                    }
-                    c += 8;
-                }
-                _mm256_storeu_ps(op.add(j), hsum8x8(a));
-                j += 8;
-            }
-            while j < n {
-                let mut a = _mm256_setzero_ps();
-                let mut c = 0;
-                while c < d {
-                    a = _mm256_fmadd_ps(
-                        _mm256_loadu_ps(qp.add(c)),
-                        _mm256_loadu_ps(kp.add(j * d + c)),
-                        a,
-                    );
-                    c += 8;
-                }
-                *op.add(j) = hsum8(a);
-                j += 1;
-            }
-        }
-    }
-
-    /// 64 channels at a time in eight registers (eight independent FMA
-    /// chains) across all the tokens; then 8 at a time for the rest.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn accumulate(acc: &mut [f32], corr: f32, w: &[f32], v: &[f32], d: usize) {
-        let (ap, vp) = (acc.as_mut_ptr(), v.as_ptr());
-        let cv = _mm256_set1_ps(corr);
-        let mut c = 0;
-        // SAFETY: channels c..c+64 (or c+8) ≤ d lie inside `acc` (d values)
-        // and rows j < w.len() inside `v` (w.len()·d values), checked by the caller.
-        unsafe {
-            while c + 64 <= d {
-                let mut a = [_mm256_setzero_ps(); 8];
-                for (u, a) in a.iter_mut().enumerate() {
-                    *a = _mm256_mul_ps(_mm256_loadu_ps(ap.add(c + 8 * u)), cv);
-                }
-                for (j, &wj) in w.iter().enumerate() {
-                    let wv = _mm256_set1_ps(wj);
-                    let row = vp.add(j * d + c);
-                    for (u, a) in a.iter_mut().enumerate() {
-                        *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(row.add(8 * u)), *a);
-                    }
-                }
-                for (u, a) in a.iter().enumerate() {
-                    _mm256_storeu_ps(ap.add(c + 8 * u), *a);
-                }
-                c += 64;
-            }
-            while c < d {
-                let mut a = _mm256_mul_ps(_mm256_loadu_ps(ap.add(c)), cv);
-                for (j, &wj) in w.iter().enumerate() {
-                    a = _mm256_fmadd_ps(_mm256_set1_ps(wj), _mm256_loadu_ps(vp.add(j * d + c)), a);
-                }
-                _mm256_storeu_ps(ap.add(c), a);
-                c += 8;
-            }
-        }
-    }
+    use super::Rows;
 
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn max(x: &[f32]) -> f32 {
@@ -286,6 +281,139 @@ mod x86 {
         hsum8(sum) + rest
     }
 
+    /// Eight K/V values of row `j` from channel `c`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load8(rows: Rows<'_>, j: usize, c: usize, d: usize) -> __m256 {
+        let off = j * d + c;
+        // SAFETY: the caller keeps `off + 8` within the rows (and, for KV8,
+        // the group of channel c within row j's scales).
+        unsafe {
+            match rows {
+                Rows::F32(x) => _mm256_loadu_ps(x.as_ptr().add(off)),
+                Rows::F16(b) => _mm256_cvtph_ps(_mm_loadu_si128(b.as_ptr().add(2 * off).cast())),
+                Rows::Kv8 {
+                    codes,
+                    scales,
+                    shift,
+                } => {
+                    let q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                        codes.as_ptr().add(off).cast(),
+                    )));
+                    let s = *scales.get_unchecked(j * (d >> shift) + (c >> shift));
+                    _mm256_mul_ps(q, _mm256_set1_ps(s))
+                }
+            }
+        }
+    }
+
+    /// R query rows × 2 tokens in 2R accumulators: each K load serves R rows,
+    /// each Q load 2 tokens.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn group_scores<const R: usize>(
+        q: &[f32],
+        k: Rows<'_>,
+        n: usize,
+        d: usize,
+        out: &mut [f32],
+    ) {
+        let qp = q.as_ptr();
+        let mut j = 0;
+        // SAFETY: rows r < R of q (R·d values), tokens j < n of k (n·d), and
+        // out[r·n + j] are inside the slices (checked by the caller).
+        unsafe {
+            while j + 2 <= n {
+                let mut a = [[_mm256_setzero_ps(); 2]; R];
+                let mut c = 0;
+                while c < d {
+                    let k0 = load8(k, j, c, d);
+                    let k1 = load8(k, j + 1, c, d);
+                    for (r, a) in a.iter_mut().enumerate() {
+                        let qv = _mm256_loadu_ps(qp.add(r * d + c));
+                        a[0] = _mm256_fmadd_ps(qv, k0, a[0]);
+                        a[1] = _mm256_fmadd_ps(qv, k1, a[1]);
+                    }
+                    c += 8;
+                }
+                for (r, a) in a.iter().enumerate() {
+                    out[r * n + j] = hsum8(a[0]);
+                    out[r * n + j + 1] = hsum8(a[1]);
+                }
+                j += 2;
+            }
+            if j < n {
+                let mut a = [_mm256_setzero_ps(); R];
+                let mut c = 0;
+                while c < d {
+                    let k0 = load8(k, j, c, d);
+                    for (r, a) in a.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(r * d + c)), k0, *a);
+                    }
+                    c += 8;
+                }
+                for (r, a) in a.iter().enumerate() {
+                    out[r * n + j] = hsum8(*a);
+                }
+            }
+        }
+    }
+
+    /// 16 channels × R rows in 2R accumulators across all tokens: each V load
+    /// serves R rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn group_accumulate<const R: usize>(
+        acc: &mut [f32],
+        corr: &[f32],
+        w: &[f32],
+        v: Rows<'_>,
+        n: usize,
+        d: usize,
+    ) {
+        let ap = acc.as_mut_ptr();
+        // SAFETY: channels c + 16 ≤ d (d % 8 == 0: the tail step is 8), rows
+        // r < R of acc (R·d) and w (R·n), tokens j < n of v: checked by the caller.
+        unsafe {
+            let mut c = 0;
+            while c + 16 <= d {
+                let mut a = [[_mm256_setzero_ps(); 2]; R];
+                for (r, a) in a.iter_mut().enumerate() {
+                    let cv = _mm256_set1_ps(corr[r]);
+                    a[0] = _mm256_mul_ps(_mm256_loadu_ps(ap.add(r * d + c)), cv);
+                    a[1] = _mm256_mul_ps(_mm256_loadu_ps(ap.add(r * d + c + 8)), cv);
+                }
+                for j in 0..n {
+                    let v0 = load8(v, j, c, d);
+                    let v1 = load8(v, j, c + 8, d);
+                    for (r, a) in a.iter_mut().enumerate() {
+                        let wv = _mm256_set1_ps(*w.get_unchecked(r * n + j));
+                        a[0] = _mm256_fmadd_ps(wv, v0, a[0]);
+                        a[1] = _mm256_fmadd_ps(wv, v1, a[1]);
+                    }
+                }
+                for (r, a) in a.iter().enumerate() {
+                    _mm256_storeu_ps(ap.add(r * d + c), a[0]);
+                    _mm256_storeu_ps(ap.add(r * d + c + 8), a[1]);
+                }
+                c += 16;
+            }
+            if c < d {
+                let mut a = [_mm256_setzero_ps(); R];
+                for (r, a) in a.iter_mut().enumerate() {
+                    *a = _mm256_mul_ps(_mm256_loadu_ps(ap.add(r * d + c)), _mm256_set1_ps(corr[r]));
+                }
+                for j in 0..n {
+                    let v0 = load8(v, j, c, d);
+                    for (r, a) in a.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(_mm256_set1_ps(*w.get_unchecked(r * n + j)), v0, *a);
+                    }
+                }
+                for (r, a) in a.iter().enumerate() {
+                    _mm256_storeu_ps(ap.add(r * d + c), *a);
+                }
+            }
+        }
+    }
+
     /// Eight bytes at `p`, zero-extended to eight 32-bit lanes.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn u8x8(p: *const u8) -> __m256i {
@@ -341,20 +469,6 @@ mod x86 {
         }
     }
 
-    /// Lane `t` of the result is the sum of the lanes of `a[t]`.
-    #[target_feature(enable = "avx2,fma")]
-    fn hsum8x8(a: [__m256; 8]) -> __m256 {
-        let t0 = _mm256_hadd_ps(a[0], a[1]);
-        let t1 = _mm256_hadd_ps(a[2], a[3]);
-        let t2 = _mm256_hadd_ps(a[4], a[5]);
-        let t3 = _mm256_hadd_ps(a[6], a[7]);
-        let u0 = _mm256_hadd_ps(t0, t1);
-        let u1 = _mm256_hadd_ps(t2, t3);
-        let lo = _mm256_permute2f128_ps::<0x20>(u0, u1);
-        let hi = _mm256_permute2f128_ps::<0x31>(u0, u1);
-        _mm256_add_ps(lo, hi)
-    }
-
     #[target_feature(enable = "avx2,fma")]
     fn hsum8(a: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
@@ -369,46 +483,77 @@ mod tests {
     use super::*;
 
     #[test]
-    fn simd_and_portable_agree() {
-        for d in [8, 24, 64, 72, 128] {
-            let n = 19;
-            let q: Vec<f32> = (0..d).map(|i| (i as f32 * 0.37).sin()).collect();
-            let k: Vec<f32> = (0..n * d).map(|i| (i as f32 * 0.11).cos()).collect();
-            let mut got = vec![0f32; n];
-            scores(&q, &k, d, &mut got);
-            for j in 0..n {
-                let want: f32 = q
-                    .iter()
-                    .zip(&k[j * d..(j + 1) * d])
-                    .map(|(a, b)| a * b)
-                    .sum();
-                assert!(
-                    (got[j] - want).abs() < 1e-4,
-                    "d={d} j={j}: {} vs {want}",
-                    got[j]
-                );
+    fn group_kernels_match_plain_loops_for_f32_and_f16_rows() {
+        for (rows, n, d) in [(1, 5, 8), (3, 16, 64), (4, 17, 128), (6, 9, 24), (8, 2, 72)] {
+            let q: Vec<f32> = (0..rows * d).map(|i| (i as f32 * 0.37).sin()).collect();
+            let kf: Vec<f32> = (0..n * d)
+                .map(|i| half::f16::from_f32((i as f32 * 0.11).cos()).to_f32())
+                .collect();
+            let kh: Vec<u8> = kf
+                .iter()
+                .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+                .collect();
+            // KV8 rows: codes and per-8-channel scales whose product is kf'.
+            let codes: Vec<u8> = (0..n * d)
+                .map(|i| ((i * 37 % 255) as i32 - 127) as i8 as u8)
+                .collect();
+            let scales: Vec<f32> = (0..n * d / 8).map(|i| 0.01 + i as f32 * 0.001).collect();
+            let k8: Vec<f32> = (0..n * d)
+                .map(|i| codes[i] as i8 as f32 * scales[(i / d) * (d / 8) + (i % d) / 8])
+                .collect();
+            let kv8 = Rows::Kv8 {
+                codes: &codes,
+                scales: &scales,
+                shift: 3,
+            };
+            for (k, kf) in [(Rows::F32(&kf), &kf), (Rows::F16(&kh), &kf), (kv8, &k8)] {
+                let mut out = vec![0f32; rows * n];
+                group_scores(&q, rows, k, n, d, &mut out);
+                for r in 0..rows {
+                    for j in 0..n {
+                        let want: f32 = (0..d).map(|c| q[r * d + c] * kf[j * d + c]).sum();
+                        assert!(
+                            (out[r * n + j] - want).abs() < 1e-4,
+                            "rows={rows} d={d} [{r}][{j}]"
+                        );
+                    }
+                }
+                let w: Vec<f32> = (0..rows * n).map(|i| (i % 7) as f32 / 7.0).collect();
+                let corr: Vec<f32> = (0..rows).map(|r| 0.5 + r as f32 / 10.0).collect();
+                let mut acc: Vec<f32> = (0..rows * d).map(|i| i as f32 / 100.0).collect();
+                let mut want = acc.clone();
+                group_accumulate(&mut acc, &corr, &w, k, n, d);
+                for r in 0..rows {
+                    for c in 0..d {
+                        want[r * d + c] = want[r * d + c] * corr[r]
+                            + (0..n).map(|j| w[r * n + j] * kf[j * d + c]).sum::<f32>();
+                    }
+                }
+                for (a, b) in acc.iter().zip(&want) {
+                    assert!(
+                        (a - b).abs() < 1e-4 * (1.0 + b.abs()),
+                        "rows={rows} d={d}: {a} vs {b}"
+                    );
+                }
             }
-            let mut e = got.clone();
-            let m = max(&got);
-            assert_eq!(m, got.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)));
+        }
+    }
+
+    #[test]
+    fn softmax_reductions_match_std() {
+        for n in [1, 7, 16, 19, 64] {
+            let x: Vec<f32> = (0..n).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.7).collect();
+            let m = max(&x);
+            assert_eq!(m, x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)));
+            let mut e = x.clone();
             let sum = exp_sum(&mut e, m);
-            let want_sum: f32 = got.iter().map(|x| (x - m).exp()).sum();
+            let want_sum: f32 = x.iter().map(|v| (v - m).exp()).sum();
             assert!(
                 (sum - want_sum).abs() < 1e-5 * want_sum,
                 "{sum} vs {want_sum}"
             );
-            for (a, x) in e.iter().zip(&got) {
-                assert!((a - (x - m).exp()).abs() < 1e-6, "{a} vs e^({x} - {m})");
-            }
-            let w: Vec<f32> = (0..n).map(|j| j as f32 / n as f32).collect();
-            let mut acc: Vec<f32> = (0..d).map(|c| c as f32).collect();
-            let mut want = acc.clone();
-            accumulate(&mut acc, 0.5, &w, &k, d);
-            for (c, x) in want.iter_mut().enumerate() {
-                *x = *x * 0.5 + (0..n).map(|j| w[j] * k[j * d + c]).sum::<f32>();
-            }
-            for (a, b) in acc.iter().zip(&want) {
-                assert!((a - b).abs() < 1e-4, "d={d}: {a} vs {b}");
+            for (a, v) in e.iter().zip(&x) {
+                assert!((a - (v - m).exp()).abs() < 1e-6, "{a} vs e^({v} - {m})");
             }
         }
     }
