@@ -40,6 +40,7 @@ mod context;
 mod detok;
 mod embed;
 mod error;
+pub mod eval;
 mod generate;
 mod model;
 mod reference;

@@ -8,6 +8,7 @@
 //! With no `--model`, the default model is used (`SILICEO_MODEL`, else
 //! `models/SmolLM2-135M-Instruct.Q4_1.gguf`); `cargo xtask fetch-model` fetches it.
 
+mod eval_kv;
 mod plan;
 mod serve;
 
@@ -50,6 +51,9 @@ enum Cmd {
     ModelInfo(ModelInfoArgs),
     /// Plan memory: KV blocks, context and sequences that fit a budget.
     Plan(plan::PlanArgs),
+    /// Measure what KV-cache formats cost in quality on a text: perplexity,
+    /// KL divergence against f16 KV, top-1 agreement, bytes per token.
+    EvalKv(eval_kv::EvalKvArgs),
 }
 
 #[derive(Args, Debug)]
@@ -340,6 +344,7 @@ fn main() -> ExitCode {
         Cmd::Generate(a) => cmd_generate(a),
         Cmd::ModelInfo(a) => cmd_model_info(a),
         Cmd::Plan(a) => plan::cmd_plan(a),
+        Cmd::EvalKv(a) => eval_kv::cmd_eval_kv(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

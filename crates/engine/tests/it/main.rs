@@ -5,6 +5,7 @@ mod bad_input;
 mod decode;
 mod draft;
 mod embed;
+mod eval;
 mod text;
 
 use std::path::PathBuf;

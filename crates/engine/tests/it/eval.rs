@@ -1,0 +1,121 @@
+//! The KV quality harness on the real model and real text.
+
+use siliceo_core::KvType;
+use siliceo_engine::EngineError;
+use siliceo_engine::eval::{EvalOptions, KvConfig, eval_kv};
+
+const TEXT: &str = "The history of computing is a story of memory as much as of arithmetic. \
+Early machines stored a few thousand words in delay lines or magnetic drums, and programmers \
+spent as much effort fitting data into memory as they spent on the algorithms themselves. \
+When core memory arrived it was faster and more reliable, but it remained expensive, so \
+every byte still mattered. Later, semiconductor memory made large stores cheap, and caches \
+appeared between the processor and main memory to hide its latency. Today the same tension \
+returns in language models: the keys and values of every token must be kept while a text is \
+generated, and on a small graphics card that cache, not the weights, decides how long a \
+conversation can be. Compressing it is tempting, but every bit removed changes what the \
+model predicts, and the only honest way to know by how much is to measure it on real text.";
+
+fn opts(configs: &[&str]) -> EvalOptions {
+    EvalOptions {
+        window: 64,
+        stride: 48,
+        max_windows: 3,
+        configs: configs
+            .iter()
+            .map(|c| KvConfig::parse(c).unwrap())
+            .collect(),
+        n_threads: None,
+    }
+}
+
+#[test]
+fn repeated_runs_agree_and_f16_against_f16_has_zero_divergence() {
+    let model = crate::model();
+    let tokens = model.tokenize(TEXT, true).unwrap();
+    let o = opts(&["f16", "q8_0/q8_0", "q4_0/q4_0"]);
+    let mut calls = 0;
+    let a = eval_kv(model, &tokens, &o, |_, _| calls += 1).unwrap();
+    let b = eval_kv(model, &tokens, &o, |_, _| {}).unwrap();
+    assert_eq!(
+        a, b,
+        "the harness must give identical numbers on repeated runs"
+    );
+    assert_eq!(calls, a.windows);
+    assert_eq!(a.windows, 3);
+    assert_eq!(a.scored, 3 * (64 - 1 - 32));
+    let (reference, f16, q8, q4) = (&a.rows[0], &a.rows[1], &a.rows[2], &a.rows[3]);
+    assert_eq!(
+        f16.config,
+        KvConfig {
+            k: KvType::F16,
+            v: KvType::F16
+        }
+    );
+    assert_eq!(f16.kl_mean, 0.0);
+    assert_eq!(f16.kl_p99, 0.0);
+    assert_eq!(f16.top1_agreement, 1.0);
+    assert_eq!(f16.perplexity, reference.perplexity);
+    assert!(
+        reference.perplexity > 1.0 && reference.perplexity < 200.0,
+        "{}",
+        reference.perplexity
+    );
+    // Fewer bits, more divergence — on this text, by a wide margin.
+    assert!(
+        q8.kl_mean > 0.0 && q8.kl_mean < q4.kl_mean,
+        "q8 {} vs q4 {}",
+        q8.kl_mean,
+        q4.kl_mean
+    );
+    assert!(q8.top1_agreement >= q4.top1_agreement);
+    assert!(
+        q4.kv_bytes_per_token < q8.kv_bytes_per_token
+            && q8.kv_bytes_per_token < f16.kv_bytes_per_token
+    );
+    assert_eq!(q8.bits_per_element, 8.5);
+}
+
+#[test]
+fn presets_and_bad_options_are_typed() {
+    assert_eq!(
+        KvConfig::parse("kv8").unwrap(),
+        KvConfig {
+            k: KvType::Q8_0,
+            v: KvType::Q8_0
+        }
+    );
+    assert_eq!(
+        KvConfig::parse("k5v4").unwrap(),
+        KvConfig {
+            k: KvType::Q5_1,
+            v: KvType::Q4_1
+        }
+    );
+    assert_eq!(
+        KvConfig::parse("q8_0/q4_0").unwrap(),
+        KvConfig {
+            k: KvType::Q8_0,
+            v: KvType::Q4_0
+        }
+    );
+    assert!(matches!(
+        KvConfig::parse("q3_k"),
+        Err(EngineError::InvalidOption { .. })
+    ));
+    let model = crate::model();
+    let tokens = model.tokenize(TEXT, true).unwrap();
+    let mut o = opts(&["kv8"]);
+    o.window = 2;
+    assert!(matches!(
+        eval_kv(model, &tokens, &o, |_, _| {}),
+        Err(EngineError::InvalidOption {
+            field: "window",
+            ..
+        })
+    ));
+    o.window = 4096;
+    assert!(matches!(
+        eval_kv(model, &tokens, &o, |_, _| {}),
+        Err(EngineError::InvalidOption { field: "text", .. })
+    ));
+}
