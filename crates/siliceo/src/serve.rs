@@ -48,6 +48,11 @@ pub struct ServeArgs {
     /// Context (KV cells) shared by all running requests [default: 8192].
     #[arg(long)]
     context: Option<u32>,
+    /// KV format preset: f16, kv8 (q8_0/q8_0) or k5v4 (q5_1/q4_1); --kv-k and
+    /// --kv-v override its halves. `siliceo eval-kv` measures what each costs
+    /// (docs/KV_QUALITY.md) [default: f16].
+    #[arg(long)]
+    kv: Option<String>,
     /// K cache type: f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl [default: f16].
     #[arg(long)]
     kv_k: Option<String>,
@@ -117,6 +122,7 @@ impl ServeArgs {
             api_key: self.api_key.or(file.api_key),
             metrics_listen: self.metrics_listen.or(file.metrics_listen),
             context: self.context.or(file.context),
+            kv: self.kv.or(file.kv),
             kv_k: self.kv_k.or(file.kv_k),
             kv_v: self.kv_v.or(file.kv_v),
             block_size: self.block_size.or(file.block_size),
@@ -138,11 +144,42 @@ impl ServeArgs {
     }
 }
 
-fn kv_type(s: Option<&str>, flag: &str) -> Result<KvType> {
+fn kv_type(s: Option<&str>, flag: &str, preset: KvType) -> Result<KvType> {
     match s {
-        None => Ok(KvType::F16),
+        None => Ok(preset),
         Some(s) => s.parse().with_context(|| format!("--{flag}")),
     }
+}
+
+/// K and V types from `--kv` and `--kv-k`/`--kv-v`, checked against the
+/// model's KV rows from its GGUF header before the model is loaded.
+fn kv_types(a: &ServeArgs, model: &std::path::Path) -> Result<(KvType, KvType)> {
+    let preset = match &a.kv {
+        Some(p) => siliceo_engine::eval::KvConfig::parse(p)
+            .map_err(|e| anyhow::anyhow!("--kv {p}: {e} (presets: f16, kv8, k5v4)"))?,
+        None => siliceo_engine::eval::KvConfig {
+            k: KvType::F16,
+            v: KvType::F16,
+        },
+    };
+    let k = kv_type(a.kv_k.as_deref(), "kv-k", preset.k)?;
+    let v = kv_type(a.kv_v.as_deref(), "kv-v", preset.v)?;
+    let g = crate::plan::read_header(model)?
+        .geometry()
+        .with_context(|| format!("reading the geometry of {}", model.display()))?;
+    for (flag, t, row) in [
+        ("kv-k", k, g.n_head_kv * g.head_dim_k),
+        ("kv-v", v, g.n_head_kv * g.head_dim_v),
+    ] {
+        if t.row_bytes(u64::from(row)).is_none() {
+            bail!(
+                "--{flag} {t}: this model's KV rows have {row} elements, not a multiple of {t}'s {}-element blocks; \
+                 llama.cpp cannot store them (try q8_0 for 32-element rows, or f16)",
+                t.block_elems()
+            );
+        }
+    }
+    Ok((k, v))
 }
 
 /// The runtime and server configuration `a` describes.
@@ -180,10 +217,11 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig)> {
         }
         bail!("--model: no such file: {}", model.display());
     }
+    let (type_k, type_v) = kv_types(&a, &model)?;
     let mut rc = RuntimeConfig::new(model);
     rc.context.n_ctx = a.context.unwrap_or(8192);
-    rc.context.type_k = kv_type(a.kv_k.as_deref(), "kv-k")?;
-    rc.context.type_v = kv_type(a.kv_v.as_deref(), "kv-v")?;
+    rc.context.type_k = type_k;
+    rc.context.type_v = type_v;
     rc.context.n_threads = a.threads;
     rc.context.n_threads_batch = a.threads;
     let batch = a.batch_tokens.unwrap_or(512);

@@ -255,12 +255,20 @@ fn serve_answers_grpc_and_exits_cleanly_on_sigterm() {
     // The file sets the context; the flag sets the address (flags win).
     std::fs::write(
         &cfg,
-        "context = 1024\nlisten = \"127.0.0.1:1\"\nmax_running = 4\n",
+        "context = 1024\nlisten = \"127.0.0.1:1\"\nmax_running = 4\nkv = \"k5v4\"\n",
     )
     .unwrap();
-    let (mut child, addr, ready) =
-        start_server(&["--config", cfg.to_str().unwrap(), "--listen", "127.0.0.1:0"]);
+    // The preset comes from the file; --kv-v overrides its V half.
+    let (mut child, addr, ready) = start_server(&[
+        "--config",
+        cfg.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--kv-v",
+        "q8_0",
+    ]);
     assert!(ready.contains("context 1024"), "{ready}");
+    assert!(ready.contains("KV q5_1/q8_0"), "{ready}");
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -326,6 +334,13 @@ fn serve_refuses_what_it_cannot_do_with_a_clear_error() {
     assert!(!out.status.success());
     assert!(
         text(&out.stderr).contains("--kv-k"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = siliceo(&["serve", "--kv", "kv9", "--listen", "127.0.0.1:0"]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("--kv kv9"),
         "{}",
         text(&out.stderr)
     );
