@@ -104,13 +104,14 @@ pub struct EvalReport {
     pub rows: Vec<EvalRow>,
 }
 
-/// Log-softmax of `logits` into `out` (f64 accumulation).
+/// Log-softmax of `logits` into `out` (exponentials in f32 after subtracting
+/// the maximum, their sum in f64).
 fn log_softmax(logits: &[f32], out: &mut Vec<f32>) {
     let m = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    let sum: f64 = logits.iter().map(|&x| ((x - m) as f64).exp()).sum();
-    let lse = m as f64 + sum.ln();
+    let sum: f64 = logits.iter().map(|&x| f64::from((x - m).exp())).sum();
+    let lse = m + sum.ln() as f32;
     out.clear();
-    out.extend(logits.iter().map(|&x| (x as f64 - lse) as f32));
+    out.extend(logits.iter().map(|&x| x - lse));
 }
 
 fn argmax(x: &[f32]) -> usize {
@@ -190,7 +191,9 @@ pub fn eval_kv(
     let mut nll = vec![0f64; configs.len()];
     let mut kls: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
     let mut agree = vec![0usize; configs.len()];
+    // The reference's log-probabilities and probabilities per scored position.
     let mut ref_lp: Vec<Vec<f32>> = vec![Vec::new(); n_scored];
+    let mut ref_p: Vec<Vec<f32>> = vec![Vec::new(); n_scored];
     let mut lp = Vec::with_capacity(vocab);
     let seq = SeqId(0);
     let mut batch = Batch::new();
@@ -222,20 +225,25 @@ pub fn eval_kv(
                     let slot = pos - first_scored;
                     if ci == 0 {
                         ref_lp[slot].clone_from(&lp);
+                        ref_p[slot].clear();
+                        ref_p[slot].extend(lp.iter().map(|&a| a.exp()));
                         kls[0].push(0.0);
                         agree[0] += 1;
                     } else {
                         let r = &ref_lp[slot];
+                        // Σ p·(log p − log q): f32 lanes of 1024, summed in f64.
                         let kl: f64 = r
-                            .iter()
-                            .zip(&lp)
-                            .map(|(&a, &b)| {
-                                let p = (a as f64).exp();
-                                if p > 0.0 {
-                                    p * (a as f64 - b as f64)
-                                } else {
-                                    0.0
-                                }
+                            .chunks(1024)
+                            .zip(ref_p[slot].chunks(1024))
+                            .zip(lp.chunks(1024))
+                            .map(|((a, p), b)| {
+                                f64::from(
+                                    a.iter()
+                                        .zip(p)
+                                        .zip(b)
+                                        .map(|((&a, &p), &b)| p * (a - b))
+                                        .sum::<f32>(),
+                                )
                             })
                             .sum();
                         kls[ci].push(kl.max(0.0));

@@ -1,0 +1,19 @@
+"""Markdown tables from `siliceo eval-kv --json` outputs (docs/KV_QUALITY.md).
+
+    python3 scripts/kv_quality_tables.py out/*.json
+"""
+import json
+import sys
+
+for path in sys.argv[1:]:
+    d = json.load(open(path))
+    base = d["configs"][0]["perplexity"]
+    print(f"**{d['model']}** · `{d['text'].rsplit('/', 1)[-1]}` ({d['text_tokens']} tokens) · "
+          f"windows of {d['window']} ({d['windows']} windows, {d['scored_positions']} positions scored)\n")
+    print("| K/V | bits/elem | KV bytes/token | perplexity | Δ ppl | mean KL | p99 KL | top-1 agree |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for c in d["configs"]:
+        print(f"| {c['k']}/{c['v']} | {c['bits_per_element']:.2f} | {c['kv_bytes_per_token']} | "
+              f"{c['perplexity']:.4f} | {100 * (c['perplexity'] / base - 1):+.2f} % | {c['kl_mean']:.5f} | "
+              f"{c['kl_p99']:.4f} | {100 * c['top1_agreement']:.2f} % |")
+    print()
