@@ -285,8 +285,14 @@ fn gpu(_: &Opts) {
 
 #[cfg(feature = "cuda")]
 fn gpu(o: &Opts) {
-    // Partition sizes are in tokens on the GPU: blocks × block size.
+    // Partition sizes are in tokens on the GPU: blocks × block size, at most
+    // 1024 (the decode kernel keeps a partition's scores in shared memory).
     for &p in &o.partition {
+        let p = if p == 0 {
+            1024 / o.block[0]
+        } else {
+            p.min(1024 / o.block[0])
+        };
         for &batch in &o.batch {
             siliceo_kernels_turing::cuda::bench::run(
                 &o.ctx,
