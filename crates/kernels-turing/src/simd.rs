@@ -436,9 +436,17 @@ mod x86 {
                     (j, _mm256_and_si256(b, mask)),
                     (j + half, _mm256_srli_epi32::<4>(b)),
                 ] {
-                    let plane = (c / e) as i32;
-                    let hb =
-                        _mm256_srl_epi32(u8x8(h.as_ptr().add(c % e)), _mm_cvtsi32_si128(plane));
+                    // e = d/8 is a power of two for the usual head sizes:
+                    // shifts instead of two integer divisions per 8 channels.
+                    let (plane, idx) = if e.is_power_of_two() {
+                        (c >> e.trailing_zeros(), c & (e - 1))
+                    } else {
+                        (c / e, c % e)
+                    };
+                    let hb = _mm256_srl_epi32(
+                        u8x8(h.as_ptr().add(idx)),
+                        _mm_cvtsi32_si128(plane as i32),
+                    );
                     let code =
                         _mm256_or_si256(nib, _mm256_slli_epi32::<4>(_mm256_and_si256(hb, one)));
                     let v = _mm256_fmadd_ps(
