@@ -41,6 +41,9 @@ struct Cli {
     command: Cmd,
 }
 
+// Built once per process from the command line: the size difference between
+// variants costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Serve the gRPC API (siliceo.v1.Inference, health, reflection) on a model.
