@@ -118,12 +118,16 @@ struct GenerateArgs {
     /// Threads (default: all cores).
     #[arg(long)]
     threads: Option<u32>,
+    /// KV preset: f16, kv8 (q8_0/q8_0) or k5v4 (q5_1/q4_1); --kv-k/--kv-v
+    /// override a half [default: f16].
+    #[arg(long)]
+    kv: Option<String>,
     /// K cache type (f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl).
-    #[arg(long, default_value = "f16")]
-    kv_k: KvType,
+    #[arg(long)]
+    kv_k: Option<KvType>,
     /// V cache type; a quantized V turns flash attention on.
-    #[arg(long, default_value = "f16")]
-    kv_v: KvType,
+    #[arg(long)]
+    kv_v: Option<KvType>,
 }
 
 #[derive(Args, Debug)]
@@ -196,6 +200,15 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         a.prompt
     };
     let tokens = model.tokenize(&text, true)?;
+    let preset = match &a.kv {
+        Some(p) => siliceo_engine::eval::KvConfig::parse(p)
+            .map_err(|e| anyhow::anyhow!("--kv {p}: {e} (presets: f16, kv8, k5v4)"))?,
+        None => siliceo_engine::eval::KvConfig {
+            k: KvType::F16,
+            v: KvType::F16,
+        },
+    };
+    let (type_k, type_v) = (a.kv_k.unwrap_or(preset.k), a.kv_v.unwrap_or(preset.v));
     let mut ctx = Context::new(
         &model,
         ContextOptions {
@@ -203,8 +216,8 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             n_seq_max: 1,
             n_threads: a.threads,
             n_threads_batch: a.threads,
-            type_k: a.kv_k,
-            type_v: a.kv_v,
+            type_k,
+            type_v,
             flash_attention: FlashAttention::Auto,
             ..ContextOptions::default()
         },

@@ -33,6 +33,19 @@ fn generate_streams_text_and_reports_speed() {
     );
     // No llama.cpp chatter on stderr at the default log level.
     assert!(!err.contains("llama_model_loader"), "{err}");
+    // With the kv8 preset (q8_0 K and V) the answer is the same.
+    let out = siliceo(&[
+        "generate",
+        "--chat",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-tokens",
+        "40",
+        "--kv",
+        "kv8",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("Paris"), "{}", text(&out.stdout));
 }
 
 #[test]
@@ -141,6 +154,11 @@ fn errors_are_clear_and_exit_nonzero() {
         &["generate", "--prompt", "hi", "--kv-k", "q3"],
         None,
         "unknown KV cache type",
+    );
+    check(
+        &["generate", "--prompt", "hi", "--kv", "kv9"],
+        None,
+        "--kv kv9",
     );
     let long = "word ".repeat(400);
     check(
