@@ -261,7 +261,7 @@ pub fn eval_kv(
         .iter()
         .enumerate()
         .map(|(ci, c)| {
-            let mut k = kls[ci].clone();
+            let mut k = std::mem::take(&mut kls[ci]);
             k.sort_by(f64::total_cmp);
             let p99 = k
                 .get(((k.len() as f64 * 0.99).ceil() as usize).saturating_sub(1))

@@ -116,6 +116,31 @@ impl Rows<'_> {
     }
 }
 
+/// Calls `f(first_row, rows)` for consecutive groups of at most 4 query rows
+/// (the x86 kernels keep 4 rows' accumulators in registers).
+#[cfg(target_arch = "x86_64")]
+fn for_row_groups(rows: usize, mut f: impl FnMut(usize, usize)) {
+    let mut r = 0;
+    while r < rows {
+        let take = (rows - r).min(4);
+        f(r, take);
+        r += take;
+    }
+}
+
+/// `path::func::<R>(args)` with `R` = `take` (1..=4) as a const generic.
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_rows {
+    ($take:expr, $($f:ident)::+ ($($arg:expr),*)) => {
+        match $take {
+            4 => $($f)::+::<4>($($arg),*),
+            3 => $($f)::+::<3>($($arg),*),
+            2 => $($f)::+::<2>($($arg),*),
+            _ => $($f)::+::<1>($($arg),*),
+        }
+    };
+}
+
 /// Scores of a group of query rows that share K rows:
 /// `out[r·n + j] = q[r] · k[j]` for `r < rows`, `j < n`.
 pub fn group_scores(q: &[f32], rows: usize, k: Rows<'_>, n: usize, d: usize, out: &mut [f32]) {
@@ -127,21 +152,11 @@ pub fn group_scores(q: &[f32], rows: usize, k: Rows<'_>, n: usize, d: usize, out
     );
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
-        let mut r = 0;
-        while r < rows {
-            let take = (rows - r).min(4);
+        for_row_groups(rows, |r, take| {
             let (qs, os) = (&q[r * d..], &mut out[r * n..]);
             // SAFETY: AVX2/FMA/F16C checked; the bounds above cover every access.
-            unsafe {
-                match take {
-                    4 => x86::group_scores::<4>(qs, k, n, d, os),
-                    3 => x86::group_scores::<3>(qs, k, n, d, os),
-                    2 => x86::group_scores::<2>(qs, k, n, d, os),
-                    _ => x86::group_scores::<1>(qs, k, n, d, os),
-                }
-            }
-            r += take;
-        }
+            unsafe { by_rows!(take, x86::group_scores(qs, k, n, d, os)) }
+        });
         return;
     }
     for r in 0..rows {
@@ -163,21 +178,11 @@ pub fn group_accumulate(acc: &mut [f32], corr: &[f32], w: &[f32], v: Rows<'_>, n
     );
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
-        let mut r = 0;
-        while r < rows {
-            let take = (rows - r).min(4);
+        for_row_groups(rows, |r, take| {
             let (a, c, ws) = (&mut acc[r * d..], &corr[r..r + take], &w[r * n..]);
             // SAFETY: as in `group_scores`.
-            unsafe {
-                match take {
-                    4 => x86::group_accumulate::<4>(a, c, ws, v, n, d),
-                    3 => x86::group_accumulate::<3>(a, c, ws, v, n, d),
-                    2 => x86::group_accumulate::<2>(a, c, ws, v, n, d),
-                    _ => x86::group_accumulate::<1>(a, c, ws, v, n, d),
-                }
-            }
-            r += take;
-        }
+            unsafe { by_rows!(take, x86::group_accumulate(a, c, ws, v, n, d)) }
+        });
         return;
     }
     for r in 0..rows {

@@ -446,8 +446,8 @@ fn compute(
     }
     let cross = emb.pooling() == Pooling::Rank;
     let mut inputs: Vec<Vec<TokenId>> = Vec::new();
-    // Per job: its inputs' range and token count, or its error.
-    let mut spans: Vec<Result<(usize, usize, u32), RuntimeError>> = Vec::with_capacity(jobs.len());
+    // Per job: how many inputs it has and their tokens, or its error.
+    let mut spans: Vec<Result<(usize, u32), RuntimeError>> = Vec::with_capacity(jobs.len());
     for job in jobs {
         let toks: Result<Vec<Vec<TokenId>>, EngineError> = match job {
             Job::Embed {
@@ -478,7 +478,7 @@ fn compute(
         spans.push(match toks {
             Ok(t) => {
                 let tokens = t.iter().map(|x| x.len() as u32).sum();
-                let span = (inputs.len(), t.len(), tokens);
+                let span = (t.len(), tokens);
                 inputs.extend(t);
                 Ok(span)
             }
@@ -505,12 +505,14 @@ fn compute(
     stats
         .inputs
         .fetch_add(inputs.len() as u64, Ordering::Relaxed);
+    // Spans are in input order: each job takes its vectors off the front.
+    let mut vectors = vectors.into_iter();
     jobs.iter()
         .zip(spans)
         .map(|(job, span)| {
-            let (start, count, tokens) = span?;
+            let (count, tokens) = span?;
             stats.requests.fetch_add(1, Ordering::Relaxed);
-            let mut vs: Vec<Vec<f32>> = vectors[start..start + count].to_vec();
+            let mut vs: Vec<Vec<f32>> = vectors.by_ref().take(count).collect();
             Ok(match job {
                 Job::Embed { normalize, .. } => {
                     if *normalize {

@@ -14,6 +14,22 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
+/// Runs `siliceo args` (with `env` set) and checks it fails with `needle` on stderr.
+fn check(args: &[&str], env: Option<(&str, &str)>, needle: &str) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_siliceo"));
+    cmd.args(args).env_remove("RUST_LOG");
+    if let Some((k, v)) = env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    assert!(!out.status.success(), "{args:?} succeeded");
+    let err = text(&out.stderr);
+    assert!(
+        err.contains(needle),
+        "{args:?}: expected `{needle}` in:\n{err}"
+    );
+}
+
 #[test]
 fn generate_streams_text_and_reports_speed() {
     let out = siliceo(&[
@@ -120,20 +136,6 @@ fn model_info_table() {
 
 #[test]
 fn errors_are_clear_and_exit_nonzero() {
-    let check = |args: &[&str], env: Option<(&str, &str)>, needle: &str| {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_siliceo"));
-        cmd.args(args);
-        if let Some((k, v)) = env {
-            cmd.env(k, v);
-        }
-        let out = cmd.output().unwrap();
-        assert!(!out.status.success(), "{args:?} succeeded");
-        let err = text(&out.stderr);
-        assert!(
-            err.contains(needle),
-            "{args:?}: expected `{needle}` in:\n{err}"
-        );
-    };
     check(
         &["generate", "--prompt", "hi", "--model", "/nonexistent.gguf"],
         None,
@@ -335,38 +337,21 @@ fn serve_answers_grpc_and_exits_cleanly_on_sigterm() {
 
 #[test]
 fn serve_refuses_what_it_cannot_do_with_a_clear_error() {
-    let out = siliceo(&[
-        "serve",
-        "--draft-model",
-        "x.gguf",
-        "--listen",
-        "127.0.0.1:0",
-    ]);
-    assert!(!out.status.success());
-    assert!(
-        text(&out.stderr).contains("--draft-model"),
-        "{}",
-        text(&out.stderr)
-    );
-    let out = siliceo(&["serve", "--kv-k", "q9_9", "--listen", "127.0.0.1:0"]);
-    assert!(!out.status.success());
-    assert!(
-        text(&out.stderr).contains("--kv-k"),
-        "{}",
-        text(&out.stderr)
-    );
-    let out = siliceo(&["serve", "--kv", "kv9", "--listen", "127.0.0.1:0"]);
-    assert!(!out.status.success());
-    assert!(
-        text(&out.stderr).contains("--kv kv9"),
-        "{}",
-        text(&out.stderr)
-    );
-    let out = siliceo(&["serve", "--model", "/nonexistent.gguf"]);
-    assert!(!out.status.success());
-    assert!(
-        text(&out.stderr).contains("no such file"),
-        "{}",
-        text(&out.stderr)
+    let listen = ["--listen", "127.0.0.1:0"];
+    for (flags, needle) in [
+        (&["--draft-model", "x.gguf"][..], "--draft-model"),
+        (&["--kv-k", "q9_9"][..], "--kv-k"),
+        (&["--kv", "kv9"][..], "--kv kv9"),
+    ] {
+        let args: Vec<&str> = std::iter::once("serve")
+            .chain(flags.iter().copied())
+            .chain(listen)
+            .collect();
+        check(&args, None, needle);
+    }
+    check(
+        &["serve", "--model", "/nonexistent.gguf"],
+        None,
+        "no such file",
     );
 }
