@@ -13,7 +13,8 @@ for path in sys.argv[1:]:
     print("| K/V | bits/elem | KV bytes/token | perplexity | Δ ppl | mean KL | p99 KL | top-1 agree |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for c in d["configs"]:
-        print(f"| {c['k']}/{c['v']} | {c['bits_per_element']:.2f} | {c['kv_bytes_per_token']} | "
+        name = c.get("name", f"{c['k']}/{c['v']}")
+        print(f"| {name} | {c['bits_per_element']:.2f} | {c['kv_bytes_per_token']} | "
               f"{c['perplexity']:.4f} | {100 * (c['perplexity'] / base - 1):+.2f} % | {c['kl_mean']:.5f} | "
               f"{c['kl_p99']:.4f} | {100 * c['top1_agreement']:.2f} % |")
     print()

@@ -142,6 +142,9 @@ pub enum EngineError {
     /// llama.cpp could not compute embeddings.
     #[error("embedding failed: {0}")]
     Embed(String),
+    /// Shadow attention (our KV formats inside llama.cpp's forward pass) failed.
+    #[error("shadow attention: {0}")]
+    Shadow(String),
     /// A sampling parameter is invalid.
     #[error(transparent)]
     Params(#[from] siliceo_core::Error),
@@ -172,6 +175,7 @@ impl EngineError {
             EngineError::ChatTemplate(_) => "chat_template",
             EngineError::Tokenize(_) => "tokenize",
             EngineError::Embed(_) => "embed",
+            EngineError::Shadow(_) => "shadow",
             EngineError::Params(e) => e.error_kind(),
             EngineError::IncompatibleVocab(_) => "incompatible_vocab",
         }

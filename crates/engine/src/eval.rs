@@ -5,13 +5,25 @@
 //! The text is cut into windows of `window` tokens every `stride` tokens; each
 //! window is decoded from an empty cache, and the positions of its second half
 //! are scored (the first half is context, as llama.cpp's `llama-perplexity`
-//! does). Every configuration sees exactly the same windows; flash attention is
-//! on for all of them (llama.cpp needs it for a quantized V), so the f16
-//! reference differs from the others only in the KV format.
+//! does). Every configuration sees exactly the same windows.
+//!
+//! The reference ([`Reference`]) is by default *exact*: f32 K/V and llama.cpp's
+//! plain attention (f32 matrix products and softmax). llama.cpp's f16 KV with
+//! flash attention — what it serves with, and the only way it takes a quantized
+//! V — is not exact on the CPU: its flash-attention kernel rounds Q to f16 and
+//! accumulates V in an f16 accumulator (ggml-cpu `ops.cpp`, `VKQ16`), which
+//! costs about as much as q8_0 KV on a small model (measured: KL 0.004 nats
+//! against the exact run on SmolLM2-135M). Every llama.cpp type is run with
+//! flash attention (needed for a quantized V), so its row includes that.
+//!
+//! Formats are llama.cpp's own KV types ([`KvConfig`], run by llama.cpp) or
+//! siliceo's ([`ShadowFormat`], `ours:…`, run through shadow attention: our
+//! store and CPU kernel inside llama.cpp's forward pass, see `shadow.rs`).
 
-use siliceo_core::{KvType, SeqId, TokenId};
+use siliceo_core::{KvType, ModelGeometry, SeqId, TokenId};
 
-use crate::{Batch, Context, ContextOptions, EngineError, FlashAttention, Model};
+use crate::shadow::{RawModel, ShadowContext, ShadowMode};
+use crate::{Batch, Context, ContextOptions, EngineError, FlashAttention, Model, ShadowFormat};
 
 /// One K/V format pair to measure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,6 +69,110 @@ impl KvConfig {
     }
 }
 
+/// A KV format to measure: llama.cpp's types, or ours through shadow attention.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EvalFormat {
+    /// llama.cpp's own K/V types, run by llama.cpp.
+    Llama(KvConfig),
+    /// siliceo's formats (`ours:…`), run through shadow attention.
+    Ours(ShadowFormat),
+    /// `floor`: the reference with every attention output changed by a
+    /// relative 1e-6 (alternating signs) — the KL divergence that *any*
+    /// harmless change of the computation shows on this model, because
+    /// llama.cpp quantizes activations to 8 bits in front of quantized weights
+    /// and a tiny change re-rolls that rounding. Formats near this row are
+    /// indistinguishable from the reference.
+    Floor,
+}
+
+/// The floor row's relative change of the attention outputs.
+pub const FLOOR_JITTER: f32 = 1e-6;
+
+impl EvalFormat {
+    /// `ours:…` (see [`ShadowFormat::parse`]) or anything [`KvConfig::parse`] takes.
+    pub fn parse(s: &str) -> Result<EvalFormat, EngineError> {
+        if s.trim() == "floor" {
+            return Ok(EvalFormat::Floor);
+        }
+        match s.trim().strip_prefix("ours:") {
+            Some(rest) => Ok(EvalFormat::Ours(ShadowFormat::parse(rest)?)),
+            None => Ok(EvalFormat::Llama(KvConfig::parse(s)?)),
+        }
+    }
+
+    /// `k/v` for llama.cpp's types, `ours:k:v[+rot][+tailN]` for ours.
+    pub fn name(&self) -> String {
+        match self {
+            EvalFormat::Llama(c) => c.name(),
+            EvalFormat::Ours(f) => f.name(),
+            EvalFormat::Floor => format!("floor (reference ± {FLOOR_JITTER:e})"),
+        }
+    }
+
+    /// Average bits per K/V element (sealed blocks for ours; the F16 tail is
+    /// not counted — it is a fixed number of tokens, not a share of them; the
+    /// floor's are the exact reference's).
+    pub fn bits_per_element(&self, g: &ModelGeometry) -> Result<f64, EngineError> {
+        Ok(match self {
+            EvalFormat::Llama(c) => (c.k.bits_per_element() + c.v.bits_per_element()) / 2.0,
+            EvalFormat::Floor => 32.0,
+            EvalFormat::Ours(f) => f
+                .layout(g.n_head_kv as usize, g.head_dim_k as usize)?
+                .bits_per_element(),
+        })
+    }
+
+    /// KV bytes per token for this model, all layers, K and V (sealed blocks for ours).
+    pub fn kv_bytes_per_token(&self, g: &ModelGeometry) -> Result<u64, EngineError> {
+        Ok(match self {
+            EvalFormat::Llama(c) => g.kv_bytes_per_token(c.k, c.v),
+            EvalFormat::Floor => g.kv_bytes_per_token(KvType::F32, KvType::F32),
+            EvalFormat::Ours(f) => {
+                let l = f.layout(g.n_head_kv as usize, g.head_dim_k as usize)?;
+                (l.bytes_per_token() * f64::from(g.n_layer)).round() as u64
+            }
+        })
+    }
+}
+
+impl From<KvConfig> for EvalFormat {
+    fn from(c: KvConfig) -> Self {
+        EvalFormat::Llama(c)
+    }
+}
+
+/// What every configuration is compared against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reference {
+    /// f32 K/V, flash attention off: llama.cpp's f32 attention.
+    #[default]
+    Exact,
+    /// f16 K/V with flash attention (llama.cpp's serving default).
+    F16Flash,
+}
+
+impl Reference {
+    /// `exact` or `f16`.
+    pub fn parse(s: &str) -> Result<Reference, EngineError> {
+        match s {
+            "exact" | "f32" => Ok(Reference::Exact),
+            "f16" => Ok(Reference::F16Flash),
+            other => Err(EngineError::InvalidOption {
+                field: "reference",
+                reason: format!("`{other}`: expected `exact` (f32, no flash attention) or `f16`"),
+            }),
+        }
+    }
+
+    /// A label for tables.
+    pub fn label(self) -> &'static str {
+        match self {
+            Reference::Exact => "f32/f32 exact (reference)",
+            Reference::F16Flash => "f16/f16 flash (reference)",
+        }
+    }
+}
+
 /// What to measure.
 #[derive(Debug, Clone)]
 pub struct EvalOptions {
@@ -66,8 +182,10 @@ pub struct EvalOptions {
     pub stride: usize,
     /// At most this many windows (0 = all).
     pub max_windows: usize,
-    /// The configurations; the f16 reference is always run first.
-    pub configs: Vec<KvConfig>,
+    /// The configurations; the reference is always run first.
+    pub configs: Vec<EvalFormat>,
+    /// What KL divergence and top-1 agreement compare against.
+    pub reference: Reference,
     /// Threads (default: all cores).
     pub n_threads: Option<u32>,
 }
@@ -76,7 +194,7 @@ pub struct EvalOptions {
 #[derive(Debug, Clone, PartialEq)]
 pub struct EvalRow {
     /// The K/V formats.
-    pub config: KvConfig,
+    pub config: EvalFormat,
     /// exp(mean negative log-likelihood of the next token).
     pub perplexity: f64,
     /// Mean KL(f16 ‖ this) over the scored positions, in nats.
@@ -89,6 +207,11 @@ pub struct EvalRow {
     pub bits_per_element: f64,
     /// KV bytes per token for this model (all layers, K and V).
     pub kv_bytes_per_token: u64,
+    /// Ours only: mean and maximum relative L2 difference of each layer's
+    /// attention output from llama.cpp's (f16 K/V, flash attention) on the
+    /// same inputs — the format's attention error, and for `ours:f16` the
+    /// check that the shadow path reproduces llama.cpp (about 1e-6).
+    pub attn_error: Option<(f64, f64)>,
 }
 
 /// The whole measurement.
@@ -100,7 +223,7 @@ pub struct EvalReport {
     pub windows: usize,
     /// Positions scored per configuration.
     pub scored: usize,
-    /// One row per configuration, the f16 reference first.
+    /// One row per configuration, the reference first.
     pub rows: Vec<EvalRow>,
 }
 
@@ -122,6 +245,57 @@ fn argmax(x: &[f32]) -> usize {
         }
     }
     best
+}
+
+/// One configuration's way of running a window.
+enum Runner<'m> {
+    Llama(Context<'m>, Batch),
+    Shadow(ShadowContext<'m>),
+}
+
+impl Runner<'_> {
+    /// Decodes `win` from an empty cache and calls `scored(pos, logits)` for
+    /// every position from `first_scored` to the one before the last.
+    fn run(
+        &mut self,
+        win: &[TokenId],
+        first_scored: usize,
+        mut scored: impl FnMut(usize, &[f32]),
+    ) -> Result<(), EngineError> {
+        let wanted = |pos: usize| pos >= first_scored && pos + 1 < win.len();
+        match self {
+            Runner::Llama(ctx, batch) => {
+                ctx.clear();
+                let chunk = ctx.n_batch() as usize;
+                for (c, part) in win.chunks(chunk).enumerate() {
+                    batch.clear();
+                    for (i, &t) in part.iter().enumerate() {
+                        let pos = c * chunk + i;
+                        batch.push(t, pos as u32, SeqId(0), wanted(pos));
+                    }
+                    ctx.decode(batch)?;
+                    for i in 0..part.len() {
+                        if wanted(c * chunk + i) {
+                            scored(c * chunk + i, ctx.logits(i)?);
+                        }
+                    }
+                }
+            }
+            Runner::Shadow(ctx) => {
+                ctx.clear();
+                let chunk = ctx.n_batch();
+                for (c, part) in win.chunks(chunk).enumerate() {
+                    ctx.decode(part, c * chunk, |i| wanted(c * chunk + i))?;
+                    for i in 0..part.len() {
+                        if wanted(c * chunk + i) {
+                            scored(c * chunk + i, ctx.logits(i));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Measures `opts.configs` on `tokens`. `progress(done, total)` is called
@@ -158,32 +332,89 @@ pub fn eval_kv(
     if opts.max_windows > 0 {
         starts.truncate(opts.max_windows);
     }
-    let reference = KvConfig {
-        k: KvType::F16,
-        v: KvType::F16,
-    };
+    let reference = EvalFormat::Llama(match opts.reference {
+        Reference::Exact => KvConfig {
+            k: KvType::F32,
+            v: KvType::F32,
+        },
+        Reference::F16Flash => KvConfig {
+            k: KvType::F16,
+            v: KvType::F16,
+        },
+    });
     let mut configs = vec![reference];
-    configs.extend(opts.configs.iter().copied());
+    configs.extend(opts.configs.iter().cloned());
     let geometry = model.geometry();
+    // Sizes first: a format the model cannot take fails before any work.
+    let mut sizes = configs
+        .iter()
+        .map(|c| {
+            Ok((
+                c.bits_per_element(&geometry)?,
+                c.kv_bytes_per_token(&geometry)?,
+            ))
+        })
+        .collect::<Result<Vec<_>, EngineError>>()?;
+    for (ci, c) in configs.iter().enumerate() {
+        if *c == EvalFormat::Floor {
+            sizes[ci] = sizes[0];
+        }
+    }
     let window = opts.window as u32;
-    let mut contexts = Vec::with_capacity(configs.len());
-    for c in &configs {
-        // llama.cpp rounds n_ctx up to a multiple of 256.
-        let n_ctx = window.next_multiple_of(256);
-        contexts.push(Context::new(
-            model,
-            ContextOptions {
-                n_ctx,
-                n_batch: window.min(512),
-                n_ubatch: window.min(512),
-                n_seq_max: 1,
-                n_threads: opts.n_threads,
-                n_threads_batch: opts.n_threads,
-                type_k: c.k,
-                type_v: c.v,
-                flash_attention: FlashAttention::On,
-            },
-        )?);
+    // llama.cpp rounds n_ctx up to a multiple of 256.
+    let n_ctx = window.next_multiple_of(256);
+    let n_batch = window.min(512);
+    let raw = if configs.iter().any(|c| !matches!(c, EvalFormat::Llama(_))) {
+        Some(RawModel::load(model.path())?)
+    } else {
+        None
+    };
+    let mut runners = Vec::with_capacity(configs.len());
+    for (ci, c) in configs.iter().enumerate() {
+        let exact = ci == 0 && opts.reference == Reference::Exact;
+        runners.push(match c {
+            EvalFormat::Llama(c) => Runner::Llama(
+                Context::new(
+                    model,
+                    ContextOptions {
+                        n_ctx,
+                        n_batch,
+                        n_ubatch: n_batch,
+                        n_seq_max: 1,
+                        n_threads: opts.n_threads,
+                        n_threads_batch: opts.n_threads,
+                        type_k: c.k,
+                        type_v: c.v,
+                        flash_attention: if exact {
+                            FlashAttention::Off
+                        } else {
+                            FlashAttention::On
+                        },
+                    },
+                )?,
+                Batch::new(),
+            ),
+            EvalFormat::Ours(_) | EvalFormat::Floor => {
+                let raw = raw
+                    .as_ref()
+                    .ok_or_else(|| EngineError::Shadow("the raw model was not loaded".into()))?;
+                let mode = match c {
+                    EvalFormat::Ours(f) => ShadowMode::Replace(f.clone()),
+                    _ => ShadowMode::Jitter {
+                        rel: FLOOR_JITTER,
+                        exact: opts.reference == Reference::Exact,
+                    },
+                };
+                Runner::Shadow(ShadowContext::new(
+                    raw,
+                    model,
+                    &mode,
+                    n_ctx,
+                    n_batch,
+                    opts.n_threads,
+                )?)
+            }
+        });
     }
     let first_scored = opts.window / 2;
     let n_scored = opts.window - 1 - first_scored;
@@ -195,64 +426,43 @@ pub fn eval_kv(
     let mut ref_lp: Vec<Vec<f32>> = vec![Vec::new(); n_scored];
     let mut ref_p: Vec<Vec<f32>> = vec![Vec::new(); n_scored];
     let mut lp = Vec::with_capacity(vocab);
-    let seq = SeqId(0);
-    let mut batch = Batch::new();
     for (wi, &start) in starts.iter().enumerate() {
         let win = &tokens[start..start + opts.window];
-        for (ci, ctx) in contexts.iter_mut().enumerate() {
-            ctx.clear();
-            let chunk = ctx.n_batch() as usize;
-            for (c, part) in win.chunks(chunk).enumerate() {
-                batch.clear();
-                for (i, &t) in part.iter().enumerate() {
-                    let pos = c * chunk + i;
-                    batch.push(
-                        t,
-                        pos as u32,
-                        seq,
-                        pos >= first_scored && pos + 1 < opts.window,
-                    );
-                }
-                ctx.decode(&batch)?;
-                for (i, _) in part.iter().enumerate() {
-                    let pos = c * chunk + i;
-                    if pos < first_scored || pos + 1 >= opts.window {
-                        continue;
-                    }
-                    log_softmax(ctx.logits(i)?, &mut lp);
-                    let next = win[pos + 1].0 as usize;
-                    nll[ci] -= lp[next] as f64;
-                    let slot = pos - first_scored;
-                    if ci == 0 {
-                        ref_lp[slot].clone_from(&lp);
-                        ref_p[slot].clear();
-                        ref_p[slot].extend(lp.iter().map(|&a| a.exp()));
-                        kls[0].push(0.0);
-                        agree[0] += 1;
-                    } else {
-                        let r = &ref_lp[slot];
-                        // Σ p·(log p − log q): f32 lanes of 1024, summed in f64.
-                        let kl: f64 = r
-                            .chunks(1024)
-                            .zip(ref_p[slot].chunks(1024))
-                            .zip(lp.chunks(1024))
-                            .map(|((a, p), b)| {
-                                f64::from(
-                                    a.iter()
-                                        .zip(p)
-                                        .zip(b)
-                                        .map(|((&a, &p), &b)| p * (a - b))
-                                        .sum::<f32>(),
-                                )
-                            })
-                            .sum();
-                        kls[ci].push(kl.max(0.0));
-                        if argmax(r) == argmax(&lp) {
-                            agree[ci] += 1;
-                        }
+        for (ci, runner) in runners.iter_mut().enumerate() {
+            runner.run(win, first_scored, |pos, logits| {
+                log_softmax(logits, &mut lp);
+                let next = win[pos + 1].0 as usize;
+                nll[ci] -= lp[next] as f64;
+                let slot = pos - first_scored;
+                if ci == 0 {
+                    ref_lp[slot].clone_from(&lp);
+                    ref_p[slot].clear();
+                    ref_p[slot].extend(lp.iter().map(|&a| a.exp()));
+                    kls[0].push(0.0);
+                    agree[0] += 1;
+                } else {
+                    let r = &ref_lp[slot];
+                    // Σ p·(log p − log q): f32 lanes of 1024, summed in f64.
+                    let kl: f64 = r
+                        .chunks(1024)
+                        .zip(ref_p[slot].chunks(1024))
+                        .zip(lp.chunks(1024))
+                        .map(|((a, p), b)| {
+                            f64::from(
+                                a.iter()
+                                    .zip(p)
+                                    .zip(b)
+                                    .map(|((&a, &p), &b)| p * (a - b))
+                                    .sum::<f32>(),
+                            )
+                        })
+                        .sum();
+                    kls[ci].push(kl.max(0.0));
+                    if argmax(r) == argmax(&lp) {
+                        agree[ci] += 1;
                     }
                 }
-            }
+            })?;
         }
         progress(wi + 1, starts.len());
     }
@@ -268,13 +478,17 @@ pub fn eval_kv(
                 .copied()
                 .unwrap_or(0.0);
             EvalRow {
-                config: *c,
+                config: c.clone(),
                 perplexity: (nll[ci] / total as f64).exp(),
                 kl_mean: k.iter().sum::<f64>() / total as f64,
                 kl_p99: p99,
                 top1_agreement: agree[ci] as f64 / total as f64,
-                bits_per_element: (c.k.bits_per_element() + c.v.bits_per_element()) / 2.0,
-                kv_bytes_per_token: geometry.kv_bytes_per_token(c.k, c.v),
+                bits_per_element: sizes[ci].0,
+                kv_bytes_per_token: sizes[ci].1,
+                attn_error: match &runners[ci] {
+                    Runner::Shadow(s) => s.divergence(),
+                    Runner::Llama(..) => None,
+                },
             }
         })
         .collect();

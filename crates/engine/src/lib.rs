@@ -44,6 +44,7 @@ pub mod eval;
 mod generate;
 mod model;
 mod reference;
+mod shadow;
 
 pub use backend::{backend_init, supports_gpu_offload};
 pub use context::{Batch, Context, ContextOptions, FlashAttention, SeqSnapshot};
@@ -53,5 +54,6 @@ pub use error::EngineError;
 pub use generate::{Generation, generate};
 pub use model::{ChatMessage, Model, ModelOptions};
 pub use reference::GreedyTrace;
+pub use shadow::ShadowFormat;
 
 pub(crate) use backend::backend;

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use anyhow::{Context as _, Result, bail};
 use clap::Args;
-use siliceo_engine::eval::{EvalOptions, EvalReport, KvConfig, eval_kv};
+use siliceo_engine::eval::{EvalFormat, EvalOptions, EvalReport, Reference, eval_kv};
 use siliceo_engine::{Model, ModelOptions};
 
 #[derive(Args, Debug)]
@@ -27,10 +27,18 @@ pub struct EvalKvArgs {
     #[arg(long, default_value_t = 0)]
     max_windows: usize,
     /// Comma-separated K/V formats: llama.cpp types `K/V` (e.g. q8_0/q4_0), one
-    /// type for both, or presets `kv8` (q8_0/q8_0), `k5v4` (q5_1/q4_1). The f16
-    /// reference always runs.
+    /// type for both, or presets `kv8` (q8_0/q8_0), `k5v4` (q5_1/q4_1); or
+    /// siliceo's own formats through shadow attention: `ours:f16`, `ours:kv8`,
+    /// `ours:k5v4`, `ours:K:V` (codecs f16, kv8[/G|/head], k5, v4[/G]) with
+    /// `+rot` (Hadamard-rotated K) and `+tailN` (N recent tokens in F16), e.g.
+    /// `ours:k5v4+rot+tail128`. The llama.cpp f16 reference always runs.
     #[arg(long, default_value = "q8_0/q8_0,k5v4,q5_0/q5_0,q4_0/q4_0")]
     configs: String,
+    /// What KL and top-1 agreement compare against: `exact` (f32 K/V, llama.cpp's
+    /// f32 attention) or `f16` (f16 K/V with flash attention, whose CPU kernel
+    /// accumulates V in f16).
+    #[arg(long, default_value = "exact")]
+    reference: String,
     /// Threads [default: all cores].
     #[arg(long)]
     threads: Option<u32>,
@@ -47,11 +55,12 @@ pub fn cmd_eval_kv(a: EvalKvArgs) -> Result<()> {
         .configs
         .split(',')
         .filter(|s| !s.trim().is_empty())
-        .map(KvConfig::parse)
+        .map(EvalFormat::parse)
         .collect::<Result<Vec<_>, _>>()?;
     if configs.is_empty() {
         bail!("--configs: name at least one K/V format");
     }
+    let reference = Reference::parse(&a.reference)?;
     eprintln!("eval-kv: loading {}", path.display());
     let model = Model::load(&path, &ModelOptions::default())?;
     let tokens = model.tokenize(&text, true)?;
@@ -60,6 +69,7 @@ pub fn cmd_eval_kv(a: EvalKvArgs) -> Result<()> {
         stride: a.stride.unwrap_or(a.window),
         max_windows: a.max_windows,
         configs,
+        reference,
         n_threads: a.threads,
     };
     let t0 = Instant::now();
@@ -93,20 +103,33 @@ fn json(r: &EvalReport, model: &str, text: &str, o: &EvalOptions) -> serde_json:
         "model": model,
         "text": text,
         "text_tokens": r.text_tokens,
+        "reference": o.reference.label(),
         "window": o.window,
         "stride": o.stride,
         "windows": r.windows,
         "scored_positions": r.scored,
-        "configs": r.rows.iter().map(|row| serde_json::json!({
-            "k": row.config.k.name(),
-            "v": row.config.v.name(),
+        "configs": r.rows.iter().enumerate().map(|(i, row)| {
+            let (k, v, rotate_k, tail_tokens, shadow) = match &row.config {
+                EvalFormat::Llama(c) => (c.k.name().to_string(), c.v.name().to_string(), false, 0, false),
+                EvalFormat::Ours(f) => (f.k.clone(), f.v.clone(), f.rotate_k, f.tail_tokens, true),
+                EvalFormat::Floor => (String::new(), String::new(), false, 0, false),
+            };
+            serde_json::json!({
+            "name": if i == 0 { o.reference.label().to_string() } else { row.config.name() },
+            "k": k,
+            "v": v,
+            "ours": shadow,
+            "rotate_k": rotate_k,
+            "tail_tokens": tail_tokens,
             "bits_per_element": row.bits_per_element,
             "kv_bytes_per_token": row.kv_bytes_per_token,
             "perplexity": row.perplexity,
             "kl_mean": row.kl_mean,
             "kl_p99": row.kl_p99,
             "top1_agreement": row.top1_agreement,
-        })).collect::<Vec<_>>(),
+            "attn_rel_err_mean": row.attn_error.map(|e| e.0),
+            "attn_rel_err_max": row.attn_error.map(|e| e.1),
+        })}).collect::<Vec<_>>(),
     })
 }
 
@@ -115,20 +138,27 @@ fn markdown(r: &EvalReport, model: &str, text: &str, o: &EvalOptions) -> String 
         "{model} · {text} ({} tokens) · windows of {} every {} ({} windows, {} positions scored)\n\n",
         r.text_tokens, o.window, o.stride, r.windows, r.scored
     );
-    s.push_str("| K/V | bits/elem | KV bytes/token | perplexity | Δ ppl | mean KL | p99 KL | top-1 agree |\n");
-    s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    s.push_str("| K/V | bits/elem | KV bytes/token | perplexity | Δ ppl | mean KL | p99 KL | top-1 agree | attn err |\n");
+    s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     let base = r.rows[0].perplexity;
-    for row in &r.rows {
+    for (i, row) in r.rows.iter().enumerate() {
+        let name = if i == 0 {
+            o.reference.label().to_string()
+        } else {
+            row.config.name()
+        };
         s.push_str(&format!(
-            "| {} | {:.2} | {} | {:.4} | {:+.2} % | {:.5} | {:.5} | {:.2} % |\n",
-            row.config.name(),
+            "| {} | {:.2} | {} | {:.4} | {:+.2} % | {:.5} | {:.5} | {:.2} % | {} |\n",
+            name,
             row.bits_per_element,
             row.kv_bytes_per_token,
             row.perplexity,
             100.0 * (row.perplexity / base - 1.0),
             row.kl_mean,
             row.kl_p99,
-            100.0 * row.top1_agreement
+            100.0 * row.top1_agreement,
+            row.attn_error
+                .map_or("".to_string(), |e| format!("{:.1e}", e.0))
         ));
     }
     s

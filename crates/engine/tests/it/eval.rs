@@ -2,7 +2,7 @@
 
 use siliceo_core::KvType;
 use siliceo_engine::EngineError;
-use siliceo_engine::eval::{EvalOptions, KvConfig, eval_kv};
+use siliceo_engine::eval::{EvalFormat, EvalOptions, KvConfig, Reference, eval_kv};
 
 const TEXT: &str = "The history of computing is a story of memory as much as of arithmetic. \
 Early machines stored a few thousand words in delay lines or magnetic drums, and programmers \
@@ -22,9 +22,10 @@ fn opts(configs: &[&str]) -> EvalOptions {
         max_windows: 3,
         configs: configs
             .iter()
-            .map(|c| KvConfig::parse(c).unwrap())
+            .map(|c| EvalFormat::parse(c).unwrap())
             .collect(),
         n_threads: None,
+        reference: Reference::F16Flash,
     }
 }
 
@@ -46,10 +47,10 @@ fn repeated_runs_agree_and_f16_against_f16_has_zero_divergence() {
     let (reference, f16, q8, q4) = (&a.rows[0], &a.rows[1], &a.rows[2], &a.rows[3]);
     assert_eq!(
         f16.config,
-        KvConfig {
+        EvalFormat::Llama(KvConfig {
             k: KvType::F16,
             v: KvType::F16
-        }
+        })
     );
     assert_eq!(f16.kl_mean, 0.0);
     assert_eq!(f16.kl_p99, 0.0);
@@ -117,5 +118,61 @@ fn presets_and_bad_options_are_typed() {
     assert!(matches!(
         eval_kv(model, &tokens, &o, |_, _| {}),
         Err(EngineError::InvalidOption { field: "text", .. })
+    ));
+}
+
+#[test]
+fn shadow_attention_reproduces_llama_cpp_and_measures_our_formats() {
+    let model = crate::model();
+    let tokens = model.tokenize(TEXT, true).unwrap();
+    let mut o = opts(&[
+        "floor",
+        "ours:f16",
+        "ours:kv8",
+        "ours:k5v4",
+        "ours:k5v4+tail32",
+    ]);
+    o.reference = Reference::Exact;
+    let a = eval_kv(model, &tokens, &o, |_, _| {}).unwrap();
+    let b = eval_kv(model, &tokens, &o, |_, _| {}).unwrap();
+    assert_eq!(a, b, "the shadow path must be deterministic");
+    let [reference, floor, f16, kv8, k5v4, tail] = &a.rows[..] else {
+        panic!("{} rows", a.rows.len())
+    };
+    assert_eq!(reference.bits_per_element, 32.0);
+    assert_eq!(reference.kl_mean, 0.0);
+    assert!(reference.attn_error.is_none() && floor.attn_error.is_none());
+    // The sanity check: with F16 blocks our kernel's attention output equals
+    // llama.cpp's (f16 K/V, flash attention) on the same inputs, every layer.
+    let (mean, max) = f16.attn_error.unwrap();
+    assert!(
+        max < 1e-5,
+        "ours:f16 differs from llama.cpp by {mean:e} (max {max:e})"
+    );
+    // Quantized formats really change attention, more with fewer bits, less
+    // with the most recent tokens in F16.
+    let err = |r: &siliceo_engine::eval::EvalRow| r.attn_error.unwrap().0;
+    assert!(
+        1e-4 < err(kv8) && err(kv8) < err(k5v4),
+        "kv8 {:e} k5v4 {:e}",
+        err(kv8),
+        err(k5v4)
+    );
+    assert!(
+        err(tail) < err(k5v4),
+        "tail {:e} vs {:e}",
+        err(tail),
+        err(k5v4)
+    );
+    // A harmless change of the computation already costs some KL (llama.cpp's
+    // 8-bit activation rounding re-rolls); K5/V4 costs more than that.
+    assert!(floor.kl_mean > 0.0 && floor.kl_mean < k5v4.kl_mean);
+    assert_eq!(f16.bits_per_element, 16.0);
+    assert_eq!(kv8.bits_per_element, 8.5);
+    assert_eq!(k5v4.bits_per_element, 5.25);
+    assert!(k5v4.kv_bytes_per_token < kv8.kv_bytes_per_token);
+    assert!(matches!(
+        EvalFormat::parse("ours:k4v4"),
+        Err(EngineError::InvalidOption { .. })
     ));
 }

@@ -1,0 +1,702 @@
+//! Shadow attention: llama.cpp's own forward pass with every layer's
+//! attention replaced by siliceo's paged KV store and CPU kernel
+//! (`siliceo-kernels-turing`), so the quality of *our* KV formats can be
+//! measured on real models and real text.
+//!
+//! How: a raw llama.cpp context (the `llama-cpp-sys-2` API; `llama-cpp-2`
+//! exposes no evaluation callback) with flash attention and an f16 KV cache,
+//! and an evaluation callback on its graph scheduler. The callback asks for
+//! each layer's `Qcur-{il}`, `Kcur-{il}`, `Vcur-{il}` (the last tensor of each
+//! name in graph order: after bias and RoPE) and `kqv_out-{il}` (the attention
+//! output before the output projection). Q, K and V are copied out as they are
+//! computed; when `kqv_out` is computed, K/V are appended to the layer's
+//! [`KvStore`] in the chosen format and the kernel's attention overwrites
+//! llama.cpp's, so every later op of the forward pass (output projection,
+//! FFN, the next layers, the logits) uses ours. llama.cpp still fills its own
+//! f16 cache, which nothing reads after the overwrite.
+//!
+//! Within a micro-batch, tokens are appended and attended to one
+//! `block_tokens` chunk at a time (a chunked prefill): a query sees its own
+//! chunk and everything before it, in the form the store keeps it at that
+//! moment — the most recent tokens in the F16 tail, older ones sealed in the
+//! format. That is what decoding sees, up to the position within a block.
+//!
+//! Checked per decode: every layer's store holds exactly the tokens decoded
+//! (a model whose graph names these tensors differently, or skips one, is
+//! refused), the attention op is flash attention without ALiBi or soft-capping
+//! (its scale is read from the op), and the tensors are f32 in host memory.
+
+use std::ffi::{CStr, CString, c_void};
+use std::path::Path;
+use std::ptr::NonNull;
+
+use llama_cpp_sys_2 as sys;
+use siliceo_core::TokenId;
+use siliceo_kernels_turing::{AttnParams, Codec, KvLayout, KvStore, SeqKv, SeqQuery};
+
+use crate::{EngineError, Model};
+
+/// One of siliceo's KV formats for the shadow path: K and V codecs, an F16
+/// tail of recent tokens, an optional Hadamard rotation of K.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShadowFormat {
+    /// K codec spec (`f16`, `kv8`, `kv8/G`, `kv8/head`, `k5`, `v4/G`).
+    pub k: String,
+    /// V codec spec.
+    pub v: String,
+    /// Hadamard-rotate K per head.
+    pub rotate_k: bool,
+    /// Recent tokens kept in F16 beyond the current block.
+    pub tail_tokens: usize,
+}
+
+impl ShadowFormat {
+    /// Parses what follows `ours:` — a preset (`f16`, `kv8`, `k5v4`) or
+    /// `K:V` codecs (`k5:kv8`, `kv8/head:v4/16`), then modifiers `+rot` and
+    /// `+tailN`, e.g. `k5v4+rot+tail128`.
+    pub fn parse(s: &str) -> Result<ShadowFormat, EngineError> {
+        let bad = |reason: String| EngineError::InvalidOption {
+            field: "configs",
+            reason,
+        };
+        let mut parts = s.trim().split('+');
+        let codecs = parts.next().unwrap_or_default();
+        let (k, v) = match codecs {
+            "f16" => ("f16", "f16"),
+            "kv8" => ("kv8", "kv8"),
+            "k5v4" => ("k5", "v4"),
+            other => other.split_once(':').ok_or_else(|| {
+                bad(format!(
+                    "unknown format `ours:{other}` (ours:f16, ours:kv8, ours:k5v4 or ours:K:V \
+                     with codecs f16, kv8[/G|/head], k5, v4[/G])"
+                ))
+            })?,
+        };
+        // Validate the codec names now (the head dimension only matters for `/head`).
+        for c in [k, v] {
+            Codec::parse(c, 64).map_err(|e| bad(format!("ours:{codecs}: {e}")))?;
+        }
+        let mut f = ShadowFormat {
+            k: k.to_string(),
+            v: v.to_string(),
+            rotate_k: false,
+            tail_tokens: 0,
+        };
+        for m in parts {
+            if m == "rot" {
+                f.rotate_k = true;
+            } else if let Some(n) = m.strip_prefix("tail") {
+                f.tail_tokens = n
+                    .parse()
+                    .map_err(|_| bad(format!("`+{m}`: expected +tailN with N tokens")))?;
+            } else {
+                return Err(bad(format!(
+                    "unknown modifier `+{m}` in `ours:{s}` (+rot, +tailN)"
+                )));
+            }
+        }
+        Ok(f)
+    }
+
+    /// The store layout for a model with `kv_heads` heads of `head_dim`.
+    pub fn layout(&self, kv_heads: usize, head_dim: usize) -> Result<KvLayout, EngineError> {
+        let err = |e: siliceo_kernels_turing::KernelError| EngineError::InvalidOption {
+            field: "configs",
+            reason: e.to_string(),
+        };
+        let mut l = KvLayout::new(
+            kv_heads,
+            head_dim,
+            Codec::parse(&self.k, head_dim).map_err(err)?,
+            Codec::parse(&self.v, head_dim).map_err(err)?,
+        );
+        l.rotate_k = self.rotate_k;
+        l.tail_tokens = self.tail_tokens;
+        l.check().map_err(err)?;
+        Ok(l)
+    }
+
+    /// `ours:` and the layout's name, e.g. `ours:k5:v4/32+rot+tail128`.
+    pub fn name(&self) -> String {
+        let mut s = format!("ours:{}:{}", self.k, self.v);
+        if self.rotate_k {
+            s.push_str("+rot");
+        }
+        if self.tail_tokens > 0 {
+            s.push_str(&format!("+tail{}", self.tail_tokens));
+        }
+        s
+    }
+}
+
+/// What a shadow context does to llama.cpp's attention.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum ShadowMode {
+    /// Replace it with our kernel over a store in this format.
+    Replace(ShadowFormat),
+    /// Keep it, times (1 ± `rel`) in alternating elements: what a harmless
+    /// change of the computation costs downstream (the noise floor). `exact`:
+    /// on f32 K/V without flash attention, else f16 K/V with it.
+    Jitter {
+        /// Relative size of the change.
+        rel: f32,
+        /// The exact reference's configuration.
+        exact: bool,
+    },
+}
+
+/// A llama.cpp model loaded through the raw API (CPU only), for shadow contexts.
+pub(crate) struct RawModel {
+    ptr: NonNull<sys::llama_model>,
+}
+
+impl RawModel {
+    pub(crate) fn load(path: &Path) -> Result<RawModel, EngineError> {
+        crate::backend()?;
+        let c = CString::new(path.to_string_lossy().as_bytes()).map_err(|_| {
+            EngineError::InvalidOption {
+                field: "model",
+                reason: "path holds a NUL byte".into(),
+            }
+        })?;
+        // SAFETY: plain C calls; the params struct is llama.cpp's default.
+        let ptr = unsafe {
+            let mut p = sys::llama_model_default_params();
+            p.n_gpu_layers = 0;
+            sys::llama_model_load_from_file(c.as_ptr(), p)
+        };
+        NonNull::new(ptr)
+            .map(|ptr| RawModel { ptr })
+            .ok_or_else(|| {
+                EngineError::Shadow(format!(
+                    "llama.cpp's raw loader refused {} (see the log)",
+                    path.display()
+                ))
+            })
+    }
+}
+
+impl Drop for RawModel {
+    fn drop(&mut self) {
+        // SAFETY: created by llama_model_load_from_file, freed once; every
+        // context made from it is dropped first (they borrow it).
+        unsafe { sys::llama_model_free(self.ptr.as_ptr()) }
+    }
+}
+
+/// Which captured tensor a graph node is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Node {
+    Q,
+    K,
+    V,
+    Out,
+}
+
+fn parse_name(name: &[u8]) -> Option<(Node, usize)> {
+    let dash = name.iter().rposition(|&b| b == b'-')?;
+    let (base, il) = (&name[..dash], &name[dash + 1..]);
+    let node = match base {
+        b"Qcur" => Node::Q,
+        b"Kcur" => Node::K,
+        b"Vcur" => Node::V,
+        b"kqv_out" => Node::Out,
+        _ => return None,
+    };
+    let il = std::str::from_utf8(il).ok()?.parse().ok()?;
+    Some((node, il))
+}
+
+/// One layer's shadow KV and the micro-batch's captured Q/K/V.
+struct Layer {
+    store: KvStore,
+    seq: SeqKv,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    out: Vec<f32>,
+    /// Tokens whose attention output this layer has handled.
+    tokens: usize,
+}
+
+/// What the callback works on (boxed: llama.cpp holds a pointer to it).
+struct State {
+    layers: Vec<Layer>,
+    n_head: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    params: AttnParams,
+    /// `Some(rel)`: jitter llama.cpp's attention output instead of replacing it.
+    jitter: Option<f32>,
+    error: Option<String>,
+    /// Relative L2 difference between llama.cpp's attention output and ours,
+    /// per (layer, micro-batch): sum, count, maximum.
+    diverge: (f64, usize, f64),
+}
+
+impl State {
+    /// Copies an f32 `[head_dim, heads, tokens]` tensor (any strides) into `dst`.
+    ///
+    /// # Safety
+    /// `t` must be a computed tensor in host memory.
+    unsafe fn gather(
+        t: &sys::ggml_tensor,
+        heads: usize,
+        d: usize,
+        dst: &mut Vec<f32>,
+    ) -> Result<(), String> {
+        if t.type_ != sys::GGML_TYPE_F32 {
+            return Err(format!("tensor type {} is not f32", t.type_));
+        }
+        if t.buffer.is_null() || unsafe { !sys::ggml_backend_buffer_is_host(t.buffer) } {
+            return Err("tensor is not in host memory".into());
+        }
+        let (mut ne, mut nb) = (t.ne, t.nb);
+        // Before the reshape, the same name is on the 2-D projection
+        // `[heads·d, tokens]`; read it as `[d, heads, tokens]`.
+        if ne[0] as usize == heads * d && ne[2] == 1 && ne[3] == 1 && heads > 1 {
+            ne = [d as i64, heads as i64, ne[1], 1];
+            nb = [nb[0], d * nb[0], nb[1], nb[3]];
+        }
+        if ne[0] as usize != d || ne[1] as usize != heads || ne[3] != 1 {
+            return Err(format!("shape {ne:?}, expected [{d}, {heads}, tokens, 1]"));
+        }
+        let n = ne[2] as usize;
+        dst.clear();
+        dst.reserve(n * heads * d);
+        let base = t.data as *const u8;
+        for tok in 0..n {
+            for h in 0..heads {
+                let row = tok * nb[2] + h * nb[1];
+                if nb[0] == 4 {
+                    // SAFETY: in bounds of the tensor by its shape and strides.
+                    let s = unsafe { std::slice::from_raw_parts(base.add(row) as *const f32, d) };
+                    dst.extend_from_slice(s);
+                } else {
+                    for i in 0..d {
+                        // SAFETY: as above, element by element.
+                        dst.push(unsafe {
+                            (base.add(row + i * nb[0]) as *const f32).read_unaligned()
+                        });
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Handles one computed tensor.
+    ///
+    /// # Safety
+    /// `t` is the tensor llama.cpp passes to the callback (computed, host).
+    unsafe fn on_tensor(
+        &mut self,
+        t: &mut sys::ggml_tensor,
+        node: Node,
+        il: usize,
+    ) -> Result<(), String> {
+        let (nh, kvh, d) = (self.n_head, self.kv_heads, self.head_dim);
+        let layer = self
+            .layers
+            .get_mut(il)
+            .ok_or_else(|| format!("layer {il} beyond the model's layers"))?;
+        match node {
+            // Later tensors of the same name (after bias, after RoPE) overwrite
+            // earlier ones: the last is what attention uses.
+            Node::Q => unsafe { Self::gather(t, nh, d, &mut layer.q) },
+            Node::K => unsafe { Self::gather(t, kvh, d, &mut layer.k) },
+            Node::V => unsafe { Self::gather(t, kvh, d, &mut layer.v) },
+            Node::Out if self.jitter.is_some() => {
+                let rel = self.jitter.unwrap_or_default();
+                let n = t.ne[1] as usize;
+                if t.type_ != sys::GGML_TYPE_F32 || !unsafe { sys::ggml_is_contiguous(t) } {
+                    return Err(format!("kqv_out-{il} is not contiguous f32"));
+                }
+                // SAFETY: a contiguous f32 tensor of ne[0]·ne[1] values in host memory.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(t.data as *mut f32, t.ne[0] as usize * n)
+                };
+                for (j, x) in dst.iter_mut().enumerate() {
+                    *x *= if j % 2 == 0 { 1.0 + rel } else { 1.0 - rel };
+                }
+                layer.tokens += n;
+                Ok(())
+            }
+            Node::Out => {
+                let n = t.ne[1] as usize;
+                if t.type_ != sys::GGML_TYPE_F32
+                    || t.ne[0] as usize != nh * d
+                    || t.ne[2] != 1
+                    || t.ne[3] != 1
+                    || t.nb[0] != 4
+                    || t.nb[1] != nh * d * 4
+                {
+                    return Err(format!(
+                        "kqv_out-{il}: shape {:?} strides {:?}, expected contiguous f32 [{}, tokens]",
+                        t.ne,
+                        t.nb,
+                        nh * d
+                    ));
+                }
+                if t.buffer.is_null() || unsafe { !sys::ggml_backend_buffer_is_host(t.buffer) } {
+                    return Err("kqv_out is not in host memory".into());
+                }
+                // kqv_out is a reshape of the flash-attention op: read its scale.
+                let src = t.src[0];
+                // SAFETY: a node's sources live as long as the graph.
+                let fa = (!src.is_null()).then(|| unsafe { &*src });
+                let Some(fa) = fa.filter(|f| f.op == sys::GGML_OP_FLASH_ATTN_EXT) else {
+                    return Err(format!(
+                        "kqv_out-{il} is not flash attention's output (shadow attention needs flash attention on)"
+                    ));
+                };
+                let p = |i: usize| f32::from_bits(fa.op_params[i] as u32);
+                let (scale, max_bias, softcap) = (p(0), p(1), p(2));
+                if max_bias != 0.0 || softcap != 0.0 {
+                    return Err(format!(
+                        "layer {il}: ALiBi ({max_bias}) or logit soft-capping ({softcap}) is not supported"
+                    ));
+                }
+                if layer.q.len() != n * nh * d
+                    || layer.k.len() != n * kvh * d
+                    || layer.v.len() != n * kvh * d
+                {
+                    return Err(format!(
+                        "layer {il}: captured Q/K/V ({}, {}, {} values) do not match {n} tokens",
+                        layer.q.len(),
+                        layer.k.len(),
+                        layer.v.len()
+                    ));
+                }
+                layer.out.resize(n * nh * d, 0.0);
+                let block = layer.store.layout().block_tokens;
+                let (qrow, kvrow) = (nh * d, kvh * d);
+                let mut i = 0;
+                while i < n {
+                    // Chunks end on block boundaries of the sequence.
+                    let pos = layer.seq.len;
+                    let end = (i + block - pos % block).min(n);
+                    layer
+                        .store
+                        .append(
+                            &mut layer.seq,
+                            &layer.k[i * kvrow..end * kvrow],
+                            &layer.v[i * kvrow..end * kvrow],
+                        )
+                        .map_err(|e| format!("layer {il}: {e}"))?;
+                    siliceo_kernels_turing::paged_attention(
+                        &layer.store,
+                        nh,
+                        scale,
+                        &[SeqQuery {
+                            kv: &layer.seq,
+                            q: &layer.q[i * qrow..end * qrow],
+                            n_q: end - i,
+                        }],
+                        &mut layer.out[i * qrow..end * qrow],
+                        &self.params,
+                    )
+                    .map_err(|e| format!("layer {il}: {e}"))?;
+                    i = end;
+                }
+                // SAFETY: checked contiguous f32 of n × nh·d values in host memory.
+                let dst = unsafe { std::slice::from_raw_parts_mut(t.data as *mut f32, n * qrow) };
+                let (mut e, mut x) = (0f64, 0f64);
+                for (a, b) in dst.iter().zip(&layer.out) {
+                    e += f64::from(a - b).powi(2);
+                    x += f64::from(*a).powi(2);
+                }
+                let rel = if x > 0.0 { (e / x).sqrt() } else { 0.0 };
+                self.diverge.0 += rel;
+                self.diverge.1 += 1;
+                self.diverge.2 = self.diverge.2.max(rel);
+                dst.copy_from_slice(&layer.out);
+                layer.tokens += n;
+                layer.q.clear();
+                layer.k.clear();
+                layer.v.clear();
+                Ok(())
+            }
+        }
+    }
+}
+
+unsafe extern "C" fn eval_callback(t: *mut sys::ggml_tensor, ask: bool, ud: *mut c_void) -> bool {
+    // SAFETY: llama.cpp passes a live tensor and our user data.
+    let t = unsafe { &mut *t };
+    // SAFETY: ggml names are NUL-terminated within the array.
+    let name = unsafe { CStr::from_ptr(t.name.as_ptr()) }.to_bytes();
+    let Some((node, il)) = parse_name(name) else {
+        return !ask;
+    };
+    // SAFETY: the State outlives the context (ShadowContext owns both).
+    let state = unsafe { &mut *(ud as *mut State) };
+    if ask {
+        return node == Node::Out || state.jitter.is_none();
+    }
+    if state.error.is_some() {
+        return true;
+    }
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe {
+        state.on_tensor(t, node, il)
+    }));
+    match r {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => state.error = Some(e),
+        Err(_) => state.error = Some(format!("panic in shadow attention (layer {il})")),
+    }
+    // Keep going either way (a `false` only skips the rest of a split); the
+    // error is reported after the decode.
+    true
+}
+
+/// A llama.cpp context whose attention is computed by siliceo's kernel over a
+/// store in one [`ShadowFormat`].
+pub(crate) struct ShadowContext<'m> {
+    ctx: NonNull<sys::llama_context>,
+    batch: sys::llama_batch,
+    n_batch: usize,
+    state: Box<State>,
+    n_vocab: usize,
+    _model: &'m RawModel,
+}
+
+impl<'m> ShadowContext<'m> {
+    /// A context of `n_ctx` tokens (one sequence) over `raw` (the same file as
+    /// `model`), with the format's store sized for `n_ctx`.
+    pub(crate) fn new(
+        raw: &'m RawModel,
+        model: &Model,
+        mode: &ShadowMode,
+        n_ctx: u32,
+        n_batch: u32,
+        n_threads: Option<u32>,
+    ) -> Result<ShadowContext<'m>, EngineError> {
+        let g = model.geometry();
+        if g.head_dim_k != g.head_dim_v {
+            return Err(EngineError::InvalidOption {
+                field: "configs",
+                reason: format!(
+                    "shadow attention needs equal K and V head sizes ({} vs {})",
+                    g.head_dim_k, g.head_dim_v
+                ),
+            });
+        }
+        let (kv_heads, d) = (g.n_head_kv as usize, g.head_dim_k as usize);
+        let (layout, sealed, tail, jitter, exact) = match mode {
+            ShadowMode::Replace(format) => {
+                let layout = format.layout(kv_heads, d)?;
+                let sealed = (n_ctx as usize).div_ceil(layout.block_tokens) + 1;
+                let tail = KvStore::tail_blocks_per_seq(&layout) + 1;
+                (layout, sealed, tail, None, false)
+            }
+            // No store: llama.cpp's own attention stays.
+            ShadowMode::Jitter { rel, exact } => (
+                KvLayout::new(kv_heads, d, Codec::F16, Codec::F16),
+                0,
+                0,
+                Some(*rel),
+                *exact,
+            ),
+        };
+        let threads = n_threads
+            .map(|n| n as usize)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        let layers = (0..g.n_layer)
+            .map(|_| {
+                Ok(Layer {
+                    store: KvStore::new(layout, sealed, tail).map_err(|e| {
+                        EngineError::InvalidOption {
+                            field: "configs",
+                            reason: e.to_string(),
+                        }
+                    })?,
+                    seq: SeqKv::default(),
+                    q: Vec::new(),
+                    k: Vec::new(),
+                    v: Vec::new(),
+                    out: Vec::new(),
+                    tokens: 0,
+                })
+            })
+            .collect::<Result<Vec<_>, EngineError>>()?;
+        let mut state = Box::new(State {
+            layers,
+            n_head: g.n_head as usize,
+            kv_heads,
+            head_dim: d,
+            params: AttnParams {
+                threads,
+                ..AttnParams::default()
+            },
+            jitter,
+            error: None,
+            diverge: (0.0, 0, 0.0),
+        });
+        // SAFETY: plain C calls; the callback's user data is the boxed State,
+        // which lives (at a fixed address) as long as the context.
+        let ctx = unsafe {
+            let mut p = sys::llama_context_default_params();
+            p.n_ctx = n_ctx;
+            p.n_batch = n_batch;
+            p.n_ubatch = n_batch;
+            p.n_seq_max = 1;
+            let th = threads as i32;
+            p.n_threads = th;
+            p.n_threads_batch = th;
+            if exact {
+                p.flash_attn_type = sys::LLAMA_FLASH_ATTN_TYPE_DISABLED;
+                p.type_k = sys::GGML_TYPE_F32;
+                p.type_v = sys::GGML_TYPE_F32;
+            } else {
+                p.flash_attn_type = sys::LLAMA_FLASH_ATTN_TYPE_ENABLED;
+                p.type_k = sys::GGML_TYPE_F16;
+                p.type_v = sys::GGML_TYPE_F16;
+            }
+            p.cb_eval = Some(eval_callback);
+            p.cb_eval_user_data = &mut *state as *mut State as *mut c_void;
+            sys::llama_init_from_model(raw.ptr.as_ptr(), p)
+        };
+        let ctx = NonNull::new(ctx).ok_or_else(|| EngineError::InvalidOption {
+            field: "configs",
+            reason: format!("llama.cpp refused a shadow context of {n_ctx} tokens"),
+        })?;
+        // SAFETY: a batch of n_batch tokens with one sequence id each.
+        let batch = unsafe { sys::llama_batch_init(n_batch as i32, 0, 1) };
+        Ok(ShadowContext {
+            ctx,
+            batch,
+            n_batch: n_batch as usize,
+            state,
+            n_vocab: g.n_vocab as usize,
+            _model: raw,
+        })
+    }
+
+    /// Empties llama.cpp's cache and every layer's store.
+    pub(crate) fn clear(&mut self) {
+        // SAFETY: a live context.
+        unsafe { sys::llama_memory_clear(sys::llama_get_memory(self.ctx.as_ptr()), true) };
+        for l in &mut self.state.layers {
+            l.store.release(&mut l.seq);
+            l.tokens = 0;
+        }
+        self.state.error = None;
+    }
+
+    /// Most tokens per [`ShadowContext::decode`].
+    pub(crate) fn n_batch(&self) -> usize {
+        self.n_batch
+    }
+
+    /// Decodes `tokens` at positions `pos0..` of sequence 0; `want(i)` says
+    /// whether token `i` needs logits.
+    pub(crate) fn decode(
+        &mut self,
+        tokens: &[TokenId],
+        pos0: usize,
+        want: impl Fn(usize) -> bool,
+    ) -> Result<(), EngineError> {
+        if tokens.len() > self.n_batch {
+            return Err(EngineError::BatchTooLarge {
+                tokens: tokens.len(),
+                n_batch: self.n_batch as u32,
+            });
+        }
+        let b = &mut self.batch;
+        // SAFETY: the arrays hold n_batch entries (llama_batch_init).
+        unsafe {
+            for (i, t) in tokens.iter().enumerate() {
+                *b.token.add(i) = t.0 as i32;
+                *b.pos.add(i) = (pos0 + i) as i32;
+                *b.n_seq_id.add(i) = 1;
+                *(*b.seq_id.add(i)).add(0) = 0;
+                *b.logits.add(i) = i8::from(want(i));
+            }
+        }
+        b.n_tokens = tokens.len() as i32;
+        // SAFETY: a live context and a filled batch.
+        let rc = unsafe { sys::llama_decode(self.ctx.as_ptr(), self.batch) };
+        if let Some(e) = self.state.error.take() {
+            return Err(EngineError::Shadow(e));
+        }
+        if rc != 0 {
+            return Err(EngineError::Shadow(format!("llama_decode returned {rc}")));
+        }
+        let want_len = pos0 + tokens.len();
+        for (il, l) in self.state.layers.iter().enumerate() {
+            if l.tokens != want_len {
+                return Err(EngineError::Shadow(format!(
+                    "layer {il} handled {} tokens, not {want_len}: this model's graph does not \
+                     name Qcur/Kcur/Vcur/kqv_out for every layer as shadow attention expects",
+                    l.tokens
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Mean and maximum, over layers and micro-batches so far, of the relative
+    /// L2 difference between llama.cpp's attention output (f16 K/V, flash
+    /// attention) and ours; `None` when nothing was replaced.
+    pub(crate) fn divergence(&self) -> Option<(f64, f64)> {
+        let (sum, n, max) = self.state.diverge;
+        (n > 0).then(|| (sum / n as f64, max))
+    }
+
+    /// The logits of batch token `i` of the last decode (it must have asked for them).
+    pub(crate) fn logits(&self, i: usize) -> &[f32] {
+        // SAFETY: llama.cpp returns n_vocab floats for an output token (it
+        // aborts on an index without logits; callers only ask for those).
+        unsafe {
+            std::slice::from_raw_parts(
+                sys::llama_get_logits_ith(self.ctx.as_ptr(), i as i32),
+                self.n_vocab,
+            )
+        }
+    }
+}
+
+impl Drop for ShadowContext<'_> {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, freed once, before the State box.
+        unsafe {
+            sys::llama_batch_free(self.batch);
+            sys::llama_free(self.ctx.as_ptr());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_formats_parse() {
+        assert_eq!(parse_name(b"Qcur-0"), Some((Node::Q, 0)));
+        assert_eq!(parse_name(b"kqv_out-27"), Some((Node::Out, 27)));
+        assert_eq!(parse_name(b"Qcur_clamped-3"), None);
+        assert_eq!(parse_name(b"attn_norm-3"), None);
+        assert_eq!(parse_name(b"Kcur"), None);
+        let f = ShadowFormat::parse("k5v4+rot+tail128").unwrap();
+        assert_eq!(
+            (f.k.as_str(), f.v.as_str(), f.rotate_k, f.tail_tokens),
+            ("k5", "v4", true, 128)
+        );
+        assert_eq!(f.name(), "ours:k5:v4+rot+tail128");
+        let f = ShadowFormat::parse("k5:kv8/16").unwrap();
+        assert_eq!(f.layout(2, 64).unwrap().v, Codec::Kv8 { group: 16 });
+        for bad in ["k4v4", "k5v4+tail", "k5v4+fast", "q4:v4"] {
+            assert!(
+                matches!(
+                    ShadowFormat::parse(bad),
+                    Err(EngineError::InvalidOption { .. })
+                ),
+                "{bad}"
+            );
+        }
+        // Rotation needs a power-of-two head dimension.
+        let f = ShadowFormat::parse("kv8+rot").unwrap();
+        assert!(f.layout(2, 96).is_err());
+    }
+}
