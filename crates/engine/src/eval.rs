@@ -186,6 +186,10 @@ pub struct EvalOptions {
     pub configs: Vec<EvalFormat>,
     /// What KL divergence and top-1 agreement compare against.
     pub reference: Reference,
+    /// Ours: query tokens per attention call — 1 = each position sees the
+    /// store as decoding would (its partial block in F16), 0 = one block (a
+    /// chunked prefill: its own block already quantized).
+    pub shadow_chunk: usize,
     /// Threads (default: all cores).
     pub n_threads: Option<u32>,
 }
@@ -411,6 +415,7 @@ pub fn eval_kv(
                     &mode,
                     n_ctx,
                     n_batch,
+                    opts.shadow_chunk,
                     opts.n_threads,
                 )?)
             }

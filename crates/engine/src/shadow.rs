@@ -15,11 +15,14 @@
 //! FFN, the next layers, the logits) uses ours. llama.cpp still fills its own
 //! f16 cache, which nothing reads after the overwrite.
 //!
-//! Within a micro-batch, tokens are appended and attended to one
-//! `block_tokens` chunk at a time (a chunked prefill): a query sees its own
-//! chunk and everything before it, in the form the store keeps it at that
-//! moment — the most recent tokens in the F16 tail, older ones sealed in the
-//! format. That is what decoding sees, up to the position within a block.
+//! Within a micro-batch, tokens are appended and attended to `chunk` tokens at
+//! a time: a query sees its own chunk and everything before it, in the form
+//! the store keeps it at that moment — the most recent tokens in the F16 tail,
+//! older ones sealed in the format. With `chunk = 1` every query sees exactly
+//! what it would see when decoded one token at a time (the current partial
+//! block is always F16: a block is sealed only when full); with `chunk` = the
+//! block size it sees what a chunked prefill sees (its own block already
+//! sealed, as in llama.cpp's quantized caches, which quantize on write).
 //!
 //! Checked per decode: every layer's store holds exactly the tokens decoded
 //! (a model whose graph names these tensors differently, or skips one, is
@@ -226,6 +229,8 @@ struct State {
     kv_heads: usize,
     head_dim: usize,
     params: AttnParams,
+    /// Query tokens per attention call; chunks end on multiples of it.
+    chunk: usize,
     /// `Some(rel)`: jitter llama.cpp's attention output instead of replacing it.
     jitter: Option<f32>,
     error: Option<String>,
@@ -369,13 +374,13 @@ impl State {
                     ));
                 }
                 layer.out.resize(n * nh * d, 0.0);
-                let block = layer.store.layout().block_tokens;
+                let chunk = self.chunk;
                 let (qrow, kvrow) = (nh * d, kvh * d);
                 let mut i = 0;
                 while i < n {
-                    // Chunks end on block boundaries of the sequence.
+                    // Chunks end on multiples of `chunk` in the sequence.
                     let pos = layer.seq.len;
-                    let end = (i + block - pos % block).min(n);
+                    let end = (i + chunk - pos % chunk).min(n);
                     layer
                         .store
                         .append(
@@ -470,6 +475,7 @@ impl<'m> ShadowContext<'m> {
         mode: &ShadowMode,
         n_ctx: u32,
         n_batch: u32,
+        chunk: usize,
         n_threads: Option<u32>,
     ) -> Result<ShadowContext<'m>, EngineError> {
         let g = model.geometry();
@@ -529,6 +535,7 @@ impl<'m> ShadowContext<'m> {
                 threads,
                 ..AttnParams::default()
             },
+            chunk: if chunk == 0 { layout.block_tokens } else { chunk },
             jitter,
             error: None,
             diverge: (0.0, 0, 0.0),

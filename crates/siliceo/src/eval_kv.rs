@@ -39,6 +39,12 @@ pub struct EvalKvArgs {
     /// accumulates V in f16).
     #[arg(long, default_value = "exact")]
     reference: String,
+    /// Our formats: query tokens per attention call. 1 = every position sees
+    /// the store as decoding would (the newest partial block still F16); 0 =
+    /// one block, as a chunked prefill (its own block already quantized, like
+    /// llama.cpp's caches, which quantize on write).
+    #[arg(long, default_value_t = 1)]
+    shadow_chunk: usize,
     /// Threads [default: all cores].
     #[arg(long)]
     threads: Option<u32>,
@@ -70,6 +76,7 @@ pub fn cmd_eval_kv(a: EvalKvArgs) -> Result<()> {
         max_windows: a.max_windows,
         configs,
         reference,
+        shadow_chunk: a.shadow_chunk,
         n_threads: a.threads,
     };
     let t0 = Instant::now();
@@ -104,6 +111,7 @@ fn json(r: &EvalReport, model: &str, text: &str, o: &EvalOptions) -> serde_json:
         "text": text,
         "text_tokens": r.text_tokens,
         "reference": o.reference.label(),
+        "shadow_chunk": o.shadow_chunk,
         "window": o.window,
         "stride": o.stride,
         "windows": r.windows,

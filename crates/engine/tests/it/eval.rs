@@ -26,6 +26,7 @@ fn opts(configs: &[&str]) -> EvalOptions {
             .collect(),
         n_threads: None,
         reference: Reference::F16Flash,
+        shadow_chunk: 0,
     }
 }
 
