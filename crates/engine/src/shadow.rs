@@ -535,7 +535,11 @@ impl<'m> ShadowContext<'m> {
                 threads,
                 ..AttnParams::default()
             },
-            chunk: if chunk == 0 { layout.block_tokens } else { chunk },
+            chunk: if chunk == 0 {
+                layout.block_tokens
+            } else {
+                chunk
+            },
             jitter,
             error: None,
             diverge: (0.0, 0, 0.0),
