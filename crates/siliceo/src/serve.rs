@@ -164,9 +164,18 @@ fn kv_types(a: &ServeArgs, model: &std::path::Path) -> Result<(KvType, KvType)> 
     };
     let k = kv_type(a.kv_k.as_deref(), "kv-k", preset.k)?;
     let v = kv_type(a.kv_v.as_deref(), "kv-v", preset.v)?;
-    let g = crate::plan::read_header(model)?
+    let header = crate::plan::read_header(model)?;
+    let g = header
         .geometry()
         .with_context(|| format!("reading the geometry of {}", model.display()))?;
+    let arch = header.str("general.architecture").unwrap_or_default();
+    if arch.starts_with("qwen2") && k.bits_per_element() < 8.0 {
+        eprintln!(
+            "warning: --kv-k {k} on a {arch} model: llama.cpp's K types below 8 bits break \
+             Qwen2-family models (measured on Qwen2.5-Coder-1.5B: perplexity ×100 and more, \
+             docs/KV_QUALITY.md); use --kv kv8, or --kv-k q8_0 --kv-v q4_0"
+        );
+    }
     for (flag, t, row) in [
         ("kv-k", k, g.n_head_kv * g.head_dim_k),
         ("kv-v", v, g.n_head_kv * g.head_dim_v),
