@@ -26,7 +26,9 @@ use siliceo_core::{KvType, ModelGeometry};
 pub enum KvFormat {
     /// A llama.cpp cache type.
     Llama(KvType),
-    /// Ours: int8 per element, one f16 scale per token per head (8 + 16/D bits).
+    /// Ours: int8 per element, one f16 scale per token per group of 32
+    /// elements (8 + 16/32 = 8.5 bits; `siliceo-kernels-turing`'s default KV8,
+    /// measured better than one scale per head on keys with outlier channels).
     Kv8,
     /// Ours, keys: 5-bit per element, per-channel f16 scale and minimum over the
     /// tokens of a 64-token block (5 + 32/64 = 5.5 bits).
@@ -69,7 +71,9 @@ impl KvFormat {
     pub fn row_bytes(self, dim: u64) -> Option<f64> {
         match self {
             KvFormat::Llama(t) => t.row_bytes(dim).map(|b| b as f64),
-            KvFormat::Kv8 => Some(dim as f64 + 2.0),
+            KvFormat::Kv8 => dim
+                .is_multiple_of(32)
+                .then(|| dim as f64 + (dim / 32) as f64 * 2.0),
             KvFormat::K5 => Some(dim as f64 * 5.0 / 8.0 + dim as f64 * 4.0 / 64.0),
             KvFormat::V4 => dim
                 .is_multiple_of(32)
@@ -503,7 +507,8 @@ mod tests {
         assert!(KvFormat::parse("q3_k").is_err());
         assert_eq!(KvFormat::K5.bits_per_element(128), Some(5.5));
         assert_eq!(KvFormat::V4.bits_per_element(128), Some(5.0));
-        assert_eq!(KvFormat::Kv8.bits_per_element(128), Some(8.125));
+        assert_eq!(KvFormat::Kv8.bits_per_element(128), Some(8.5));
+        assert_eq!(KvFormat::Kv8.bits_per_element(80), None);
         assert_eq!(KvFormat::V4.row_bytes(48), None);
     }
 }
