@@ -73,7 +73,7 @@ impl KvFormat {
             KvFormat::Llama(t) => t.row_bytes(dim).map(|b| b as f64),
             KvFormat::Kv8 => dim
                 .is_multiple_of(32)
-                .then(|| dim as f64 + (dim / 32) as f64 * 2.0),
+                .then_some(dim as f64 + (dim / 32) as f64 * 2.0),
             KvFormat::K5 => Some(dim as f64 * 5.0 / 8.0 + dim as f64 * 4.0 / 64.0),
             KvFormat::V4 => dim
                 .is_multiple_of(32)

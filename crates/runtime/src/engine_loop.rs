@@ -28,6 +28,8 @@ struct Spec {
     /// Leading tokens of `history` whose KV the draft model's context holds
     /// for this request (its sequence has the same id as in the target).
     draft_len: usize,
+    /// The last step's outcome for this request: (drafted, tokens produced).
+    last: Option<(bool, usize)>,
 }
 
 /// The draft model's context, on the engine thread.
@@ -111,6 +113,7 @@ struct Engine<'m> {
     decode_us: u64,
     panics: u64,
     tree_verifications: u64,
+    spec_cost_pauses: u64,
 }
 
 fn done(
@@ -244,6 +247,7 @@ pub(crate) fn run(
         decode_us: 0,
         panics: 0,
         tree_verifications: 0,
+        spec_cost_pauses: 0,
     };
     let _ = ready.send(Ok(info));
     tracing::info!(
@@ -406,6 +410,7 @@ impl<'m> Engine<'m> {
             decode_us: self.decode_us,
             panics: self.panics,
             tree_verifications: self.tree_verifications,
+            spec_cost_pauses: self.spec_cost_pauses,
         }
     }
 
@@ -508,13 +513,19 @@ impl<'m> Engine<'m> {
         let spec = match (&self.speculative, req.speculative) {
             (Some(c), true) => Some(Spec {
                 drafter: NgramDrafter::default(),
-                len: if c.fixed_draft {
-                    AdaptiveDraftLength::fixed(c.max_draft, c.max_batch)
-                } else {
-                    AdaptiveDraftLength::new(1, c.max_draft, c.max_draft.min(4), c.max_batch)
+                len: match (c.fixed_draft, c.cost_switch_off) {
+                    (true, _) => AdaptiveDraftLength::fixed(c.max_draft, c.max_batch),
+                    (false, true) => {
+                        AdaptiveDraftLength::new(1, c.max_draft, c.max_draft.min(4), c.max_batch)
+                    }
+                    (false, false) => {
+                        AdaptiveDraftLength::new(1, c.max_draft, c.max_draft.min(4), c.max_batch)
+                            .without_cost()
+                    }
                 },
                 history: tokens.clone(),
                 draft_len: 0,
+                last: None,
             }),
             _ => None,
         };
@@ -923,8 +934,26 @@ impl<'m> Engine<'m> {
             }
             return;
         }
+        let decodes: Vec<RequestId> = step
+            .items
+            .iter()
+            .filter(|i| i.kind == ItemKind::Decode)
+            .map(|i| i.id.clone())
+            .collect();
         for w in want {
             self.sample(&w);
+        }
+        // What the step cost each speculating request per produced token:
+        // drafting that costs more than it saves switches itself off.
+        let us = started.elapsed().as_secs_f64() * 1e6;
+        for id in &decodes {
+            if let Some(spec) = self.live.get_mut(id).and_then(|l| l.spec.as_mut())
+                && let Some((drafted, tokens)) = spec.last.take()
+            {
+                let before = spec.len.cost_pauses();
+                spec.len.record_step(drafted, us, tokens);
+                self.spec_cost_pauses += (spec.len.cost_pauses() - before) as u64;
+            }
         }
     }
 
@@ -1083,6 +1112,7 @@ impl<'m> Engine<'m> {
             if !w.drafts.is_empty() {
                 spec.len.update(w.drafts.len(), accepted.len());
             }
+            spec.last = Some((!w.drafts.is_empty(), accepted.len() + 1));
             // The draft model's KV keeps the history and the accepted drafts.
             let keep = spec.history.len() + accepted.len();
             if spec.draft_len > keep {

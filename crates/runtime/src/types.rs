@@ -82,6 +82,11 @@ pub struct SpeculativeConfig {
     /// Draft exactly `max_draft` tokens every step instead of adapting the
     /// length to the acceptance rate (for measurements).
     pub fixed_draft: bool,
+    /// Pause drafting for a request while its drafting steps cost more wall
+    /// time per produced token than its plain steps (measured as it runs;
+    /// each request's first decode steps are plain, for the baseline). On by
+    /// default: speculation that does not pay switches itself off.
+    pub cost_switch_off: bool,
 }
 
 impl Default for SpeculativeConfig {
@@ -92,6 +97,7 @@ impl Default for SpeculativeConfig {
             max_batch: 4,
             tree_width: 1,
             fixed_draft: false,
+            cost_switch_off: true,
         }
     }
 }
@@ -300,6 +306,9 @@ pub struct RuntimeStats {
     pub panics: u64,
     /// Speculative verifications done as a token tree (several branches).
     pub tree_verifications: u64,
+    /// Times a request's drafting paused because its drafting steps cost more
+    /// per produced token than its plain steps (see `cost_switch_off`).
+    pub spec_cost_pauses: u64,
 }
 
 /// The events of one request. Dropping it cancels the request.

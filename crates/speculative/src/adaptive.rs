@@ -9,6 +9,15 @@
 /// would make generation slower than none (measured: 0.74–0.80× with ~30 %
 /// acceptance on a 2-core CPU). Drafting is also off when the batch is large:
 /// with many sequences per step verifying drafts costs more than it saves.
+///
+/// **Cost switch-off**: a high acceptance rate is not enough where a drafted
+/// token costs nearly as much as a target token (a CPU, a draft model not
+/// much smaller than the target: measured 0.4–0.65× with 80–90 % acceptance).
+/// The caller reports each decode step's wall time and the tokens it produced
+/// ([`AdaptiveDraftLength::record_step`]); once a few drafting steps cost more
+/// per produced token than plain steps do, drafting pauses for
+/// [`AdaptiveDraftLength::COST_PAUSE_STEPS`] steps (plain steps keep their
+/// estimate fresh), then probes again from a fresh estimate.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdaptiveDraftLength {
     k_min: usize,
@@ -19,6 +28,16 @@ pub struct AdaptiveDraftLength {
     fixed: bool,
     /// Running sequences at or above which no drafts are made.
     pub max_batch: usize,
+    /// Wall time per produced token, µs (moving averages): plain steps, and
+    /// drafting steps since the last probe began.
+    cost_plain: Option<f64>,
+    cost_spec: Option<f64>,
+    plain_samples: usize,
+    spec_samples: usize,
+    /// Pauses started by cost.
+    cost_pauses: usize,
+    /// Whether cost may switch drafting off (and plain steps come first).
+    cost_aware: bool,
 }
 
 impl AdaptiveDraftLength {
@@ -34,6 +53,21 @@ impl AdaptiveDraftLength {
             pause: 0,
             fixed: false,
             max_batch,
+            cost_plain: None,
+            cost_spec: None,
+            plain_samples: 0,
+            spec_samples: 0,
+            cost_pauses: 0,
+            cost_aware: true,
+        }
+    }
+
+    /// Never switched off by cost (the acceptance rate alone decides): for
+    /// tests that must exercise drafting throughout.
+    pub fn without_cost(self) -> Self {
+        AdaptiveDraftLength {
+            cost_aware: false,
+            ..self
         }
     }
 
@@ -51,14 +85,63 @@ impl AdaptiveDraftLength {
     /// Steps a pause lasts.
     pub const PAUSE_STEPS: usize = 16;
 
+    /// Steps a pause started by cost lasts.
+    pub const COST_PAUSE_STEPS: usize = 64;
+    /// Plain steps measured before the first draft (the cost baseline).
+    pub const PLAIN_PROBE_STEPS: usize = 2;
+    /// Drafting steps measured before their cost is judged.
+    pub const SPEC_PROBE_STEPS: usize = 4;
+
     /// Tokens to draft with `running` sequences in the batch (0: don't),
     /// without advancing a pause.
     pub fn k(&self, running: usize) -> usize {
-        if running >= self.max_batch || self.pause > 0 {
+        if running >= self.max_batch
+            || self.pause > 0
+            || (self.cost_aware && !self.fixed && self.plain_samples < Self::PLAIN_PROBE_STEPS)
+        {
             0
         } else {
             self.k
         }
+    }
+
+    /// Records one decode step: its wall time (drafting, the batch, sampling)
+    /// and the tokens it produced for this request (accepted drafts + 1).
+    pub fn record_step(&mut self, drafted: bool, micros: f64, tokens: usize) {
+        if tokens == 0 || !micros.is_finite() || micros < 0.0 {
+            return;
+        }
+        let per = micros / tokens as f64;
+        let ewma = |old: Option<f64>| Some(old.map_or(per, |o| 0.7 * o + 0.3 * per));
+        if !drafted {
+            self.cost_plain = ewma(self.cost_plain);
+            self.plain_samples += 1;
+            return;
+        }
+        self.cost_spec = ewma(self.cost_spec);
+        self.spec_samples += 1;
+        if self.fixed || !self.cost_aware || self.spec_samples < Self::SPEC_PROBE_STEPS {
+            return;
+        }
+        if let (Some(spec), Some(plain)) = (self.cost_spec, self.cost_plain)
+            && spec > plain
+        {
+            self.pause = Self::COST_PAUSE_STEPS;
+            self.k = self.k_min;
+            self.cost_spec = None;
+            self.spec_samples = 0;
+            self.cost_pauses += 1;
+        }
+    }
+
+    /// Measured µs per produced token: (plain, drafting) where known.
+    pub fn costs(&self) -> (Option<f64>, Option<f64>) {
+        (self.cost_plain, self.cost_spec)
+    }
+
+    /// Pauses started because drafting cost more than it saved.
+    pub fn cost_pauses(&self) -> usize {
+        self.cost_pauses
     }
 
     /// Tokens to draft for the next step; counts down a pause.
@@ -105,6 +188,10 @@ mod tests {
     #[test]
     fn grows_on_acceptance_shrinks_on_rejection_and_stops_for_big_batches() {
         let mut a = AdaptiveDraftLength::new(1, 8, 4, 8);
+        assert_eq!(a.next_k(1), 0, "plain steps first: the cost baseline");
+        for _ in 0..AdaptiveDraftLength::PLAIN_PROBE_STEPS {
+            a.record_step(false, 1000.0, 1);
+        }
         for _ in 0..20 {
             a.update(a.k(1), a.k(1));
         }
@@ -139,5 +226,65 @@ mod tests {
             f.update(k, 0);
         }
         assert_eq!(f.next_k(1), 4);
+    }
+
+    /// Drives `a` for `steps` decode steps where a plain step costs `plain` µs
+    /// and a drafting step `base + per_draft·k` µs with every draft accepted;
+    /// returns the steps that drafted.
+    fn drive(
+        a: &mut AdaptiveDraftLength,
+        steps: usize,
+        plain: f64,
+        base: f64,
+        per_draft: f64,
+    ) -> usize {
+        let mut drafted = 0;
+        for _ in 0..steps {
+            let k = a.next_k(1);
+            if k == 0 {
+                a.record_step(false, plain, 1);
+            } else {
+                drafted += 1;
+                a.update(k, k);
+                a.record_step(true, base + per_draft * k as f64, k + 1);
+            }
+        }
+        drafted
+    }
+
+    #[test]
+    fn drafting_that_costs_more_than_it_saves_pauses_and_probes_again() {
+        // A CPU-like pair: every draft accepted, but a step of k drafts costs
+        // (k + 1) target steps plus the drafting: always a loss.
+        let mut a = AdaptiveDraftLength::new(1, 8, 4, 8);
+        let drafted = drive(&mut a, 400, 30_000.0, 30_000.0, 50_000.0);
+        assert!(a.cost_pauses() >= 2, "{} pauses", a.cost_pauses());
+        // Each probe is SPEC_PROBE_STEPS drafting steps per COST_PAUSE_STEPS plain ones.
+        assert!(
+            drafted
+                <= 400 * 2 * AdaptiveDraftLength::SPEC_PROBE_STEPS
+                    / AdaptiveDraftLength::COST_PAUSE_STEPS
+                    + 4,
+            "{drafted}"
+        );
+        assert!(drafted > 0, "it must probe again after a pause");
+        // A GPU-like pair: verifying k drafts costs little more than one step.
+        let mut b = AdaptiveDraftLength::new(1, 8, 4, 8);
+        let drafted = drive(&mut b, 400, 30_000.0, 30_000.0, 1_000.0);
+        assert_eq!(b.cost_pauses(), 0);
+        assert!(drafted > 390, "{drafted}");
+        let (plain, spec) = b.costs();
+        assert!(spec.unwrap() < plain.unwrap());
+        // A fixed length is for measuring: cost never switches it off.
+        let mut f = AdaptiveDraftLength::fixed(4, 8);
+        assert_eq!(drive(&mut f, 100, 30_000.0, 30_000.0, 50_000.0), 100);
+        // Without cost awareness only the acceptance rate decides.
+        let mut w = AdaptiveDraftLength::new(1, 8, 4, 8).without_cost();
+        assert_eq!(drive(&mut w, 100, 30_000.0, 30_000.0, 50_000.0), 100);
+        assert_eq!(w.cost_pauses(), 0);
+        // Garbage timings are ignored.
+        b.record_step(true, f64::NAN, 3);
+        b.record_step(true, 10.0, 0);
+        assert_eq!(b.costs(), (plain, spec));
     }
 }

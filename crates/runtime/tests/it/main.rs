@@ -487,7 +487,11 @@ fn ngram_speculation_keeps_greedy_outputs_and_leaves_no_stray_cells() {
     let n = 32;
     let expected = alone(&REPETITIVE, n);
     let mut cfg = RuntimeConfig::new(model_path());
-    cfg.speculative = Some(siliceo_runtime::SpeculativeConfig::default());
+    cfg.speculative = Some(siliceo_runtime::SpeculativeConfig {
+        // Draft every step this test runs, whatever it costs on this machine.
+        cost_switch_off: false,
+        ..Default::default()
+    });
     let rt = Runtime::start(cfg).unwrap();
     // 3 requests together stay below the default max_batch of 4.
     let (drafted, accepted) =
@@ -525,6 +529,27 @@ fn draft_model_speculation_keeps_greedy_outputs_of_the_target_in_both_models_kv(
 }
 
 #[test]
+fn cost_aware_speculation_keeps_greedy_outputs() {
+    // The default: plain steps first (the cost baseline), drafting that costs
+    // more per token than it saves pauses itself. Whatever this machine's
+    // timings decide, outputs stay the target's and the KV stays clean; the
+    // decision itself is tested with synthetic timings in the speculative crate.
+    let n = 40;
+    let expected = alone(&REPETITIVE, n);
+    let mut cfg = RuntimeConfig::new(model_path());
+    cfg.speculative = Some(siliceo_runtime::SpeculativeConfig::default());
+    let rt = Runtime::start(cfg).unwrap();
+    let (drafted, _) = speculate_alone_and_together(&rt, &REPETITIVE, &expected, n, "cost-aware");
+    assert!(
+        drafted > 0,
+        "it must probe drafting after the plain baseline"
+    );
+    let s = rt.stats().unwrap();
+    eprintln!("cost pauses: {}", s.spec_cost_pauses);
+    assert_clean(&rt);
+}
+
+#[test]
 fn an_incompatible_draft_model_is_refused_at_start() {
     let mut cfg = RuntimeConfig::new(model_path());
     cfg.speculative = Some(siliceo_runtime::SpeculativeConfig {
@@ -550,6 +575,7 @@ fn ngram_token_trees_keep_greedy_outputs_and_free_their_branch_sequences() {
     let mut cfg = RuntimeConfig::new(model_path());
     cfg.speculative = Some(siliceo_runtime::SpeculativeConfig {
         tree_width: 3,
+        cost_switch_off: false,
         ..Default::default()
     });
     let rt = Runtime::start(cfg).unwrap();
@@ -577,7 +603,8 @@ fn draft_model_token_trees_keep_greedy_outputs_in_both_models_kv() {
 }
 
 /// The Qwen2.5-Coder 1.5B target with the 0.5B draft (trees of `tree_width`
-/// branches), and the target's solo greedy references for `prompts`.
+/// branches; drafting every step, not switched off by its cost on this CPU),
+/// and the target's solo greedy references for `prompts`.
 fn qwen_pair(prompts: &[&str], n: u32, tree_width: usize) -> (Runtime, Vec<GreedyTrace>) {
     let target = qwen("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
     let expected = alone_on(&target, prompts, n);
@@ -586,6 +613,7 @@ fn qwen_pair(prompts: &[&str], n: u32, tree_width: usize) -> (Runtime, Vec<Greed
     cfg.speculative = Some(siliceo_runtime::SpeculativeConfig {
         draft_model: Some(qwen("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")),
         tree_width,
+        cost_switch_off: false,
         ..Default::default()
     });
     (Runtime::start(cfg).unwrap(), expected)
