@@ -531,11 +531,16 @@ fn spec(model_path: PathBuf, reps: usize) -> Result<()> {
         tree_width: 3,
         ..SpeculativeConfig::default()
     };
+    let no_cost = SpeculativeConfig {
+        cost_switch_off: false,
+        ..SpeculativeConfig::default()
+    };
     let runs: Columns<'_> = &[
         (Some(chain), &[(0, false), (1, true)]),
         (Some(tree), &[(2, true)]),
+        (Some(no_cost), &[(3, true)]),
     ];
-    let (r, c) = measure_columns(&model_path, 4096, &prompts, GEN, runs, 3, reps)?;
+    let (r, c) = measure_columns(&model_path, 4096, &prompts, GEN, runs, 4, reps)?;
     let name = Model::load(&model_path, &ModelOptions::default())?
         .name()
         .to_string();
@@ -544,19 +549,22 @@ fn spec(model_path: PathBuf, reps: usize) -> Result<()> {
     );
     println!();
     println!(
-        "| prompt | off tok/s | n-gram chain tok/s | speed-up | accepted / drafted | n-gram tree (3) tok/s | speed-up | accepted / drafted |"
+        "| prompt | off tok/s | n-gram chain tok/s | speed-up | accepted / drafted | n-gram tree (3) tok/s | speed-up | accepted / drafted | chain, no cost switch-off | speed-up | accepted / drafted |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (pi, (label, _)) in prompts.iter().enumerate() {
-        let (off, ch, tr) = (r[pi][0], r[pi][1], r[pi][2]);
+        let (off, ch, tr, nc) = (r[pi][0], r[pi][1], r[pi][2], r[pi][3]);
         println!(
-            "| {label} | {off:.1} | {ch:.1} | {:.2}× | {} / {} | {tr:.1} | {:.2}× | {} / {} |",
+            "| {label} | {off:.1} | {ch:.1} | {:.2}× | {} / {} | {tr:.1} | {:.2}× | {} / {} | {nc:.1} | {:.2}× | {} / {} |",
             ch / off,
             c[pi][1].1,
             c[pi][1].0,
             tr / off,
             c[pi][2].1,
-            c[pi][2].0
+            c[pi][2].0,
+            nc / off,
+            c[pi][3].1,
+            c[pi][3].0
         );
     }
     spec_pair(&model_path, reps)
@@ -600,16 +608,21 @@ fn spec_pair(default_model: &std::path::Path, reps: usize) -> Result<()> {
         fixed_draft,
         ..SpeculativeConfig::default()
     };
-    // Columns: 0 target alone, 1 draft adaptive (≤ 8), 2 draft k = 4, 3 draft
-    // k = 8, 4 draft tree (top 2 at the first position, k = 4), 5 n-gram.
+    // Columns: 0 target alone, 1 draft adaptive (≤ 8, switched off by its
+    // cost: the default), 2 the same without the cost switch-off, 3 draft
+    // k = 4, 4 draft tree (top 2 at the first position, k = 4), 5 n-gram.
     let tree = SpeculativeConfig {
         tree_width: 2,
         ..with_draft(4, true)
     };
+    let no_cost = SpeculativeConfig {
+        cost_switch_off: false,
+        ..with_draft(8, false)
+    };
     let runs: Columns<'_> = &[
         (Some(with_draft(8, false)), &[(0, false), (1, true)]),
-        (Some(with_draft(4, true)), &[(2, true)]),
-        (Some(with_draft(8, true)), &[(3, true)]),
+        (Some(no_cost), &[(2, true)]),
+        (Some(with_draft(4, true)), &[(3, true)]),
         (Some(tree), &[(4, true)]),
         (Some(SpeculativeConfig::default()), &[(5, true)]),
     ];
@@ -620,7 +633,7 @@ fn spec_pair(default_model: &std::path::Path, reps: usize) -> Result<()> {
     );
     println!();
     println!(
-        "| prompt | target alone | + draft, adaptive ≤ 8 | + draft, k = 4 | + draft, k = 8 | + draft tree (top 2, k = 4) | + n-gram |"
+        "| prompt | target alone | + draft, adaptive ≤ 8 (default) | + draft, adaptive, no cost switch-off | + draft, k = 4 | + draft tree (top 2, k = 4) | + n-gram |"
     );
     println!("|---|---:|---:|---:|---:|---:|---:|");
     for (pi, (label, _)) in prompts.iter().enumerate() {
