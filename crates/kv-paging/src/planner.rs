@@ -129,6 +129,19 @@ pub struct DraftInput {
 }
 
 impl PlanInput {
+    /// Tokens per sequence held in f16: `tail_tokens` for llama.cpp's types;
+    /// for ours, whole blocks holding `tail_tokens` plus the newest, partial
+    /// block (a block is quantized only when full: K5's per-channel scales
+    /// need all its tokens).
+    pub fn f16_tail_tokens(&self) -> u32 {
+        let ours = |f: KvFormat| !matches!(f, KvFormat::Llama(_));
+        if ours(self.k) || ours(self.v) {
+            (self.tail_tokens + self.block_size).div_ceil(self.block_size.max(1)) * self.block_size
+        } else {
+            self.tail_tokens
+        }
+    }
+
     /// A plan input with defaults: f16 K and V, no tail, 64-token blocks, 5 %
     /// margin, 256 MiB compute reserve, one sequence, no draft.
     pub fn new(geometry: ModelGeometry, weight_bytes: u64, budget_bytes: u64) -> Self {
@@ -235,7 +248,7 @@ impl Plan {
     /// Sequences of `context` tokens each that fit at once.
     pub fn max_sequences_at(&self, input: &PlanInput, context: u64) -> u64 {
         let bs = u64::from(input.block_size);
-        let tail = context.min(u64::from(input.tail_tokens));
+        let tail = context.min(u64::from(input.f16_tail_tokens()));
         let per_seq = (context - tail).div_ceil(bs) as f64
             * (self.k_bytes_per_block
                 + self.v_bytes_per_block
@@ -305,8 +318,9 @@ pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
     let kv = usable - fixed;
     let bs = f64::from(input.block_size);
     let tail_bpt = tk + tv;
+    let tail_tokens = input.f16_tail_tokens();
     let tail_reserve =
-        (f64::from(input.sequences) * f64::from(input.tail_tokens) * (tail_bpt + draft_bpt)).ceil()
+        (f64::from(input.sequences) * f64::from(tail_tokens) * (tail_bpt + draft_bpt)).ceil()
             as u64;
     let block_bytes = bs * (kpt + vpt + draft_bpt);
     let for_blocks = kv.saturating_sub(tail_reserve);
@@ -317,7 +331,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
             block_bytes: block_bytes.ceil() as u64,
         });
     }
-    let one_tail = (f64::from(input.tail_tokens) * (tail_bpt + draft_bpt)).ceil() as u64;
+    let one_tail = (f64::from(tail_tokens) * (tail_bpt + draft_bpt)).ceil() as u64;
     let blocks_one = (kv.saturating_sub(one_tail) as f64 / block_bytes).floor() as u64;
     let elems = f64::from(g.head_dim_k) + f64::from(g.head_dim_v);
     let row = f64::from(g.n_head_kv) * f64::from(g.n_layer);
@@ -336,8 +350,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
         tail_reserve_bytes: tail_reserve,
         num_blocks,
         block_tokens: num_blocks * u64::from(input.block_size),
-        max_context_one_sequence: blocks_one * u64::from(input.block_size)
-            + u64::from(input.tail_tokens),
+        max_context_one_sequence: blocks_one * u64::from(input.block_size) + u64::from(tail_tokens),
         n_ctx_train: g.n_ctx_train,
     })
 }
@@ -416,8 +429,9 @@ mod tests {
         check(f16, f16, 131_072.0, 298);
         // q8_0: 128 elems = 4 blocks × 34 B = 136 B per row; 32 × 8 × 136 × 2 = 69632 B/token; 2.5e9 / (69632 × 64) = 560.99
         check(q8, q8, 69_632.0, 560);
-        // K5/V4: K row 128 × 5/8 + 128 × 4/64 = 88 B; V row 64 + 4 × 4 = 80 B; (88 + 80) × 256 = 43008 B/token; 2.5e9 / (43008 × 64) = 908.3
-        check(KvFormat::K5, KvFormat::V4, 43_008.0, 908);
+        // K5/V4: K row 128 × 5/8 + 128 × 4/64 = 88 B; V row 64 + 4 × 4 = 80 B; (88 + 80) × 256 = 43008 B/token;
+        // the newest partial block stays f16 (64 × 131072 B): (2.5e9 − 8388608) / (43008 × 64) = 905.2
+        check(KvFormat::K5, KvFormat::V4, 43_008.0, 905);
     }
 
     #[test]
@@ -450,7 +464,8 @@ mod tests {
             ..base.clone()
         };
         let p1 = plan(&with_tail).unwrap();
-        assert_eq!(p1.tail_reserve_bytes, 4 * 1024 * 131_072);
+        // 1024 tail tokens plus the newest partial block, per sequence.
+        assert_eq!(p1.tail_reserve_bytes, 4 * (1024 + 64) * 131_072);
         assert!(
             p1.num_blocks > p0.num_blocks,
             "K5/V4 holds more even after tails"

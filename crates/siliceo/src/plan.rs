@@ -203,6 +203,7 @@ pub fn cmd_plan(a: PlanArgs) -> Result<()> {
         out["kv_v"] = serde_json::json!(v.name());
         out["block_size"] = serde_json::json!(a.block_size);
         out["tail_tokens"] = serde_json::json!(a.tail);
+        out["f16_tail_tokens"] = serde_json::json!(input.f16_tail_tokens());
         out["context"] = serde_json::json!(context);
         out["max_sequences_at_context"] = serde_json::json!(seqs);
         println!("{}", serde_json::to_string_pretty(&out)?);
@@ -254,10 +255,16 @@ pub fn cmd_plan(a: PlanArgs) -> Result<()> {
     if p.draft_bytes_per_token > 0.0 {
         println!("draft KV per token {:.0} B", p.draft_bytes_per_token);
     }
-    if a.tail > 0 {
+    let f16_tail = input.f16_tail_tokens();
+    if f16_tail > 0 {
         println!(
-            "f16 tail           {} tokens × {} sequence(s) × {:.0} B = {}",
-            a.tail,
+            "f16 tail           {} tokens{} × {} sequence(s) × {:.0} B = {}",
+            f16_tail,
+            if f16_tail > a.tail {
+                " (--tail plus the newest, partial block)"
+            } else {
+                ""
+            },
             a.sequences,
             p.tail_bytes_per_token,
             gib(p.tail_reserve_bytes as f64)
