@@ -259,7 +259,7 @@ impl State {
         let (mut ne, mut nb) = (t.ne, t.nb);
         // Before the reshape, the same name is on the 2-D projection
         // `[heads·d, tokens]`; read it as `[d, heads, tokens]`.
-        if ne[0] as usize == heads * d && ne[2] == 1 && ne[3] == 1 && heads > 1 {
+        if ne[0] as usize == heads * d && ne[2] == 1 && ne[3] == 1 {
             ne = [d as i64, heads as i64, ne[1], 1];
             nb = [nb[0], d * nb[0], nb[1], nb[3]];
         }
