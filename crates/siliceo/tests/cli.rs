@@ -355,3 +355,23 @@ fn serve_refuses_what_it_cannot_do_with_a_clear_error() {
         "no such file",
     );
 }
+
+#[test]
+fn a_closed_pipe_ends_output_quietly() {
+    // `siliceo plan | true`: the reader is gone before anything is written
+    // (it closes at once; `plan` first reads the model's GGUF header). The
+    // writer must end by SIGPIPE like any Unix tool, not panic.
+    use std::os::unix::process::ExitStatusExt;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_siliceo"))
+        .args(["plan", "--budget", "8GiB"])
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = text(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(out.status.signal(), Some(13), "{:?}: {err}", out.status);
+}
