@@ -336,15 +336,18 @@ fn cmd_model_info(a: ModelInfoArgs) -> Result<()> {
 }
 
 fn main() -> ExitCode {
-    // `siliceo plan | head` must end quietly, not panic on a closed pipe:
-    // take back the default SIGPIPE action Rust's runtime replaces.
-    #[cfg(unix)]
-    // SAFETY: setting a signal's disposition to its default at start-up,
-    // before any thread exists.
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
     let cli = Cli::parse();
+    // `siliceo plan | head` must end quietly, not panic on a closed pipe: take
+    // back the default SIGPIPE action Rust's runtime replaces. Not for `serve`:
+    // a server outlives a closed log pipe (its sockets never raise SIGPIPE).
+    #[cfg(unix)]
+    if !matches!(cli.command, Cmd::Serve(_)) {
+        // SAFETY: setting a signal's disposition to its default at start-up,
+        // before any thread exists.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     // The server logs its own progress at info; llama.cpp's chatter stays at warn.
     let quiet = if matches!(cli.command, Cmd::Serve(_)) {
         "info,llama-cpp-2=warn,llama_cpp_2=error"
