@@ -124,8 +124,14 @@ fn main() -> Result<()> {
 
 /// The workspace root (xtask lives one level below it).
 pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
+    // `cargo run` (the `cargo xtask` alias) sets CARGO_MANIFEST_DIR at run
+    // time: read it there first. The value compiled in names whichever
+    // checkout built this binary, and a target directory shared between
+    // checkouts (CI's persistent cache) can hand us another checkout's build.
+    let dir = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    dir.parent()
         .expect("xtask has a parent directory")
         .to_owned()
 }
