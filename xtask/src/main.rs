@@ -16,7 +16,7 @@ mod layers;
 mod models;
 mod tidy;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
