@@ -267,35 +267,34 @@ impl Runner<'_> {
         mut scored: impl FnMut(usize, &[f32]),
     ) -> Result<(), EngineError> {
         let wanted = |pos: usize| pos >= first_scored && pos + 1 < win.len();
-        match self {
-            Runner::Llama(ctx, batch) => {
+        let chunk = match self {
+            Runner::Llama(ctx, _) => {
                 ctx.clear();
-                let chunk = ctx.n_batch() as usize;
-                for (c, part) in win.chunks(chunk).enumerate() {
-                    batch.clear();
-                    for (i, &t) in part.iter().enumerate() {
-                        let pos = c * chunk + i;
-                        batch.push(t, pos as u32, SeqId(0), wanted(pos));
-                    }
-                    ctx.decode(batch)?;
-                    for i in 0..part.len() {
-                        if wanted(c * chunk + i) {
-                            scored(c * chunk + i, ctx.logits(i)?);
-                        }
-                    }
-                }
+                ctx.n_batch() as usize
             }
             Runner::Shadow(ctx) => {
                 ctx.clear();
-                let chunk = ctx.n_batch();
-                for (c, part) in win.chunks(chunk).enumerate() {
-                    ctx.decode(part, c * chunk, |i| wanted(c * chunk + i))?;
-                    for i in 0..part.len() {
-                        if wanted(c * chunk + i) {
-                            scored(c * chunk + i, ctx.logits(i));
-                        }
+                ctx.n_batch()
+            }
+        };
+        for (c, part) in win.chunks(chunk).enumerate() {
+            let pos0 = c * chunk;
+            match self {
+                Runner::Llama(ctx, batch) => {
+                    batch.clear();
+                    for (i, &t) in part.iter().enumerate() {
+                        batch.push(t, (pos0 + i) as u32, SeqId(0), wanted(pos0 + i));
                     }
+                    ctx.decode(batch)?;
                 }
+                Runner::Shadow(ctx) => ctx.decode(part, pos0, |i| wanted(pos0 + i))?,
+            }
+            for i in (0..part.len()).filter(|&i| wanted(pos0 + i)) {
+                let logits = match self {
+                    Runner::Llama(ctx, _) => ctx.logits(i)?,
+                    Runner::Shadow(ctx) => ctx.logits(i),
+                };
+                scored(pos0 + i, logits);
             }
         }
         Ok(())

@@ -934,19 +934,21 @@ impl<'m> Engine<'m> {
             }
             return;
         }
-        let decodes: Vec<RequestId> = step
-            .items
-            .iter()
-            .filter(|i| i.kind == ItemKind::Decode)
-            .map(|i| i.id.clone())
-            .collect();
         for w in want {
             self.sample(&w);
+        }
+        if self.speculative.is_none() {
+            return;
         }
         // What the step cost each speculating request per produced token:
         // drafting that costs more than it saves switches itself off.
         let us = started.elapsed().as_secs_f64() * 1e6;
-        for id in &decodes {
+        for id in step
+            .items
+            .iter()
+            .filter(|i| i.kind == ItemKind::Decode)
+            .map(|i| &i.id)
+        {
             if let Some(spec) = self.live.get_mut(id).and_then(|l| l.spec.as_mut())
                 && let Some((drafted, tokens)) = spec.last.take()
             {

@@ -200,14 +200,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         a.prompt
     };
     let tokens = model.tokenize(&text, true)?;
-    let preset = match &a.kv {
-        Some(p) => siliceo_engine::eval::KvConfig::parse(p)
-            .map_err(|e| anyhow::anyhow!("--kv {p}: {e} (presets: f16, kv8, k5v4)"))?,
-        None => siliceo_engine::eval::KvConfig {
-            k: KvType::F16,
-            v: KvType::F16,
-        },
-    };
+    let preset = serve::kv_preset(a.kv.as_deref())?;
     let (type_k, type_v) = (a.kv_k.unwrap_or(preset.k), a.kv_v.unwrap_or(preset.v));
     let mut ctx = Context::new(
         &model,

@@ -151,17 +151,22 @@ fn kv_type(s: Option<&str>, flag: &str, preset: KvType) -> Result<KvType> {
     }
 }
 
+/// The K/V types of a `--kv` preset (f16/f16 without one).
+pub(crate) fn kv_preset(kv: Option<&str>) -> Result<siliceo_engine::eval::KvConfig> {
+    match kv {
+        Some(p) => siliceo_engine::eval::KvConfig::parse(p)
+            .map_err(|e| anyhow::anyhow!("--kv {p}: {e} (presets: f16, kv8, k5v4)")),
+        None => Ok(siliceo_engine::eval::KvConfig {
+            k: KvType::F16,
+            v: KvType::F16,
+        }),
+    }
+}
+
 /// K and V types from `--kv` and `--kv-k`/`--kv-v`, checked against the
 /// model's KV rows from its GGUF header before the model is loaded.
 fn kv_types(a: &ServeArgs, model: &std::path::Path) -> Result<(KvType, KvType)> {
-    let preset = match &a.kv {
-        Some(p) => siliceo_engine::eval::KvConfig::parse(p)
-            .map_err(|e| anyhow::anyhow!("--kv {p}: {e} (presets: f16, kv8, k5v4)"))?,
-        None => siliceo_engine::eval::KvConfig {
-            k: KvType::F16,
-            v: KvType::F16,
-        },
-    };
+    let preset = kv_preset(a.kv.as_deref())?;
     let k = kv_type(a.kv_k.as_deref(), "kv-k", preset.k)?;
     let v = kv_type(a.kv_v.as_deref(), "kv-v", preset.v)?;
     let header = crate::plan::read_header(model)?;
