@@ -236,8 +236,10 @@ impl Scratch {
             q: vec![0.0; max_q * n_heads * l.head_dim],
             s: vec![0.0; sub * (n_heads / l.kv_heads)],
             corr: vec![0.0; n_heads / l.kv_heads],
-            k_scales: vec![0.0; sub * l.head_dim],
-            v_scales: vec![0.0; sub * l.head_dim],
+            // KV8 scales (sub·d/g), K5 scale and minimum (2·d), V4's
+            // (4·sub·d/g with its working half).
+            k_scales: vec![0.0; 2 * (sub + 1) * l.head_dim],
+            v_scales: vec![0.0; 2 * (sub + 1) * l.head_dim],
         }
     }
 }
@@ -289,8 +291,8 @@ fn run_item(
                 if first_q >= n_q {
                     break;
                 }
-                let k_rows = rows_of(kc, kseg, t, d, r0..r1, &mut sc.k, &mut sc.k_scales);
-                let v_rows = rows_of(vc, vseg, t, d, r0..r1, &mut sc.v, &mut sc.v_scales);
+                let k_rows = rows_of(kc, kseg, t, d, r0..r1, false, &mut sc.k, &mut sc.k_scales);
+                let v_rows = rows_of(vc, vseg, t, d, r0..r1, true, &mut sc.v, &mut sc.v_scales);
                 for qi in first_q..n_q {
                     let valid = r1.min(first_pos + qi + 1 - start) - r0;
                     // The group's query rows share every K and V load.
@@ -333,18 +335,48 @@ fn run_item(
 
 /// Rows `rows` of a segment as the group kernels read them: F16 and KV8
 /// (power-of-two groups) straight from the segment, converted in the loops;
-/// other codecs decoded into `tile` first.
+/// K5 keys and V4 values likewise where [`simd::k5_in_place`] /
+/// [`simd::v4_in_place`] say so; anything else decoded into `tile` first.
+#[allow(clippy::too_many_arguments)]
 fn rows_of<'a>(
     codec: Codec,
     seg: &'a [u8],
     t: usize,
     d: usize,
     rows: std::ops::Range<usize>,
+    value: bool,
     tile: &'a mut [f32],
     scales: &'a mut [f32],
 ) -> Rows<'a> {
     if codec == Codec::F16 {
         return Rows::F16(&seg[rows.start * d * 2..rows.end * d * 2]);
+    }
+    let n = rows.len();
+    match codec {
+        Codec::K5 if !value && simd::k5_in_place(d) => {
+            if let Some((nib, high)) = codec.k5_rows(seg, t, d, rows.clone(), scales) {
+                let (scale, min) = scales[..2 * d].split_at(d);
+                return Rows::K5 {
+                    nib,
+                    high,
+                    scale,
+                    min,
+                };
+            }
+        }
+        Codec::V4 { group } if value && simd::v4_in_place(d, group as usize, n) => {
+            if let Some((codes, group)) = codec.v4_rows(seg, t, d, rows.clone(), scales) {
+                let per = n * (d / group);
+                let (scale, min) = scales[..2 * per].split_at(per);
+                return Rows::V4 {
+                    codes,
+                    scale,
+                    min,
+                    group,
+                };
+            }
+        }
+        _ => {}
     }
     if let Some((codes, shift)) = codec.kv8_rows(seg, t, d, rows.clone(), scales) {
         return Rows::Kv8 {
@@ -353,7 +385,6 @@ fn rows_of<'a>(
             shift,
         };
     }
-    let n = rows.len();
     codec.decode_rows(seg, t, d, rows, tile);
     Rows::F32(&tile[..n * d])
 }

@@ -315,6 +315,71 @@ impl Codec {
         Some((&codes[rows.start * d..rows.end * d], g.trailing_zeros()))
     }
 
+    /// For K5: the 4-bit and fifth-bit planes of tokens `rows` (`n[rows][D/2]`,
+    /// `h[rows][D/8]`), with the per-channel scales then minimums written to
+    /// `params` as f32 (`2·D` values) — what the kernel reads without a tile.
+    pub fn k5_rows<'s>(
+        self,
+        seg: &'s [u8],
+        tokens: usize,
+        head_dim: usize,
+        rows: std::ops::Range<usize>,
+        params: &mut [f32],
+    ) -> Option<(&'s [u8], &'s [u8])> {
+        if self != Codec::K5 {
+            return None;
+        }
+        let (t, d) = (tokens, head_dim);
+        let (p, rest) = seg.split_at(d * 4);
+        let (nib, high) = rest.split_at(t * d / 2);
+        bytes_as_f16(p).convert_to_f32_slice(&mut params[..2 * d]);
+        let (half, e) = (d / 2, d / 8);
+        Some((
+            &nib[rows.start * half..rows.end * half],
+            &high[rows.start * e..rows.end * e],
+        ))
+    }
+
+    /// For V4: the codes of tokens `rows` (`D/2` bytes per token) and the group
+    /// size, with the rows' scales then minimums written to `params` as f32,
+    /// group-major (`scale[G][j]` for group `G` of token `j`, then `min[G][j]`,
+    /// `D/g × rows.len()` each) so the kernel reads a group's column in
+    /// straight lines. `params` holds at least `4 · rows.len() · D/g` values
+    /// (the upper half is working space).
+    pub fn v4_rows<'s>(
+        self,
+        seg: &'s [u8],
+        tokens: usize,
+        head_dim: usize,
+        rows: std::ops::Range<usize>,
+        params: &mut [f32],
+    ) -> Option<(&'s [u8], usize)> {
+        let Codec::V4 { group } = self else {
+            return None;
+        };
+        let (t, d, g) = (tokens, head_dim, group as usize);
+        let (per, n) = (d / g, rows.len());
+        let ng = t * per;
+        let (p, codes) = seg.split_at(ng * 4);
+        let p = bytes_as_f16(p);
+        let (g0, g1) = (rows.start * per, rows.end * per);
+        let (out, work) = params[..4 * n * per].split_at_mut(2 * n * per);
+        p[g0..g1].convert_to_f32_slice(&mut work[..n * per]);
+        p[ng + g0..ng + g1].convert_to_f32_slice(&mut work[n * per..]);
+        // Token-major → group-major.
+        for (src, dst) in work
+            .chunks_exact(n * per)
+            .zip(out.chunks_exact_mut(n * per))
+        {
+            for (j, row) in src.chunks_exact(per).enumerate() {
+                for (gi, v) in row.iter().enumerate() {
+                    dst[gi * n + j] = *v;
+                }
+            }
+        }
+        Some((&codes[rows.start * d / 2..rows.end * d / 2], g))
+    }
+
     /// The largest error [`Codec::decode`] may make on one element of a group whose
     /// values are `x` (a row's group for Kv8/V4, a channel's column for K5); see the
     /// module docs.

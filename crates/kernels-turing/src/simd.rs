@@ -92,7 +92,67 @@ pub enum Rows<'a> {
         /// log2 of the group size.
         shift: u32,
     },
+    /// K5 read in the loops (only as K, see [`k5_in_place`]): the 4-bit plane
+    /// (`n × d/2`), the fifth bits (`n × d/8`) and the block's per-channel
+    /// scale and minimum (`d` each). The score kernel folds the scale into
+    /// the query and adds `q · min` once per row.
+    K5 {
+        /// Low four bits, `d/2` bytes per token.
+        nib: &'a [u8],
+        /// Fifth bits, `d/8` bytes per token.
+        high: &'a [u8],
+        /// Per-channel scale.
+        scale: &'a [f32],
+        /// Per-channel minimum.
+        min: &'a [f32],
+    },
+    /// V4 read in the loops (only as V, see [`v4_in_place`]): codes (`m × d/2`
+    /// for the `m` tokens of the tile; a call may use the first `n ≤ m`) and
+    /// each token's group scale and minimum, group-major (`scale[G·m + j]`,
+    /// as [`crate::codec::Codec::v4_rows`] writes them).
+    V4 {
+        /// Codes, `d/2` bytes per token.
+        codes: &'a [u8],
+        /// Scales, `d/g × m`, group-major.
+        scale: &'a [f32],
+        /// Minimums, `d/g × m`, group-major.
+        min: &'a [f32],
+        /// Channels per group.
+        group: usize,
+    },
 }
+
+/// Whether [`group_scores`] reads K5 rows in place for head dimension `d`
+/// (x86-64 with AVX2; `d/8` a power of two of at least 8, so 8 channels
+/// share one fifth-bit plane). Otherwise K5 is decoded into a tile.
+pub fn k5_in_place(d: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        return d.is_multiple_of(64)
+            && (d / 8).is_power_of_two()
+            && d <= crate::codec::MAX_HEAD_DIM;
+    }
+    let _ = d;
+    false
+}
+
+/// Whether [`group_accumulate`] reads V4 rows in place for head dimension
+/// `d`, groups of `g` channels and `n` tokens at a time (x86-64 with AVX2,
+/// `g` a multiple of 32 so a half group fills two vectors, `n` ≤ 256).
+pub fn v4_in_place(d: usize, g: usize, n: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        return g.is_multiple_of(32)
+            && d.is_multiple_of(g)
+            && d <= crate::codec::MAX_HEAD_DIM
+            && n <= MAX_V4_TOKENS;
+    }
+    let _ = (d, g, n);
+    false
+}
+
+/// Most tokens one in-place V4 call takes (its per-token weights live on the stack).
+const MAX_V4_TOKENS: usize = 256;
 
 impl Rows<'_> {
     fn len_values(&self) -> usize {
@@ -100,6 +160,8 @@ impl Rows<'_> {
             Rows::F32(x) => x.len(),
             Rows::F16(b) => b.len() / 2,
             Rows::Kv8 { codes, .. } => codes.len(),
+            Rows::K5 { nib, .. } => nib.len() * 2,
+            Rows::V4 { codes, .. } => codes.len() * 2,
         }
     }
     fn get(&self, j: usize, c: usize, d: usize) -> f32 {
@@ -112,7 +174,33 @@ impl Rows<'_> {
                 scales,
                 shift,
             } => codes[i] as i8 as f32 * scales[j * (d >> shift) + (c >> shift)],
+            Rows::K5 {
+                nib,
+                high,
+                scale,
+                min,
+            } => {
+                let (half, e) = (d / 2, d / 8);
+                let lo = (nib[j * half + c % half] >> (c / half * 4)) & 0xF;
+                let hb = (high[j * e + c % e] >> (c / e)) & 1;
+                scale[c].mul_add((lo | (hb << 4)) as f32, min[c])
+            }
+            Rows::V4 {
+                codes,
+                scale,
+                min,
+                group: g,
+            } => {
+                let m = codes.len() * 2 / d;
+                let (gi, k) = (c / g, c % g);
+                let b = codes[j * d / 2 + gi * g / 2 + k % (g / 2)];
+                let code = (b >> (k / (g / 2) * 4)) & 0xF;
+                scale[gi * m + j].mul_add(code as f32, min[gi * m + j])
+            }
         }
+    }
+    fn in_place_packed(&self) -> bool {
+        matches!(self, Rows::K5 { .. } | Rows::V4 { .. })
     }
 }
 
@@ -151,7 +239,34 @@ pub fn group_scores(q: &[f32], rows: usize, k: Rows<'_>, n: usize, d: usize, out
             && d.is_multiple_of(8)
     );
     #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
+    if let Rows::K5 {
+        nib,
+        high,
+        scale,
+        min,
+    } = k
+        && k5_in_place(d)
+    {
+        assert!(scale.len() >= d && min.len() >= d && high.len() >= n * d / 8);
+        for_row_groups(rows, |r, take| {
+            let (qs, os) = (&q[r * d..], &mut out[r * n..]);
+            // SAFETY: AVX2/FMA checked by `k5_in_place`, which also bounds d;
+            // the asserts above cover every access.
+            unsafe {
+                if d.is_multiple_of(128) {
+                    by_rows!(
+                        take,
+                        x86::k5_scores_words(qs, nib, high, scale, min, n, d, os)
+                    )
+                } else {
+                    by_rows!(take, x86::k5_scores(qs, nib, high, scale, min, n, d, os))
+                }
+            }
+        });
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() && !k.in_place_packed() {
         for_row_groups(rows, |r, take| {
             let (qs, os) = (&q[r * d..], &mut out[r * n..]);
             // SAFETY: AVX2/FMA/F16C checked; the bounds above cover every access.
@@ -177,7 +292,31 @@ pub fn group_accumulate(acc: &mut [f32], corr: &[f32], w: &[f32], v: Rows<'_>, n
             && d.is_multiple_of(8)
     );
     #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
+    if let Rows::V4 {
+        codes,
+        scale,
+        min,
+        group,
+    } = v
+        && v4_in_place(d, group, n)
+    {
+        let m = codes.len() * 2 / d;
+        assert!(scale.len() >= m * (d / group) && min.len() >= m * (d / group));
+        for_row_groups(rows, |r, take| {
+            let (a, c, ws) = (&mut acc[r * d..], &corr[r..r + take], &w[r * n..]);
+            // SAFETY: AVX2/FMA checked by `v4_in_place`, which also bounds d,
+            // g and n; the asserts above cover every access.
+            unsafe {
+                by_rows!(
+                    take,
+                    x86::v4_accumulate(a, c, ws, codes, scale, min, group, n, m, d)
+                )
+            }
+        });
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() && !v.in_place_packed() {
         for_row_groups(rows, |r, take| {
             let (a, c, ws) = (&mut acc[r * d..], &corr[r..r + take], &w[r * n..]);
             // SAFETY: as in `group_scores`.
@@ -213,6 +352,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::Rows;
+    use crate::codec::MAX_HEAD_DIM;
 
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn max(x: &[f32]) -> f32 {
@@ -307,6 +447,9 @@ mod x86 {
                     )));
                     let s = *scales.get_unchecked(j * (d >> shift) + (c >> shift));
                     _mm256_mul_ps(q, _mm256_set1_ps(s))
+                }
+                Rows::K5 { .. } | Rows::V4 { .. } => {
+                    unreachable!("packed rows have their own kernels")
                 }
             }
         }
@@ -419,6 +562,298 @@ mod x86 {
         }
     }
 
+    /// Scores over K5 rows read in place: the query rows times the channel
+    /// scales (once per call), then 5-bit codes assembled and converted
+    /// eight channels at a time, two tokens per pass; `q · min` is added
+    /// per row at the end.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn k5_scores<const R: usize>(
+        q: &[f32],
+        nib: &[u8],
+        high: &[u8],
+        scale: &[f32],
+        min: &[f32],
+        n: usize,
+        d: usize,
+        out: &mut [f32],
+    ) {
+        let mut qs = std::mem::MaybeUninit::<[f32; 4 * MAX_HEAD_DIM]>::uninit();
+        let qs = qs.as_mut_ptr().cast::<f32>();
+        let mut bias = [0f32; R];
+        // SAFETY: d ≤ MAX_HEAD_DIM and R ≤ 4 (the caller), so qs[r·d + c]
+        // stays in the buffer, and only written lanes are read back; q holds
+        // R·d values, scale and min d, nib n·d/2 and high n·d/8 (checked by
+        // the caller); out[r·n + j] for r < R, j < n likewise.
+        unsafe {
+            for (r, b) in bias.iter_mut().enumerate() {
+                let mut acc = _mm256_setzero_ps();
+                for c in (0..d).step_by(8) {
+                    let qv = _mm256_loadu_ps(q.as_ptr().add(r * d + c));
+                    _mm256_storeu_ps(
+                        qs.add(r * d + c),
+                        _mm256_mul_ps(qv, _mm256_loadu_ps(scale.as_ptr().add(c))),
+                    );
+                    acc = _mm256_fmadd_ps(qv, _mm256_loadu_ps(min.as_ptr().add(c)), acc);
+                }
+                *b = hsum8(acc);
+            }
+            let mut j = 0;
+            while j + 2 <= n {
+                let a = k5_tokens::<R, 2>(qs, nib, high, j, d);
+                for (r, a) in a.iter().enumerate() {
+                    out[r * n + j] = hsum8(a[0]) + bias[r];
+                    out[r * n + j + 1] = hsum8(a[1]) + bias[r];
+                }
+                j += 2;
+            }
+            if j < n {
+                let a = k5_tokens::<R, 1>(qs, nib, high, j, d);
+                for (r, a) in a.iter().enumerate() {
+                    out[r * n + j] = hsum8(a[0]) + bias[r];
+                }
+            }
+        }
+    }
+
+    /// Scores over K5 rows with integer dot products (d a multiple of 128, so
+    /// 16 channels share one fifth-bit plane): each query row times the
+    /// channel scales is rounded to 16-bit integers with one scale per row (an
+    /// error of 2⁻¹⁶ of the row's largest element, far below K5's own step),
+    /// the codes are assembled as 16-bit words 16 channels at a time, and
+    /// `vpmaddwd` forms 16 products per instruction into exact 32-bit sums.
+    /// Two tokens × up to four rows are reduced together.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn k5_scores_words<const R: usize>(
+        q: &[f32],
+        nib: &[u8],
+        high: &[u8],
+        scale: &[f32],
+        min: &[f32],
+        n: usize,
+        d: usize,
+        out: &mut [f32],
+    ) {
+        let mut qw = std::mem::MaybeUninit::<[i16; 4 * MAX_HEAD_DIM]>::uninit();
+        let qw = qw.as_mut_ptr().cast::<i16>();
+        let mut row_scale = [0f32; 4];
+        let mut bias = [0f32; 4];
+        let (half, e) = (d / 2, d / 8);
+        let e_shift = e.trailing_zeros();
+        // SAFETY: d ≤ MAX_HEAD_DIM and R ≤ 4 (the caller), so qw[r·d + c]
+        // stays in the buffer and only written words are read; q holds R·d
+        // values, scale and min d, nib n·d/2, high n·d/8, out R·n (the
+        // caller). Block b's channels 16b..16b+16 < d/2 and their fifth-bit
+        // bytes (16b mod e)..+16 ≤ e because e is a power of two ≥ 16.
+        unsafe {
+            let sign = _mm256_set1_ps(-0.0);
+            for r in 0..R {
+                let mut b = _mm256_setzero_ps();
+                let mut amax = _mm256_setzero_ps();
+                for c in (0..d).step_by(8) {
+                    let qv = _mm256_loadu_ps(q.as_ptr().add(r * d + c));
+                    let qs = _mm256_mul_ps(qv, _mm256_loadu_ps(scale.as_ptr().add(c)));
+                    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, qs));
+                    b = _mm256_fmadd_ps(qv, _mm256_loadu_ps(min.as_ptr().add(c)), b);
+                }
+                bias[r] = hsum8(b);
+                let m = hmax8(amax);
+                row_scale[r] = m / 32767.0;
+                let inv = _mm256_set1_ps(if m > 0.0 { 32767.0 / m } else { 0.0 });
+                for c in (0..d).step_by(16) {
+                    let word = |c: usize| {
+                        let qv = _mm256_loadu_ps(q.as_ptr().add(r * d + c));
+                        let qs = _mm256_mul_ps(qv, _mm256_loadu_ps(scale.as_ptr().add(c)));
+                        _mm256_cvtps_epi32(_mm256_mul_ps(qs, inv))
+                    };
+                    // packs interleaves the 128-bit halves; the permute restores order.
+                    let w =
+                        _mm256_permute4x64_epi64::<0xD8>(_mm256_packs_epi32(word(c), word(c + 8)));
+                    _mm256_storeu_si256(qw.add(r * d + c).cast(), w);
+                }
+            }
+            let (low4, five) = (_mm256_set1_epi16(0xF), _mm256_set1_epi16(0x10));
+            let mut j = 0;
+            while j < n {
+                // Pairs of tokens; an odd last token is paired with itself.
+                let pair = [j, (j + 1).min(n - 1)];
+                let mut acc = [_mm256_setzero_si256(); 8];
+                for (t, &jj) in pair.iter().enumerate() {
+                    for c in (0..half).step_by(16) {
+                        let p = (c >> e_shift) as i32;
+                        let nb = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                            nib.as_ptr().add(jj * half + c).cast(),
+                        ));
+                        let hb = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                            high.as_ptr().add(jj * e + (c & (e - 1))).cast(),
+                        ));
+                        // Channel c's fifth bit is in plane p, channel c + half's in p + 4.
+                        let lo = _mm256_or_si256(
+                            _mm256_and_si256(nb, low4),
+                            _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - p)), five),
+                        );
+                        let hi = _mm256_or_si256(
+                            _mm256_srli_epi16::<4>(nb),
+                            _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(p)), five),
+                        );
+                        for r in 0..R {
+                            let a = &mut acc[2 * r + t];
+                            let ql = _mm256_loadu_si256(qw.add(r * d + c).cast());
+                            let qh = _mm256_loadu_si256(qw.add(r * d + half + c).cast());
+                            *a = _mm256_add_epi32(*a, _mm256_madd_epi16(lo, ql));
+                            *a = _mm256_add_epi32(*a, _mm256_madd_epi16(hi, qh));
+                        }
+                    }
+                }
+                // Eight horizontal sums at once: lane 2r + t = row r, token t.
+                let h0 = _mm256_hadd_epi32(acc[0], acc[1]);
+                let h1 = _mm256_hadd_epi32(acc[2], acc[3]);
+                let h2 = _mm256_hadd_epi32(acc[4], acc[5]);
+                let h3 = _mm256_hadd_epi32(acc[6], acc[7]);
+                let (g0, g1) = (_mm256_hadd_epi32(h0, h1), _mm256_hadd_epi32(h2, h3));
+                let sums = _mm256_add_epi32(
+                    _mm256_permute2x128_si256::<0x20>(g0, g1),
+                    _mm256_permute2x128_si256::<0x31>(g0, g1),
+                );
+                let mut f = [0f32; 8];
+                _mm256_storeu_ps(f.as_mut_ptr(), _mm256_cvtepi32_ps(sums));
+                for r in 0..R {
+                    out[r * n + j] = f[2 * r].mul_add(row_scale[r], bias[r]);
+                    if j + 1 < n {
+                        out[r * n + j + 1] = f[2 * r + 1].mul_add(row_scale[r], bias[r]);
+                    }
+                }
+                j += 2;
+            }
+        }
+    }
+
+    /// `Σ_c qs[r][c] · code[j + t][c]` for T tokens from `j` in R × T accumulators.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn k5_tokens<const R: usize, const T: usize>(
+        qs: *const f32,
+        nib: &[u8],
+        high: &[u8],
+        j: usize,
+        d: usize,
+    ) -> [[__m256; T]; R] {
+        let (half, e) = (d / 2, d / 8);
+        let e_shift = e.trailing_zeros();
+        let (mask, five) = (_mm256_set1_epi32(0xF), _mm256_set1_epi32(0x10));
+        let mut a = [[_mm256_setzero_ps(); T]; R];
+        // SAFETY: the caller's bounds (see `k5_scores`); c + 8 ≤ d/2 and
+        // idx + 8 ≤ d/8 because d/8 is a power of two ≥ 8.
+        unsafe {
+            for c in (0..half).step_by(8) {
+                // Channels c..c+8 have their fifth bit in plane p (< 4) of
+                // bytes idx..idx+8; channels c+half.. in plane p + 4.
+                let p = (c >> e_shift) as i32;
+                let idx = c & (e - 1);
+                let (up, down) = (_mm_cvtsi32_si128(4 - p), _mm_cvtsi32_si128(p));
+                for t in 0..T {
+                    let nb = u8x8(nib.as_ptr().add((j + t) * half + c));
+                    let hb = u8x8(high.as_ptr().add((j + t) * e + idx));
+                    let lo = _mm256_or_si256(
+                        _mm256_and_si256(nb, mask),
+                        _mm256_and_si256(_mm256_sll_epi32(hb, up), five),
+                    );
+                    let hi = _mm256_or_si256(
+                        _mm256_srli_epi32::<4>(nb),
+                        _mm256_and_si256(_mm256_srl_epi32(hb, down), five),
+                    );
+                    let (lo, hi) = (_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi));
+                    for (r, a) in a.iter_mut().enumerate() {
+                        let x = _mm256_fmadd_ps(_mm256_loadu_ps(qs.add(r * d + c)), lo, a[t]);
+                        a[t] = _mm256_fmadd_ps(_mm256_loadu_ps(qs.add(r * d + c + half)), hi, x);
+                    }
+                }
+            }
+        }
+        a
+    }
+
+    /// Accumulation over V4 rows read in place: per group, each row's weights
+    /// times the tokens' scales (`ws`) and `Σ w · min` (added to the whole
+    /// group once), then 16 channels × R rows per pass over the tokens.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn v4_accumulate<const R: usize>(
+        acc: &mut [f32],
+        corr: &[f32],
+        w: &[f32],
+        codes: &[u8],
+        scale: &[f32],
+        min: &[f32],
+        g: usize,
+        n: usize,
+        m: usize,
+        d: usize,
+    ) {
+        let (per, hg) = (d / g, g / 2);
+        let mut ws = std::mem::MaybeUninit::<[f32; 4 * super::MAX_V4_TOKENS]>::uninit();
+        let ws = ws.as_mut_ptr().cast::<f32>();
+        let ap = acc.as_mut_ptr();
+        let mask = _mm256_set1_epi32(0xF);
+        // SAFETY: n ≤ MAX_V4_TOKENS and R ≤ 4 (the caller), so ws[r·n + j]
+        // stays in the buffer and only written lanes are read; acc holds R·d,
+        // w R·n, codes m·d/2 (n ≤ m), scale and min per·m values (the caller); every
+        // channel below is < d because g divides d and hg is a multiple of 16.
+        unsafe {
+            for gi in 0..per {
+                let (sg, mg) = (scale.as_ptr().add(gi * m), min.as_ptr().add(gi * m));
+                let mut wm = [0f32; R];
+                for (r, wm) in wm.iter_mut().enumerate() {
+                    let (wr, wsr) = (w.as_ptr().add(r * n), ws.add(r * n));
+                    let mut m8 = _mm256_setzero_ps();
+                    let mut j = 0;
+                    while j + 8 <= n {
+                        let wv = _mm256_loadu_ps(wr.add(j));
+                        _mm256_storeu_ps(wsr.add(j), _mm256_mul_ps(wv, _mm256_loadu_ps(sg.add(j))));
+                        m8 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(mg.add(j)), m8);
+                        j += 8;
+                    }
+                    *wm = hsum8(m8);
+                    while j < n {
+                        *wsr.add(j) = *wr.add(j) * *sg.add(j);
+                        *wm += *wr.add(j) * *mg.add(j);
+                        j += 1;
+                    }
+                }
+                for nibble in 0..2 {
+                    let shift = _mm_cvtsi32_si128(4 * nibble);
+                    for i0 in (0..hg).step_by(16) {
+                        let c = gi * g + nibble as usize * hg + i0;
+                        let mut a = [[_mm256_setzero_ps(); 2]; R];
+                        for (r, a) in a.iter_mut().enumerate() {
+                            let (cv, mv) = (_mm256_set1_ps(corr[r]), _mm256_set1_ps(wm[r]));
+                            a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(r * d + c)), cv, mv);
+                            a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(r * d + c + 8)), cv, mv);
+                        }
+                        let src = codes.as_ptr().add(gi * hg + i0);
+                        for j in 0..n {
+                            let b = src.add(j * d / 2);
+                            let x0 = _mm256_and_si256(_mm256_srl_epi32(u8x8(b), shift), mask);
+                            let x1 =
+                                _mm256_and_si256(_mm256_srl_epi32(u8x8(b.add(8)), shift), mask);
+                            let (f0, f1) = (_mm256_cvtepi32_ps(x0), _mm256_cvtepi32_ps(x1));
+                            for (r, a) in a.iter_mut().enumerate() {
+                                let wv = _mm256_set1_ps(*ws.add(r * n + j));
+                                a[0] = _mm256_fmadd_ps(wv, f0, a[0]);
+                                a[1] = _mm256_fmadd_ps(wv, f1, a[1]);
+                            }
+                        }
+                        for (r, a) in a.iter().enumerate() {
+                            _mm256_storeu_ps(ap.add(r * d + c), a[0]);
+                            _mm256_storeu_ps(ap.add(r * d + c + 8), a[1]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// Eight bytes at `p`, zero-extended to eight 32-bit lanes.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn u8x8(p: *const u8) -> __m256i {
@@ -480,6 +915,14 @@ mod x86 {
                 _mm256_storeu_ps(out.as_mut_ptr().add(j + half), _mm256_fmadd_ps(s, hi, m));
             }
         }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    fn hmax8(a: __m256) -> f32 {
+        let s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+        let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_max_ss(s, _mm_shuffle_ps::<1>(s, s));
+        _mm_cvtss_f32(s)
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -547,6 +990,120 @@ mod tests {
                         (a - b).abs() < 1e-4 * (1.0 + b.abs()),
                         "rows={rows} d={d}: {a} vs {b}"
                     );
+                }
+            }
+        }
+    }
+
+    /// K5 keys and V4 values read in place give what the decoded tile gives,
+    /// for a whole tile and for the first `n < m` tokens of it (a causal
+    /// prefill row), in every row-group size; the portable loops (`get`) too.
+    #[test]
+    fn packed_rows_in_place_match_the_decoded_tile() {
+        use crate::codec::Codec;
+        for d in [64usize, 128, 256] {
+            let t = 64;
+            let x: Vec<f32> = (0..t * d)
+                .map(|i| {
+                    ((i * 7919 % 1000) as f32 / 500.0 - 1.0)
+                        * (1.0 + (i % d == 3) as u8 as f32 * 9.0)
+                })
+                .collect();
+            for (codec, value) in [
+                (Codec::K5, false),
+                (Codec::V4, true),
+                (Codec::V4 { group: 64 }, true),
+            ] {
+                let mut seg = vec![0u8; codec.segment_bytes(t, d)];
+                codec.encode(&x, t, d, &mut seg);
+                for (r0, r1) in [(0, 64), (16, 48), (5, 6)] {
+                    let m = r1 - r0;
+                    let mut tile = vec![0f32; m * d];
+                    codec.decode_rows(&seg, t, d, r0..r1, &mut tile);
+                    let mut params = vec![0f32; 4 * (m + 1) * d];
+                    let rows = match codec {
+                        Codec::K5 => {
+                            let (nib, high) =
+                                codec.k5_rows(&seg, t, d, r0..r1, &mut params).unwrap();
+                            let (scale, min) = params[..2 * d].split_at(d);
+                            Rows::K5 {
+                                nib,
+                                high,
+                                scale,
+                                min,
+                            }
+                        }
+                        _ => {
+                            let (codes, group) =
+                                codec.v4_rows(&seg, t, d, r0..r1, &mut params).unwrap();
+                            let per = m * (d / group);
+                            let (scale, min) = params[..2 * per].split_at(per);
+                            Rows::V4 {
+                                codes,
+                                scale,
+                                min,
+                                group,
+                            }
+                        }
+                    };
+                    for j in 0..m {
+                        for c in 0..d {
+                            assert_eq!(
+                                rows.get(j, c, d),
+                                tile[j * d + c],
+                                "{codec:?} d={d} [{j}][{c}]"
+                            );
+                        }
+                    }
+                    for rows_n in [1, 3, 4, 6] {
+                        for n in [m, m.div_ceil(2)] {
+                            let q: Vec<f32> =
+                                (0..rows_n * d).map(|i| (i as f32 * 0.37).sin()).collect();
+                            let (mut got, mut want) =
+                                (vec![0f32; rows_n * n], vec![0f32; rows_n * n]);
+                            let mut acc: Vec<f32> =
+                                (0..rows_n * d).map(|i| i as f32 / 100.0).collect();
+                            let mut acc_want = acc.clone();
+                            let corr: Vec<f32> =
+                                (0..rows_n).map(|r| 0.5 + r as f32 / 10.0).collect();
+                            let w: Vec<f32> =
+                                (0..rows_n * n).map(|i| (i % 7) as f32 / 7.0).collect();
+                            if value {
+                                group_accumulate(&mut acc, &corr, &w, rows, n, d);
+                                group_accumulate(&mut acc_want, &corr, &w, Rows::F32(&tile), n, d);
+                                for (a, b) in acc.iter().zip(&acc_want) {
+                                    assert!(
+                                        (a - b).abs() < 1e-4 * (1.0 + b.abs()),
+                                        "{codec:?} d={d} n={n}: {a} vs {b}"
+                                    );
+                                }
+                            } else {
+                                group_scores(&q, rows_n, rows, n, d, &mut got);
+                                group_scores(&q, rows_n, Rows::F32(&tile), n, d, &mut want);
+                                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                                    // The integer path rounds q·scale to 16 bits per row:
+                                    // at most half a step times the sum of the codes.
+                                    let r = i / n;
+                                    let Rows::K5 { scale, .. } = rows else {
+                                        unreachable!()
+                                    };
+                                    let qmax = (0..d)
+                                        .map(|c| (q[r * d + c] * scale[c]).abs())
+                                        .fold(0f32, f32::max);
+                                    let words = k5_in_place(d) && d % 128 == 0;
+                                    let bound = if words {
+                                        qmax / 65534.0 * 31.0 * d as f32
+                                    } else {
+                                        0.0
+                                    };
+                                    assert!(
+                                        (a - b).abs() < bound + 1e-4 * (1.0 + b.abs()),
+                                        "{codec:?} d={d} n={n}: {a} vs {b} (bound {bound})"
+                                    );
+                                }
+                            }
+                        }
+                    }
                 }
             }
         }

@@ -292,7 +292,16 @@ fn check_layout(layout: KvLayout, seed: u64) -> f32 {
         .unwrap();
         // Rotation goes through f32 Hadamard transforms on both sides, so it may
         // differ from the reference by a little more rounding.
-        let tol = if layout.rotate_k { 2e-4 } else { 5e-5 };
+        // K5 keys of heads of 128 or 256 go through 16-bit integer dot
+        // products (the query times the channel scales rounded to 2⁻¹⁶ of
+        // its row's largest element; see `simd`), a little more again.
+        let tol = if layout.k == Codec::K5 && d.is_multiple_of(128) {
+            2e-3
+        } else if layout.rotate_k {
+            2e-4
+        } else {
+            5e-5
+        };
         close(
             &out,
             &want_stored,
@@ -359,6 +368,43 @@ fn the_kernel_matches_naive_attention_in_every_format() {
         errors["k5:v4/32+tail128"] < errors["k5:v4/32"],
         "{errors:?}"
     );
+}
+
+/// The same check with the explicit x86 loops switched off: the portable
+/// loops (what other architectures run) read every format too. The choice is
+/// made once per process, so the test runs itself again in a child process.
+#[test]
+fn the_portable_loops_match_naive_attention_too() {
+    if std::env::var_os("SILICEO_KERNELS_PORTABLE").is_some() {
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "the_kernel_matches_naive_attention_in_every_format",
+            "--test-threads=1",
+            "--nocapture",
+        ])
+        .env("SILICEO_KERNELS_PORTABLE", "1")
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("1 passed"), "the check did not run: {text}");
+}
+
+/// Heads of 128 (most models): K5 keys take the integer path, V4 values are
+/// read in place; the output error against the original values stays that of
+/// the format.
+#[test]
+fn wide_heads_match_naive_attention() {
+    for (name, bound) in [("k5v4", 0.1), ("f16", 2e-3), ("kv8", 3e-2)] {
+        let layout = KvLayout::preset(name, 2, 128).unwrap();
+        let err = check_layout(layout, 7);
+        eprintln!("{name} d=128: relative RMS error of the output {err:.5}");
+        assert!(err < bound, "{name}: {err}");
+    }
 }
 
 #[test]
