@@ -4,10 +4,19 @@
 //! with an optional split of long contexts into partitions that are reduced
 //! at the end (the same plan as the CUDA kernels).
 //!
-//! Per (sequence, KV head, partition) the kernel decodes each block's K and V
-//! segment once into f32 tiles that stay in L1/L2, then serves every query
-//! token and every query head of the group from them: the bytes of KV read
-//! from memory are the format's bytes, once per call.
+//! Per (sequence, KV head, partition) the kernel walks each block's K and V
+//! segment in sub-tiles and serves every query token and every query head of
+//! the group from each load: the bytes of KV read from memory are the
+//! format's bytes, once per call. F16, KV8, K5 keys and V4 values are read in
+//! place (converted in the inner loops, see [`crate::simd`]); other codecs
+//! are decoded into an f32 tile that stays in L1.
+//!
+//! Accuracy: against attention over the stored (decoded) values the kernel
+//! differs by float rounding, except K5 keys of heads of 128 or 256, whose
+//! scores are exact integer sums over the query rounded to 16 bits per row:
+//! each score is off by at most `max_c |q_c·scale_c| / 65534 · Σ_c code_c`
+//! (the tests hold the outputs to 2·10⁻³ relative; K5's own rounding of the
+//! keys moves them a hundred times more).
 
 use crate::KernelError;
 use crate::codec::Codec;

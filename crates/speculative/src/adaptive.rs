@@ -17,7 +17,10 @@
 /// ([`AdaptiveDraftLength::record_step`]); once a few drafting steps cost more
 /// per produced token than plain steps do, drafting pauses for
 /// [`AdaptiveDraftLength::COST_PAUSE_STEPS`] steps (plain steps keep their
-/// estimate fresh), then probes again from a fresh estimate.
+/// estimate fresh), then probes again from a fresh estimate. A single drafting
+/// step that costs more than [`AdaptiveDraftLength::CLEAR_LOSS`] times a plain
+/// step per produced token pauses at once: a probe of a pair that clearly
+/// loses costs one step, not four.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdaptiveDraftLength {
     k_min: usize,
@@ -91,6 +94,12 @@ impl AdaptiveDraftLength {
     pub const PLAIN_PROBE_STEPS: usize = 2;
     /// Drafting steps measured before their cost is judged.
     pub const SPEC_PROBE_STEPS: usize = 4;
+    /// A drafting step whose cost per produced token is this many times the
+    /// plain steps' pauses drafting without waiting for the other probe steps
+    /// (on 2 cores the 0.5B draft with the 1.5B target costs about 1.8× per
+    /// produced token at k = 4, the length a request starts with; at k = 1
+    /// about 1.2×, which the 4-step average judges).
+    pub const CLEAR_LOSS: f64 = 1.5;
 
     /// Tokens to draft with `running` sequences in the batch (0: don't),
     /// without advancing a pause.
@@ -120,11 +129,16 @@ impl AdaptiveDraftLength {
         }
         self.cost_spec = ewma(self.cost_spec);
         self.spec_samples += 1;
-        if self.fixed || !self.cost_aware || self.spec_samples < Self::SPEC_PROBE_STEPS {
+        if self.fixed || !self.cost_aware {
             return;
         }
-        if let (Some(spec), Some(plain)) = (self.cost_spec, self.cost_plain)
-            && spec > plain
+        let Some(plain) = self.cost_plain else {
+            return;
+        };
+        let clear_loss = per > Self::CLEAR_LOSS * plain;
+        if clear_loss
+            || (self.spec_samples >= Self::SPEC_PROBE_STEPS
+                && self.cost_spec.is_some_and(|spec| spec > plain))
         {
             self.pause = Self::COST_PAUSE_STEPS;
             self.k = self.k_min;
@@ -268,6 +282,24 @@ mod tests {
             "{drafted}"
         );
         assert!(drafted > 0, "it must probe again after a pause");
+        // A pair that loses clearly (a drafting step costs ≥ 1.8× plain per
+        // token at any k): every probe is a single step.
+        let mut c = AdaptiveDraftLength::new(1, 8, 4, 8);
+        let drafted = drive(&mut c, 400, 30_000.0, 30_000.0, 80_000.0);
+        assert!(c.cost_pauses() >= 5, "{} pauses", c.cost_pauses());
+        assert_eq!(drafted, c.cost_pauses(), "one step per probe");
+        // A marginal loser (1.1× plain per token) is judged on the average of
+        // SPEC_PROBE_STEPS steps.
+        let mut m = AdaptiveDraftLength::new(1, 1, 1, 8);
+        let drafted = drive(
+            &mut m,
+            2 + AdaptiveDraftLength::SPEC_PROBE_STEPS,
+            30_000.0,
+            36_000.0,
+            30_000.0,
+        );
+        assert_eq!(drafted, AdaptiveDraftLength::SPEC_PROBE_STEPS);
+        assert_eq!(m.cost_pauses(), 1);
         // A GPU-like pair: verifying k drafts costs little more than one step.
         let mut b = AdaptiveDraftLength::new(1, 8, 4, 8);
         let drafted = drive(&mut b, 400, 30_000.0, 30_000.0, 1_000.0);
