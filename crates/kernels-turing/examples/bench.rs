@@ -12,7 +12,15 @@
 //!     [--ctx 256,1024,4096,32768] [--formats f16,kv8,k5v4] [--mode decode,prefill]
 //!     [--threads 1,2] [--partition 0,32] [--block-size 64] [--sub-tile 64] [--heads 32] [--kv-heads 8]
 //!     [--head-dim 128] [--chunk 64] [--reps 5] [--naive-max-ctx 4096] [--gpu [--batch 1,8]]
+//!     [--prefetch 0,16384] [--paired]
 //! ```
+//!
+//! `--paired` (decode only; first partition and sub-tile values) is for a
+//! noisy shared machine: every format's KV is filled first, then each rep
+//! measures the read bandwidth (256 MiB) and right after it runs every format
+//! once, in an order that rotates per rep. Each format's "% of bandwidth" is
+//! the median over reps of its rate against *that rep's* bandwidth, and the
+//! table says in how many reps each format beat half the bandwidth and F16.
 
 use std::time::Instant;
 
@@ -37,6 +45,8 @@ struct Opts {
     naive_max_ctx: usize,
     gpu: bool,
     batch: Vec<usize>,
+    paired: bool,
+    prefetch: Vec<usize>,
 }
 
 fn list<T: std::str::FromStr>(s: &str, what: &str) -> Vec<T> {
@@ -72,6 +82,8 @@ fn parse() -> Opts {
         naive_max_ctx: 4096,
         gpu: false,
         batch: vec![1],
+        paired: false,
+        prefetch: vec![AttnParams::default().prefetch_bytes],
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut it = args.iter();
@@ -97,6 +109,8 @@ fn parse() -> Opts {
             "--naive-max-ctx" => o.naive_max_ctx = list(&val(), "context")[0],
             "--gpu" => o.gpu = true,
             "--batch" => o.batch = list(&val(), "batch"),
+            "--paired" => o.paired = true,
+            "--prefetch" => o.prefetch = list(&val(), "prefetch bytes"),
             other => die(&format!("unknown argument `{other}` (see the file's docs)")),
         }
     }
@@ -131,6 +145,10 @@ fn main() {
         gpu(&o);
         return;
     }
+    if o.paired {
+        paired(&o);
+        return;
+    }
     println!(
         "heads {} / KV heads {} / head dim {}; prefill chunk {} tokens; {} reps (median)",
         o.heads, o.kv_heads, o.head_dim, o.chunk, o.reps
@@ -144,9 +162,9 @@ fn main() {
     }
     println!();
     println!(
-        "| format | bits/elem | mode | context | threads | partition | sub-tile | block | kernel ms | KV read GB/s | % of bandwidth | naive ms | speed-up |"
+        "| format | bits/elem | mode | context | threads | partition | sub-tile | prefetch | block | kernel ms | KV read GB/s | % of bandwidth | naive ms | speed-up |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let scale = 1.0 / (o.head_dim as f32).sqrt();
     for fmt in &o.formats {
         for &block in &o.block {
@@ -157,24 +175,7 @@ fn main() {
                     die(&format!("{fmt}: {e}"));
                 }
                 eprintln!("{name}: filling {ctx} tokens (block {block})…");
-                let sealed = ctx.div_ceil(block);
-                let mut store = KvStore::new(layout, sealed, KvStore::tail_blocks_per_seq(&layout))
-                    .unwrap_or_else(|e| die(&e.to_string()));
-                let mut seq = SeqKv::default();
-                let row = o.kv_heads * o.head_dim;
-                // Fill in chunks so the f32 staging stays small.
-                let mut at = 0;
-                while at < ctx {
-                    let n = (ctx - at).min(4096);
-                    let k = data(n * row, at as u64 + 1);
-                    let v = data(n * row, at as u64 + 7);
-                    store
-                        .append(&mut seq, &k, &v)
-                        .unwrap_or_else(|e| die(&e.to_string()));
-                    at += n;
-                }
-                let kv_bytes = seq.sealed.len() * layout.block_bytes()
-                    + seq.tail.len() * layout.tail_block_bytes();
+                let (mut store, mut seq, kv_bytes) = fill(layout, ctx, &o);
                 for mode in &o.modes {
                     let n_q = if mode == "decode" {
                         1
@@ -193,15 +194,19 @@ fn main() {
                         (dt, r)
                     });
                     for &threads in &o.threads {
-                        for (&partition_blocks, &sub_tile) in o
-                            .partition
-                            .iter()
-                            .flat_map(|p| o.sub.iter().map(move |s| (p, s)))
+                        for (&partition_blocks, &sub_tile, &prefetch_bytes) in
+                            o.partition.iter().flat_map(|p| {
+                                let pf = &o.prefetch;
+                                o.sub
+                                    .iter()
+                                    .flat_map(move |s| pf.iter().map(move |f| (p, s, f)))
+                            })
                         {
                             let p = AttnParams {
                                 threads,
                                 partition_blocks,
                                 sub_tile,
+                                prefetch_bytes,
                             };
                             let qs = [SeqQuery {
                                 kv: &seq,
@@ -242,7 +247,7 @@ fn main() {
                                 None => ("—".into(), "—".into()),
                             };
                             println!(
-                                "| {name} | {:.2} | {mode} | {ctx} | {threads} | {partition_blocks} | {sub_tile} | {block} | {:.3} | {:.2} | {:.0}% | {naive_ms} | {speedup} |",
+                                "| {name} | {:.2} | {mode} | {ctx} | {threads} | {partition_blocks} | {sub_tile} | {prefetch_bytes} | {block} | {:.3} | {:.2} | {:.0}% | {naive_ms} | {speedup} |",
                                 layout.bits_per_element(),
                                 dt * 1e3,
                                 rate / 1e9,
@@ -253,6 +258,130 @@ fn main() {
                 }
                 store.release(&mut seq);
             }
+        }
+    }
+}
+
+/// A store holding one sequence of `ctx` tokens in `layout`, and the bytes
+/// of KV it holds (sealed blocks and the F16 tail).
+fn fill(layout: KvLayout, ctx: usize, o: &Opts) -> (KvStore, SeqKv, usize) {
+    let sealed = ctx.div_ceil(layout.block_tokens);
+    let mut store = KvStore::new(layout, sealed, KvStore::tail_blocks_per_seq(&layout))
+        .unwrap_or_else(|e| die(&e.to_string()));
+    let mut seq = SeqKv::default();
+    let row = o.kv_heads * o.head_dim;
+    // Fill in chunks so the f32 staging stays small.
+    let mut at = 0;
+    while at < ctx {
+        let n = (ctx - at).min(4096);
+        let k = data(n * row, at as u64 + 1);
+        let v = data(n * row, at as u64 + 7);
+        store
+            .append(&mut seq, &k, &v)
+            .unwrap_or_else(|e| die(&e.to_string()));
+        at += n;
+    }
+    let kv_bytes =
+        seq.sealed.len() * layout.block_bytes() + seq.tail.len() * layout.tail_block_bytes();
+    (store, seq, kv_bytes)
+}
+
+/// `--paired`: every format timed next to a bandwidth measurement, rep by rep.
+fn paired(o: &Opts) {
+    let scale = 1.0 / (o.head_dim as f32).sqrt();
+    println!(
+        "paired decode: heads {} / KV heads {} / head dim {}; {} reps; bandwidth of 256 MiB measured before each rep",
+        o.heads, o.kv_heads, o.head_dim, o.reps
+    );
+    println!();
+    println!(
+        "| format | bits/elem | context | threads | prefetch | kernel ms (median) | KV read GB/s | % of the rep's bandwidth (median) | min–max % | reps ≥ 50 % | reps faster than F16 |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    for &ctx in &o.ctx {
+        let mut runs = Vec::new();
+        for fmt in &o.formats {
+            let (mut layout, name) = layout_of(fmt, o);
+            layout.block_tokens = o.block[0];
+            if let Err(e) = layout.check() {
+                die(&format!("{fmt}: {e}"));
+            }
+            eprintln!("{name}: filling {ctx} tokens…");
+            let (store, seq, bytes) = fill(layout, ctx, o);
+            runs.push((name, layout, store, seq, bytes));
+        }
+        let q = data(o.heads * o.head_dim, 99);
+        let mut out = vec![0f32; q.len()];
+        // (format, prefetch) pairs, each timed once per rep.
+        let variants: Vec<(usize, usize)> = (0..runs.len())
+            .flat_map(|f| o.prefetch.iter().map(move |p| (f, *p)))
+            .collect();
+        for &threads in &o.threads {
+            // times[v][rep] and the rep's bandwidth.
+            let mut times = vec![Vec::new(); variants.len()];
+            let mut bws = Vec::new();
+            for rep in 0..o.reps.max(1) {
+                bws.push(read_bandwidth(256 << 20, threads, 1));
+                for i in 0..variants.len() {
+                    let v = (i + rep) % variants.len();
+                    let (f, prefetch_bytes) = variants[v];
+                    let (_, _, store, seq, _) = &runs[f];
+                    let p = AttnParams {
+                        threads,
+                        partition_blocks: o.partition[0],
+                        sub_tile: o.sub[0],
+                        prefetch_bytes,
+                    };
+                    let qs = [SeqQuery {
+                        kv: seq,
+                        q: &q,
+                        n_q: 1,
+                    }];
+                    let t0 = Instant::now();
+                    paged_attention(store, o.heads, scale, &qs, &mut out, &p)
+                        .unwrap_or_else(|e| die(&e.to_string()));
+                    times[v].push(t0.elapsed().as_secs_f64());
+                }
+            }
+            for (f, &(run, prefetch_bytes)) in variants.iter().enumerate() {
+                let (name, layout, _, _, bytes) = &runs[run];
+                let f16 = variants
+                    .iter()
+                    .position(|&(g, pb)| runs[g].0 == "f16" && pb == prefetch_bytes);
+                let pct: Vec<f64> = times[f]
+                    .iter()
+                    .zip(&bws)
+                    .map(|(t, b)| 100.0 * *bytes as f64 / t / b)
+                    .collect();
+                let half = pct.iter().filter(|x| **x >= 50.0).count();
+                let faster = match f16 {
+                    Some(g) if g != f => format!(
+                        "{} / {}",
+                        times[f]
+                            .iter()
+                            .zip(&times[g])
+                            .filter(|(a, b)| a < b)
+                            .count(),
+                        times[f].len()
+                    ),
+                    _ => "—".into(),
+                };
+                let (lo, hi) = pct
+                    .iter()
+                    .fold((f64::INFINITY, 0f64), |(a, b), x| (a.min(*x), b.max(*x)));
+                let dt = median(times[f].clone());
+                println!(
+                    "| {name} | {:.2} | {ctx} | {threads} | {prefetch_bytes} | {:.3} | {:.2} | {:.0}% | {lo:.0}–{hi:.0}% | {half} / {} | {faster} |",
+                    layout.bits_per_element(),
+                    dt * 1e3,
+                    *bytes as f64 / dt / 1e9,
+                    median(pct.clone()),
+                    pct.len(),
+                );
+            }
+        }
+        for (_, _, mut store, mut seq, _) in runs {
+            store.release(&mut seq);
         }
     }
 }

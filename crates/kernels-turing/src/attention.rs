@@ -34,6 +34,13 @@ pub struct AttnParams {
     /// Tokens served at a time (a sub-tile of a block; 0 = the whole block).
     /// Default 64: measured best for F16/KV8 (read in place) and K5/V4 (tile).
     pub sub_tile: usize,
+    /// While one KV head of a block is served, the next head's K and V
+    /// segments are prefetched into L2 when together they are at most this
+    /// many bytes (0 = never). Small segments (the packed formats: ~10 KiB
+    /// for K5/V4 at head dim 128) are read in several short runs, each of
+    /// which would otherwise start with a memory round trip; F16's 32 KiB
+    /// are left to the hardware prefetcher (prefetching them measured slower).
+    pub prefetch_bytes: usize,
 }
 
 impl Default for AttnParams {
@@ -42,6 +49,7 @@ impl Default for AttnParams {
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             partition_blocks: 32,
             sub_tile: 64,
+            prefetch_bytes: 16 << 10,
         }
     }
 }
@@ -146,6 +154,10 @@ pub fn paged_attention(
     } else {
         params.sub_tile.min(l.block_tokens)
     };
+    let knobs = Knobs {
+        sub,
+        prefetch_bytes: params.prefetch_bytes,
+    };
     let mut partials: Vec<Option<Partial>> = vec![None; items.len()];
     if threads <= 1 {
         let mut scratch = Scratch::new(store, seqs, n_heads, sub);
@@ -156,7 +168,7 @@ pub fn paged_attention(
                 n_heads,
                 scale,
                 *item,
-                sub,
+                knobs,
                 &mut scratch,
             ));
         }
@@ -178,7 +190,7 @@ pub fn paged_attention(
                                         n_heads,
                                         scale,
                                         items[i],
-                                        sub,
+                                        knobs,
                                         &mut scratch,
                                     ),
                                 )
@@ -224,6 +236,13 @@ pub fn paged_attention(
     Ok(())
 }
 
+/// The tuning knobs a work item runs with.
+#[derive(Debug, Clone, Copy)]
+struct Knobs {
+    sub: usize,
+    prefetch_bytes: usize,
+}
+
 /// Per-thread working memory.
 struct Scratch {
     k: Vec<f32>,
@@ -259,9 +278,13 @@ fn run_item(
     n_heads: usize,
     scale: f32,
     item: Item,
-    sub: usize,
+    knobs: Knobs,
     sc: &mut Scratch,
 ) -> Partial {
+    let Knobs {
+        sub,
+        prefetch_bytes,
+    } = knobs;
     let l = store.layout();
     let (t, d) = (l.block_tokens, l.head_dim);
     let group = n_heads / l.kv_heads;
@@ -292,6 +315,21 @@ fn run_item(
         for kh in 0..l.kv_heads {
             let (kc, kseg): (Codec, &[u8]) = store.segment(sq.kv, b, kh, false);
             let (vc, vseg) = store.segment(sq.kv, b, kh, true);
+            if prefetch_bytes > 0 {
+                let next = if kh + 1 < l.kv_heads {
+                    Some((b, kh + 1))
+                } else {
+                    (b + 1 < item.b1).then_some((b + 1, 0))
+                };
+                if let Some((nb, nh)) = next {
+                    let nk = store.segment(sq.kv, nb, nh, false).1;
+                    let nv = store.segment(sq.kv, nb, nh, true).1;
+                    if nk.len() + nv.len() <= prefetch_bytes {
+                        simd::prefetch_l2(nk);
+                        simd::prefetch_l2(nv);
+                    }
+                }
+            }
             // Sub-tiles of `sub` tokens keep the decoded K and V in L1 while every
             // query row of the group reads them.
             for r0 in (0..n_t).step_by(sub) {

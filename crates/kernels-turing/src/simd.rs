@@ -74,6 +74,20 @@ pub fn v4_group(n: &[u8], scale: f32, min: f32, out: &mut [f32]) {
     }
 }
 
+/// Asks for every cache line of `bytes` to be brought into L2 (a hint that
+/// never faults; nothing off x86-64).
+#[inline]
+pub fn prefetch_l2(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for off in (0..bytes.len()).step_by(64) {
+        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+        // SAFETY: the address is inside `bytes`, and a prefetch never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(bytes.as_ptr().add(off).cast()) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
 /// Rows of K or V the group kernels read: an f32 tile, or F16 bytes read and
 /// converted in the loop (no tile at all: the F16 format and the F16 tail).
 #[derive(Debug, Clone, Copy)]
