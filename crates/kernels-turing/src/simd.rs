@@ -152,11 +152,11 @@ pub fn k5_in_place(d: usize) -> bool {
 
 /// Whether [`group_accumulate`] reads V4 rows in place for head dimension
 /// `d`, groups of `g` channels and `n` tokens at a time (x86-64 with AVX2,
-/// `g` a multiple of 32 so a half group fills two vectors, `n` ≤ 256).
+/// `g` a multiple of 16 so a half group is whole vectors, `n` ≤ 256).
 pub fn v4_in_place(d: usize, g: usize, n: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
-        return g.is_multiple_of(32)
+        return g.is_multiple_of(16)
             && d.is_multiple_of(g)
             && d <= crate::codec::MAX_HEAD_DIM
             && n <= MAX_V4_TOKENS;
@@ -790,7 +790,7 @@ mod x86 {
 
     /// Accumulation over V4 rows read in place: per group, each row's weights
     /// times the tokens' scales (`ws`) and `Σ w · min` (added to the whole
-    /// group once), then 16 channels × R rows per pass over the tokens.
+    /// group once), then 8 + 8 channels (both nibbles of 8 bytes) × R rows per pass over the tokens.
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn v4_accumulate<const R: usize>(
@@ -813,7 +813,7 @@ mod x86 {
         // SAFETY: n ≤ MAX_V4_TOKENS and R ≤ 4 (the caller), so ws[r·n + j]
         // stays in the buffer and only written lanes are read; acc holds R·d,
         // w R·n, codes m·d/2 (n ≤ m), scale and min per·m values (the caller); every
-        // channel below is < d because g divides d and hg is a multiple of 16.
+        // channel below is < d because g divides d and hg is a multiple of 8.
         unsafe {
             for gi in 0..per {
                 let (sg, mg) = (scale.as_ptr().add(gi * m), min.as_ptr().add(gi * m));
@@ -835,32 +835,32 @@ mod x86 {
                         j += 1;
                     }
                 }
-                for nibble in 0..2 {
-                    let shift = _mm_cvtsi32_si128(4 * nibble);
-                    for i0 in (0..hg).step_by(16) {
-                        let c = gi * g + nibble as usize * hg + i0;
-                        let mut a = [[_mm256_setzero_ps(); 2]; R];
+                // Eight code bytes per token give channels i0.. (low nibbles)
+                // and hg + i0.. (high nibbles) of the group: one load and
+                // widening serves both.
+                for i0 in (0..hg).step_by(8) {
+                    let c = [gi * g + i0, gi * g + hg + i0];
+                    let mut a = [[_mm256_setzero_ps(); 2]; R];
+                    for (r, a) in a.iter_mut().enumerate() {
+                        let (cv, mv) = (_mm256_set1_ps(corr[r]), _mm256_set1_ps(wm[r]));
+                        for (a, c) in a.iter_mut().zip(c) {
+                            *a = _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(r * d + c)), cv, mv);
+                        }
+                    }
+                    let src = codes.as_ptr().add(gi * hg + i0);
+                    for j in 0..n {
+                        let b = u8x8(src.add(j * d / 2));
+                        let lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
+                        let hi = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(b));
                         for (r, a) in a.iter_mut().enumerate() {
-                            let (cv, mv) = (_mm256_set1_ps(corr[r]), _mm256_set1_ps(wm[r]));
-                            a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(r * d + c)), cv, mv);
-                            a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(r * d + c + 8)), cv, mv);
+                            let wv = _mm256_set1_ps(*ws.add(r * n + j));
+                            a[0] = _mm256_fmadd_ps(wv, lo, a[0]);
+                            a[1] = _mm256_fmadd_ps(wv, hi, a[1]);
                         }
-                        let src = codes.as_ptr().add(gi * hg + i0);
-                        for j in 0..n {
-                            let b = src.add(j * d / 2);
-                            let x0 = _mm256_and_si256(_mm256_srl_epi32(u8x8(b), shift), mask);
-                            let x1 =
-                                _mm256_and_si256(_mm256_srl_epi32(u8x8(b.add(8)), shift), mask);
-                            let (f0, f1) = (_mm256_cvtepi32_ps(x0), _mm256_cvtepi32_ps(x1));
-                            for (r, a) in a.iter_mut().enumerate() {
-                                let wv = _mm256_set1_ps(*ws.add(r * n + j));
-                                a[0] = _mm256_fmadd_ps(wv, f0, a[0]);
-                                a[1] = _mm256_fmadd_ps(wv, f1, a[1]);
-                            }
-                        }
-                        for (r, a) in a.iter().enumerate() {
-                            _mm256_storeu_ps(ap.add(r * d + c), a[0]);
-                            _mm256_storeu_ps(ap.add(r * d + c + 8), a[1]);
+                    }
+                    for (r, a) in a.iter().enumerate() {
+                        for (a, c) in a.iter().zip(c) {
+                            _mm256_storeu_ps(ap.add(r * d + c), *a);
                         }
                     }
                 }
@@ -1027,6 +1027,7 @@ mod tests {
                 (Codec::K5, false),
                 (Codec::V4, true),
                 (Codec::V4 { group: 64 }, true),
+                (Codec::V4 { group: 16 }, true),
             ] {
                 let mut seg = vec![0u8; codec.segment_bytes(t, d)];
                 codec.encode(&x, t, d, &mut seg);
