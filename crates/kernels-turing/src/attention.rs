@@ -32,7 +32,8 @@ pub struct AttnParams {
     /// Blocks per partition of a long context (0 = no split).
     pub partition_blocks: usize,
     /// Tokens served at a time (a sub-tile of a block; 0 = the whole block).
-    /// Default 64: measured best for F16/KV8 (read in place) and K5/V4 (tile).
+    /// Default 64: measured best for every format (all read in place; 32 and
+    /// 16 are slower).
     pub sub_tile: usize,
     /// While one KV head of a block is served, the next head's K and V
     /// segments are prefetched into L2 when together they are at most this
