@@ -366,16 +366,11 @@ impl Codec {
         let (out, work) = params[..4 * n * per].split_at_mut(2 * n * per);
         p[g0..g1].convert_to_f32_slice(&mut work[..n * per]);
         p[ng + g0..ng + g1].convert_to_f32_slice(&mut work[n * per..]);
-        // Token-major → group-major.
         for (src, dst) in work
             .chunks_exact(n * per)
             .zip(out.chunks_exact_mut(n * per))
         {
-            for (j, row) in src.chunks_exact(per).enumerate() {
-                for (gi, v) in row.iter().enumerate() {
-                    dst[gi * n + j] = *v;
-                }
-            }
+            crate::simd::to_group_major(src, per, dst);
         }
         Some((&codes[rows.start * d / 2..rows.end * d / 2], g))
     }

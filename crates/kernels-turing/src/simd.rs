@@ -88,6 +88,26 @@ pub fn prefetch_l2(bytes: &[u8]) {
     let _ = bytes;
 }
 
+/// `dst[g·n + j] = src[j·per + g]`: per-token group parameters (`n` tokens ×
+/// `per` groups) to group-major. Four groups (head 128, groups of 32) are
+/// transposed eight tokens at a time in registers.
+pub fn to_group_major(src: &[f32], per: usize, dst: &mut [f32]) {
+    assert!(per > 0 && src.len() == dst.len() && src.len().is_multiple_of(per));
+    let n = src.len() / per;
+    let mut j0 = 0;
+    #[cfg(target_arch = "x86_64")]
+    if per == 4 && has_avx2_fma() {
+        // SAFETY: AVX2 checked; the function touches tokens < n/8·8 only.
+        unsafe { x86::group_major4(src, dst, n) };
+        j0 = n / 8 * 8;
+    }
+    for j in j0..n {
+        for g in 0..per {
+            dst[g * n + j] = src[j * per + g];
+        }
+    }
+}
+
 /// Rows of K or V the group kernels read: an f32 tile, or F16 bytes read and
 /// converted in the loop (no tile at all: the F16 format and the F16 tail).
 #[derive(Debug, Clone, Copy)]
@@ -868,6 +888,41 @@ mod x86 {
         }
     }
 
+    /// [`super::to_group_major`] for four groups, eight tokens at a time:
+    /// two 4 × 4 transposes (one per 128-bit half: even and odd tokens),
+    /// then the halves interleaved back into token order.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn group_major4(src: &[f32], dst: &mut [f32], n: usize) {
+        let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        // SAFETY: tokens j + 8 ≤ n: src[j·4 .. j·4 + 32] and dst[g·n + j .. + 8]
+        // are inside the slices (4·n values each, checked by the caller).
+        unsafe {
+            for j in (0..n / 8 * 8).step_by(8) {
+                let s = src.as_ptr().add(j * 4);
+                // Lane 0 of r0..r3: tokens 0, 2, 4, 6; lane 1: 1, 3, 5, 7.
+                let r = [0, 8, 16, 24].map(|o| _mm256_loadu_ps(s.add(o)));
+                let (u0, u1) = (
+                    _mm256_unpacklo_ps(r[0], r[1]),
+                    _mm256_unpackhi_ps(r[0], r[1]),
+                );
+                let (u2, u3) = (
+                    _mm256_unpacklo_ps(r[2], r[3]),
+                    _mm256_unpackhi_ps(r[2], r[3]),
+                );
+                let g = [
+                    _mm256_shuffle_ps::<0x44>(u0, u2),
+                    _mm256_shuffle_ps::<0xEE>(u0, u2),
+                    _mm256_shuffle_ps::<0x44>(u1, u3),
+                    _mm256_shuffle_ps::<0xEE>(u1, u3),
+                ];
+                for (gi, v) in g.into_iter().enumerate() {
+                    let v = _mm256_permutevar8x32_ps(v, order);
+                    _mm256_storeu_ps(dst.as_mut_ptr().add(gi * n + j), v);
+                }
+            }
+        }
+    }
+
     /// Eight bytes at `p`, zero-extended to eight 32-bit lanes.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn u8x8(p: *const u8) -> __m256i {
@@ -1118,6 +1173,22 @@ mod tests {
                                 }
                             }
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn group_major_matches_the_plain_transpose() {
+        for per in [1, 2, 4, 8] {
+            for n in [1, 7, 8, 9, 64, 67] {
+                let src: Vec<f32> = (0..n * per).map(|i| i as f32).collect();
+                let mut dst = vec![0f32; n * per];
+                to_group_major(&src, per, &mut dst);
+                for j in 0..n {
+                    for g in 0..per {
+                        assert_eq!(dst[g * n + j], src[j * per + g], "per={per} n={n}");
                     }
                 }
             }
