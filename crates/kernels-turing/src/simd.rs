@@ -89,16 +89,22 @@ pub fn prefetch_l2(bytes: &[u8]) {
 }
 
 /// `dst[g·n + j] = src[j·per + g]`: per-token group parameters (`n` tokens ×
-/// `per` groups) to group-major. Four groups (head 128, groups of 32) are
-/// transposed eight tokens at a time in registers.
+/// `per` groups) to group-major. Two or four groups (heads of 64 or 128,
+/// groups of 32) are transposed eight tokens at a time in registers.
 pub fn to_group_major(src: &[f32], per: usize, dst: &mut [f32]) {
     assert!(per > 0 && src.len() == dst.len() && src.len().is_multiple_of(per));
     let n = src.len() / per;
     let mut j0 = 0;
     #[cfg(target_arch = "x86_64")]
-    if per == 4 && has_avx2_fma() {
-        // SAFETY: AVX2 checked; the function touches tokens < n/8·8 only.
-        unsafe { x86::group_major4(src, dst, n) };
+    if (per == 2 || per == 4) && has_avx2_fma() {
+        // SAFETY: AVX2 checked; the functions touch tokens < n/8·8 only.
+        unsafe {
+            if per == 4 {
+                x86::group_major4(src, dst, n)
+            } else {
+                x86::group_major2(src, dst, n)
+            }
+        };
         j0 = n / 8 * 8;
     }
     for j in j0..n {
@@ -948,6 +954,31 @@ mod x86 {
                 ];
                 for (gi, v) in g.into_iter().enumerate() {
                     let v = _mm256_permutevar8x32_ps(v, order);
+                    _mm256_storeu_ps(dst.as_mut_ptr().add(gi * n + j), v);
+                }
+            }
+        }
+    }
+
+    /// [`super::to_group_major`] for two groups, eight tokens at a time.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn group_major2(src: &[f32], dst: &mut [f32], n: usize) {
+        // SAFETY: tokens j + 8 ≤ n: src[j·2 .. j·2 + 16] and dst[g·n + j .. + 8]
+        // are inside the slices (2·n values each, checked by the caller).
+        unsafe {
+            for j in (0..n / 8 * 8).step_by(8) {
+                let s = src.as_ptr().add(j * 2);
+                let (a, b) = (_mm256_loadu_ps(s), _mm256_loadu_ps(s.add(8)));
+                // Per 128-bit half: tokens (0, 1, 4, 5) then (2, 3, 6, 7);
+                // the 64-bit permute puts them back in order.
+                for (gi, v) in [
+                    _mm256_shuffle_ps::<0x88>(a, b),
+                    _mm256_shuffle_ps::<0xDD>(a, b),
+                ]
+                .into_iter()
+                .enumerate()
+                {
+                    let v = _mm256_castpd_ps(_mm256_permute4x64_pd::<0xD8>(_mm256_castps_pd(v)));
                     _mm256_storeu_ps(dst.as_mut_ptr().add(gi * n + j), v);
                 }
             }
