@@ -254,20 +254,15 @@ impl Codec {
                 }
             }
             Codec::K5 => {
-                let (params, rest) = seg.split_at(d * 4);
-                let (nib, high) = rest.split_at(t * d / 2);
-                let params = bytes_as_f16(params);
-                let mut scale = [0f32; MAX_HEAD_DIM];
-                let mut min = [0f32; MAX_HEAD_DIM];
-                params[..d].convert_to_f32_slice(&mut scale[..d]);
-                params[d..].convert_to_f32_slice(&mut min[..d]);
-                let (half, e) = (d / 2, d / 8);
+                let mut params = [0f32; 2 * MAX_HEAD_DIM];
+                let (nib, high) = k5_planes(seg, t, d, r0..r1, &mut params);
+                let (scale, min) = params[..2 * d].split_at(d);
                 for ((o, n), h) in out
                     .chunks_exact_mut(d)
-                    .zip(nib[r0 * half..r1 * half].chunks_exact(half))
-                    .zip(high[r0 * e..r1 * e].chunks_exact(e))
+                    .zip(nib.chunks_exact(d / 2))
+                    .zip(high.chunks_exact(d / 8))
                 {
-                    crate::simd::k5_row(n, h, &scale[..d], &min[..d], o);
+                    crate::simd::k5_row(n, h, scale, min, o);
                 }
             }
             Codec::V4 { group } => {
@@ -326,18 +321,7 @@ impl Codec {
         rows: std::ops::Range<usize>,
         params: &mut [f32],
     ) -> Option<(&'s [u8], &'s [u8])> {
-        if self != Codec::K5 {
-            return None;
-        }
-        let (t, d) = (tokens, head_dim);
-        let (p, rest) = seg.split_at(d * 4);
-        let (nib, high) = rest.split_at(t * d / 2);
-        bytes_as_f16(p).convert_to_f32_slice(&mut params[..2 * d]);
-        let (half, e) = (d / 2, d / 8);
-        Some((
-            &nib[rows.start * half..rows.end * half],
-            &high[rows.start * e..rows.end * e],
-        ))
+        (self == Codec::K5).then(|| k5_planes(seg, tokens, head_dim, rows, params))
     }
 
     /// For V4: the codes of tokens `rows` (`D/2` bytes per token) and the group
@@ -399,6 +383,25 @@ impl Codec {
             }
         }
     }
+}
+
+/// [`Codec::k5_rows`] for a segment known to be K5 (the one place that
+/// knows where its planes start).
+fn k5_planes<'s>(
+    seg: &'s [u8],
+    t: usize,
+    d: usize,
+    rows: std::ops::Range<usize>,
+    params: &mut [f32],
+) -> (&'s [u8], &'s [u8]) {
+    let (p, rest) = seg.split_at(d * 4);
+    let (nib, high) = rest.split_at(t * d / 2);
+    bytes_as_f16(p).convert_to_f32_slice(&mut params[..2 * d]);
+    let (half, e) = (d / 2, d / 8);
+    (
+        &nib[rows.start * half..rows.end * half],
+        &high[rows.start * e..rows.end * e],
+    )
 }
 
 /// Largest head dimension the codecs and kernels accept.
