@@ -633,6 +633,33 @@ mod x86 {
         }
     }
 
+    /// One query row folded into K5's per-channel parameters: writes
+    /// `qs[c] = q[c]·scale[c]` (`d` values) and returns `(q · min, max |qs|)`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn fold_k5_query(
+        q: *const f32,
+        scale: &[f32],
+        min: &[f32],
+        d: usize,
+        qs: *mut f32,
+    ) -> (f32, f32) {
+        let sign = _mm256_set1_ps(-0.0);
+        let (mut bias, mut amax) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        // SAFETY: the caller gives d readable values at q and d writable at
+        // qs; scale and min hold d (d % 8 == 0).
+        unsafe {
+            for c in (0..d).step_by(8) {
+                let qv = _mm256_loadu_ps(q.add(c));
+                let v = _mm256_mul_ps(qv, _mm256_loadu_ps(scale.as_ptr().add(c)));
+                _mm256_storeu_ps(qs.add(c), v);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v));
+                bias = _mm256_fmadd_ps(qv, _mm256_loadu_ps(min.as_ptr().add(c)), bias);
+            }
+        }
+        (hsum8(bias), hmax8(amax))
+    }
+
     /// Scores over K5 rows read in place: the query rows times the channel
     /// scales (once per call), then 5-bit codes assembled and converted
     /// eight channels at a time, two tokens per pass; `q · min` is added
@@ -658,16 +685,7 @@ mod x86 {
         // the caller); out[r·n + j] for r < R, j < n likewise.
         unsafe {
             for (r, b) in bias.iter_mut().enumerate() {
-                let mut acc = _mm256_setzero_ps();
-                for c in (0..d).step_by(8) {
-                    let qv = _mm256_loadu_ps(q.as_ptr().add(r * d + c));
-                    _mm256_storeu_ps(
-                        qs.add(r * d + c),
-                        _mm256_mul_ps(qv, _mm256_loadu_ps(scale.as_ptr().add(c))),
-                    );
-                    acc = _mm256_fmadd_ps(qv, _mm256_loadu_ps(min.as_ptr().add(c)), acc);
-                }
-                *b = hsum8(acc);
+                *b = fold_k5_query(q.as_ptr().add(r * d), scale, min, d, qs.add(r * d)).0;
             }
             let mut j = 0;
             while j + 2 <= n {
@@ -718,25 +736,16 @@ mod x86 {
         // caller). Block b's channels 16b..16b+16 < d/2 and their fifth-bit
         // bytes (16b mod e)..+16 ≤ e because e is a power of two ≥ 16.
         unsafe {
-            let sign = _mm256_set1_ps(-0.0);
+            let mut qs = std::mem::MaybeUninit::<[f32; MAX_HEAD_DIM]>::uninit();
+            let qs = qs.as_mut_ptr().cast::<f32>();
             for r in 0..R {
-                let mut b = _mm256_setzero_ps();
-                let mut amax = _mm256_setzero_ps();
-                for c in (0..d).step_by(8) {
-                    let qv = _mm256_loadu_ps(q.as_ptr().add(r * d + c));
-                    let qs = _mm256_mul_ps(qv, _mm256_loadu_ps(scale.as_ptr().add(c)));
-                    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, qs));
-                    b = _mm256_fmadd_ps(qv, _mm256_loadu_ps(min.as_ptr().add(c)), b);
-                }
-                bias[r] = hsum8(b);
-                let m = hmax8(amax);
+                let (b, m) = fold_k5_query(q.as_ptr().add(r * d), scale, min, d, qs);
+                bias[r] = b;
                 row_scale[r] = m / 32767.0;
                 let inv = _mm256_set1_ps(if m > 0.0 { 32767.0 / m } else { 0.0 });
                 for c in (0..d).step_by(16) {
                     let word = |c: usize| {
-                        let qv = _mm256_loadu_ps(q.as_ptr().add(r * d + c));
-                        let qs = _mm256_mul_ps(qv, _mm256_loadu_ps(scale.as_ptr().add(c)));
-                        _mm256_cvtps_epi32(_mm256_mul_ps(qs, inv))
+                        _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qs.add(c)), inv))
                     };
                     // packs interleaves the 128-bit halves; the permute restores order.
                     let w =
