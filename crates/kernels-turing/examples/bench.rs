@@ -343,33 +343,33 @@ fn paired(o: &Opts) {
                     times[v].push(t0.elapsed().as_secs_f64());
                 }
             }
-            for (f, &(run, prefetch_bytes)) in variants.iter().enumerate() {
+            for (v, &(run, prefetch_bytes)) in variants.iter().enumerate() {
                 let (name, layout, _, _, bytes) = &runs[run];
                 let f16 = variants
                     .iter()
                     .position(|&(g, pb)| runs[g].0 == "f16" && pb == prefetch_bytes);
-                let pct: Vec<f64> = times[f]
+                let pct: Vec<f64> = times[v]
                     .iter()
                     .zip(&bws)
                     .map(|(t, b)| 100.0 * *bytes as f64 / t / b)
                     .collect();
                 let half = pct.iter().filter(|x| **x >= 50.0).count();
                 let faster = match f16 {
-                    Some(g) if g != f => format!(
+                    Some(g) if g != v => format!(
                         "{} / {}",
-                        times[f]
+                        times[v]
                             .iter()
                             .zip(&times[g])
                             .filter(|(a, b)| a < b)
                             .count(),
-                        times[f].len()
+                        times[v].len()
                     ),
                     _ => "—".into(),
                 };
                 let (lo, hi) = pct
                     .iter()
                     .fold((f64::INFINITY, 0f64), |(a, b), x| (a.min(*x), b.max(*x)));
-                let dt = median(times[f].clone());
+                let dt = median(times[v].clone());
                 println!(
                     "| {name} | {:.2} | {ctx} | {threads} | {prefetch_bytes} | {:.3} | {:.2} | {:.0}% | {lo:.0}–{hi:.0}% | {half} / {} | {faster} |",
                     layout.bits_per_element(),
