@@ -12,7 +12,7 @@
 //!     [--ctx 256,1024,4096,32768] [--formats f16,kv8,k5v4] [--mode decode,prefill]
 //!     [--threads 1,2] [--partition 0,32] [--block-size 64] [--sub-tile 64] [--heads 32] [--kv-heads 8]
 //!     [--head-dim 128] [--chunk 64] [--reps 5] [--naive-max-ctx 4096] [--gpu [--batch 1,8]]
-//!     [--prefetch 0,16384] [--paired]
+//!     [--prefetch 0,1,2] [--paired]
 //! ```
 //!
 //! `--paired` (decode only; first partition and sub-tile values) is for a
@@ -21,6 +21,9 @@
 //! once, in an order that rotates per rep. Each format's "% of bandwidth" is
 //! the median over reps of its rate against *that rep's* bandwidth, and the
 //! table says in how many reps each format beat half the bandwidth and F16.
+//!
+//! `--prefetch` sweeps `AttnParams::prefetch_ahead`: how many KV-head
+//! segments ahead the kernel prefetches into L2 (0 = leave it to the hardware).
 
 use std::time::Instant;
 
@@ -83,7 +86,7 @@ fn parse() -> Opts {
         gpu: false,
         batch: vec![1],
         paired: false,
-        prefetch: vec![AttnParams::default().prefetch_bytes],
+        prefetch: vec![AttnParams::default().prefetch_ahead],
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut it = args.iter();
@@ -110,7 +113,7 @@ fn parse() -> Opts {
             "--gpu" => o.gpu = true,
             "--batch" => o.batch = list(&val(), "batch"),
             "--paired" => o.paired = true,
-            "--prefetch" => o.prefetch = list(&val(), "prefetch bytes"),
+            "--prefetch" => o.prefetch = list(&val(), "prefetch distance"),
             other => die(&format!("unknown argument `{other}` (see the file's docs)")),
         }
     }
@@ -194,7 +197,7 @@ fn main() {
                         (dt, r)
                     });
                     for &threads in &o.threads {
-                        for (&partition_blocks, &sub_tile, &prefetch_bytes) in
+                        for (&partition_blocks, &sub_tile, &prefetch_ahead) in
                             o.partition.iter().flat_map(|p| {
                                 let pf = &o.prefetch;
                                 o.sub
@@ -206,7 +209,7 @@ fn main() {
                                 threads,
                                 partition_blocks,
                                 sub_tile,
-                                prefetch_bytes,
+                                prefetch_ahead,
                             };
                             let qs = [SeqQuery {
                                 kv: &seq,
@@ -247,7 +250,7 @@ fn main() {
                                 None => ("—".into(), "—".into()),
                             };
                             println!(
-                                "| {name} | {:.2} | {mode} | {ctx} | {threads} | {partition_blocks} | {sub_tile} | {prefetch_bytes} | {block} | {:.3} | {:.2} | {:.0}% | {naive_ms} | {speedup} |",
+                                "| {name} | {:.2} | {mode} | {ctx} | {threads} | {partition_blocks} | {sub_tile} | {prefetch_ahead} | {block} | {:.3} | {:.2} | {:.0}% | {naive_ms} | {speedup} |",
                                 layout.bits_per_element(),
                                 dt * 1e3,
                                 rate / 1e9,
@@ -324,13 +327,13 @@ fn paired(o: &Opts) {
                 bws.push(read_bandwidth(256 << 20, threads, 1));
                 for i in 0..variants.len() {
                     let v = (i + rep) % variants.len();
-                    let (f, prefetch_bytes) = variants[v];
+                    let (f, prefetch_ahead) = variants[v];
                     let (_, _, store, seq, _) = &runs[f];
                     let p = AttnParams {
                         threads,
                         partition_blocks: o.partition[0],
                         sub_tile: o.sub[0],
-                        prefetch_bytes,
+                        prefetch_ahead,
                     };
                     let qs = [SeqQuery {
                         kv: seq,
@@ -343,11 +346,11 @@ fn paired(o: &Opts) {
                     times[v].push(t0.elapsed().as_secs_f64());
                 }
             }
-            for (v, &(run, prefetch_bytes)) in variants.iter().enumerate() {
+            for (v, &(run, prefetch_ahead)) in variants.iter().enumerate() {
                 let (name, layout, _, _, bytes) = &runs[run];
                 let f16 = variants
                     .iter()
-                    .position(|&(g, pb)| runs[g].0 == "f16" && pb == prefetch_bytes);
+                    .position(|&(g, pb)| runs[g].0 == "f16" && pb == prefetch_ahead);
                 let pct: Vec<f64> = times[v]
                     .iter()
                     .zip(&bws)
@@ -371,7 +374,7 @@ fn paired(o: &Opts) {
                     .fold((f64::INFINITY, 0f64), |(a, b), x| (a.min(*x), b.max(*x)));
                 let dt = median(times[v].clone());
                 println!(
-                    "| {name} | {:.2} | {ctx} | {threads} | {prefetch_bytes} | {:.3} | {:.2} | {:.0}% | {lo:.0}–{hi:.0}% | {half} / {} | {faster} |",
+                    "| {name} | {:.2} | {ctx} | {threads} | {prefetch_ahead} | {:.3} | {:.2} | {:.0}% | {lo:.0}–{hi:.0}% | {half} / {} | {faster} |",
                     layout.bits_per_element(),
                     dt * 1e3,
                     *bytes as f64 / dt / 1e9,

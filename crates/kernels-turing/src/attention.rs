@@ -35,13 +35,13 @@ pub struct AttnParams {
     /// Default 64: measured best for every format (all read in place; 32 and
     /// 16 are slower).
     pub sub_tile: usize,
-    /// While one KV head of a block is served, the next head's K and V
-    /// segments are prefetched into L2 when together they are at most this
-    /// many bytes (0 = never). Small segments (the packed formats: ~10 KiB
-    /// for K5/V4 at head dim 128) are read in several short runs, each of
-    /// which would otherwise start with a memory round trip; F16's 32 KiB
-    /// are left to the hardware prefetcher (prefetching them measured slower).
-    pub prefetch_bytes: usize,
+    /// While one KV head of a block is served, the K and V segments this many
+    /// heads further on (crossing into the next block) are prefetched into
+    /// L2, a few cache lines per token inside the loops (0 = leave it to the
+    /// hardware). Default 2; measured at 32k: F16 decode with one thread
+    /// 14.2 → 10.9 ms, two threads 42 → 67 % of the read bandwidth
+    /// (docs/BENCHMARKS.md, session 15).
+    pub prefetch_ahead: usize,
 }
 
 impl Default for AttnParams {
@@ -50,7 +50,7 @@ impl Default for AttnParams {
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             partition_blocks: 32,
             sub_tile: 64,
-            prefetch_bytes: 16 << 10,
+            prefetch_ahead: 2,
         }
     }
 }
@@ -157,7 +157,7 @@ pub fn paged_attention(
     };
     let knobs = Knobs {
         sub,
-        prefetch_bytes: params.prefetch_bytes,
+        prefetch_ahead: params.prefetch_ahead,
     };
     let mut partials: Vec<Option<Partial>> = vec![None; items.len()];
     if threads <= 1 {
@@ -241,7 +241,7 @@ pub fn paged_attention(
 #[derive(Debug, Clone, Copy)]
 struct Knobs {
     sub: usize,
-    prefetch_bytes: usize,
+    prefetch_ahead: usize,
 }
 
 /// Per-thread working memory.
@@ -284,7 +284,7 @@ fn run_item(
 ) -> Partial {
     let Knobs {
         sub,
-        prefetch_bytes,
+        prefetch_ahead,
     } = knobs;
     let l = store.layout();
     let (t, d) = (l.block_tokens, l.head_dim);
@@ -316,21 +316,18 @@ fn run_item(
         for kh in 0..l.kv_heads {
             let (kc, kseg): (Codec, &[u8]) = store.segment(sq.kv, b, kh, false);
             let (vc, vseg) = store.segment(sq.kv, b, kh, true);
-            if prefetch_bytes > 0 {
-                let next = if kh + 1 < l.kv_heads {
-                    Some((b, kh + 1))
+            // The segments `prefetch_ahead` heads on, fetched over this one's loops.
+            let later = b * l.kv_heads + kh + prefetch_ahead;
+            let (ahead_k, ahead_v): (&[u8], &[u8]) =
+                if prefetch_ahead > 0 && later < item.b1 * l.kv_heads {
+                    let (nb, nh) = (later / l.kv_heads, later % l.kv_heads);
+                    (
+                        store.segment(sq.kv, nb, nh, false).1,
+                        store.segment(sq.kv, nb, nh, true).1,
+                    )
                 } else {
-                    (b + 1 < item.b1).then_some((b + 1, 0))
+                    (&[], &[])
                 };
-                if let Some((nb, nh)) = next {
-                    let nk = store.segment(sq.kv, nb, nh, false).1;
-                    let nv = store.segment(sq.kv, nb, nh, true).1;
-                    if nk.len() + nv.len() <= prefetch_bytes {
-                        simd::prefetch_l2(nk);
-                        simd::prefetch_l2(nv);
-                    }
-                }
-            }
             // Sub-tiles of `sub` tokens keep the decoded K and V in L1 while every
             // query row of the group reads them.
             for r0 in (0..n_t).step_by(sub) {
@@ -341,6 +338,12 @@ fn run_item(
                 }
                 let k_rows = rows_of(kc, kseg, t, d, r0..r1, false, &mut sc.k, &mut sc.k_scales);
                 let v_rows = rows_of(vc, vseg, t, d, r0..r1, true, &mut sc.v, &mut sc.v_scales);
+                // This sub-tile's share of the later segments (asked for once,
+                // with the first query token).
+                let (mut pk, mut pv) = (
+                    &ahead_k[ahead_k.len() * r0 / t..ahead_k.len() * r1 / t],
+                    &ahead_v[ahead_v.len() * r0 / t..ahead_v.len() * r1 / t],
+                );
                 for qi in first_q..n_q {
                     let valid = r1.min(first_pos + qi + 1 - start) - r0;
                     // The group's query rows share every K and V load.
@@ -353,6 +356,7 @@ fn run_item(
                         valid,
                         d,
                         s,
+                        pk,
                     );
                     for g in 0..group {
                         let r = base + g;
@@ -373,7 +377,9 @@ fn run_item(
                         v_rows,
                         valid,
                         d,
+                        pv,
                     );
+                    (pk, pv) = (&[], &[]);
                 }
             }
         }

@@ -7,6 +7,13 @@
 //!   group (each K load serves every row), K from an f32 tile or straight from F16.
 //! - [`group_accumulate`]: `acc[r] = acc[r] · corr[r] + Σ_j w[r][j] · v[j]`, likewise.
 //! - [`max`], [`exp_sum`]: the online softmax's reductions.
+//!
+//! Both group kernels take `ahead`: bytes the *next* call will read (the next
+//! KV head's segment), asked for into L2 a few cache lines per token while
+//! this call computes. Measured: without it the kernel waited on memory and
+//! computed in turns (F16 at 32k ran at its in-cache time plus its bytes at
+//! full bandwidth); the hardware prefetcher alone does not run far enough
+//! ahead of short segments (docs/BENCHMARKS.md, session 15).
 //! - [`k5_row`], [`v4_group`]: the packed codecs' decoders.
 
 /// The largest value of `x` (−∞ when empty).
@@ -72,20 +79,6 @@ pub fn v4_group(n: &[u8], scale: f32, min: f32, out: &mut [f32]) {
         *l = scale.mul_add((b & 0xF) as f32, min);
         *h = scale.mul_add((b >> 4) as f32, min);
     }
-}
-
-/// Asks for every cache line of `bytes` to be brought into L2 (a hint that
-/// never faults; nothing off x86-64).
-#[inline]
-pub fn prefetch_l2(bytes: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    for off in (0..bytes.len()).step_by(64) {
-        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
-        // SAFETY: the address is inside `bytes`, and a prefetch never faults.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(bytes.as_ptr().add(off).cast()) }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = bytes;
 }
 
 /// `dst[g·n + j] = src[j·per + g]`: per-token group parameters (`n` tokens ×
@@ -267,8 +260,17 @@ macro_rules! by_rows {
 }
 
 /// Scores of a group of query rows that share K rows:
-/// `out[r·n + j] = q[r] · k[j]` for `r < rows`, `j < n`.
-pub fn group_scores(q: &[f32], rows: usize, k: Rows<'_>, n: usize, d: usize, out: &mut [f32]) {
+/// `out[r·n + j] = q[r] · k[j]` for `r < rows`, `j < n`. `ahead` is
+/// prefetched into L2 over the tokens (see the module docs; may be empty).
+pub fn group_scores(
+    q: &[f32],
+    rows: usize,
+    k: Rows<'_>,
+    n: usize,
+    d: usize,
+    out: &mut [f32],
+    ahead: &[u8],
+) {
     assert!(
         q.len() >= rows * d
             && k.len_values() >= n * d
@@ -287,16 +289,20 @@ pub fn group_scores(q: &[f32], rows: usize, k: Rows<'_>, n: usize, d: usize, out
         assert!(scale.len() >= d && min.len() >= d && high.len() >= n * d / 8);
         for_row_groups(rows, |r, take| {
             let (qs, os) = (&q[r * d..], &mut out[r * n..]);
+            let pf = x86::Ahead::of(if r == 0 { ahead } else { &[] });
             // SAFETY: AVX2/FMA checked by `k5_in_place`, which also bounds d;
             // the asserts above cover every access.
             unsafe {
                 if d.is_multiple_of(128) {
                     by_rows!(
                         take,
-                        x86::k5_scores_words(qs, nib, high, scale, min, n, d, os)
+                        x86::k5_scores_words(qs, nib, high, scale, min, n, d, os, pf)
                     )
                 } else {
-                    by_rows!(take, x86::k5_scores(qs, nib, high, scale, min, n, d, os))
+                    by_rows!(
+                        take,
+                        x86::k5_scores(qs, nib, high, scale, min, n, d, os, pf)
+                    )
                 }
             }
         });
@@ -308,8 +314,9 @@ pub fn group_scores(q: &[f32], rows: usize, k: Rows<'_>, n: usize, d: usize, out
     {
         for_row_groups(rows, |r, take| {
             let (qs, os) = (&q[r * d..], &mut out[r * n..]);
+            let pf = x86::Ahead::of(if r == 0 { ahead } else { &[] });
             // SAFETY: AVX2/FMA/F16C checked; the bounds above cover every access.
-            unsafe { by_rows!(take, x86::group_scores(qs, k, n, d, os)) }
+            unsafe { by_rows!(take, x86::group_scores(qs, k, n, d, os, pf)) }
         });
         return;
     }
@@ -321,8 +328,17 @@ pub fn group_scores(q: &[f32], rows: usize, k: Rows<'_>, n: usize, d: usize, out
 }
 
 /// `acc[r] = acc[r] · corr[r] + Σ_j w[r·n + j] · v[j]` for a group of rows
-/// sharing V rows (`acc` is `rows × d`).
-pub fn group_accumulate(acc: &mut [f32], corr: &[f32], w: &[f32], v: Rows<'_>, n: usize, d: usize) {
+/// sharing V rows (`acc` is `rows × d`). `ahead` is prefetched into L2 over
+/// the loop (see the module docs; may be empty).
+pub fn group_accumulate(
+    acc: &mut [f32],
+    corr: &[f32],
+    w: &[f32],
+    v: Rows<'_>,
+    n: usize,
+    d: usize,
+    ahead: &[u8],
+) {
     let rows = corr.len();
     assert!(
         acc.len() >= rows * d
@@ -343,12 +359,13 @@ pub fn group_accumulate(acc: &mut [f32], corr: &[f32], w: &[f32], v: Rows<'_>, n
         assert!(scale.len() >= m * (d / group) && min.len() >= m * (d / group));
         for_row_groups(rows, |r, take| {
             let (a, c, ws) = (&mut acc[r * d..], &corr[r..r + take], &w[r * n..]);
+            let pf = x86::Ahead::of(if r == 0 { ahead } else { &[] });
             // SAFETY: AVX2/FMA checked by `v4_in_place`, which also bounds d,
             // g and n; the asserts above cover every access.
             unsafe {
                 by_rows!(
                     take,
-                    x86::v4_accumulate(a, c, ws, codes, scale, min, group, n, m, d)
+                    x86::v4_accumulate(a, c, ws, codes, scale, min, group, n, m, d, pf)
                 )
             }
         });
@@ -360,8 +377,9 @@ pub fn group_accumulate(acc: &mut [f32], corr: &[f32], w: &[f32], v: Rows<'_>, n
     {
         for_row_groups(rows, |r, take| {
             let (a, c, ws) = (&mut acc[r * d..], &corr[r..r + take], &w[r * n..]);
+            let pf = x86::Ahead::of(if r == 0 { ahead } else { &[] });
             // SAFETY: as in `group_scores`.
-            unsafe { by_rows!(take, x86::group_accumulate(a, c, ws, v, n, d)) }
+            unsafe { by_rows!(take, x86::group_accumulate(a, c, ws, v, n, d, pf)) }
         });
         return;
     }
@@ -467,6 +485,41 @@ mod x86 {
         hsum8(sum) + rest
     }
 
+    /// A software prefetch spread over a kernel's loop: the cache lines of
+    /// bytes a later call reads, asked for into L2 a few at a time.
+    #[derive(Clone, Copy)]
+    pub(super) struct Ahead {
+        p: *const u8,
+        lines: usize,
+    }
+
+    impl Ahead {
+        pub(super) fn of(bytes: &[u8]) -> Ahead {
+            Ahead {
+                p: bytes.as_ptr(),
+                lines: bytes.len().div_ceil(64),
+            }
+        }
+
+        /// Lines per step for a loop of `steps` steps that covers them all.
+        #[inline(always)]
+        fn per(self, steps: usize) -> usize {
+            self.lines.div_ceil(steps.max(1))
+        }
+
+        /// Prefetches lines `i0..i1` (those that exist) into L2.
+        #[inline(always)]
+        fn lines(self, i0: usize, i1: usize) {
+            let mut i = i0;
+            while i < i1.min(self.lines) {
+                // SAFETY: line i starts inside the bytes `of` was given, and
+                // a prefetch never faults.
+                unsafe { _mm_prefetch::<_MM_HINT_T1>(self.p.add(i * 64).cast()) };
+                i += 1;
+            }
+        }
+    }
+
     /// The rows the generic loops read: [`Rows`] without the packed formats,
     /// which have their own kernels. (A fourth, panicking arm in `load8`
     /// measured 20 % slower F16 decode at 32k: the loops lose their shape.)
@@ -535,13 +588,16 @@ mod x86 {
         n: usize,
         d: usize,
         out: &mut [f32],
+        ahead: Ahead,
     ) {
         let qp = q.as_ptr();
+        let per = ahead.per(n);
         let mut j = 0;
         // SAFETY: rows r < R of q (R·d values), tokens j < n of k (n·d), and
         // out[r·n + j] are inside the slices (checked by the caller).
         unsafe {
             while j + 2 <= n {
+                ahead.lines(j * per, (j + 2) * per);
                 let mut a = [[_mm256_setzero_ps(); 2]; R];
                 let mut c = 0;
                 while c < d {
@@ -561,6 +617,7 @@ mod x86 {
                 j += 2;
             }
             if j < n {
+                ahead.lines(j * per, (j + 1) * per);
                 let mut a = [_mm256_setzero_ps(); R];
                 let mut c = 0;
                 while c < d {
@@ -587,8 +644,11 @@ mod x86 {
         v: Plain<'_>,
         n: usize,
         d: usize,
+        ahead: Ahead,
     ) {
         let ap = acc.as_mut_ptr();
+        // One prefetch step per (16-channel pass, token).
+        let per = ahead.per(d / 16 * n);
         // SAFETY: channels c + 16 ≤ d (d % 8 == 0: the tail step is 8), rows
         // r < R of acc (R·d) and w (R·n), tokens j < n of v: checked by the caller.
         unsafe {
@@ -601,6 +661,8 @@ mod x86 {
                     a[1] = _mm256_mul_ps(_mm256_loadu_ps(ap.add(r * d + c + 8)), cv);
                 }
                 for j in 0..n {
+                    let i = (c / 16) * n + j;
+                    ahead.lines(i * per, (i + 1) * per);
                     let v0 = load8(v, j, c, d);
                     let v1 = load8(v, j, c + 8, d);
                     for (r, a) in a.iter_mut().enumerate() {
@@ -675,7 +737,9 @@ mod x86 {
         n: usize,
         d: usize,
         out: &mut [f32],
+        ahead: Ahead,
     ) {
+        let per = ahead.per(n);
         let mut qs = std::mem::MaybeUninit::<[f32; 4 * MAX_HEAD_DIM]>::uninit();
         let qs = qs.as_mut_ptr().cast::<f32>();
         let mut bias = [0f32; R];
@@ -689,6 +753,7 @@ mod x86 {
             }
             let mut j = 0;
             while j + 2 <= n {
+                ahead.lines(j * per, (j + 2) * per);
                 let a = k5_tokens::<R, 2>(qs, nib, high, j, d);
                 for (r, a) in a.iter().enumerate() {
                     out[r * n + j] = hsum8(a[0]) + bias[r];
@@ -697,6 +762,7 @@ mod x86 {
                 j += 2;
             }
             if j < n {
+                ahead.lines(j * per, (j + 1) * per);
                 let a = k5_tokens::<R, 1>(qs, nib, high, j, d);
                 for (r, a) in a.iter().enumerate() {
                     out[r * n + j] = hsum8(a[0]) + bias[r];
@@ -723,7 +789,9 @@ mod x86 {
         n: usize,
         d: usize,
         out: &mut [f32],
+        ahead: Ahead,
     ) {
+        let per = ahead.per(n);
         let mut qw = std::mem::MaybeUninit::<[i16; 4 * MAX_HEAD_DIM]>::uninit();
         let qw = qw.as_mut_ptr().cast::<i16>();
         let mut row_scale = [0f32; 4];
@@ -756,6 +824,7 @@ mod x86 {
             let (low4, five) = (_mm256_set1_epi16(0xF), _mm256_set1_epi16(0x10));
             let mut j = 0;
             while j < n {
+                ahead.lines(j * per, (j + 2) * per);
                 // Pairs of tokens; an odd last token is paired with itself.
                 let pair = [j, (j + 1).min(n - 1)];
                 let mut acc = [_mm256_setzero_si256(); 8];
@@ -870,8 +939,11 @@ mod x86 {
         n: usize,
         m: usize,
         d: usize,
+        ahead: Ahead,
     ) {
         let (per, hg) = (d / g, g / 2);
+        // One prefetch step per (8-byte pass, token).
+        let step = ahead.per(d / 16 * n);
         let mut ws = std::mem::MaybeUninit::<[f32; 4 * super::MAX_V4_TOKENS]>::uninit();
         let ws = ws.as_mut_ptr().cast::<f32>();
         let ap = acc.as_mut_ptr();
@@ -914,7 +986,10 @@ mod x86 {
                         }
                     }
                     let src = codes.as_ptr().add(gi * hg + i0);
+                    let pass = (gi * hg + i0) / 8;
                     for j in 0..n {
+                        let i = pass * n + j;
+                        ahead.lines(i * step, (i + 1) * step);
                         let b = u8x8(src.add(j * d / 2));
                         let lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
                         let hi = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(b));
@@ -1104,7 +1179,7 @@ mod tests {
             };
             for (k, kf) in [(Rows::F32(&kf), &kf), (Rows::F16(&kh), &kf), (kv8, &k8)] {
                 let mut out = vec![0f32; rows * n];
-                group_scores(&q, rows, k, n, d, &mut out);
+                group_scores(&q, rows, k, n, d, &mut out, &[]);
                 for r in 0..rows {
                     for j in 0..n {
                         let want: f32 = (0..d).map(|c| q[r * d + c] * kf[j * d + c]).sum();
@@ -1118,7 +1193,7 @@ mod tests {
                 let corr: Vec<f32> = (0..rows).map(|r| 0.5 + r as f32 / 10.0).collect();
                 let mut acc: Vec<f32> = (0..rows * d).map(|i| i as f32 / 100.0).collect();
                 let mut want = acc.clone();
-                group_accumulate(&mut acc, &corr, &w, k, n, d);
+                group_accumulate(&mut acc, &corr, &w, k, n, d, &[]);
                 for r in 0..rows {
                     for c in 0..d {
                         want[r * d + c] = want[r * d + c] * corr[r]
@@ -1210,8 +1285,16 @@ mod tests {
                             let w: Vec<f32> =
                                 (0..rows_n * n).map(|i| (i % 7) as f32 / 7.0).collect();
                             if value {
-                                group_accumulate(&mut acc, &corr, &w, rows, n, d);
-                                group_accumulate(&mut acc_want, &corr, &w, Rows::F32(&tile), n, d);
+                                group_accumulate(&mut acc, &corr, &w, rows, n, d, &[]);
+                                group_accumulate(
+                                    &mut acc_want,
+                                    &corr,
+                                    &w,
+                                    Rows::F32(&tile),
+                                    n,
+                                    d,
+                                    &[],
+                                );
                                 for (a, b) in acc.iter().zip(&acc_want) {
                                     assert!(
                                         (a - b).abs() < 1e-4 * (1.0 + b.abs()),
@@ -1219,8 +1302,8 @@ mod tests {
                                     );
                                 }
                             } else {
-                                group_scores(&q, rows_n, rows, n, d, &mut got);
-                                group_scores(&q, rows_n, Rows::F32(&tile), n, d, &mut want);
+                                group_scores(&q, rows_n, rows, n, d, &mut got, &[]);
+                                group_scores(&q, rows_n, Rows::F32(&tile), n, d, &mut want, &[]);
                                 for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                                     // The integer path rounds q·scale to 16 bits per row:
                                     // at most half a step times the sum of the codes.

@@ -287,7 +287,7 @@ fn check_layout(layout: KvLayout, seed: u64) -> f32 {
                 threads,
                 partition_blocks,
                 sub_tile,
-                prefetch_bytes: [0, 16 << 10, usize::MAX][threads % 3],
+                prefetch_ahead: [0, 1, 3][threads % 3],
             },
         )
         .unwrap();
