@@ -293,7 +293,12 @@ pub fn group_scores(
             // SAFETY: AVX2/FMA checked by `k5_in_place`, which also bounds d;
             // the asserts above cover every access.
             unsafe {
-                if d.is_multiple_of(128) {
+                if d == 128 && has_avx512_vnni() {
+                    by_rows!(
+                        take,
+                        x86::k5_scores_zmm(qs, nib, high, scale, min, n, os, pf)
+                    )
+                } else if d.is_multiple_of(128) {
                     by_rows!(
                         take,
                         x86::k5_scores_words(qs, nib, high, scale, min, n, d, os, pf)
@@ -403,6 +408,22 @@ fn has_avx2_fma() -> bool {
             && std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma")
             && std::arch::is_x86_feature_detected!("f16c")
+    })
+}
+
+/// AVX-512 with BW and VNNI, for the K5 kernel of heads of 128 (off with
+/// `SILICEO_KERNELS_NO_AVX512`, which tests use to check the AVX2 kernels
+/// on machines that have it).
+#[cfg(target_arch = "x86_64")]
+fn has_avx512_vnni() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        has_avx2_fma()
+            && std::env::var_os("SILICEO_KERNELS_NO_AVX512").is_none()
+            && std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vnni")
     })
 }
 
@@ -771,6 +792,34 @@ mod x86 {
         }
     }
 
+    /// Scores of tokens `j` and `j + 1` (if `< n`) from integer sums
+    /// `acc[2r + t]` (row r, token t; eight lanes each), all reduced at once.
+    /// A macro, not a function: a `#[target_feature]` function cannot be
+    /// forced inline, and as a call it measured 10 % of the K5/V4 kernel.
+    macro_rules! k5_store_pair {
+        ($R:expr, $acc:expr, $row_scale:expr, $bias:expr, $j:expr, $n:expr, $out:expr) => {{
+            let (acc, j, n) = ($acc, $j, $n);
+            // Eight horizontal sums at once: lane 2r + t = row r, token t.
+            let h0 = _mm256_hadd_epi32(acc[0], acc[1]);
+            let h1 = _mm256_hadd_epi32(acc[2], acc[3]);
+            let h2 = _mm256_hadd_epi32(acc[4], acc[5]);
+            let h3 = _mm256_hadd_epi32(acc[6], acc[7]);
+            let (g0, g1) = (_mm256_hadd_epi32(h0, h1), _mm256_hadd_epi32(h2, h3));
+            let sums = _mm256_add_epi32(
+                _mm256_permute2x128_si256::<0x20>(g0, g1),
+                _mm256_permute2x128_si256::<0x31>(g0, g1),
+            );
+            let mut f = [0f32; 8];
+            _mm256_storeu_ps(f.as_mut_ptr(), _mm256_cvtepi32_ps(sums));
+            for r in 0..$R {
+                $out[r * n + j] = f[2 * r].mul_add($row_scale[r], $bias[r]);
+                if j + 1 < n {
+                    $out[r * n + j + 1] = f[2 * r + 1].mul_add($row_scale[r], $bias[r]);
+                }
+            }
+        }};
+    }
+
     /// Scores over K5 rows with integer dot products (d a multiple of 128, so
     /// 16 channels share one fifth-bit plane): each query row times the
     /// channel scales is rounded to 16-bit integers with one scale per row (an
@@ -794,8 +843,6 @@ mod x86 {
         let per = ahead.per(n);
         let mut qw = std::mem::MaybeUninit::<[i16; 4 * MAX_HEAD_DIM]>::uninit();
         let qw = qw.as_mut_ptr().cast::<i16>();
-        let mut row_scale = [0f32; 4];
-        let mut bias = [0f32; 4];
         let (half, e) = (d / 2, d / 8);
         let e_shift = e.trailing_zeros();
         // SAFETY: d ≤ MAX_HEAD_DIM and R ≤ 4 (the caller), so qw[r·d + c]
@@ -804,23 +851,7 @@ mod x86 {
         // caller). Block b's channels 16b..16b+16 < d/2 and their fifth-bit
         // bytes (16b mod e)..+16 ≤ e because e is a power of two ≥ 16.
         unsafe {
-            let mut qs = std::mem::MaybeUninit::<[f32; MAX_HEAD_DIM]>::uninit();
-            let qs = qs.as_mut_ptr().cast::<f32>();
-            for r in 0..R {
-                let (b, m) = fold_k5_query(q.as_ptr().add(r * d), scale, min, d, qs);
-                bias[r] = b;
-                row_scale[r] = m / 32767.0;
-                let inv = _mm256_set1_ps(if m > 0.0 { 32767.0 / m } else { 0.0 });
-                for c in (0..d).step_by(16) {
-                    let word = |c: usize| {
-                        _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qs.add(c)), inv))
-                    };
-                    // packs interleaves the 128-bit halves; the permute restores order.
-                    let w =
-                        _mm256_permute4x64_epi64::<0xD8>(_mm256_packs_epi32(word(c), word(c + 8)));
-                    _mm256_storeu_si256(qw.add(r * d + c).cast(), w);
-                }
-            }
+            let (bias, row_scale) = k5_query_words::<R>(q, scale, min, d, qw);
             let (low4, five) = (_mm256_set1_epi16(0xF), _mm256_set1_epi16(0x10));
             let mut j = 0;
             while j < n {
@@ -855,24 +886,133 @@ mod x86 {
                         }
                     }
                 }
-                // Eight horizontal sums at once: lane 2r + t = row r, token t.
-                let h0 = _mm256_hadd_epi32(acc[0], acc[1]);
-                let h1 = _mm256_hadd_epi32(acc[2], acc[3]);
-                let h2 = _mm256_hadd_epi32(acc[4], acc[5]);
-                let h3 = _mm256_hadd_epi32(acc[6], acc[7]);
-                let (g0, g1) = (_mm256_hadd_epi32(h0, h1), _mm256_hadd_epi32(h2, h3));
-                let sums = _mm256_add_epi32(
-                    _mm256_permute2x128_si256::<0x20>(g0, g1),
-                    _mm256_permute2x128_si256::<0x31>(g0, g1),
-                );
-                let mut f = [0f32; 8];
-                _mm256_storeu_ps(f.as_mut_ptr(), _mm256_cvtepi32_ps(sums));
-                for r in 0..R {
-                    out[r * n + j] = f[2 * r].mul_add(row_scale[r], bias[r]);
-                    if j + 1 < n {
-                        out[r * n + j + 1] = f[2 * r + 1].mul_add(row_scale[r], bias[r]);
+                k5_store_pair!(R, acc, row_scale, bias, j, n, out);
+                j += 2;
+            }
+        }
+    }
+
+    /// The query rows of a K5 score call as 16-bit words: each row times the
+    /// channel scales, rounded with one scale per row (its largest element ↦
+    /// 32767). Writes `R·d` words to `qw`, returns each row's `q · min` and
+    /// word scale.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn k5_query_words<const R: usize>(
+        q: &[f32],
+        scale: &[f32],
+        min: &[f32],
+        d: usize,
+        qw: *mut i16,
+    ) -> ([f32; R], [f32; R]) {
+        let (mut bias, mut row_scale) = ([0f32; R], [0f32; R]);
+        let mut qs = std::mem::MaybeUninit::<[f32; MAX_HEAD_DIM]>::uninit();
+        let qs = qs.as_mut_ptr().cast::<f32>();
+        // SAFETY: d ≤ MAX_HEAD_DIM, d % 16 == 0 and q holds R·d values, qw
+        // R·d words (the caller); only written lanes of qs are read.
+        unsafe {
+            for r in 0..R {
+                let (b, m) = fold_k5_query(q.as_ptr().add(r * d), scale, min, d, qs);
+                bias[r] = b;
+                row_scale[r] = m / 32767.0;
+                let inv = _mm256_set1_ps(if m > 0.0 { 32767.0 / m } else { 0.0 });
+                for c in (0..d).step_by(16) {
+                    let word = |c: usize| {
+                        _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qs.add(c)), inv))
+                    };
+                    // packs interleaves the 128-bit halves; the permute restores order.
+                    let w =
+                        _mm256_permute4x64_epi64::<0xD8>(_mm256_packs_epi32(word(c), word(c + 8)));
+                    _mm256_storeu_si256(qw.add(r * d + c).cast(), w);
+                }
+            }
+        }
+        (bias, row_scale)
+    }
+
+    /// [`k5_scores_words`] for heads of exactly 128 with AVX-512 (BW, VNNI):
+    /// a token's 128 channels are four vectors of 32 words (the fifth bits
+    /// placed with per-word variable shifts), the query words stay in
+    /// registers, and `vpdpwssd` multiplies and accumulates in one
+    /// instruction. The integer sums are exact, so the scores equal the
+    /// AVX2 kernel's bit for bit.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn k5_scores_zmm<const R: usize>(
+        q: &[f32],
+        nib: &[u8],
+        high: &[u8],
+        scale: &[f32],
+        min: &[f32],
+        n: usize,
+        out: &mut [f32],
+        ahead: Ahead,
+    ) {
+        const D: usize = 128;
+        let per = ahead.per(n);
+        let mut qw = std::mem::MaybeUninit::<[i16; 4 * D]>::uninit();
+        let qw = qw.as_mut_ptr().cast::<i16>();
+        // SAFETY: R ≤ 4 (the caller), so qw[r·128 + c] stays in the buffer
+        // and only written words are read; q holds R·128 values, scale and
+        // min 128, nib 64·n bytes, high 16·n, out R·n (the caller).
+        unsafe {
+            let (bias, row_scale) = k5_query_words::<R>(q, scale, min, D, qw);
+            // Vector v: channels 32v..32v+32 (v < 2: low nibbles of bytes
+            // 32v.., v ≥ 2: high nibbles of bytes 32(v−2)..).
+            let qv: [[__m512i; 4]; R] = std::array::from_fn(|r| {
+                std::array::from_fn(|v| _mm512_loadu_si512(qw.add(r * D + 32 * v).cast()))
+            });
+            // Channel c's fifth bit is bit c/16 of byte c mod 16: vector v's
+            // words take planes 2v (first 16) and 2v + 1.
+            let planes: [__m512i; 4] = std::array::from_fn(|v| {
+                let p = 2 * v as i16;
+                _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_set1_epi16(p)),
+                    _mm256_set1_epi16(p + 1),
+                )
+            });
+            let (low4, five) = (_mm512_set1_epi16(0xF), _mm512_set1_epi16(0x10));
+            let mut j = 0;
+            while j < n {
+                ahead.lines(j * per, (j + 2) * per);
+                // Pairs of tokens; an odd last token is paired with itself.
+                let pair = [j, (j + 1).min(n - 1)];
+                let mut acc = [[_mm512_setzero_si512(); 2]; R];
+                for (t, &jj) in pair.iter().enumerate() {
+                    let nb = nib.as_ptr().add(jj * D / 2);
+                    let w0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(nb.cast()));
+                    let w1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(nb.add(32).cast()));
+                    let hb =
+                        _mm256_cvtepu8_epi16(_mm_loadu_si128(high.as_ptr().add(jj * 16).cast()));
+                    let h = _mm512_slli_epi16::<4>(_mm512_broadcast_i64x4(hb));
+                    let lo = [
+                        _mm512_and_si512(w0, low4),
+                        _mm512_and_si512(w1, low4),
+                        _mm512_srli_epi16::<4>(w0),
+                        _mm512_srli_epi16::<4>(w1),
+                    ];
+                    for v in 0..4 {
+                        // code = nibble | (fifth bit moved to bit 4).
+                        let code = _mm512_ternarylogic_epi32::<0xF8>(
+                            lo[v],
+                            _mm512_srlv_epi16(h, planes[v]),
+                            five,
+                        );
+                        for r in 0..R {
+                            acc[r][t] = _mm512_dpwssd_epi32(acc[r][t], code, qv[r][v]);
+                        }
                     }
                 }
+                let mut a8 = [_mm256_setzero_si256(); 8];
+                for r in 0..R {
+                    for t in 0..2 {
+                        let z = acc[r][t];
+                        a8[2 * r + t] = _mm256_add_epi32(
+                            _mm512_castsi512_si256(z),
+                            _mm512_extracti64x4_epi64::<1>(z),
+                        );
+                    }
+                }
+                k5_store_pair!(R, a8, row_scale, bias, j, n, out);
                 j += 2;
             }
         }
@@ -1213,6 +1353,58 @@ mod tests {
     /// K5 keys and V4 values read in place give what the decoded tile gives,
     /// for a whole tile and for the first `n < m` tokens of it (a causal
     /// prefill row), in every row-group size; the portable loops (`get`) too.
+    /// The AVX-512 K5 kernel (heads of 128) gives the AVX2 integer kernel's
+    /// scores bit for bit: both form exact integer sums of the same words.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn avx512_k5_scores_equal_the_avx2_kernel_bit_for_bit() {
+        use crate::codec::Codec;
+        if !has_avx512_vnni() {
+            eprintln!("no AVX-512 VNNI here (or SILICEO_KERNELS_NO_AVX512): nothing to compare");
+            return;
+        }
+        let (t, d) = (64, 128);
+        let x: Vec<f32> = (0..t * d)
+            .map(|i| {
+                ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1.0 + (i % d == 9) as u8 as f32 * 7.0)
+            })
+            .collect();
+        let mut seg = vec![0u8; Codec::K5.segment_bytes(t, d)];
+        Codec::K5.encode(&x, t, d, &mut seg);
+        let ahead: Vec<u8> = vec![1; 3000];
+        for (r0, r1) in [(0, 64), (7, 40), (63, 64)] {
+            let mut params = vec![0f32; 2 * d];
+            let (nib, high) = Codec::K5.k5_rows(&seg, t, d, r0..r1, &mut params).unwrap();
+            let (scale, min) = params.split_at(d);
+            let n = r1 - r0;
+            let q: Vec<f32> = (0..4 * d).map(|i| (i as f32 * 0.61).cos() * 3.0).collect();
+            for take in 1..=4 {
+                let (mut got, mut want) = (vec![0f32; take * n], vec![1f32; take * n]);
+                // SAFETY: AVX-512/AVX2 checked above; the slices hold take rows
+                // of 128 values, n tokens and take·n scores.
+                unsafe {
+                    let pf = x86::Ahead::of(&ahead);
+                    by_rows!(
+                        take,
+                        x86::k5_scores_zmm(&q, nib, high, scale, min, n, &mut got, pf)
+                    );
+                    let none = x86::Ahead::of(&[]);
+                    by_rows!(
+                        take,
+                        x86::k5_scores_words(&q, nib, high, scale, min, n, d, &mut want, none)
+                    );
+                }
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        w.to_bits(),
+                        "rows {take}, tokens {r0}..{r1}, score {i}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn packed_rows_in_place_match_the_decoded_tile() {
         use crate::codec::Codec;

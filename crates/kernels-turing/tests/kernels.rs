@@ -371,28 +371,44 @@ fn the_kernel_matches_naive_attention_in_every_format() {
     );
 }
 
-/// The same check with the explicit x86 loops switched off: the portable
-/// loops (what other architectures run) read every format too. The choice is
-/// made once per process, so the test runs itself again in a child process.
-#[test]
-fn the_portable_loops_match_naive_attention_too() {
-    if std::env::var_os("SILICEO_KERNELS_PORTABLE").is_some() {
-        return;
-    }
+/// Runs `test` of this binary again in a child process with `env` set (the
+/// kernels choose their code paths once per process) and checks it passed.
+fn run_again_with(env: &str, test: &str) {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "the_kernel_matches_naive_attention_in_every_format",
-            "--test-threads=1",
-            "--nocapture",
-        ])
-        .env("SILICEO_KERNELS_PORTABLE", "1")
+        .args(["--exact", test, "--test-threads=1", "--nocapture"])
+        .env(env, "1")
         .output()
         .unwrap();
     let text =
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{text}");
     assert!(text.contains("1 passed"), "the check did not run: {text}");
+}
+
+/// The same check with the explicit x86 loops switched off: the portable
+/// loops (what other architectures run) read every format too.
+#[test]
+fn the_portable_loops_match_naive_attention_too() {
+    if std::env::var_os("SILICEO_KERNELS_PORTABLE").is_some() {
+        return;
+    }
+    run_again_with(
+        "SILICEO_KERNELS_PORTABLE",
+        "the_kernel_matches_naive_attention_in_every_format",
+    );
+}
+
+/// Heads of 128 with AVX-512 switched off: the AVX2 K5 kernel (what
+/// machines without AVX-512 VNNI run) is checked even where AVX-512 exists.
+#[test]
+fn the_avx2_loops_match_naive_attention_too() {
+    if std::env::var_os("SILICEO_KERNELS_NO_AVX512").is_some() {
+        return;
+    }
+    run_again_with(
+        "SILICEO_KERNELS_NO_AVX512",
+        "wide_heads_match_naive_attention",
+    );
 }
 
 /// Heads of 128 (most models): K5 keys take the integer path, V4 values are
