@@ -368,10 +368,17 @@ pub fn group_accumulate(
             // SAFETY: AVX2/FMA checked by `v4_in_place`, which also bounds d,
             // g and n; the asserts above cover every access.
             unsafe {
-                by_rows!(
-                    take,
-                    x86::v4_accumulate(a, c, ws, codes, scale, min, group, n, m, d, pf)
-                )
+                if group.is_multiple_of(32) && has_avx512_vnni() {
+                    by_rows!(
+                        take,
+                        x86::v4_accumulate_zmm(a, c, ws, codes, scale, min, group, n, m, d, pf)
+                    )
+                } else {
+                    by_rows!(
+                        take,
+                        x86::v4_accumulate(a, c, ws, codes, scale, min, group, n, m, d, pf)
+                    )
+                }
             }
         });
         return;
@@ -1063,6 +1070,104 @@ mod x86 {
         a
     }
 
+    /// One V4 group's weights for R rows: `ws[r·n + j] = w[r·n + j] ·
+    /// scale[at + j]` and, returned, `Σ_j w[r·n + j] · min[at + j]`.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn v4_group_weights<const R: usize>(
+        w: &[f32],
+        scale: &[f32],
+        min: &[f32],
+        at: usize,
+        n: usize,
+        ws: *mut f32,
+    ) -> [f32; R] {
+        let mut wm = [0f32; R];
+        // SAFETY: w holds R·n values, scale and min at + n, ws R·n (the caller).
+        unsafe {
+            let (sg, mg) = (scale.as_ptr().add(at), min.as_ptr().add(at));
+            for (r, wm) in wm.iter_mut().enumerate() {
+                let (wr, wsr) = (w.as_ptr().add(r * n), ws.add(r * n));
+                let mut m8 = _mm256_setzero_ps();
+                let mut j = 0;
+                while j + 8 <= n {
+                    let wv = _mm256_loadu_ps(wr.add(j));
+                    _mm256_storeu_ps(wsr.add(j), _mm256_mul_ps(wv, _mm256_loadu_ps(sg.add(j))));
+                    m8 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(mg.add(j)), m8);
+                    j += 8;
+                }
+                *wm = hsum8(m8);
+                while j < n {
+                    *wsr.add(j) = *wr.add(j) * *sg.add(j);
+                    *wm += *wr.add(j) * *mg.add(j);
+                    j += 1;
+                }
+            }
+        }
+        wm
+    }
+
+    /// [`v4_accumulate`] 16 + 16 channels at a time with AVX-512 (groups of
+    /// a multiple of 32): each lane runs the same multiply-adds in the same
+    /// order as the AVX2 kernel's, so the result is the same bit for bit.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn v4_accumulate_zmm<const R: usize>(
+        acc: &mut [f32],
+        corr: &[f32],
+        w: &[f32],
+        codes: &[u8],
+        scale: &[f32],
+        min: &[f32],
+        g: usize,
+        n: usize,
+        m: usize,
+        d: usize,
+        ahead: Ahead,
+    ) {
+        let (per, hg) = (d / g, g / 2);
+        // One prefetch step per (16-byte pass, token).
+        let step = ahead.per(d / 32 * n);
+        let mut ws = std::mem::MaybeUninit::<[f32; 4 * super::MAX_V4_TOKENS]>::uninit();
+        let ws = ws.as_mut_ptr().cast::<f32>();
+        let ap = acc.as_mut_ptr();
+        let mask = _mm512_set1_epi32(0xF);
+        // SAFETY: as in `v4_accumulate`; hg is a multiple of 16 here.
+        unsafe {
+            for gi in 0..per {
+                let wm = v4_group_weights::<R>(w, scale, min, gi * m, n, ws);
+                for i0 in (0..hg).step_by(16) {
+                    let c = [gi * g + i0, gi * g + hg + i0];
+                    let mut a = [[_mm512_setzero_ps(); 2]; R];
+                    for (r, a) in a.iter_mut().enumerate() {
+                        let (cv, mv) = (_mm512_set1_ps(corr[r]), _mm512_set1_ps(wm[r]));
+                        for (a, c) in a.iter_mut().zip(c) {
+                            *a = _mm512_fmadd_ps(_mm512_loadu_ps(ap.add(r * d + c)), cv, mv);
+                        }
+                    }
+                    let src = codes.as_ptr().add(gi * hg + i0);
+                    let pass = (gi * hg + i0) / 16;
+                    for j in 0..n {
+                        let i = pass * n + j;
+                        ahead.lines(i * step, (i + 1) * step);
+                        let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(src.add(j * d / 2).cast()));
+                        let lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, mask));
+                        let hi = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(b));
+                        for (r, a) in a.iter_mut().enumerate() {
+                            let wv = _mm512_set1_ps(*ws.add(r * n + j));
+                            a[0] = _mm512_fmadd_ps(wv, lo, a[0]);
+                            a[1] = _mm512_fmadd_ps(wv, hi, a[1]);
+                        }
+                    }
+                    for (r, a) in a.iter().enumerate() {
+                        for (a, c) in a.iter().zip(c) {
+                            _mm512_storeu_ps(ap.add(r * d + c), *a);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// Accumulation over V4 rows read in place: per group, each row's weights
     /// times the tokens' scales (`ws`) and `Σ w · min` (added to the whole
     /// group once), then 8 + 8 channels (both nibbles of 8 bytes) × R rows per pass over the tokens.
@@ -1094,25 +1199,7 @@ mod x86 {
         // channel below is < d because g divides d and hg is a multiple of 8.
         unsafe {
             for gi in 0..per {
-                let (sg, mg) = (scale.as_ptr().add(gi * m), min.as_ptr().add(gi * m));
-                let mut wm = [0f32; R];
-                for (r, wm) in wm.iter_mut().enumerate() {
-                    let (wr, wsr) = (w.as_ptr().add(r * n), ws.add(r * n));
-                    let mut m8 = _mm256_setzero_ps();
-                    let mut j = 0;
-                    while j + 8 <= n {
-                        let wv = _mm256_loadu_ps(wr.add(j));
-                        _mm256_storeu_ps(wsr.add(j), _mm256_mul_ps(wv, _mm256_loadu_ps(sg.add(j))));
-                        m8 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(mg.add(j)), m8);
-                        j += 8;
-                    }
-                    *wm = hsum8(m8);
-                    while j < n {
-                        *wsr.add(j) = *wr.add(j) * *sg.add(j);
-                        *wm += *wr.add(j) * *mg.add(j);
-                        j += 1;
-                    }
-                }
+                let wm = v4_group_weights::<R>(w, scale, min, gi * m, n, ws);
                 // Eight code bytes per token give channels i0.. (low nibbles)
                 // and hg + i0.. (high nibbles) of the group: one load and
                 // widening serves both.
@@ -1400,6 +1487,71 @@ mod tests {
                         w.to_bits(),
                         "rows {take}, tokens {r0}..{r1}, score {i}"
                     );
+                }
+            }
+        }
+    }
+
+    /// Likewise the AVX-512 V4 accumulation (groups of 32 and 64): every
+    /// lane runs the AVX2 kernel's multiply-adds in the same order.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn avx512_v4_accumulation_equals_the_avx2_kernel_bit_for_bit() {
+        use crate::codec::Codec;
+        if !has_avx512_vnni() {
+            eprintln!("no AVX-512 VNNI here (or SILICEO_KERNELS_NO_AVX512): nothing to compare");
+            return;
+        }
+        let t = 64;
+        let ahead: Vec<u8> = vec![1; 3000];
+        for (d, group) in [(128, 32u16), (128, 64), (64, 32), (256, 32)] {
+            let x: Vec<f32> = (0..t * d)
+                .map(|i| (i * 6007 % 997) as f32 / 498.0 - 1.0)
+                .collect();
+            let codec = Codec::V4 { group };
+            let mut seg = vec![0u8; codec.segment_bytes(t, d)];
+            codec.encode(&x, t, d, &mut seg);
+            for (r0, r1) in [(0, 64), (9, 30)] {
+                let m = r1 - r0;
+                let mut params = vec![0f32; 4 * (m + 1) * d];
+                let (codes, g) = codec.v4_rows(&seg, t, d, r0..r1, &mut params).unwrap();
+                let per = m * (d / g);
+                let (scale, min) = params[..2 * per].split_at(per);
+                for n in [m, m - 3] {
+                    for take in 1..=4 {
+                        let corr: Vec<f32> = (0..take).map(|r| 0.25 + r as f32 / 8.0).collect();
+                        let w: Vec<f32> = (0..take * n)
+                            .map(|i| ((i * 13) % 11) as f32 / 11.0)
+                            .collect();
+                        let mut got: Vec<f32> =
+                            (0..take * d).map(|i| (i as f32 * 0.3).sin()).collect();
+                        let mut want = got.clone();
+                        // SAFETY: AVX-512/AVX2 checked above; the slices hold
+                        // take rows of d values, take·n weights, m ≥ n tokens.
+                        unsafe {
+                            let pf = x86::Ahead::of(&ahead);
+                            by_rows!(
+                                take,
+                                x86::v4_accumulate_zmm(
+                                    &mut got, &corr, &w, codes, scale, min, g, n, m, d, pf
+                                )
+                            );
+                            let none = x86::Ahead::of(&[]);
+                            by_rows!(
+                                take,
+                                x86::v4_accumulate(
+                                    &mut want, &corr, &w, codes, scale, min, g, n, m, d, none
+                                )
+                            );
+                        }
+                        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                            assert_eq!(
+                                a.to_bits(),
+                                b.to_bits(),
+                                "d {d} g {g} rows {take} n {n} [{i}]"
+                            );
+                        }
+                    }
                 }
             }
         }
