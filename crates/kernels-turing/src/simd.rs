@@ -390,8 +390,14 @@ pub fn group_accumulate(
         for_row_groups(rows, |r, take| {
             let (a, c, ws) = (&mut acc[r * d..], &corr[r..r + take], &w[r * n..]);
             let pf = x86::Ahead::of(if r == 0 { ahead } else { &[] });
-            // SAFETY: as in `group_scores`.
-            unsafe { by_rows!(take, x86::group_accumulate(a, c, ws, v, n, d, pf)) }
+            // SAFETY: as in `group_scores` (the AVX-512 kernel: also checked).
+            unsafe {
+                if d.is_multiple_of(16) && v.sixteen_wide() && has_avx512_vnni() {
+                    by_rows!(take, x86::group_accumulate_zmm(a, c, ws, v, n, d, pf))
+                } else {
+                    by_rows!(take, x86::group_accumulate(a, c, ws, v, n, d, pf))
+                }
+            }
         });
         return;
     }
@@ -563,6 +569,12 @@ mod x86 {
     }
 
     impl<'a> Plain<'a> {
+        /// Whether 16 channels from a multiple of 16 share one KV8 scale
+        /// (as [`load16`] reads them).
+        pub(super) fn sixteen_wide(self) -> bool {
+            !matches!(self, Plain::Kv8 { shift, .. } if shift < 4)
+        }
+
         pub(super) fn of(rows: Rows<'a>) -> Option<Plain<'a>> {
             match rows {
                 Rows::F32(x) => Some(Plain::F32(x)),
@@ -603,6 +615,88 @@ mod x86 {
                     let s = *scales.get_unchecked(j * (d >> shift) + (c >> shift));
                     _mm256_mul_ps(q, _mm256_set1_ps(s))
                 }
+            }
+        }
+    }
+
+    /// Sixteen K/V values of row `j` from channel `c` (a multiple of 16; KV8
+    /// groups of at least 16), converted as [`load8`] converts each half.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load16(rows: Plain<'_>, j: usize, c: usize, d: usize) -> __m512 {
+        let off = j * d + c;
+        // SAFETY: the caller keeps `off + 16` within the rows (and, for KV8,
+        // the group of channel c within row j's scales).
+        unsafe {
+            match rows {
+                Plain::F32(x) => _mm512_loadu_ps(x.as_ptr().add(off)),
+                Plain::F16(b) => {
+                    _mm512_cvtph_ps(_mm256_loadu_si256(b.as_ptr().add(2 * off).cast()))
+                }
+                Plain::Kv8 {
+                    codes,
+                    scales,
+                    shift,
+                } => {
+                    let q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                        codes.as_ptr().add(off).cast(),
+                    )));
+                    let s = *scales.get_unchecked(j * (d >> shift) + (c >> shift));
+                    _mm512_mul_ps(q, _mm512_set1_ps(s))
+                }
+            }
+        }
+    }
+
+    /// [`group_accumulate`] 32 channels at a time with AVX-512 (d a multiple
+    /// of 16): each lane runs the AVX2 kernel's multiply-adds in the same
+    /// order, so the result is the same bit for bit.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn group_accumulate_zmm<const R: usize>(
+        acc: &mut [f32],
+        corr: &[f32],
+        w: &[f32],
+        v: Plain<'_>,
+        n: usize,
+        d: usize,
+        ahead: Ahead,
+    ) {
+        let ap = acc.as_mut_ptr();
+        // One prefetch step per (32-channel pass, token).
+        let per = ahead.per(d.div_ceil(32) * n);
+        // SAFETY: channels c + 32 ≤ d in the loop and c + 16 ≤ d after it
+        // (d % 16 == 0), rows r < R of acc (R·d) and w (R·n), tokens j < n
+        // of v: checked by the caller.
+        unsafe {
+            let mut c = 0;
+            while c < d {
+                let wide = c + 32 <= d;
+                let mut a = [[_mm512_setzero_ps(); 2]; R];
+                for (r, a) in a.iter_mut().enumerate() {
+                    let cv = _mm512_set1_ps(corr[r]);
+                    a[0] = _mm512_mul_ps(_mm512_loadu_ps(ap.add(r * d + c)), cv);
+                    if wide {
+                        a[1] = _mm512_mul_ps(_mm512_loadu_ps(ap.add(r * d + c + 16)), cv);
+                    }
+                }
+                for j in 0..n {
+                    let i = (c / 32) * n + j;
+                    ahead.lines(i * per, (i + 1) * per);
+                    let v0 = load16(v, j, c, d);
+                    let v1 = if wide { load16(v, j, c + 16, d) } else { v0 };
+                    for (r, a) in a.iter_mut().enumerate() {
+                        let wv = _mm512_set1_ps(*w.get_unchecked(r * n + j));
+                        a[0] = _mm512_fmadd_ps(wv, v0, a[0]);
+                        a[1] = _mm512_fmadd_ps(wv, v1, a[1]);
+                    }
+                }
+                for (r, a) in a.iter().enumerate() {
+                    _mm512_storeu_ps(ap.add(r * d + c), a[0]);
+                    if wide {
+                        _mm512_storeu_ps(ap.add(r * d + c + 16), a[1]);
+                    }
+                }
+                c += 32;
             }
         }
     }
@@ -1551,6 +1645,70 @@ mod tests {
                                 "d {d} g {g} rows {take} n {n} [{i}]"
                             );
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The AVX-512 accumulation over F32, F16 and KV8 rows (groups of 16 and
+    /// 32; heads of 16, 48, 128: a half-width last pass too) gives the AVX2
+    /// kernel's result bit for bit.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn avx512_plain_accumulation_equals_the_avx2_kernel_bit_for_bit() {
+        if !has_avx512_vnni() {
+            eprintln!("no AVX-512 VNNI here (or SILICEO_KERNELS_NO_AVX512): nothing to compare");
+            return;
+        }
+        let ahead: Vec<u8> = vec![1; 5000];
+        for (n, d) in [(1, 16), (17, 48), (64, 128)] {
+            let xf: Vec<f32> = (0..n * d).map(|i| (i as f32 * 0.23).cos()).collect();
+            let xh: Vec<u8> = xf
+                .iter()
+                .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+                .collect();
+            let codes: Vec<u8> = (0..n * d)
+                .map(|i| ((i * 53 % 255) as i32 - 127) as i8 as u8)
+                .collect();
+            let scales: Vec<f32> = (0..n * d / 16).map(|i| 0.02 + i as f32 * 0.003).collect();
+            for rows in [
+                x86::Plain::F32(&xf),
+                x86::Plain::F16(&xh),
+                x86::Plain::Kv8 {
+                    codes: &codes,
+                    scales: &scales,
+                    shift: 4,
+                },
+                x86::Plain::Kv8 {
+                    codes: &codes,
+                    scales: &scales,
+                    shift: if d % 32 == 0 { 5 } else { 4 },
+                },
+            ] {
+                for take in 1..=4 {
+                    let corr: Vec<f32> = (0..take).map(|r| 0.75 - r as f32 / 9.0).collect();
+                    let w: Vec<f32> = (0..take * n)
+                        .map(|i| ((i * 5) % 13) as f32 / 13.0)
+                        .collect();
+                    let mut got: Vec<f32> = (0..take * d).map(|i| (i as f32 * 0.7).sin()).collect();
+                    let mut want = got.clone();
+                    // SAFETY: AVX-512/AVX2 checked above; the slices hold take
+                    // rows of d values, take·n weights and n tokens.
+                    unsafe {
+                        let pf = x86::Ahead::of(&ahead);
+                        by_rows!(
+                            take,
+                            x86::group_accumulate_zmm(&mut got, &corr, &w, rows, n, d, pf)
+                        );
+                        let none = x86::Ahead::of(&[]);
+                        by_rows!(
+                            take,
+                            x86::group_accumulate(&mut want, &corr, &w, rows, n, d, none)
+                        );
+                    }
+                    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(a.to_bits(), b.to_bits(), "n {n} d {d} rows {take} [{i}]");
                     }
                 }
             }
