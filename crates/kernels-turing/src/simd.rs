@@ -320,8 +320,20 @@ pub fn group_scores(
         for_row_groups(rows, |r, take| {
             let (qs, os) = (&q[r * d..], &mut out[r * n..]);
             let pf = x86::Ahead::of(if r == 0 { ahead } else { &[] });
-            // SAFETY: AVX2/FMA/F16C checked; the bounds above cover every access.
-            unsafe { by_rows!(take, x86::group_scores(qs, k, n, d, os, pf)) }
+            // SAFETY: AVX2/FMA/F16C checked (and AVX-512 for its kernel); the
+            // bounds above cover every access.
+            unsafe {
+                match k {
+                    x86::Plain::Kv8 {
+                        codes,
+                        scales,
+                        shift: 5,
+                    } if d == 128 && has_avx512_vnni() => {
+                        by_rows!(take, x86::kv8_scores_zmm(qs, codes, scales, n, os, pf))
+                    }
+                    _ => by_rows!(take, x86::group_scores(qs, k, n, d, os, pf)),
+                }
+            }
         });
         return;
     }
@@ -1014,20 +1026,148 @@ mod x86 {
             for r in 0..R {
                 let (b, m) = fold_k5_query(q.as_ptr().add(r * d), scale, min, d, qs);
                 bias[r] = b;
-                row_scale[r] = m / 32767.0;
-                let inv = _mm256_set1_ps(if m > 0.0 { 32767.0 / m } else { 0.0 });
-                for c in (0..d).step_by(16) {
-                    let word = |c: usize| {
-                        _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(qs.add(c)), inv))
-                    };
-                    // packs interleaves the 128-bit halves; the permute restores order.
-                    let w =
-                        _mm256_permute4x64_epi64::<0xD8>(_mm256_packs_epi32(word(c), word(c + 8)));
-                    _mm256_storeu_si256(qw.add(r * d + c).cast(), w);
-                }
+                row_scale[r] = to_words(qs, m, d, qw.add(r * d));
             }
         }
         (bias, row_scale)
+    }
+
+    /// `d` values (largest magnitude `amax`) rounded to 16-bit words with one
+    /// scale, `amax ↦ 32767`; returns the scale (value = word · scale).
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn to_words(x: *const f32, amax: f32, d: usize, out: *mut i16) -> f32 {
+        let inv = _mm256_set1_ps(if amax > 0.0 { 32767.0 / amax } else { 0.0 });
+        // SAFETY: x holds d readable values and out d writable words, d % 16 == 0.
+        unsafe {
+            for c in (0..d).step_by(16) {
+                let word =
+                    |c: usize| _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x.add(c)), inv));
+                // packs interleaves the 128-bit halves; the permute restores order.
+                let w = _mm256_permute4x64_epi64::<0xD8>(_mm256_packs_epi32(word(c), word(c + 8)));
+                _mm256_storeu_si256(out.add(c).cast(), w);
+            }
+        }
+        amax / 32767.0
+    }
+
+    /// KV8 scores for heads of exactly 128 in groups of 32 with AVX-512
+    /// (BW, VNNI): each query row rounded to 16-bit words with one scale per
+    /// row (as for K5: an error of at most `max|q| / 65534 · Σ_c |k_c|` per
+    /// score), a token's 128 codes regrouped with two 64-bit permutes so that
+    /// every 32-bit lane of `vpdpwssd` sums channels of one group (lanes
+    /// 4g..4g+4: group g), then one multiply by the four group scales per row
+    /// and token. The query words are permuted the same way once per call.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    pub(super) unsafe fn kv8_scores_zmm<const R: usize>(
+        q: &[f32],
+        codes: &[u8],
+        scales: &[f32],
+        n: usize,
+        out: &mut [f32],
+        ahead: Ahead,
+    ) {
+        const D: usize = 128;
+        let per = ahead.per(n);
+        let mut qw = std::mem::MaybeUninit::<[i16; 4 * D]>::uninit();
+        let qw = qw.as_mut_ptr().cast::<i16>();
+        let mut row_scale = [0f32; R];
+        // Regrouped order: vector k, word 8g + i = channel 32g + 8k + i, i.e.
+        // 64-bit pieces k, 4 + k, 8 + k, 12 + k of the row (two vectors per permute).
+        let (pa, pb) = (
+            _mm512_setr_epi64(0, 4, 8, 12, 1, 5, 9, 13),
+            _mm512_setr_epi64(2, 6, 10, 14, 3, 7, 11, 15),
+        );
+        let spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        // SAFETY: R ≤ 4, so qw[r·128 + c] stays in the buffer (all written
+        // before read); q holds R·128 values, codes 128·n bytes, scales 4·n,
+        // out R·n (the caller).
+        unsafe {
+            let mut words = [0i16; D];
+            for (r, rs) in row_scale.iter_mut().enumerate() {
+                let qr = q.as_ptr().add(r * D);
+                let mut amax = _mm256_setzero_ps();
+                for c in (0..D).step_by(8) {
+                    amax = _mm256_max_ps(
+                        amax,
+                        _mm256_andnot_ps(_mm256_set1_ps(-0.0), _mm256_loadu_ps(qr.add(c))),
+                    );
+                }
+                *rs = to_words(qr, hmax8(amax), D, words.as_mut_ptr());
+                for k in 0..4 {
+                    for g in 0..4 {
+                        for i in 0..8 {
+                            *qw.add(r * D + 32 * k + 8 * g + i) = words[32 * g + 8 * k + i];
+                        }
+                    }
+                }
+            }
+            let qv: [[__m512i; 4]; R] = std::array::from_fn(|r| {
+                std::array::from_fn(|k| _mm512_loadu_si512(qw.add(r * D + 32 * k).cast()))
+            });
+            let mut j = 0;
+            while j < n {
+                ahead.lines(j * per, (j + 2) * per);
+                // Pairs of tokens; an odd last token is paired with itself.
+                let pair = [j, (j + 1).min(n - 1)];
+                let mut f = [[_mm512_setzero_ps(); 2]; R];
+                for (t, &jj) in pair.iter().enumerate() {
+                    let row = codes.as_ptr().add(jj * D);
+                    let (z0, z1) = (
+                        _mm512_loadu_si512(row.cast()),
+                        _mm512_loadu_si512(row.add(64).cast()),
+                    );
+                    let (a, b) = (
+                        _mm512_permutex2var_epi64(z0, pa, z1),
+                        _mm512_permutex2var_epi64(z0, pb, z1),
+                    );
+                    let v = [
+                        _mm512_cvtepi8_epi16(_mm512_castsi512_si256(a)),
+                        _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64::<1>(a)),
+                        _mm512_cvtepi8_epi16(_mm512_castsi512_si256(b)),
+                        _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64::<1>(b)),
+                    ];
+                    let s = _mm512_permutexvar_ps(
+                        spread,
+                        _mm512_castps128_ps512(_mm_loadu_ps(scales.as_ptr().add(jj * 4))),
+                    );
+                    for (r, f) in f.iter_mut().enumerate() {
+                        let mut acc = _mm512_setzero_si512();
+                        for (k, v) in v.iter().enumerate() {
+                            acc = _mm512_dpwssd_epi32(acc, *v, qv[r][k]);
+                        }
+                        f[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), s);
+                    }
+                }
+                let mut a8 = [_mm256_setzero_ps(); 8];
+                for r in 0..R {
+                    for t in 0..2 {
+                        a8[2 * r + t] = _mm256_add_ps(
+                            _mm512_castps512_ps256(f[r][t]),
+                            _mm512_extractf32x8_ps::<1>(f[r][t]),
+                        );
+                    }
+                }
+                // Eight horizontal sums at once: lane 2r + t = row r, token t.
+                let h0 = _mm256_hadd_ps(a8[0], a8[1]);
+                let h1 = _mm256_hadd_ps(a8[2], a8[3]);
+                let h2 = _mm256_hadd_ps(a8[4], a8[5]);
+                let h3 = _mm256_hadd_ps(a8[6], a8[7]);
+                let (g0, g1) = (_mm256_hadd_ps(h0, h1), _mm256_hadd_ps(h2, h3));
+                let sums = _mm256_add_ps(
+                    _mm256_permute2f128_ps::<0x20>(g0, g1),
+                    _mm256_permute2f128_ps::<0x31>(g0, g1),
+                );
+                let mut o = [0f32; 8];
+                _mm256_storeu_ps(o.as_mut_ptr(), sums);
+                for r in 0..R {
+                    out[r * n + j] = o[2 * r] * row_scale[r];
+                    if j + 1 < n {
+                        out[r * n + j + 1] = o[2 * r + 1] * row_scale[r];
+                    }
+                }
+                j += 2;
+            }
+        }
     }
 
     /// [`k5_scores_words`] for heads of exactly 128 with AVX-512 (BW, VNNI):
@@ -1709,6 +1849,64 @@ mod tests {
                     }
                     for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                         assert_eq!(a.to_bits(), b.to_bits(), "n {n} d {d} rows {take} [{i}]");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The AVX-512 KV8 scores (heads of 128, groups of 32) agree with exact
+    /// dot products over the decoded keys within the documented bound for a
+    /// query rounded to 16-bit words: `max|q| / 65534 · Σ_c |k_c|`.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn avx512_kv8_scores_stay_within_their_bound() {
+        if !has_avx512_vnni() {
+            eprintln!("no AVX-512 VNNI here (or SILICEO_KERNELS_NO_AVX512): nothing to compare");
+            return;
+        }
+        let d = 128;
+        let ahead: Vec<u8> = vec![1; 2000];
+        for n in [1, 2, 37, 64] {
+            let codes: Vec<u8> = (0..n * d)
+                .map(|i| ((i * 97 % 255) as i32 - 127) as i8 as u8)
+                .collect();
+            let scales: Vec<f32> = (0..n * 4).map(|i| 0.005 + (i % 9) as f32 * 0.004).collect();
+            let k =
+                |j: usize, c: usize| codes[j * d + c] as i8 as f64 * scales[j * 4 + c / 32] as f64;
+            // One outlier channel, as real queries have.
+            let q: Vec<f32> = (0..4 * d)
+                .map(|i| (i as f32 * 0.41).sin() * if i % d == 17 { 12.0 } else { 1.0 })
+                .collect();
+            for take in 1..=4 {
+                let mut got = vec![0f32; take * n];
+                // SAFETY: AVX-512 checked above; q holds take rows of 128,
+                // codes and scales n tokens, got take·n scores.
+                unsafe {
+                    by_rows!(
+                        take,
+                        x86::kv8_scores_zmm(
+                            &q,
+                            &codes,
+                            &scales,
+                            n,
+                            &mut got,
+                            x86::Ahead::of(&ahead)
+                        )
+                    );
+                }
+                for r in 0..take {
+                    let qr = &q[r * d..(r + 1) * d];
+                    let qmax = qr.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
+                    for j in 0..n {
+                        let exact: f64 = (0..d).map(|c| qr[c] as f64 * k(j, c)).sum();
+                        let mass: f64 = (0..d).map(|c| k(j, c).abs()).sum();
+                        let bound = qmax / 65534.0 * mass + 1e-6 * (1.0 + exact.abs());
+                        let err = (got[r * n + j] as f64 - exact).abs();
+                        assert!(
+                            err <= bound,
+                            "n {n} row {r} token {j}: error {err} > bound {bound}"
+                        );
                     }
                 }
             }
