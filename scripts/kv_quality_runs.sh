@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Reproduces docs/kv-quality/*.json (docs/KV_QUALITY.md): every table's command.
 #   scripts/kv_quality_runs.sh [OUT_DIR]   (default docs/kv-quality)
+#   ONLY=qwen scripts/kv_quality_runs.sh    (only the tables whose file name contains "qwen")
 # Texts: prose = GPL-3 + GFDL-1.3 from Debian's base-files; code = five CPython
 # 3.11.7 modules (see docs/KV_QUALITY.md). Build first: cargo build --release -p siliceo
 set -euo pipefail
@@ -11,7 +12,9 @@ cat /usr/share/common-licenses/GPL-3 /usr/share/common-licenses/GFDL-1.3 >"$tmp/
 py=$(python3 -c "import os, textwrap; print(os.path.dirname(textwrap.__file__))")
 cat "$py"/{textwrap,heapq,bisect,shlex,fractions}.py >"$tmp/code.txt"
 common="floor,f16,q8_0/q8_0,q5_1/q4_0,q5_1/q4_1,ours:f16,ours:kv8,ours:k5v4,ours:k5v4+rot,ours:k5v4+tail64,ours:k5v4+rot+tail64,ours:k5:kv8"
+only=${ONLY:-}
 run() { # model tag text window windows configs [extra flags and file suffix]
+  [[ -z $only || "$2-$3-$4${8:-}" == *"$only"* ]] || return 0
   echo "== $2 $3 $4 ${8:-}" >&2
   "$bin" eval-kv -m "$1" --text "$tmp/$3.txt" --window "$4" --max-windows "$5" --configs "$6" --json ${7:-} \
     >"$out/$2-$3-$4${8:-}.json"
