@@ -1,20 +1,30 @@
 //! The kernel's two inner loops with explicit AVX2/FMA on x86-64 (chosen at
-//! run time; portable code elsewhere). Measured, not assumed: the portable
-//! versions kept their accumulators in memory (one store-to-load chain per
-//! FMA) and ran at a fifth of the memory bandwidth (docs/BENCHMARKS.md).
+//! run time; portable code elsewhere), and AVX-512 (F, BW, VNNI) versions
+//! where the CPU has them. Measured, not assumed: the portable versions kept
+//! their accumulators in memory (one store-to-load chain per FMA) and ran at a
+//! fifth of the memory bandwidth (docs/BENCHMARKS.md).
 //!
 //! - [`group_scores`]: `out[r][j] = q[r] · k[j]` for the query rows of a GQA
 //!   group (each K load serves every row), K from an f32 tile or straight from F16.
 //! - [`group_accumulate`]: `acc[r] = acc[r] · corr[r] + Σ_j w[r][j] · v[j]`, likewise.
 //! - [`max`], [`exp_sum`]: the online softmax's reductions.
+//! - [`k5_row`], [`v4_group`]: the packed codecs' decoders.
 //!
-//! Both group kernels take `ahead`: bytes the *next* call will read (the next
-//! KV head's segment), asked for into L2 a few cache lines per token while
-//! this call computes. Measured: without it the kernel waited on memory and
+//! Both group kernels take `ahead`: bytes a later call will read (a later KV
+//! head's segment), asked for into L2 a few cache lines per token while this
+//! call computes. Measured: without it the kernel waited on memory and
 //! computed in turns (F16 at 32k ran at its in-cache time plus its bytes at
 //! full bandwidth); the hardware prefetcher alone does not run far enough
 //! ahead of short segments (docs/BENCHMARKS.md, session 15).
-//! - [`k5_row`], [`v4_group`]: the packed codecs' decoders.
+//!
+//! Integer paths and their rounding (each bound checked by a unit test):
+//! K5 scores (heads of 128/256) and KV8 scores (AVX-512, heads of 128, groups
+//! of 32) round each query row to 16-bit words with one scale per row, an
+//! error of at most `max|q| / 65534 · Σ_c |k_c|` per score (K5: in code units,
+//! `Σ code ≤ 31·d`); V4 values with AVX-512 round each row's weight × token
+//! scale to 16-bit words per group, at most `n · max ws / 65534 · 15` per
+//! output value, under 3 % of V4's own worst case (`Σ w · scale / 2`). The
+//! AVX-512 F16/F32/KV8 accumulation gives the AVX2 result bit for bit.
 
 /// The largest value of `x` (−∞ when empty).
 #[inline]
