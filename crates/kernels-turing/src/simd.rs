@@ -741,7 +741,11 @@ mod x86 {
         // out[r·n + j] are inside the slices (checked by the caller).
         unsafe {
             while j + 2 <= n {
-                ahead.lines(j * per, (j + 2) * per);
+                // Eight tokens' share at a time: a call per pair measured 7 %
+                // slower in cache even with nothing to prefetch.
+                if j % 8 == 0 {
+                    ahead.lines(j * per, (j + 8) * per);
+                }
                 let mut a = [[_mm256_setzero_ps(); 2]; R];
                 let mut c = 0;
                 while c < d {
@@ -805,8 +809,10 @@ mod x86 {
                     a[1] = _mm256_mul_ps(_mm256_loadu_ps(ap.add(r * d + c + 8)), cv);
                 }
                 for j in 0..n {
-                    let i = (c / 16) * n + j;
-                    ahead.lines(i * per, (i + 1) * per);
+                    if j % 8 == 0 {
+                        let i = (c / 16) * n + j;
+                        ahead.lines(i * per, (i + 8) * per);
+                    }
                     let v0 = load8(v, j, c, d);
                     let v1 = load8(v, j, c + 8, d);
                     for (r, a) in a.iter_mut().enumerate() {
