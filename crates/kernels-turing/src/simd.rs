@@ -1159,7 +1159,10 @@ mod x86 {
                     for t in 0..2 {
                         a8[2 * r + t] = _mm256_add_ps(
                             _mm512_castps512_ps256(f[r][t]),
-                            _mm512_extractf32x8_ps::<1>(f[r][t]),
+                            // The upper half (AVX-512F only; `extractf32x8` is DQ).
+                            _mm256_castsi256_ps(_mm512_extracti64x4_epi64::<1>(
+                                _mm512_castps_si512(f[r][t]),
+                            )),
                         );
                     }
                 }
