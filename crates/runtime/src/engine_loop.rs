@@ -9,7 +9,9 @@ use siliceo_engine::{Batch, Context, Model, SeqSnapshot, TokenText};
 use siliceo_kv_paging::{BlockId, CacheKeys, KvConfig, SeqHandle};
 use siliceo_scheduler::{FinishCause, ItemKind, PreemptMode, Request, Scheduler};
 
-use siliceo_speculative::{AdaptiveDraftLength, Drafter, NgramDrafter, verify_sampled};
+use siliceo_speculative::{
+    AdaptiveDraftLength, DraftCostMemory, Drafter, NgramDrafter, verify_sampled,
+};
 
 use crate::holders::Holders;
 use tokio::sync::mpsc::UnboundedSender;
@@ -114,6 +116,8 @@ struct Engine<'m> {
     panics: u64,
     tree_verifications: u64,
     spec_cost_pauses: u64,
+    /// Whether earlier requests found the draft model losing (draft model only).
+    draft_memory: DraftCostMemory,
 }
 
 fn done(
@@ -248,6 +252,7 @@ pub(crate) fn run(
         panics: 0,
         tree_verifications: 0,
         spec_cost_pauses: 0,
+        draft_memory: DraftCostMemory::default(),
     };
     let _ = ready.send(Ok(info));
     tracing::info!(
@@ -516,7 +521,18 @@ impl<'m> Engine<'m> {
                 len: match (c.fixed_draft, c.cost_switch_off) {
                     (true, _) => AdaptiveDraftLength::fixed(c.max_draft, c.max_batch),
                     (false, true) => {
-                        AdaptiveDraftLength::new(1, c.max_draft, c.max_draft.min(4), c.max_batch)
+                        let len = AdaptiveDraftLength::new(
+                            1,
+                            c.max_draft,
+                            c.max_draft.min(4),
+                            c.max_batch,
+                        );
+                        // A draft model that lost for earlier requests starts paused.
+                        if self.draft.is_some() {
+                            self.draft_memory.start(len)
+                        } else {
+                            len
+                        }
                     }
                     (false, false) => {
                         AdaptiveDraftLength::new(1, c.max_draft, c.max_draft.min(4), c.max_batch)
@@ -685,6 +701,9 @@ impl<'m> Engine<'m> {
             self.retire(seq, &blocks);
         }
         if let Some(mut live) = self.live.remove(id) {
+            if let (Some(spec), Some(_)) = (&live.spec, &self.draft) {
+                self.draft_memory.finish(&spec.len);
+            }
             if reason != FinishReason::Stop && reason != FinishReason::Error {
                 // Release text held back for a possible stop string or a split character.
                 let tail = live.text.finish();

@@ -74,6 +74,20 @@ impl AdaptiveDraftLength {
         }
     }
 
+    /// Starts in a cost pause ([`Self::COST_PAUSE_STEPS`] plain steps, which
+    /// still measure the baseline), then probes as usual: for a request that
+    /// begins after earlier ones found drafting losing (see [`DraftCostMemory`]).
+    /// A fixed or cost-blind length is returned unchanged.
+    pub fn paused_for_cost(self) -> Self {
+        if self.fixed || !self.cost_aware {
+            return self;
+        }
+        AdaptiveDraftLength {
+            pause: Self::COST_PAUSE_STEPS,
+            ..self
+        }
+    }
+
     /// Always `k` drafted tokens (below `max_batch` running), whatever the
     /// acceptance rate: for measuring a fixed draft length.
     pub fn fixed(k: usize, max_batch: usize) -> Self {
@@ -195,9 +209,121 @@ impl AdaptiveDraftLength {
     }
 }
 
+/// What finished requests learned about a draft model's cost, for the next
+/// ones. A draft model's cost per produced token against the target's is a
+/// property of the pair and the machine more than of the prompt (on 2 cores
+/// the 0.5B draft for the 1.5B target costs ~1.8× per produced token whatever
+/// it drafts), so once a request's drafting paused for cost, the next
+/// [`DraftCostMemory::SKIP_AFTER_LOSS`] requests start paused (they skip the
+/// probe and the draft model's prefill of their prompt) and the one after
+/// probes again; a request whose drafting paid clears the memory. Not for the
+/// n-gram drafter, whose worth depends on the prompt.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct DraftCostMemory {
+    skip: u32,
+}
+
+impl DraftCostMemory {
+    /// Requests that start paused after one found drafting losing.
+    pub const SKIP_AFTER_LOSS: u32 = 7;
+
+    /// The draft length a new request starts with: `len`, paused for cost
+    /// while the memory says drafting loses (counting the request).
+    pub fn start(&mut self, len: AdaptiveDraftLength) -> AdaptiveDraftLength {
+        if self.skip > 0 {
+            self.skip -= 1;
+            len.paused_for_cost()
+        } else {
+            len
+        }
+    }
+
+    /// Records how a finished request's drafting went.
+    pub fn finish(&mut self, len: &AdaptiveDraftLength) {
+        if len.cost_pauses() > 0 {
+            self.skip = Self::SKIP_AFTER_LOSS;
+        } else if let (Some(plain), Some(spec)) = len.costs()
+            && spec <= plain
+        {
+            self.skip = 0;
+        }
+    }
+
+    /// Requests still to start paused.
+    pub fn skipping(&self) -> u32 {
+        self.skip
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Runs one request of `steps` decode steps at batch size 1 with plain
+    /// steps of 100 µs and drafting steps of `spec_us` producing 2 tokens;
+    /// returns how many steps drafted.
+    fn run(len: &mut AdaptiveDraftLength, steps: usize, spec_us: f64) -> usize {
+        let mut drafted = 0;
+        for _ in 0..steps {
+            let k = len.next_k(1);
+            if k > 0 {
+                drafted += 1;
+                len.record_step(true, spec_us, 2);
+            } else {
+                len.record_step(false, 100.0, 1);
+            }
+        }
+        drafted
+    }
+
+    #[test]
+    fn a_losing_draft_model_is_remembered_for_the_next_requests() {
+        let fresh = || AdaptiveDraftLength::new(1, 8, 4, 4);
+        let mut memory = DraftCostMemory::default();
+        // Drafting steps of 400 µs for 2 tokens: 2× a plain token, a clear loss.
+        let mut first = memory.start(fresh());
+        assert_eq!(run(&mut first, 40, 400.0), 1, "one probe step, then paused");
+        memory.finish(&first);
+        assert_eq!(memory.skipping(), DraftCostMemory::SKIP_AFTER_LOSS);
+        for _ in 0..DraftCostMemory::SKIP_AFTER_LOSS {
+            let mut len = memory.start(fresh());
+            assert_eq!(run(&mut len, 40, 400.0), 0, "starts paused: no probe");
+            memory.finish(&len);
+        }
+        // The next request probes again; a long one probes after the pause too.
+        let mut probe = memory.start(fresh());
+        assert_eq!(run(&mut probe, 40, 400.0), 1);
+        let mut long = fresh().paused_for_cost();
+        assert_eq!(
+            run(&mut long, AdaptiveDraftLength::COST_PAUSE_STEPS, 400.0),
+            0
+        );
+        assert_eq!(
+            run(&mut long, 10, 400.0),
+            1,
+            "probes once the pause is over"
+        );
+    }
+
+    #[test]
+    fn a_paying_draft_model_clears_the_memory() {
+        let mut memory = DraftCostMemory::default();
+        let mut lost = memory.start(AdaptiveDraftLength::new(1, 8, 4, 4));
+        run(&mut lost, 20, 400.0);
+        memory.finish(&lost);
+        assert!(memory.skipping() > 0);
+        // 120 µs for 2 tokens: 0.6× a plain token, drafting pays.
+        let mut won = AdaptiveDraftLength::new(1, 8, 4, 4);
+        assert!(run(&mut won, 20, 120.0) > 10);
+        memory.finish(&won);
+        assert_eq!(memory.skipping(), 0);
+        // Fixed and cost-blind lengths never start paused.
+        let mut memory = DraftCostMemory { skip: 3 };
+        let mut fixed = memory.start(AdaptiveDraftLength::fixed(4, 4));
+        assert_eq!(run(&mut fixed, 5, 400.0), 5);
+        let mut blind = memory.start(AdaptiveDraftLength::new(1, 8, 4, 4).without_cost());
+        assert_eq!(run(&mut blind, 5, 400.0), 5);
+    }
 
     #[test]
     fn grows_on_acceptance_shrinks_on_rejection_and_stops_for_big_batches() {

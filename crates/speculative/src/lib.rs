@@ -41,7 +41,7 @@ mod ngram;
 mod tree;
 mod verify;
 
-pub use adaptive::AdaptiveDraftLength;
+pub use adaptive::{AdaptiveDraftLength, DraftCostMemory};
 pub use ngram::NgramDrafter;
 pub use tree::{DraftTree, verify_tree_greedy};
 pub use verify::{Distribution, Verdict, verify_greedy, verify_sampled};

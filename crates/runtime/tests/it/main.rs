@@ -550,6 +550,33 @@ fn cost_aware_speculation_keeps_greedy_outputs() {
 }
 
 #[test]
+fn cost_aware_draft_model_keeps_greedy_outputs_across_requests() {
+    // The default with a draft model: drafting that costs more than it saves
+    // pauses, and later requests remember it (they start paused; see
+    // `DraftCostMemory`, tested with synthetic timings in the speculative
+    // crate). Whatever this machine's timings decide, every request's output
+    // stays the target's and both models' KV stay clean.
+    let prompts = [
+        "def fibonacci(n):\n",
+        "# Print the numbers from 1 to 10 in Python\n",
+        "class Stack:\n",
+    ];
+    let n = 24;
+    let target = qwen("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
+    let expected = alone_on(&target, &prompts, n);
+    let mut cfg = RuntimeConfig::new(&target);
+    cfg.context.n_ctx = 1024;
+    cfg.speculative = Some(siliceo_runtime::SpeculativeConfig {
+        draft_model: Some(qwen("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")),
+        ..Default::default()
+    });
+    let rt = Runtime::start(cfg).unwrap();
+    speculate_alone_and_together(&rt, &prompts, &expected, n, "cost-aware draft model");
+    eprintln!("cost pauses: {}", rt.stats().unwrap().spec_cost_pauses);
+    assert_clean(&rt);
+}
+
+#[test]
 fn an_incompatible_draft_model_is_refused_at_start() {
     let mut cfg = RuntimeConfig::new(model_path());
     cfg.speculative = Some(siliceo_runtime::SpeculativeConfig {
