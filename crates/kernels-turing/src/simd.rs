@@ -1072,7 +1072,8 @@ mod x86 {
     /// score), a token's 128 codes regrouped with two 64-bit permutes so that
     /// every 32-bit lane of `vpdpwssd` sums channels of one group (lanes
     /// 4g..4g+4: group g), then one multiply by the four group scales per row
-    /// and token. The query words are permuted the same way once per call.
+    /// and token. The query words are regrouped the same way once per call
+    /// (a transpose of 128-bit lanes).
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
     pub(super) unsafe fn kv8_scores_zmm<const R: usize>(
         q: &[f32],
@@ -1098,27 +1099,36 @@ mod x86 {
         // before read); q holds R·128 values, codes 128·n bytes, scales 4·n,
         // out R·n (the caller).
         unsafe {
-            let mut words = [0i16; D];
+            let sign = _mm256_set1_ps(-0.0);
             for (r, rs) in row_scale.iter_mut().enumerate() {
                 let qr = q.as_ptr().add(r * D);
                 let mut amax = _mm256_setzero_ps();
                 for c in (0..D).step_by(8) {
-                    amax = _mm256_max_ps(
-                        amax,
-                        _mm256_andnot_ps(_mm256_set1_ps(-0.0), _mm256_loadu_ps(qr.add(c))),
-                    );
+                    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(qr.add(c))));
                 }
-                *rs = to_words(qr, hmax8(amax), D, words.as_mut_ptr());
-                for k in 0..4 {
-                    for g in 0..4 {
-                        for i in 0..8 {
-                            *qw.add(r * D + 32 * k + 8 * g + i) = words[32 * g + 8 * k + i];
-                        }
-                    }
-                }
+                *rs = to_words(qr, hmax8(amax), D, qw.add(r * D));
             }
+            // The query words regrouped like the codes: vector g holds group
+            // g's 32 words as four 128-bit pieces (8 channels each); vector k
+            // of the result takes piece k of every group — a 4 × 4 transpose
+            // of 128-bit lanes.
             let qv: [[__m512i; 4]; R] = std::array::from_fn(|r| {
-                std::array::from_fn(|k| _mm512_loadu_si512(qw.add(r * D + 32 * k).cast()))
+                let w: [__m512i; 4] =
+                    std::array::from_fn(|g| _mm512_loadu_si512(qw.add(r * D + 32 * g).cast()));
+                let (t0, t1) = (
+                    _mm512_shuffle_i64x2::<0x44>(w[0], w[1]),
+                    _mm512_shuffle_i64x2::<0xEE>(w[0], w[1]),
+                );
+                let (t2, t3) = (
+                    _mm512_shuffle_i64x2::<0x44>(w[2], w[3]),
+                    _mm512_shuffle_i64x2::<0xEE>(w[2], w[3]),
+                );
+                [
+                    _mm512_shuffle_i64x2::<0x88>(t0, t2),
+                    _mm512_shuffle_i64x2::<0xDD>(t0, t2),
+                    _mm512_shuffle_i64x2::<0x88>(t1, t3),
+                    _mm512_shuffle_i64x2::<0xDD>(t1, t3),
+                ]
             });
             let mut j = 0;
             while j < n {
