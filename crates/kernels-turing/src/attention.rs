@@ -18,11 +18,15 @@
 //! (the tests hold the outputs to 2·10⁻³ relative; K5's own rounding of the
 //! keys moves them a hundred times more).
 
+use std::cell::Cell;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use crate::KernelError;
 use crate::codec::Codec;
 use crate::hadamard::hadamard;
 use crate::simd::{self, Rows};
-use crate::store::{KvStore, SeqKv};
+use crate::store::{KvLayout, KvStore, SeqKv};
 
 /// Tuning knobs of the CPU kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,8 +71,8 @@ pub struct SeqQuery<'a> {
     pub n_q: usize,
 }
 
-/// Running softmax state of one (sequence, partition) for all its query rows
-/// (`n_q × n_heads`).
+/// Running softmax state of one work item for its query rows (`n_q` ×
+/// the query heads of its KV heads).
 #[derive(Debug, Clone)]
 struct Partial {
     m: Vec<f32>,
@@ -76,11 +80,13 @@ struct Partial {
     acc: Vec<f32>,
 }
 
-/// A run of blocks `b0..b1` of one sequence, all heads: a block's heads are
-/// contiguous in memory, so a worker reads one long stream.
-#[derive(Debug, Clone, Copy)]
+/// A run of blocks `b0..b1` of one sequence and a range of its KV heads
+/// (all of them on one thread: a block's heads are contiguous in memory, so a
+/// worker reads one long stream).
+#[derive(Debug, Clone)]
 struct Item {
     seq: usize,
+    heads: std::ops::Range<usize>,
     b0: usize,
     b1: usize,
 }
@@ -138,18 +144,36 @@ pub fn paged_attention(
     } else {
         params.partition_blocks
     };
+    let threads = params.threads.max(1);
+    let spans: usize = seqs.iter().map(|s| s.kv.blocks().div_ceil(part)).sum();
+    // KV heads per item: all of them on one thread (a block's heads are one
+    // stream); with several threads, split so that there are about four
+    // items per thread (a short context is one span, and its prefill chunk
+    // would otherwise run on one thread).
+    let splits = if threads == 1 {
+        1
+    } else {
+        (4 * threads).div_ceil(spans).clamp(1, l.kv_heads)
+    };
     let mut items = Vec::new();
     for (si, s) in seqs.iter().enumerate() {
-        let nb = s.kv.blocks();
-        let mut b0 = 0;
-        while b0 < nb {
-            let b1 = nb.min(b0.saturating_add(part));
-            items.push(Item { seq: si, b0, b1 });
-            b0 = b1;
+        for sp in 0..splits {
+            let (h0, h1) = (sp * l.kv_heads / splits, (sp + 1) * l.kv_heads / splits);
+            let nb = s.kv.blocks();
+            let mut b0 = 0;
+            while b0 < nb {
+                let b1 = nb.min(b0.saturating_add(part));
+                items.push(Item {
+                    seq: si,
+                    heads: h0..h1,
+                    b0,
+                    b1,
+                });
+                b0 = b1;
+            }
         }
     }
-
-    let threads = params.threads.max(1).min(items.len());
+    let threads = threads.min(items.len());
     let sub = if params.sub_tile == 0 {
         l.block_tokens
     } else {
@@ -159,56 +183,23 @@ pub fn paged_attention(
         sub,
         prefetch_ahead: params.prefetch_ahead,
     };
-    let mut partials: Vec<Option<Partial>> = vec![None; items.len()];
-    if threads <= 1 {
-        let mut scratch = Scratch::new(store, seqs, n_heads, sub);
-        for (slot, item) in partials.iter_mut().zip(&items) {
-            *slot = Some(run_item(
-                store,
-                seqs,
-                n_heads,
-                scale,
-                *item,
-                knobs,
-                &mut scratch,
-            ));
-        }
-    } else {
-        let items = &items;
-        let done: Vec<Vec<(usize, Partial)>> = std::thread::scope(|sc| {
-            let handles: Vec<_> = (0..threads)
-                .map(|w| {
-                    sc.spawn(move || {
-                        let mut scratch = Scratch::new(store, seqs, n_heads, sub);
-                        (w..items.len())
-                            .step_by(threads)
-                            .map(|i| {
-                                (
-                                    i,
-                                    run_item(
-                                        store,
-                                        seqs,
-                                        n_heads,
-                                        scale,
-                                        items[i],
-                                        knobs,
-                                        &mut scratch,
-                                    ),
-                                )
-                            })
-                            .collect()
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("attention worker panicked"))
-                .collect()
-        });
-        for (i, p) in done.into_iter().flatten() {
-            partials[i] = Some(p);
-        }
-    }
+    let max_q = seqs.iter().map(|s| s.n_q).max().unwrap_or(0);
+    let slots: Vec<OnceLock<Partial>> = items.iter().map(|_| OnceLock::new()).collect();
+    let next = AtomicUsize::new(0);
+    crate::pool::run(threads, &|_| {
+        SCRATCH.with(|cell| {
+            let mut scratch = cell.take();
+            scratch.fit(l, n_heads, max_q, sub);
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(item) = items.get(i) else { break };
+                let p = run_item(store, seqs, n_heads, scale, item, knobs, &mut scratch);
+                let _ = slots[i].set(p);
+            }
+            cell.set(scratch);
+        })
+    });
+    let mut partials: Vec<Option<Partial>> = slots.into_iter().map(OnceLock::into_inner).collect();
 
     // Reduce partitions in order and normalise.
     let mut offsets = Vec::with_capacity(seqs.len());
@@ -217,24 +208,36 @@ pub fn paged_attention(
         offsets.push(off);
         off += s.q.len();
     }
+    let group = n_heads / l.kv_heads;
     let mut i = 0;
     while i < items.len() {
-        let si = items[i].seq;
+        let Item {
+            seq: si, ref heads, ..
+        } = items[i];
         let mut acc = partials[i].take().expect("every item ran");
         i += 1;
-        while i < items.len() && items[i].seq == si {
+        while i < items.len() && items[i].seq == si && items[i].heads == *heads {
             merge(&mut acc, partials[i].take().expect("every item ran"), d);
             i += 1;
         }
+        // The item's rows are (query token, its heads); `out` has every head.
+        let hn = heads.len() * group;
         let dst = &mut out[offsets[si]..offsets[si] + seqs[si].q.len()];
-        for (r, o) in dst.chunks_exact_mut(d).enumerate() {
+        for (r, a) in acc.acc.chunks_exact(d).enumerate() {
+            let (qi, h) = (r / hn, heads.start * group + r % hn);
+            let o = &mut dst[(qi * n_heads + h) * d..(qi * n_heads + h + 1) * d];
             let inv = 1.0 / acc.l[r];
-            for (o, a) in o.iter_mut().zip(&acc.acc[r * d..(r + 1) * d]) {
+            for (o, a) in o.iter_mut().zip(a) {
                 *o = a * inv;
             }
         }
     }
     Ok(())
+}
+
+thread_local! {
+    /// Each thread's working memory, kept between calls.
+    static SCRATCH: Cell<Scratch> = const { Cell::new(Scratch::EMPTY) };
 }
 
 /// The tuning knobs a work item runs with.
@@ -244,7 +247,8 @@ struct Knobs {
     prefetch_ahead: usize,
 }
 
-/// Per-thread working memory.
+/// Per-thread working memory (kept between calls, grown as needed).
+#[derive(Default)]
 struct Scratch {
     k: Vec<f32>,
     v: Vec<f32>,
@@ -256,20 +260,34 @@ struct Scratch {
 }
 
 impl Scratch {
-    fn new(store: &KvStore, seqs: &[SeqQuery<'_>], n_heads: usize, sub: usize) -> Scratch {
-        let l = store.layout();
-        let max_q = seqs.iter().map(|s| s.n_q).max().unwrap_or(0);
-        Scratch {
-            k: vec![0.0; sub * l.head_dim],
-            v: vec![0.0; sub * l.head_dim],
-            q: vec![0.0; max_q * n_heads * l.head_dim],
-            s: vec![0.0; sub * (n_heads / l.kv_heads)],
-            corr: vec![0.0; n_heads / l.kv_heads],
-            // KV8 scales (sub·d/g), K5 scale and minimum (2·d), V4's
-            // (4·sub·d/g with its working half).
-            k_scales: vec![0.0; 2 * (sub + 1) * l.head_dim],
-            v_scales: vec![0.0; 2 * (sub + 1) * l.head_dim],
-        }
+    const EMPTY: Scratch = Scratch {
+        k: Vec::new(),
+        v: Vec::new(),
+        q: Vec::new(),
+        s: Vec::new(),
+        corr: Vec::new(),
+        k_scales: Vec::new(),
+        v_scales: Vec::new(),
+    };
+
+    /// Room for `max_q` query tokens of `n_heads` heads and sub-tiles of
+    /// `sub` tokens.
+    fn fit(&mut self, l: &KvLayout, n_heads: usize, max_q: usize, sub: usize) {
+        let (d, group) = (l.head_dim, n_heads / l.kv_heads);
+        let grow = |v: &mut Vec<f32>, n: usize| {
+            if v.len() < n {
+                v.resize(n, 0.0);
+            }
+        };
+        grow(&mut self.k, sub * d);
+        grow(&mut self.v, sub * d);
+        grow(&mut self.q, max_q * n_heads * d);
+        grow(&mut self.s, sub * group);
+        grow(&mut self.corr, group);
+        // KV8 scales (sub·d/g), K5 scale and minimum (2·d), V4's
+        // (4·sub·d/g with its working half).
+        grow(&mut self.k_scales, 2 * (sub + 1) * d);
+        grow(&mut self.v_scales, 2 * (sub + 1) * d);
     }
 }
 
@@ -278,7 +296,7 @@ fn run_item(
     seqs: &[SeqQuery<'_>],
     n_heads: usize,
     scale: f32,
-    item: Item,
+    item: &Item,
     knobs: Knobs,
     sc: &mut Scratch,
 ) -> Partial {
@@ -291,12 +309,15 @@ fn run_item(
     let group = n_heads / l.kv_heads;
     let sq = &seqs[item.seq];
     let (n_q, len) = (sq.n_q, sq.kv.len);
-    // Row r = qi · n_heads + h, as in `q` and `out`.
-    let rows = n_q * n_heads;
-    for (dst, src) in sc.q[..rows * d]
-        .chunks_exact_mut(d)
-        .zip(sq.q.chunks_exact(d))
-    {
+    // The item's query heads; row r = qi · hn + (h − h0) here, in the
+    // scaled queries and in the partial.
+    let (kh0, kh1) = (item.heads.start, item.heads.end);
+    let (h0, hn) = (kh0 * group, (kh1 - kh0) * group);
+    let rows = n_q * hn;
+    let mine =
+        sq.q.chunks_exact(n_heads * d)
+            .flat_map(|token| token[h0 * d..(h0 + hn) * d].chunks_exact(d));
+    for (dst, src) in sc.q[..rows * d].chunks_exact_mut(d).zip(mine) {
         for (o, x) in dst.iter_mut().zip(src) {
             *o = x * scale;
         }
@@ -310,77 +331,79 @@ fn run_item(
         acc: vec![0.0; rows * d],
     };
     let first_pos = len - n_q;
-    for b in item.b0..item.b1 {
+    // Segments in the order they are served: by block, then KV head.
+    let kn = kh1 - kh0;
+    let segment_at = |i: usize| (item.b0 + i / kn, kh0 + i % kn);
+    let segments = (item.b1 - item.b0) * kn;
+    for i in 0..segments {
+        let (b, kh) = segment_at(i);
         let start = b * t;
         let n_t = t.min(len - start);
-        for kh in 0..l.kv_heads {
-            let (kc, kseg): (Codec, &[u8]) = store.segment(sq.kv, b, kh, false);
-            let (vc, vseg) = store.segment(sq.kv, b, kh, true);
-            // The segments `prefetch_ahead` heads on, fetched over this one's loops.
-            let later = b * l.kv_heads + kh + prefetch_ahead;
-            let (ahead_k, ahead_v): (&[u8], &[u8]) =
-                if prefetch_ahead > 0 && later < item.b1 * l.kv_heads {
-                    let (nb, nh) = (later / l.kv_heads, later % l.kv_heads);
-                    (
-                        store.segment(sq.kv, nb, nh, false).1,
-                        store.segment(sq.kv, nb, nh, true).1,
-                    )
-                } else {
-                    (&[], &[])
-                };
-            // Sub-tiles of `sub` tokens keep the decoded K and V in L1 while every
-            // query row of the group reads them.
-            for r0 in (0..n_t).step_by(sub) {
-                let r1 = n_t.min(r0 + sub);
-                let first_q = (start + r0).saturating_sub(first_pos);
-                if first_q >= n_q {
-                    break;
-                }
-                let k_rows = rows_of(kc, kseg, t, d, r0..r1, false, &mut sc.k, &mut sc.k_scales);
-                let v_rows = rows_of(vc, vseg, t, d, r0..r1, true, &mut sc.v, &mut sc.v_scales);
-                // This sub-tile's share of the later segments (asked for once,
-                // with the first query token).
-                let (mut pk, mut pv) = (
-                    &ahead_k[ahead_k.len() * r0 / t..ahead_k.len() * r1 / t],
-                    &ahead_v[ahead_v.len() * r0 / t..ahead_v.len() * r1 / t],
+        let (kc, kseg): (Codec, &[u8]) = store.segment(sq.kv, b, kh, false);
+        let (vc, vseg) = store.segment(sq.kv, b, kh, true);
+        // The segments `prefetch_ahead` further on, fetched over this one's loops.
+        let later = i + prefetch_ahead;
+        let (ahead_k, ahead_v): (&[u8], &[u8]) = if prefetch_ahead > 0 && later < segments {
+            let (nb, nh) = segment_at(later);
+            (
+                store.segment(sq.kv, nb, nh, false).1,
+                store.segment(sq.kv, nb, nh, true).1,
+            )
+        } else {
+            (&[], &[])
+        };
+        // Sub-tiles of `sub` tokens keep the decoded K and V in L1 while every
+        // query row of the group reads them.
+        for r0 in (0..n_t).step_by(sub) {
+            let r1 = n_t.min(r0 + sub);
+            let first_q = (start + r0).saturating_sub(first_pos);
+            if first_q >= n_q {
+                break;
+            }
+            let k_rows = rows_of(kc, kseg, t, d, r0..r1, false, &mut sc.k, &mut sc.k_scales);
+            let v_rows = rows_of(vc, vseg, t, d, r0..r1, true, &mut sc.v, &mut sc.v_scales);
+            // This sub-tile's share of the later segments (asked for once,
+            // with the first query token).
+            let (mut pk, mut pv) = (
+                &ahead_k[ahead_k.len() * r0 / t..ahead_k.len() * r1 / t],
+                &ahead_v[ahead_v.len() * r0 / t..ahead_v.len() * r1 / t],
+            );
+            for qi in first_q..n_q {
+                let valid = r1.min(first_pos + qi + 1 - start) - r0;
+                // The group's query rows share every K and V load.
+                let base = qi * hn + (kh - kh0) * group;
+                let s = &mut sc.s[..group * valid];
+                simd::group_scores(
+                    &sc.q[base * d..(base + group) * d],
+                    group,
+                    k_rows,
+                    valid,
+                    d,
+                    s,
+                    pk,
                 );
-                for qi in first_q..n_q {
-                    let valid = r1.min(first_pos + qi + 1 - start) - r0;
-                    // The group's query rows share every K and V load.
-                    let base = qi * n_heads + kh * group;
-                    let s = &mut sc.s[..group * valid];
-                    simd::group_scores(
-                        &sc.q[base * d..(base + group) * d],
-                        group,
-                        k_rows,
-                        valid,
-                        d,
-                        s,
-                        pk,
-                    );
-                    for g in 0..group {
-                        let r = base + g;
-                        let row = &mut s[g * valid..(g + 1) * valid];
-                        let m_new = p.m[r].max(simd::max(row));
-                        sc.corr[g] = if p.m[r] == f32::NEG_INFINITY {
-                            0.0
-                        } else {
-                            fast_exp(p.m[r] - m_new)
-                        };
-                        p.l[r] = p.l[r] * sc.corr[g] + simd::exp_sum(row, m_new);
-                        p.m[r] = m_new;
-                    }
-                    simd::group_accumulate(
-                        &mut p.acc[base * d..(base + group) * d],
-                        &sc.corr[..group],
-                        s,
-                        v_rows,
-                        valid,
-                        d,
-                        pv,
-                    );
-                    (pk, pv) = (&[], &[]);
+                for g in 0..group {
+                    let r = base + g;
+                    let row = &mut s[g * valid..(g + 1) * valid];
+                    let m_new = p.m[r].max(simd::max(row));
+                    sc.corr[g] = if p.m[r] == f32::NEG_INFINITY {
+                        0.0
+                    } else {
+                        fast_exp(p.m[r] - m_new)
+                    };
+                    p.l[r] = p.l[r] * sc.corr[g] + simd::exp_sum(row, m_new);
+                    p.m[r] = m_new;
                 }
+                simd::group_accumulate(
+                    &mut p.acc[base * d..(base + group) * d],
+                    &sc.corr[..group],
+                    s,
+                    v_rows,
+                    valid,
+                    d,
+                    pv,
+                );
+                (pk, pv) = (&[], &[]);
             }
         }
     }

@@ -44,6 +44,7 @@ pub mod codec;
 pub mod cuda;
 pub mod hadamard;
 pub mod membw;
+mod pool;
 mod simd;
 pub mod store;
 

@@ -483,3 +483,56 @@ fn bad_shapes_are_typed_errors() {
     // Uniform V ⇒ output 0.5 whatever the weights.
     assert!(out.iter().all(|x| (x - 0.5).abs() < 1e-6));
 }
+
+/// With several threads a short context's KV heads are split over work items
+/// (so a prefill chunk over one partition still uses every thread); without
+/// partitions that only changes who computes which rows, never a value.
+#[test]
+fn splitting_kv_heads_over_threads_changes_no_value() {
+    let mut rng = Rng(29);
+    for name in ["f16", "kv8", "k5v4"] {
+        let layout = KvLayout::preset(name, 8, 128).unwrap();
+        let n_heads = 32;
+        let lens = [40usize, 200, 130];
+        let n_qs = [40usize, 1, 17];
+        let tail = KvStore::tail_blocks_per_seq(&layout);
+        let sealed: usize = lens.iter().map(|l| l.div_ceil(64)).sum();
+        let mut store = KvStore::new(layout, sealed, tail * lens.len()).unwrap();
+        let mut seqs = Vec::new();
+        for &len in &lens {
+            let (k, v) = kv_data(&mut rng, len, 8, 128);
+            let mut s = SeqKv::default();
+            store.append(&mut s, &k, &v).unwrap();
+            seqs.push(s);
+        }
+        let qs: Vec<Vec<f32>> = n_qs
+            .iter()
+            .map(|&n| (0..n * n_heads * 128).map(|_| rng.normal()).collect())
+            .collect();
+        let queries: Vec<SeqQuery<'_>> = seqs
+            .iter()
+            .zip(&qs)
+            .zip(n_qs)
+            .map(|((kv, q), n_q)| SeqQuery { kv, q, n_q })
+            .collect();
+        let total: usize = qs.iter().map(Vec::len).sum();
+        let run = |threads| {
+            let mut out = vec![0f32; total];
+            let params = AttnParams {
+                threads,
+                partition_blocks: 0,
+                ..AttnParams::default()
+            };
+            paged_attention(&store, n_heads, 0.09, &queries, &mut out, &params).unwrap();
+            out
+        };
+        let one = run(1);
+        assert!(one.iter().all(|x| x.is_finite()) && one.iter().any(|x| *x != 0.0));
+        for threads in [2, 3, 5, 16] {
+            assert!(run(threads) == one, "{name}: {threads} threads");
+        }
+        for mut s in seqs {
+            store.release(&mut s);
+        }
+    }
+}
