@@ -31,7 +31,10 @@ use crate::store::{KvLayout, KvStore, SeqKv};
 /// Tuning knobs of the CPU kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttnParams {
-    /// Worker threads (1 = run on the caller's thread).
+    /// Threads, the caller's included (1 = run on the caller's thread only).
+    /// The others come from a pool started on first use and kept between
+    /// calls; a call with little work takes fewer (one per 2²¹ query–key
+    /// products × channels).
     pub threads: usize,
     /// Blocks per partition of a long context (0 = no split).
     pub partition_blocks: usize,
@@ -58,6 +61,12 @@ impl Default for AttnParams {
         }
     }
 }
+
+/// Query–key products × channels below which a call takes one thread more
+/// (2²¹: decode over 512 tokens with 32 heads of 128). Measured with two
+/// threads: F16 decode at 256 tokens ran 0.064 ms on one thread and 0.071
+/// on two; at 1k two were 1.5× faster (docs/BENCHMARKS.md, session 16).
+const MIN_WORK_PER_THREAD: usize = 1 << 21;
 
 /// One sequence's queries: the last `n_q` tokens of `kv` (already appended).
 #[derive(Debug, Clone, Copy)]
@@ -144,7 +153,12 @@ pub fn paged_attention(
     } else {
         params.partition_blocks
     };
-    let threads = params.threads.max(1);
+    // No more threads than there is work for: waking a worker and sharing
+    // out items costs about what a few hundred tokens of decode do.
+    let work: usize = seqs.iter().map(|s| s.n_q * s.kv.len * n_heads * d).sum();
+    let threads = params
+        .threads
+        .clamp(1, work.div_ceil(MIN_WORK_PER_THREAD).max(1));
     let spans: usize = seqs.iter().map(|s| s.kv.blocks().div_ceil(part)).sum();
     // KV heads per item: all of them on one thread (a block's heads are one
     // stream); with several threads, split so that there are about four
