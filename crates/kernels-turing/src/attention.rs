@@ -89,13 +89,15 @@ struct Partial {
     acc: Vec<f32>,
 }
 
-/// A run of blocks `b0..b1` of one sequence and a range of its KV heads
-/// (all of them on one thread: a block's heads are contiguous in memory, so a
-/// worker reads one long stream).
+/// A run of blocks `b0..b1` of one sequence, a range of its KV heads (all of
+/// them on one thread: a block's heads are contiguous in memory, so a worker
+/// reads one long stream) and a range of its query tokens (all of them but
+/// where a prefill chunk is split over threads).
 #[derive(Debug, Clone)]
 struct Item {
     seq: usize,
     heads: std::ops::Range<usize>,
+    queries: std::ops::Range<usize>,
     b0: usize,
     b1: usize,
 }
@@ -163,27 +165,39 @@ pub fn paged_attention(
     // KV heads per item: all of them on one thread (a block's heads are one
     // stream); with several threads, split so that there are about four
     // items per thread (a short context is one span, and its prefill chunk
-    // would otherwise run on one thread).
+    // would otherwise run on one thread). Where that is not enough (few KV
+    // heads), a prefill chunk's query tokens are split too.
+    let want = 4 * threads;
     let splits = if threads == 1 {
         1
     } else {
-        (4 * threads).div_ceil(spans).clamp(1, l.kv_heads)
+        want.div_ceil(spans).clamp(1, l.kv_heads)
+    };
+    let q_splits = if threads == 1 {
+        1
+    } else {
+        want.div_ceil(spans * splits)
     };
     let mut items = Vec::new();
     for (si, s) in seqs.iter().enumerate() {
+        let qs = q_splits.min(s.n_q);
         for sp in 0..splits {
-            let (h0, h1) = (sp * l.kv_heads / splits, (sp + 1) * l.kv_heads / splits);
-            let nb = s.kv.blocks();
-            let mut b0 = 0;
-            while b0 < nb {
-                let b1 = nb.min(b0.saturating_add(part));
-                items.push(Item {
-                    seq: si,
-                    heads: h0..h1,
-                    b0,
-                    b1,
-                });
-                b0 = b1;
+            let heads = sp * l.kv_heads / splits..(sp + 1) * l.kv_heads / splits;
+            for qp in 0..qs {
+                let queries = qp * s.n_q / qs..(qp + 1) * s.n_q / qs;
+                let nb = s.kv.blocks();
+                let mut b0 = 0;
+                while b0 < nb {
+                    let b1 = nb.min(b0.saturating_add(part));
+                    items.push(Item {
+                        seq: si,
+                        heads: heads.clone(),
+                        queries: queries.clone(),
+                        b0,
+                        b1,
+                    });
+                    b0 = b1;
+                }
             }
         }
     }
@@ -226,19 +240,27 @@ pub fn paged_attention(
     let mut i = 0;
     while i < items.len() {
         let Item {
-            seq: si, ref heads, ..
+            seq: si,
+            ref heads,
+            ref queries,
+            ..
         } = items[i];
         let mut acc = partials[i].take().expect("every item ran");
         i += 1;
-        while i < items.len() && items[i].seq == si && items[i].heads == *heads {
+        while i < items.len()
+            && items[i].seq == si
+            && items[i].heads == *heads
+            && items[i].queries == *queries
+        {
             merge(&mut acc, partials[i].take().expect("every item ran"), d);
             i += 1;
         }
-        // The item's rows are (query token, its heads); `out` has every head.
+        // The item's rows are (its query tokens, its heads); `out` has every
+        // token and head.
         let hn = heads.len() * group;
         let dst = &mut out[offsets[si]..offsets[si] + seqs[si].q.len()];
         for (r, a) in acc.acc.chunks_exact(d).enumerate() {
-            let (qi, h) = (r / hn, heads.start * group + r % hn);
+            let (qi, h) = (queries.start + r / hn, heads.start * group + r % hn);
             let o = &mut dst[(qi * n_heads + h) * d..(qi * n_heads + h + 1) * d];
             let inv = 1.0 / acc.l[r];
             for (o, a) in o.iter_mut().zip(a) {
@@ -323,14 +345,15 @@ fn run_item(
     let group = n_heads / l.kv_heads;
     let sq = &seqs[item.seq];
     let (n_q, len) = (sq.n_q, sq.kv.len);
-    // The item's query heads; row r = qi · hn + (h − h0) here, in the
-    // scaled queries and in the partial.
+    // The item's query tokens and heads; row r = (qi − q0) · hn + (h − h0)
+    // here, in the scaled queries and in the partial.
     let (kh0, kh1) = (item.heads.start, item.heads.end);
     let (h0, hn) = (kh0 * group, (kh1 - kh0) * group);
-    let rows = n_q * hn;
-    let mine =
-        sq.q.chunks_exact(n_heads * d)
-            .flat_map(|token| token[h0 * d..(h0 + hn) * d].chunks_exact(d));
+    let (q0, q1) = (item.queries.start, item.queries.end);
+    let rows = (q1 - q0) * hn;
+    let mine = sq.q[q0 * n_heads * d..q1 * n_heads * d]
+        .chunks_exact(n_heads * d)
+        .flat_map(|token| token[h0 * d..(h0 + hn) * d].chunks_exact(d));
     for (dst, src) in sc.q[..rows * d].chunks_exact_mut(d).zip(mine) {
         for (o, x) in dst.iter_mut().zip(src) {
             *o = x * scale;
@@ -370,8 +393,9 @@ fn run_item(
         // query row of the group reads them.
         for r0 in (0..n_t).step_by(sub) {
             let r1 = n_t.min(r0 + sub);
-            let first_q = (start + r0).saturating_sub(first_pos);
-            if first_q >= n_q {
+            // The first of the item's queries that sees this sub-tile.
+            let first_q = (start + r0).saturating_sub(first_pos).max(q0);
+            if first_q >= q1 {
                 break;
             }
             let k_rows = rows_of(kc, kseg, t, d, r0..r1, false, &mut sc.k, &mut sc.k_scales);
@@ -382,10 +406,10 @@ fn run_item(
                 &ahead_k[ahead_k.len() * r0 / t..ahead_k.len() * r1 / t],
                 &ahead_v[ahead_v.len() * r0 / t..ahead_v.len() * r1 / t],
             );
-            for qi in first_q..n_q {
+            for qi in first_q..q1 {
                 let valid = r1.min(first_pos + qi + 1 - start) - r0;
                 // The group's query rows share every K and V load.
-                let base = qi * hn + (kh - kh0) * group;
+                let base = (qi - q0) * hn + (kh - kh0) * group;
                 let s = &mut sc.s[..group * valid];
                 simd::group_scores(
                     &sc.q[base * d..(base + group) * d],

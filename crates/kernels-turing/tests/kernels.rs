@@ -484,15 +484,21 @@ fn bad_shapes_are_typed_errors() {
     assert!(out.iter().all(|x| (x - 0.5).abs() < 1e-6));
 }
 
-/// With several threads a short context's KV heads are split over work items
-/// (so a prefill chunk over one partition still uses every thread); without
-/// partitions that only changes who computes which rows, never a value.
+/// With several threads a short context's KV heads (and, where there are few,
+/// a prefill chunk's query tokens) are split over work items, so a prefill
+/// chunk over one partition still uses every thread; without partitions that
+/// only changes who computes which rows, never a value.
 #[test]
-fn splitting_kv_heads_over_threads_changes_no_value() {
+fn splitting_work_over_threads_changes_no_value() {
     let mut rng = Rng(29);
-    for name in ["f16", "kv8", "k5v4"] {
-        let layout = KvLayout::preset(name, 8, 128).unwrap();
-        let n_heads = 32;
+    for (name, kv_heads, n_heads) in [
+        ("f16", 8, 32),
+        ("kv8", 8, 32),
+        ("k5v4", 8, 32),
+        ("k5v4", 2, 12),
+        ("f16", 1, 8),
+    ] {
+        let layout = KvLayout::preset(name, kv_heads, 128).unwrap();
         let lens = [40usize, 200, 130];
         let n_qs = [40usize, 1, 17];
         let tail = KvStore::tail_blocks_per_seq(&layout);
@@ -500,7 +506,7 @@ fn splitting_kv_heads_over_threads_changes_no_value() {
         let mut store = KvStore::new(layout, sealed, tail * lens.len()).unwrap();
         let mut seqs = Vec::new();
         for &len in &lens {
-            let (k, v) = kv_data(&mut rng, len, 8, 128);
+            let (k, v) = kv_data(&mut rng, len, kv_heads, 128);
             let mut s = SeqKv::default();
             store.append(&mut s, &k, &v).unwrap();
             seqs.push(s);
@@ -529,7 +535,10 @@ fn splitting_kv_heads_over_threads_changes_no_value() {
         let one = run(1);
         assert!(one.iter().all(|x| x.is_finite()) && one.iter().any(|x| *x != 0.0));
         for threads in [2, 3, 5, 16] {
-            assert!(run(threads) == one, "{name}: {threads} threads");
+            assert!(
+                run(threads) == one,
+                "{name} {kv_heads}/{n_heads} heads: {threads} threads"
+            );
         }
         for mut s in seqs {
             store.release(&mut s);
