@@ -7,16 +7,19 @@
 //! Per (sequence, KV head, partition) the kernel walks each block's K and V
 //! segment in sub-tiles and serves every query token and every query head of
 //! the group from each load: the bytes of KV read from memory are the
-//! format's bytes, once per call. F16, KV8, K5 keys and V4 values are read in
+//! format's bytes, once per call (once per share where a prefill chunk's query
+//! tokens are split over threads, see [`paged_attention`]). F16, KV8, K5 keys and V4 values are read in
 //! place (converted in the inner loops, see [`crate::simd`]); other codecs
 //! are decoded into an f32 tile that stays in L1.
 //!
 //! Accuracy: against attention over the stored (decoded) values the kernel
-//! differs by float rounding, except K5 keys of heads of 128 or 256, whose
-//! scores are exact integer sums over the query rounded to 16 bits per row:
-//! each score is off by at most `max_c |q_c·scale_c| / 65534 · Σ_c code_c`
-//! (the tests hold the outputs to 2·10⁻³ relative; K5's own rounding of the
-//! keys moves them a hundred times more).
+//! differs by float rounding, except where it computes with 16-bit integers
+//! (x86): K5 keys of heads of 128 or 256, whose scores are exact integer sums
+//! over the query rounded to 16 bits per row — each score is off by at most
+//! `max_c |q_c·scale_c| / 65534 · Σ_c code_c` — and V4 values read in place,
+//! whose weights × token scales are rounded to 16 bits per row and group (see
+//! [`crate::simd`] for the bounds). The tests hold the outputs to 2·10⁻³
+//! relative; the formats' own rounding moves them a hundred times more.
 
 use std::cell::Cell;
 use std::sync::OnceLock;
@@ -80,8 +83,8 @@ pub struct SeqQuery<'a> {
     pub n_q: usize,
 }
 
-/// Running softmax state of one work item for its query rows (`n_q` ×
-/// the query heads of its KV heads).
+/// Running softmax state of one work item for its query rows (its query
+/// tokens × the query heads of its KV heads).
 #[derive(Debug, Clone)]
 struct Partial {
     m: Vec<f32>,
@@ -103,7 +106,10 @@ struct Item {
 }
 
 /// Computes attention for every query of `seqs` into `out` (the queries'
-/// shape, concatenated in order). `scale` multiplies Q·K (usually
+/// shape, concatenated in order). Work items are (sequence, partition of
+/// blocks, range of KV heads, range of query tokens); heads and then query
+/// tokens are split only while there are fewer than four items per thread,
+/// and the results do not depend on the split. `scale` multiplies Q·K (usually
 /// `1/sqrt(head_dim)`).
 pub fn paged_attention(
     store: &KvStore,
