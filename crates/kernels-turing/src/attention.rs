@@ -9,7 +9,7 @@
 //! the group from each load: the bytes of KV read from memory are the
 //! format's bytes, once per call (once per share where a prefill chunk's query
 //! tokens are split over threads, see [`paged_attention`]). F16, KV8, K5 keys and V4 values are read in
-//! place (converted in the inner loops, see [`crate::simd`]); other codecs
+//! place (converted in the inner loops, see the `simd` module); other codecs
 //! are decoded into an f32 tile that stays in L1.
 //!
 //! Accuracy: against attention over the stored (decoded) values the kernel
@@ -18,7 +18,7 @@
 //! over the query rounded to 16 bits per row — each score is off by at most
 //! `max_c |q_c·scale_c| / 65534 · Σ_c code_c` — and V4 values read in place,
 //! whose weights × token scales are rounded to 16 bits per row and group (see
-//! [`crate::simd`] for the bounds). The tests hold the outputs to 2·10⁻³
+//! the `simd` module for the bounds). The tests hold the outputs to 2·10⁻³
 //! relative; the formats' own rounding moves them a hundred times more.
 
 use std::cell::Cell;
