@@ -279,7 +279,7 @@ pub fn paged_attention(
 
 thread_local! {
     /// Each thread's working memory, kept between calls.
-    static SCRATCH: Cell<Scratch> = const { Cell::new(Scratch::EMPTY) };
+    static SCRATCH: Cell<Scratch> = Cell::new(Scratch::default());
 }
 
 /// The tuning knobs a work item runs with.
@@ -302,16 +302,6 @@ struct Scratch {
 }
 
 impl Scratch {
-    const EMPTY: Scratch = Scratch {
-        k: Vec::new(),
-        v: Vec::new(),
-        q: Vec::new(),
-        s: Vec::new(),
-        corr: Vec::new(),
-        k_scales: Vec::new(),
-        v_scales: Vec::new(),
-    };
-
     /// Room for `max_q` query tokens of `n_heads` heads and sub-tiles of
     /// `sub` tokens.
     fn fit(&mut self, l: &KvLayout, n_heads: usize, max_q: usize, sub: usize) {
