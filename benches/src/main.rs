@@ -925,6 +925,8 @@ fn embed(model_path: PathBuf, reps: usize) -> Result<()> {
     Ok(())
 }
 
+const USAGE: &str = "usage: siliceo-bench engine|serve|prefix|spec|grpc|embed [--model PATH] [--reps N] [--json] [--threads N] [--quiet-consumer]";
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut model = std::env::var_os("SILICEO_MODEL")
@@ -952,9 +954,11 @@ fn main() -> Result<()> {
             "spec" => what = "spec",
             "grpc" => what = "grpc",
             "embed" => what = "embed",
-            other => bail!(
-                "unknown argument `{other}`; usage: siliceo-bench engine|serve|prefix|spec|grpc|embed [--model PATH] [--reps N] [--json]"
-            ),
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                return Ok(());
+            }
+            other => bail!("unknown argument `{other}`; {USAGE}"),
         }
     }
     if what == "serve" {
