@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Issue 9's GPU checks as one device run, prepared on a machine without a GPU.
+#
+#   scripts/gpu_checks.sh prepare
+#       here: builds everything the run needs into gpu-run/ (git-ignored): the
+#       CUDA kernels (`cargo xtask kernels`: compute_75 PTX and sm_75/80/90
+#       cubins; nvcc from PyPI where there is none), the CUDA test binary of
+#       siliceo-kernels-turing and the kernel bench, both with the `cuda`
+#       feature (cudarc loads the driver at run time, so they build without
+#       one) and for baseline x86-64 (the kernels pick AVX2/AVX-512 at run
+#       time), so they run on whatever CPU the GPU machine has.
+#   scripts/gpu_checks.sh run
+#       on the GPU machine (device run with carry ["gpu-run"]; no Rust needed):
+#       the CUDA kernels against the CPU kernel (SILICEO_REQUIRE_GPU: no GPU
+#       is a failure), then `bench --gpu`: achieved bandwidth against the
+#       device's peak, per format, context and batch. Logs go to $OUT (or
+#       gpu-run/out); copy the tables into docs/BENCHMARKS.md.
+#
+# Equivalent with a Rust toolchain on the GPU machine: `cargo xtask test-gpu`
+# and `cargo xtask bench kernels --gpu ...`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=gpu-run
+
+case "${1:-}" in
+prepare)
+  base=${CARGO_TARGET_DIR:-$PWD/target}
+  cargo xtask kernels
+  rm -rf "$dir"
+  mkdir -p "$dir/kernels"
+  cp kernels/build/* "$dir/kernels/"
+  # Baseline x86-64 in its own target directory (the workspace builds with
+  # target-cpu=native; only this crate and its few dependencies are built).
+  export CARGO_ENCODED_RUSTFLAGS="" CARGO_TARGET_DIR="$base/gpu-portable"
+  test_bin=$(cargo test --release -p siliceo-kernels-turing --features cuda --test cuda \
+    --no-run --message-format=json |
+    python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda":
+        print(m["executable"])')
+  cargo build --release -p siliceo-kernels-turing --features cuda --example bench
+  cp "$test_bin" "$dir/cuda-tests"
+  cp "$CARGO_TARGET_DIR/release/examples/bench" "$dir/bench"
+  strip "$dir/cuda-tests" "$dir/bench" 2>/dev/null || true
+  du -sh "$dir"
+  echo "prepared $dir/: device run with carry [\"$dir\"] and command: scripts/gpu_checks.sh run"
+  ;;
+run)
+  [ -x "$dir/bench" ] || { echo "no $dir/bench: run 'scripts/gpu_checks.sh prepare' first" >&2; exit 2; }
+  out=${OUT:-$dir/out}
+  mkdir -p "$out"
+  export SILICEO_KERNELS_DIR="$PWD/$dir/kernels" SILICEO_REQUIRE_GPU=1
+  { nvidia-smi || true; lscpu | head -20 || true; } >"$out/machine.txt" 2>&1
+  status=0
+  "$dir/cuda-tests" --test-threads=1 --nocapture 2>&1 | tee "$out/test-gpu.log" || status=1
+  # Partitions are in blocks of 64 tokens (the GPU caps them at 16: 1024 tokens).
+  "$dir/bench" --gpu --formats f16,kv8,k5v4 --ctx 4096,32768 --batch 1,8 \
+    --partition 4,8,16 --reps 9 2>&1 | tee "$out/bench-gpu.log" || status=1
+  exit $status
+  ;;
+*)
+  echo "usage: scripts/gpu_checks.sh prepare|run" >&2
+  exit 2
+  ;;
+esac
