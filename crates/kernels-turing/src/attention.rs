@@ -167,7 +167,11 @@ pub fn paged_attention(
     let threads = params
         .threads
         .clamp(1, work.div_ceil(MIN_WORK_PER_THREAD).max(1));
-    let spans: usize = seqs.iter().map(|s| s.kv.blocks().div_ceil(part)).sum();
+    let spans: usize = seqs
+        .iter()
+        .map(|s| s.kv.blocks().div_ceil(part))
+        .sum::<usize>()
+        .max(1);
     // KV heads per item: all of them on one thread (a block's heads are one
     // stream); with several threads, split so that there are about four
     // items per thread (a short context is one span, and its prefill chunk

@@ -453,6 +453,11 @@ fn bad_shapes_are_typed_errors() {
     let q = vec![0.0; 4 * 64];
     let mut out = vec![0.0; 4 * 64];
     let p = AttnParams::default();
+    // No sequences: nothing to do, with any number of threads.
+    for threads in [1, 4] {
+        let p = AttnParams { threads, ..p };
+        assert_eq!(paged_attention(&store, 4, 1.0, &[], &mut [], &p), Ok(()));
+    }
     let run = |n_heads, n_q, q: &[f32], out: &mut [f32]| {
         paged_attention(
             &store,
