@@ -8,8 +8,9 @@
 //!   codecs plus a full-precision (F16) tail of the most recent tokens, with
 //!   optional Hadamard rotation of K ([`hadamard`]).
 //! - [`attention`]: the CPU kernel — decode and causal prefill chunks,
-//!   grouped-query heads, online softmax, multi-threaded, split-context
-//!   partitions — and the naive f64 reference it is tested against.
+//!   grouped-query heads, online softmax, split-context partitions,
+//!   multi-threaded on worker threads started on first use and kept between
+//!   calls — and the naive f64 reference it is tested against.
 //! - [`membw`]: the machine's memory read bandwidth, measured the same way the
 //!   kernel reads, to judge the kernel against.
 //! - `cuda` (feature `cuda`, off by default): the CUDA kernels of `kernels/*.cu`
