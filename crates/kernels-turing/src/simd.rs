@@ -342,6 +342,13 @@ pub fn group_scores(
                     } if d == 128 && has_avx512_vnni() => {
                         by_rows!(take, x86::kv8_scores_zmm(qs, codes, scales, n, os, pf))
                     }
+                    x86::Plain::Kv8 {
+                        codes,
+                        scales,
+                        shift: 5,
+                    } if d <= crate::codec::MAX_HEAD_DIM => {
+                        by_rows!(take, x86::kv8_scores_words(qs, codes, scales, n, d, os, pf))
+                    }
                     _ => by_rows!(take, x86::group_scores(qs, k, n, d, os, pf)),
                 }
             }
@@ -1072,6 +1079,82 @@ mod x86 {
             }
         }
         amax / 32767.0
+    }
+
+    /// KV8 scores in groups of 32 with AVX2 (`vpmaddwd`; d a multiple of
+    /// 32): each query row rounded to 16-bit words with one scale per row (as
+    /// [`kv8_scores_zmm`], the same bound), a group's 32 codes widened to
+    /// words, two `vpmaddwd` per row into one exact 32-bit sum per lane, then
+    /// one multiply-add by the token's group scale; two tokens per pass.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn kv8_scores_words<const R: usize>(
+        q: &[f32],
+        codes: &[u8],
+        scales: &[f32],
+        n: usize,
+        d: usize,
+        out: &mut [f32],
+        ahead: Ahead,
+    ) {
+        let per = ahead.per(n);
+        let groups = d / 32;
+        let mut qw = std::mem::MaybeUninit::<[i16; 4 * MAX_HEAD_DIM]>::uninit();
+        let qw = qw.as_mut_ptr().cast::<i16>();
+        let mut row_scale = [0f32; R];
+        // SAFETY: d ≤ MAX_HEAD_DIM and R ≤ 4 (the caller), so qw[r·d + c]
+        // stays in the buffer (all written before read); q holds R·d values,
+        // codes n·d bytes, scales n·d/32, out R·n (the caller).
+        unsafe {
+            let sign = _mm256_set1_ps(-0.0);
+            for (r, rs) in row_scale.iter_mut().enumerate() {
+                let qr = q.as_ptr().add(r * d);
+                let mut amax = _mm256_setzero_ps();
+                for c in (0..d).step_by(8) {
+                    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(qr.add(c))));
+                }
+                *rs = to_words(qr, hmax8(amax), d, qw.add(r * d));
+            }
+            let mut j = 0;
+            while j < n {
+                // Eight tokens' share at a time, as in `group_scores`.
+                if j % 8 == 0 {
+                    ahead.lines(j * per, (j + 8) * per);
+                }
+                // Pairs of tokens; an odd last token is paired with itself.
+                let pair = [j, (j + 1).min(n - 1)];
+                let mut acc = [[_mm256_setzero_ps(); 2]; R];
+                for gi in 0..groups {
+                    let mut k = [[_mm256_setzero_si256(); 2]; 2];
+                    for (t, &jj) in pair.iter().enumerate() {
+                        let src = codes.as_ptr().add(jj * d + 32 * gi);
+                        k[t][0] = _mm256_cvtepi8_epi16(_mm_loadu_si128(src.cast()));
+                        k[t][1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(src.add(16).cast()));
+                    }
+                    let s = [
+                        _mm256_set1_ps(*scales.get_unchecked(pair[0] * groups + gi)),
+                        _mm256_set1_ps(*scales.get_unchecked(pair[1] * groups + gi)),
+                    ];
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let q0 = _mm256_loadu_si256(qw.add(r * d + 32 * gi).cast());
+                        let q1 = _mm256_loadu_si256(qw.add(r * d + 32 * gi + 16).cast());
+                        for t in 0..2 {
+                            let sum = _mm256_add_epi32(
+                                _mm256_madd_epi16(k[t][0], q0),
+                                _mm256_madd_epi16(k[t][1], q1),
+                            );
+                            a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s[t], a[t]);
+                        }
+                    }
+                }
+                for (r, a) in acc.iter().enumerate() {
+                    out[r * n + j] = hsum8(a[0]) * row_scale[r];
+                    if j + 1 < n {
+                        out[r * n + j + 1] = hsum8(a[1]) * row_scale[r];
+                    }
+                }
+                j += 2;
+            }
+        }
     }
 
     /// KV8 scores for heads of exactly 128 in groups of 32 with AVX-512
@@ -2012,53 +2095,65 @@ mod tests {
     /// query rounded to 16-bit words: `max|q| / 65534 · Σ_c |k_c|`.
     #[test]
     #[cfg(target_arch = "x86_64")]
-    fn avx512_kv8_scores_stay_within_their_bound() {
-        if !has_avx512_vnni() {
-            eprintln!("no AVX-512 VNNI here (or SILICEO_KERNELS_NO_AVX512): nothing to compare");
+    fn kv8_word_scores_stay_within_their_bound() {
+        if !has_avx2_fma() {
+            eprintln!("no AVX2 here (or SILICEO_KERNELS_PORTABLE): nothing to compare");
             return;
         }
-        let d = 128;
         let ahead: Vec<u8> = vec![1; 2000];
-        for n in [1, 2, 37, 64] {
-            let codes: Vec<u8> = (0..n * d)
-                .map(|i| ((i * 97 % 255) as i32 - 127) as i8 as u8)
-                .collect();
-            let scales: Vec<f32> = (0..n * 4).map(|i| 0.005 + (i % 9) as f32 * 0.004).collect();
-            let k =
-                |j: usize, c: usize| codes[j * d + c] as i8 as f64 * scales[j * 4 + c / 32] as f64;
-            // One outlier channel, as real queries have.
-            let q: Vec<f32> = (0..4 * d)
-                .map(|i| (i as f32 * 0.41).sin() * if i % d == 17 { 12.0 } else { 1.0 })
-                .collect();
-            for take in 1..=4 {
-                let mut got = vec![0f32; take * n];
-                // SAFETY: AVX-512 checked above; q holds take rows of 128,
-                // codes and scales n tokens, got take·n scores.
-                unsafe {
-                    by_rows!(
-                        take,
-                        x86::kv8_scores_zmm(
-                            &q,
-                            &codes,
-                            &scales,
-                            n,
-                            &mut got,
-                            x86::Ahead::of(&ahead)
-                        )
-                    );
-                }
-                for r in 0..take {
-                    let qr = &q[r * d..(r + 1) * d];
-                    let qmax = qr.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
-                    for j in 0..n {
-                        let exact: f64 = (0..d).map(|c| qr[c] as f64 * k(j, c)).sum();
-                        let mass: f64 = (0..d).map(|c| k(j, c).abs()).sum();
-                        let bound = qmax / 65534.0 * mass + 1e-6 * (1.0 + exact.abs());
-                        let err = (got[r * n + j] as f64 - exact).abs();
-                        assert!(
-                            err <= bound,
-                            "n {n} row {r} token {j}: error {err} > bound {bound}"
-                        );
+        for d in [32, 64, 128, 256] {
+            let groups = d / 32;
+            for n in [1, 2, 37, 64] {
+                let codes: Vec<u8> = (0..n * d)
+                    .map(|i| ((i * 97 % 255) as i32 - 127) as i8 as u8)
+                    .collect();
+                let scales: Vec<f32> = (0..n * groups)
+                    .map(|i| 0.005 + (i % 9) as f32 * 0.004)
+                    .collect();
+                let k = |j: usize, c: usize| {
+                    codes[j * d + c] as i8 as f64 * scales[j * groups + c / 32] as f64
+                };
+                // One outlier channel, as real queries have.
+                let q: Vec<f32> = (0..4 * d)
+                    .map(|i| (i as f32 * 0.41).sin() * if i % d == 17 { 12.0 } else { 1.0 })
+                    .collect();
+                for take in 1..=4 {
+                    let mut kernels = vec![("AVX2", vec![0f32; take * n])];
+                    if d == 128 && has_avx512_vnni() {
+                        kernels.push(("AVX-512", vec![0f32; take * n]));
+                    }
+                    for (i, (name, got)) in kernels.iter_mut().enumerate() {
+                        let pf = x86::Ahead::of(&ahead);
+                        // SAFETY: AVX2 (and for the second, AVX-512) checked
+                        // above; q holds take rows of d, codes and scales n
+                        // tokens, got take·n scores.
+                        unsafe {
+                            if i == 0 {
+                                by_rows!(
+                                    take,
+                                    x86::kv8_scores_words(&q, &codes, &scales, n, d, got, pf)
+                                );
+                            } else {
+                                by_rows!(
+                                    take,
+                                    x86::kv8_scores_zmm(&q, &codes, &scales, n, got, pf)
+                                );
+                            }
+                        }
+                        for r in 0..take {
+                            let qr = &q[r * d..(r + 1) * d];
+                            let qmax = qr.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
+                            for j in 0..n {
+                                let exact: f64 = (0..d).map(|c| qr[c] as f64 * k(j, c)).sum();
+                                let mass: f64 = (0..d).map(|c| k(j, c).abs()).sum();
+                                let bound = qmax / 65534.0 * mass + 1e-6 * (1.0 + exact.abs());
+                                let err = (got[r * n + j] as f64 - exact).abs();
+                                assert!(
+                                    err <= bound,
+                                    "{name} d {d} n {n} row {r} token {j}: error {err} > bound {bound}"
+                                );
+                            }
+                        }
                     }
                 }
             }
