@@ -14,9 +14,10 @@
 //!
 //! Accuracy: against attention over the stored (decoded) values the kernel
 //! differs by float rounding, except where it computes with 16-bit integers
-//! (x86): K5 keys of heads of 128 or 256, whose scores are exact integer sums
-//! over the query rounded to 16 bits per row — each score is off by at most
-//! `max_c |q_c·scale_c| / 65534 · Σ_c code_c` — and V4 values read in place,
+//! (x86): K5 keys of heads of 128 or 256 and KV8 keys in groups of 32, whose
+//! scores are exact integer sums over the query rounded to 16 bits per row —
+//! a K5 score is off by at most `max_c |q_c·scale_c| / 65534 · Σ_c code_c` —
+//! and V4 values read in place,
 //! whose weights × token scales are rounded to 16 bits per row and group (see
 //! the `simd` module for the bounds). The tests hold the outputs to 2·10⁻³
 //! relative; the formats' own rounding moves them a hundred times more.

@@ -18,10 +18,11 @@
 //! ahead of short segments (docs/BENCHMARKS.md, session 15).
 //!
 //! Integer paths and their rounding (each bound checked by a unit test):
-//! K5 scores (heads of 128/256) and KV8 scores (AVX-512, heads of 128, groups
-//! of 32) round each query row to 16-bit words with one scale per row, an
-//! error of at most `max|q| / 65534 · Σ_c |k_c|` per score (K5: in code units,
-//! `Σ code ≤ 31·d`); V4 values read in place (AVX2 `vpmaddwd`, or AVX-512
+//! K5 scores (heads of 128/256) and KV8 scores (groups of 32; AVX2
+//! `vpmaddwd`, or AVX-512 `vpdpwssd` for heads of 128) round each query row
+//! to 16-bit words with one scale per row, an error of at most
+//! `max|q| / 65534 · Σ_c |k_c|` per score (K5: in code units, `Σ code ≤
+//! 31·d`); V4 values read in place (AVX2 `vpmaddwd`, or AVX-512
 //! `vpdpwssd` for groups of a multiple of 32) round each row's weight × token
 //! scale to 16-bit words per group, at most `n · max ws / 65534 · 15` per
 //! output value, under 3 % of V4's own worst case (`Σ w · scale / 2`). The
@@ -2090,8 +2091,8 @@ mod tests {
         }
     }
 
-    /// The AVX-512 KV8 scores (heads of 128, groups of 32) agree with exact
-    /// dot products over the decoded keys within the documented bound for a
+    /// The integer KV8 scores (groups of 32: AVX2 for heads of 32–256,
+    /// AVX-512 for heads of 128) agree with exact dot products over the decoded keys within the documented bound for a
     /// query rounded to 16-bit words: `max|q| / 65534 · Σ_c |k_c|`.
     #[test]
     #[cfg(target_arch = "x86_64")]
