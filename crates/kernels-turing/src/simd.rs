@@ -1082,6 +1082,28 @@ mod x86 {
         amax / 32767.0
     }
 
+    /// `R` query rows of `d` values as 16-bit words (each row's largest
+    /// magnitude ↦ 32767, see [`to_words`]) into `qw`; returns each row's
+    /// word scale.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn rows_to_words<const R: usize>(q: &[f32], d: usize, qw: *mut i16) -> [f32; R] {
+        let sign = _mm256_set1_ps(-0.0);
+        let mut row_scale = [0f32; R];
+        // SAFETY: q holds R·d values and qw R·d writable words, d % 16 == 0
+        // (the caller).
+        unsafe {
+            for (r, rs) in row_scale.iter_mut().enumerate() {
+                let qr = q.as_ptr().add(r * d);
+                let mut amax = _mm256_setzero_ps();
+                for c in (0..d).step_by(8) {
+                    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(qr.add(c))));
+                }
+                *rs = to_words(qr, hmax8(amax), d, qw.add(r * d));
+            }
+        }
+        row_scale
+    }
+
     /// KV8 scores in groups of 32 with AVX2 (`vpmaddwd`; d a multiple of
     /// 32): each query row rounded to 16-bit words with one scale per row (as
     /// [`kv8_scores_zmm`], the same bound), a group's 32 codes widened to
@@ -1101,20 +1123,11 @@ mod x86 {
         let groups = d / 32;
         let mut qw = std::mem::MaybeUninit::<[i16; 4 * MAX_HEAD_DIM]>::uninit();
         let qw = qw.as_mut_ptr().cast::<i16>();
-        let mut row_scale = [0f32; R];
         // SAFETY: d ≤ MAX_HEAD_DIM and R ≤ 4 (the caller), so qw[r·d + c]
         // stays in the buffer (all written before read); q holds R·d values,
         // codes n·d bytes, scales n·d/32, out R·n (the caller).
         unsafe {
-            let sign = _mm256_set1_ps(-0.0);
-            for (r, rs) in row_scale.iter_mut().enumerate() {
-                let qr = q.as_ptr().add(r * d);
-                let mut amax = _mm256_setzero_ps();
-                for c in (0..d).step_by(8) {
-                    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(qr.add(c))));
-                }
-                *rs = to_words(qr, hmax8(amax), d, qw.add(r * d));
-            }
+            let row_scale = rows_to_words::<R>(q, d, qw);
             let mut j = 0;
             while j < n {
                 // Eight tokens' share at a time, as in `group_scores`.
@@ -1179,7 +1192,6 @@ mod x86 {
         let per = ahead.per(n);
         let mut qw = std::mem::MaybeUninit::<[i16; 4 * D]>::uninit();
         let qw = qw.as_mut_ptr().cast::<i16>();
-        let mut row_scale = [0f32; R];
         // Regrouped order: vector k, word 8g + i = channel 32g + 8k + i, i.e.
         // 64-bit pieces k, 4 + k, 8 + k, 12 + k of the row (two vectors per permute).
         let (pa, pb) = (
@@ -1191,15 +1203,7 @@ mod x86 {
         // before read); q holds R·128 values, codes 128·n bytes, scales 4·n,
         // out R·n (the caller).
         unsafe {
-            let sign = _mm256_set1_ps(-0.0);
-            for (r, rs) in row_scale.iter_mut().enumerate() {
-                let qr = q.as_ptr().add(r * D);
-                let mut amax = _mm256_setzero_ps();
-                for c in (0..D).step_by(8) {
-                    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(qr.add(c))));
-                }
-                *rs = to_words(qr, hmax8(amax), D, qw.add(r * D));
-            }
+            let row_scale = rows_to_words::<R>(q, D, qw);
             // The query words regrouped like the codes: vector g holds group
             // g's 32 words as four 128-bit pieces (8 channels each); vector k
             // of the result takes piece k of every group — a 4 × 4 transpose
