@@ -234,6 +234,22 @@ fn close(a: &[f32], b: &[f32], tol: f32, what: &str) {
     }
 }
 
+/// Random queries: `n_qs[i]` tokens of `row` values for sequence i.
+fn random_queries(rng: &mut Rng, n_qs: &[usize], row: usize) -> Vec<Vec<f32>> {
+    n_qs.iter()
+        .map(|&n| (0..n * row).map(|_| rng.normal()).collect())
+        .collect()
+}
+
+/// The kernel's view of each sequence with its queries.
+fn seq_queries<'a>(seqs: &'a [SeqKv], qs: &'a [Vec<f32>], n_qs: &[usize]) -> Vec<SeqQuery<'a>> {
+    seqs.iter()
+        .zip(qs)
+        .zip(n_qs)
+        .map(|((kv, q), &n_q)| SeqQuery { kv, q, n_q })
+        .collect()
+}
+
 /// Runs the kernel for several sequences (decode and prefill chunks) under
 /// several thread/partition settings; checks it against the naive attention
 /// over what the store holds (so only the kernel's arithmetic is tested), and
@@ -257,16 +273,8 @@ fn check_layout(layout: KvLayout, seed: u64) -> f32 {
         seqs.push(s);
         originals.push((k, v));
     }
-    let qs: Vec<Vec<f32>> = n_qs
-        .iter()
-        .map(|&n| (0..n * n_heads * d).map(|_| rng.normal()).collect())
-        .collect();
-    let queries: Vec<SeqQuery<'_>> = seqs
-        .iter()
-        .zip(&qs)
-        .zip(n_qs)
-        .map(|((kv, q), n_q)| SeqQuery { kv, q, n_q })
-        .collect();
+    let qs = random_queries(&mut rng, &n_qs, n_heads * d);
+    let queries = seq_queries(&seqs, &qs, &n_qs);
     let mut want_stored = Vec::new();
     let mut want_orig = Vec::new();
     for ((s, q), ((k, v), &n_q)) in seqs.iter().zip(&qs).zip(originals.iter().zip(&n_qs)) {
@@ -516,16 +524,8 @@ fn splitting_work_over_threads_changes_no_value() {
             store.append(&mut s, &k, &v).unwrap();
             seqs.push(s);
         }
-        let qs: Vec<Vec<f32>> = n_qs
-            .iter()
-            .map(|&n| (0..n * n_heads * 128).map(|_| rng.normal()).collect())
-            .collect();
-        let queries: Vec<SeqQuery<'_>> = seqs
-            .iter()
-            .zip(&qs)
-            .zip(n_qs)
-            .map(|((kv, q), n_q)| SeqQuery { kv, q, n_q })
-            .collect();
+        let qs = random_queries(&mut rng, &n_qs, n_heads * 128);
+        let queries = seq_queries(&seqs, &qs, &n_qs);
         let total: usize = qs.iter().map(Vec::len).sum();
         let run = |threads| {
             let mut out = vec![0f32; total];
