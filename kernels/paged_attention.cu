@@ -23,6 +23,11 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+// Dynamic shared memory (the CPU emulator in kernels/emu defines its own).
+#ifndef DYNAMIC_SHARED
+#define DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
+
 #define WARPS 4
 #define THREADS (WARPS * 32)
 #define G_MAX 8
@@ -126,7 +131,7 @@ __device__ __forceinline__ float warp_max(float x) {
 template <int D, int KC, int VC>
 __device__ void attn_decode(float* out, float* part_m, float* part_l, float* part_acc, const float* q,
                             Tables tb, int H, int KVH, int T, int kg, int vg, int part_tokens, int P) {
-    extern __shared__ float smem[];
+    DYNAMIC_SHARED(float, smem);
     const int kh = blockIdx.x, s = blockIdx.y, p = blockIdx.z;
     const int G = H / KVH;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -365,7 +370,7 @@ __device__ void seal_segment(const __half* src, uint8_t* dst, int T, int D, int 
 #define SEAL(NAME, KC, VC)                                                                                 \
     extern "C" __global__ void siliceo_kv_seal_##NAME(uint8_t* sealed, const uint8_t* tail, uint32_t src,  \
                                                        uint32_t dst, int KVH, int D, int T, int kg, int vg) { \
-        extern __shared__ uint8_t codes[];                                                                 \
+        DYNAMIC_SHARED(uint8_t, codes);                                                                 \
         const int h = blockIdx.x, which = blockIdx.y;                                                      \
         const int ksb = seg_bytes(KC, T, D, kg), vsb = seg_bytes(VC, T, D, vg);                            \
         size_t tseg = (size_t)T * D * 2;                                                                   \

@@ -162,12 +162,20 @@ fn test(rest: &[String]) -> Result<()> {
     let started = std::time::Instant::now();
     eprintln!("xtask test: cargo test --workspace");
     run(cargo().args(["test", "--workspace"]).args(rest))?;
-    // The CUDA kernels must compile (nvcc from PyPI where there is none), and
-    // the `cuda` feature must build and fail cleanly with no driver or GPU.
+    // The CUDA kernels must compile (nvcc from PyPI where there is none), the
+    // `cuda` feature must build and fail cleanly with no driver or GPU, and
+    // the kernels' source must agree with the CPU kernel when emulated on
+    // the CPU (`cuda-emu`).
     eprintln!("xtask test: kernels (nvcc)");
     kernels::build()?;
-    eprintln!("xtask test: kernels-turing with the cuda feature");
-    run(cargo().args(["test", "-p", "siliceo-kernels-turing", "--features", "cuda"]))?;
+    eprintln!("xtask test: kernels-turing with the cuda and cuda-emu features");
+    run(cargo().args([
+        "test",
+        "-p",
+        "siliceo-kernels-turing",
+        "--features",
+        "cuda,cuda-emu",
+    ]))?;
     eprintln!("xtask test: check-layers");
     layers::check_layers(&workspace_root())?;
     eprintln!("xtask test: all passed in {:.0?}", started.elapsed());

@@ -17,6 +17,10 @@
 //!   (Turing sm_75 and up), loaded at run time through cudarc; with no driver,
 //!   no device or no compiled kernels it returns [`KernelError::Cuda`] and the
 //!   caller falls back to the CPU kernel.
+//! - `device` (features `cuda` or `cuda-emu`): the kernels' host code over a
+//!   backend — the CUDA driver, or `emu` (feature `cuda-emu`), which runs the
+//!   kernels' own CUDA source on the CPU (fibers for threads) so their logic is
+//!   tested on machines without a GPU.
 //!
 //! ```
 //! use siliceo_kernels_turing::{KvLayout, KvStore, SeqKv, AttnParams, paged_attention};
@@ -43,6 +47,10 @@ pub mod attention;
 pub mod codec;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(any(feature = "cuda", feature = "cuda-emu"))]
+pub mod device;
+#[cfg(feature = "cuda-emu")]
+pub mod emu;
 pub mod hadamard;
 pub mod membw;
 mod pool;

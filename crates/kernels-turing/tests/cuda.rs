@@ -1,27 +1,14 @@
-//! The CUDA kernels against the CPU kernel (feature `cuda`). On a machine with
-//! no GPU the device tests say so and pass, unless `SILICEO_REQUIRE_GPU` is
-//! set (`cargo xtask test-gpu` sets it), where they fail.
-#![cfg(feature = "cuda")]
+//! The CUDA kernels against the CPU kernel: on a GPU (feature `cuda`) and in
+//! the CPU emulator (feature `cuda-emu`, which runs the same `.cu` source and
+//! the same host code). On a machine with no GPU the device tests say so and
+//! pass, unless `SILICEO_REQUIRE_GPU` is set (`cargo xtask test-gpu` sets
+//! it), where they fail; the emulated tests run everywhere.
+#![cfg(any(feature = "cuda", feature = "cuda-emu"))]
 
-use std::path::Path;
-
-use siliceo_kernels_turing::cuda::CudaKernels;
+use siliceo_kernels_turing::device::{Backend, Kernels};
 use siliceo_kernels_turing::{
-    AttnParams, Codec, KernelError, KvLayout, KvStore, SeqKv, SeqQuery, paged_attention,
+    AttnParams, Codec, KvLayout, KvStore, SeqKv, SeqQuery, paged_attention,
 };
-
-fn device() -> Option<CudaKernels> {
-    match CudaKernels::new(0) {
-        Ok(k) => Some(k),
-        Err(e) if std::env::var_os("SILICEO_REQUIRE_GPU").is_some() => {
-            panic!("a GPU is required here: {e}")
-        }
-        Err(e) => {
-            eprintln!("no GPU here, device test skipped: {e}");
-            None
-        }
-    }
-}
 
 fn data(n: usize, seed: usize) -> Vec<f32> {
     (0..n)
@@ -32,84 +19,107 @@ fn data(n: usize, seed: usize) -> Vec<f32> {
         .collect()
 }
 
-#[test]
-fn no_driver_or_no_kernels_is_a_typed_error_not_a_panic() {
-    let e = CudaKernels::with_dir(0, Path::new("/nonexistent/siliceo-kernels")).unwrap_err();
-    assert!(matches!(e, KernelError::Cuda(_)), "{e}");
-    eprintln!("{e}");
+/// One decode case: a layout, query heads, sequence lengths, partition size.
+struct Case {
+    fmt: &'static str,
+    kv_heads: usize,
+    heads: usize,
+    d: usize,
+    rotate_k: bool,
+    tail_tokens: usize,
+    lens: &'static [usize],
+    partition: usize,
 }
 
-#[test]
-fn gpu_decode_matches_the_cpu_kernel() {
-    let Some(k) = device() else { return };
-    eprintln!(
-        "device: {} {:?}, kernels {}",
-        k.device_name(),
-        k.compute_capability(),
-        k.image().display()
-    );
+/// Runs `case` on the device and on the CPU kernel; returns the largest difference.
+fn decode_difference<B: Backend>(k: &Kernels<B>, c: &Case) -> f32 {
+    let mut layout = KvLayout::preset(c.fmt, c.kv_heads, c.d).unwrap();
+    layout.rotate_k = c.rotate_k;
+    layout.tail_tokens = c.tail_tokens;
+    let sealed: usize = c.lens.iter().map(|l| l.div_ceil(64)).sum();
+    let mut store = KvStore::new(
+        layout,
+        sealed,
+        c.lens.len() * KvStore::tail_blocks_per_seq(&layout),
+    )
+    .unwrap();
+    let row = c.kv_heads * c.d;
+    let mut seqs = vec![SeqKv::default(); c.lens.len()];
+    for (i, (s, &len)) in seqs.iter_mut().zip(c.lens).enumerate() {
+        store
+            .append(s, &data(len * row, i), &data(len * row, i + 50))
+            .unwrap();
+    }
+    let q = data(c.lens.len() * c.heads * c.d, 99);
+    let scale = 1.0 / (c.d as f32).sqrt();
+    let queries: Vec<SeqQuery<'_>> = seqs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| SeqQuery {
+            kv: s,
+            q: &q[i * c.heads * c.d..(i + 1) * c.heads * c.d],
+            n_q: 1,
+        })
+        .collect();
+    let mut want = vec![0f32; q.len()];
+    paged_attention(
+        &store,
+        c.heads,
+        scale,
+        &queries,
+        &mut want,
+        &AttnParams::default(),
+    )
+    .unwrap();
+    let dev = k.upload(&store).unwrap();
+    let refs: Vec<&SeqKv> = seqs.iter().collect();
+    let got = k
+        .decode(&dev, &refs, &q, c.heads, scale, c.partition)
+        .unwrap();
+    assert_eq!(got.len(), want.len());
+    got.iter()
+        .zip(&want)
+        .map(|(a, b)| {
+            if a.is_finite() {
+                (a - b).abs()
+            } else {
+                f32::INFINITY
+            }
+        })
+        .fold(0f32, f32::max)
+}
+
+/// Every format, head size 64 and 128, rotation and a tail, one partition
+/// or several, sequences of 1 token to several partitions.
+fn decode_matches_the_cpu_kernel<B: Backend>(k: &Kernels<B>, lens: &'static [usize]) {
     for fmt in ["f16", "kv8", "k5v4"] {
         for d in [64, 128] {
             for (rotate_k, tail_tokens, partition) in
                 [(false, 0, 0), (true, 100, 256), (false, 0, 64)]
             {
-                let mut layout = KvLayout::preset(fmt, 2, d).unwrap();
-                layout.rotate_k = rotate_k;
-                layout.tail_tokens = tail_tokens;
-                let lens = [1usize, 100, 1000, 64];
-                let sealed: usize = lens.iter().map(|l| l.div_ceil(64)).sum();
-                let mut store =
-                    KvStore::new(layout, sealed, 4 * KvStore::tail_blocks_per_seq(&layout))
-                        .unwrap();
-                let mut seqs = vec![SeqKv::default(); lens.len()];
-                for (i, (s, &len)) in seqs.iter_mut().zip(&lens).enumerate() {
-                    store
-                        .append(s, &data(len * 2 * d, i), &data(len * 2 * d, i + 50))
-                        .unwrap();
-                }
-                let heads = 8;
-                let q = data(lens.len() * heads * d, 99);
-                let scale = 1.0 / (d as f32).sqrt();
-                let queries: Vec<SeqQuery<'_>> = seqs
-                    .iter()
-                    .enumerate()
-                    .map(|(i, s)| SeqQuery {
-                        kv: s,
-                        q: &q[i * heads * d..(i + 1) * heads * d],
-                        n_q: 1,
-                    })
-                    .collect();
-                let mut want = vec![0f32; q.len()];
-                paged_attention(
-                    &store,
-                    heads,
-                    scale,
-                    &queries,
-                    &mut want,
-                    &AttnParams::default(),
-                )
-                .unwrap();
-                let dev = k.upload(&store).unwrap();
-                let refs: Vec<&SeqKv> = seqs.iter().collect();
-                let got = k.decode(&dev, &refs, &q, heads, scale, partition).unwrap();
-                let worst = got
-                    .iter()
-                    .zip(&want)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0f32, f32::max);
+                let c = Case {
+                    fmt,
+                    kv_heads: 2,
+                    heads: 8,
+                    d,
+                    rotate_k,
+                    tail_tokens,
+                    lens,
+                    partition,
+                };
+                let worst = decode_difference(k, &c);
                 assert!(
                     worst < 2e-3,
-                    "{} d={d} partition={partition}: GPU and CPU differ by {worst}",
-                    layout.name()
+                    "{fmt} d={d} rotate={rotate_k} tail={tail_tokens} partition={partition}: device and CPU differ by {worst}"
                 );
             }
         }
     }
 }
 
-#[test]
-fn gpu_append_and_seal_quantize_within_the_codec_bounds() {
-    let Some(k) = device() else { return };
+/// Appends a block's tokens to the F16 tail, seals it, and checks the sealed
+/// block decodes within the codec's bounds of what was appended.
+fn append_and_seal_quantize_within_the_codec_bounds<B: Backend>(k: &Kernels<B>) {
     for fmt in ["f16", "kv8", "k5v4"] {
         let (heads, d, t) = (2, 128, 64);
         let layout = KvLayout::preset(fmt, heads, d).unwrap();
@@ -121,6 +131,10 @@ fn gpu_append_and_seal_quantize_within_the_codec_bounds() {
         k.seal(&mut dev, 1, 1).unwrap();
         let (sealed, _) = k.download(&dev).unwrap();
         let block = &sealed[layout.block_bytes()..2 * layout.block_bytes()];
+        assert!(
+            sealed[..layout.block_bytes()].iter().all(|&b| b == 0),
+            "{fmt}: sealing block 1 wrote into block 0"
+        );
         let (ks, vs) = (layout.k_segment_bytes(), layout.v_segment_bytes());
         for h in 0..heads {
             for (codec, seg, x) in [
@@ -157,5 +171,138 @@ fn gpu_append_and_seal_quantize_within_the_codec_bounds() {
                 }
             }
         }
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use std::path::Path;
+
+    use siliceo_kernels_turing::KernelError;
+    use siliceo_kernels_turing::cuda::CudaKernels;
+
+    fn device() -> Option<CudaKernels> {
+        match CudaKernels::new(0) {
+            Ok(k) => Some(k),
+            Err(e) if std::env::var_os("SILICEO_REQUIRE_GPU").is_some() => {
+                panic!("a GPU is required here: {e}")
+            }
+            Err(e) => {
+                eprintln!("no GPU here, device test skipped: {e}");
+                None
+            }
+        }
+    }
+
+    #[test]
+    fn no_driver_or_no_kernels_is_a_typed_error_not_a_panic() {
+        let e = CudaKernels::with_dir(0, Path::new("/nonexistent/siliceo-kernels")).unwrap_err();
+        assert!(matches!(e, KernelError::Cuda(_)), "{e}");
+        eprintln!("{e}");
+    }
+
+    #[test]
+    fn gpu_decode_matches_the_cpu_kernel() {
+        let Some(k) = device() else { return };
+        eprintln!(
+            "device: {} {:?}, kernels {}",
+            k.device_name(),
+            k.compute_capability(),
+            k.image().display()
+        );
+        super::decode_matches_the_cpu_kernel(&k, &[1, 100, 1000, 64]);
+    }
+
+    #[test]
+    fn gpu_append_and_seal_quantize_within_the_codec_bounds() {
+        let Some(k) = device() else { return };
+        super::append_and_seal_quantize_within_the_codec_bounds(&k);
+    }
+}
+
+#[cfg(feature = "cuda-emu")]
+mod emulated {
+    use siliceo_kernels_turing::KernelError;
+    use siliceo_kernels_turing::device::{Arg, Backend, Launch};
+    use siliceo_kernels_turing::emu::EmuKernels;
+
+    use super::Case;
+
+    #[test]
+    fn emulated_decode_matches_the_cpu_kernel() {
+        super::decode_matches_the_cpu_kernel(&EmuKernels::emulated(), &[1, 100, 300, 64]);
+    }
+
+    #[test]
+    fn emulated_decode_covers_every_group_size() {
+        // One query head per KV head (MHA) up to the kernel's most (8), and a
+        // sequence over a partition boundary that is not a block boundary.
+        let k = EmuKernels::emulated();
+        for (kv_heads, heads) in [(4, 4), (1, 8), (2, 6)] {
+            let c = Case {
+                fmt: "k5v4",
+                kv_heads,
+                heads,
+                d: 64,
+                rotate_k: false,
+                tail_tokens: 0,
+                lens: &[200, 7],
+                partition: 96,
+            };
+            let worst = super::decode_difference(&k, &c);
+            assert!(worst < 2e-3, "{heads}/{kv_heads} heads: {worst}");
+        }
+    }
+
+    #[test]
+    fn emulated_append_and_seal_quantize_within_the_codec_bounds() {
+        super::append_and_seal_quantize_within_the_codec_bounds(&EmuKernels::emulated());
+    }
+
+    #[test]
+    fn the_emulator_refuses_what_a_gpu_would_refuse() {
+        let k = EmuKernels::emulated();
+        let b = k.backend();
+        let buf = b.zeros(64).unwrap();
+        let launch = Launch {
+            grid: (1, 1, 1),
+            block: 32,
+            shared_bytes: 0,
+        };
+        // Arguments that do not match the kernel's parameters.
+        let args = [Arg::Buf(&buf), Arg::I32(1)];
+        // SAFETY: the emulator checks the argument kinds before running anything.
+        let e = unsafe { b.launch("siliceo_attn_reduce", launch, &args) }.unwrap_err();
+        assert!(
+            matches!(&e, KernelError::Cuda(m) if m.contains("do not match")),
+            "{e}"
+        );
+        // A kernel that does not exist.
+        // SAFETY: refused before running.
+        let e = unsafe { b.launch("siliceo_no_such_kernel", launch, &[]) }.unwrap_err();
+        assert!(
+            matches!(&e, KernelError::Cuda(m) if m.contains("no kernel")),
+            "{e}"
+        );
+        // More dynamic shared memory than sm_75 gives a CTA.
+        let big = Launch {
+            shared_bytes: 65 * 1024,
+            ..launch
+        };
+        let args = [
+            Arg::Buf(&buf),
+            Arg::Buf(&buf),
+            Arg::Buf(&buf),
+            Arg::Buf(&buf),
+            Arg::I32(1),
+            Arg::I32(4),
+            Arg::I32(1),
+        ];
+        // SAFETY: refused before running.
+        let e = unsafe { b.launch("siliceo_attn_reduce", big, &args) }.unwrap_err();
+        assert!(
+            matches!(&e, KernelError::Cuda(m) if m.contains("64 KiB")),
+            "{e}"
+        );
     }
 }

@@ -1,0 +1,28 @@
+//! Feature `cuda-emu` only: compiles the CUDA kernels' source as C++ with the
+//! CPU emulation in `kernels/emu` (see `src/emu.rs`). Nothing is probed: with
+//! the feature off this does nothing.
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    #[cfg(feature = "cuda-emu")]
+    emu();
+}
+
+#[cfg(feature = "cuda-emu")]
+fn emu() {
+    use std::path::PathBuf;
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("set by cargo"))
+        .join("../../kernels");
+    for f in ["paged_attention.cu", "emu/emu.cpp", "emu/cuda_fp16.h"] {
+        println!("cargo:rerun-if-changed={}", root.join(f).display());
+    }
+    cc::Build::new()
+        .cpp(true)
+        .std("c++17")
+        // The emulation is slow enough at -O0 to matter in debug test runs.
+        .opt_level(2)
+        .include(root.join("emu"))
+        .include(&root)
+        .flag_if_supported("-Wno-unknown-pragmas")
+        .file(root.join("emu/emu.cpp"))
+        .compile("siliceo_cuda_emu");
+}

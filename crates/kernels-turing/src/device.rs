@@ -1,0 +1,520 @@
+//! The host side of the kernels in `kernels/paged_attention.cu`, over any
+//! [`Backend`] that can run them: the CUDA driver (`cuda::Cuda`, feature
+//! `cuda`) or the CPU emulator (`emu::Emulator`, feature `cuda-emu`), which
+//! runs the kernels' own source on the CPU so that their logic and this
+//! code's arguments are tested on machines without a GPU.
+//!
+//! Everything here — shape checks, block tables, the pre-scaled (and
+//! rotated) queries, grid and shared-memory sizes, argument order — is the
+//! same for both backends.
+
+use crate::KernelError;
+use crate::codec::Codec;
+use crate::hadamard::hadamard;
+use crate::store::{KvLayout, KvStore, SeqKv};
+
+/// Warps per CTA in the decode kernel (`WARPS` in the .cu file).
+const WARPS: usize = 4;
+/// Query heads per KV head the kernel handles at most (`G_MAX`).
+pub const MAX_GROUP: usize = 8;
+/// Most tokens in one decode partition (the kernel keeps its scores in shared memory).
+pub const MAX_PARTITION_TOKENS: usize = 1024;
+
+/// Grid, block and dynamic shared memory of one launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    /// CTAs in x, y, z.
+    pub grid: (u32, u32, u32),
+    /// Threads per CTA (x only).
+    pub block: u32,
+    /// Bytes of dynamic shared memory per CTA.
+    pub shared_bytes: u32,
+}
+
+/// One kernel argument, in the kernel's order.
+#[derive(Debug)]
+pub enum Arg<'a, B> {
+    /// A device buffer (passed as its pointer).
+    Buf(&'a B),
+    /// A 32-bit signed integer.
+    I32(i32),
+    /// A 32-bit unsigned integer.
+    U32(u32),
+}
+
+impl<B> Arg<'_, B> {
+    /// The argument's kind as the emulator checks it: pointer, int, unsigned.
+    pub fn kind(&self) -> char {
+        match self {
+            Arg::Buf(_) => 'p',
+            Arg::I32(_) => 'i',
+            Arg::U32(_) => 'u',
+        }
+    }
+}
+
+/// Something that holds device buffers and runs the kernels.
+pub trait Backend {
+    /// A device buffer of bytes.
+    type Buf;
+    /// A buffer holding `bytes`.
+    fn upload(&self, bytes: &[u8]) -> Result<Self::Buf, KernelError>;
+    /// A zeroed buffer of `bytes` (at least one byte is allocated).
+    fn zeros(&self, bytes: usize) -> Result<Self::Buf, KernelError>;
+    /// The buffer's bytes (waits for queued work).
+    fn download(&self, buf: &Self::Buf) -> Result<Vec<u8>, KernelError>;
+    /// The buffer's size in bytes.
+    fn buf_len(buf: &Self::Buf) -> usize;
+    /// Queues a launch of the kernel named `kernel`.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameters in order and type, and every
+    /// address the kernel computes from them must lie inside the buffers.
+    unsafe fn launch(
+        &self,
+        kernel: &str,
+        launch: Launch,
+        args: &[Arg<'_, Self::Buf>],
+    ) -> Result<(), KernelError>;
+    /// Waits for every queued launch.
+    fn synchronize(&self) -> Result<(), KernelError>;
+}
+
+/// The kernels on a backend.
+#[derive(Debug)]
+pub struct Kernels<B> {
+    backend: B,
+}
+
+/// A [`KvStore`]'s pools on a backend.
+#[derive(Debug)]
+pub struct DeviceKv<B: Backend> {
+    layout: KvLayout,
+    sealed: B::Buf,
+    tail: B::Buf,
+}
+
+impl<B: Backend> DeviceKv<B> {
+    /// Bytes of the sealed and tail pools.
+    pub fn bytes(&self) -> usize {
+        B::buf_len(&self.sealed) + B::buf_len(&self.tail)
+    }
+
+    /// The layout the pools are in.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+}
+
+pub(crate) fn f32_bytes(x: &[f32]) -> Vec<u8> {
+    x.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn i32_bytes(x: &[i32]) -> Vec<u8> {
+    x.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn u32_bytes(x: &[u32]) -> Vec<u8> {
+    x.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+pub(crate) fn bytes_f32(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+fn codec_names(layout: &KvLayout) -> Result<(&'static str, i32, i32), KernelError> {
+    let name = match (layout.k, layout.v) {
+        (Codec::F16, Codec::F16) => "f16_f16",
+        (Codec::Kv8 { .. }, Codec::Kv8 { .. }) => "kv8_kv8",
+        (Codec::K5, Codec::V4 { .. }) => "k5_v4",
+        (k, v) => {
+            return Err(KernelError::Layout(format!(
+                "the CUDA kernels have no {k:?}/{v:?} variant"
+            )));
+        }
+    };
+    let group = |c: Codec| match c {
+        Codec::Kv8 { group } | Codec::V4 { group } => group as i32,
+        _ => 0,
+    };
+    Ok((name, group(layout.k), group(layout.v)))
+}
+
+impl<B: Backend> Kernels<B> {
+    /// The kernels on `backend`.
+    pub fn from_backend(backend: B) -> Kernels<B> {
+        Kernels { backend }
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Uploads a store's pools.
+    pub fn upload(&self, store: &KvStore) -> Result<DeviceKv<B>, KernelError> {
+        let up = |b: &[u8]| {
+            if b.is_empty() {
+                self.backend.zeros(1)
+            } else {
+                self.backend.upload(b)
+            }
+        };
+        Ok(DeviceKv {
+            layout: *store.layout(),
+            sealed: up(store.sealed_bytes())?,
+            tail: up(store.tail_bytes())?,
+        })
+    }
+
+    /// Empty (zeroed) pools of `sealed_blocks` and `tail_blocks` for `layout`,
+    /// for [`Kernels::append`] and [`Kernels::seal`].
+    pub fn alloc(
+        &self,
+        layout: KvLayout,
+        sealed_blocks: usize,
+        tail_blocks: usize,
+    ) -> Result<DeviceKv<B>, KernelError> {
+        layout.check()?;
+        Ok(DeviceKv {
+            layout,
+            sealed: self
+                .backend
+                .zeros((sealed_blocks * layout.block_bytes()).max(1))?,
+            tail: self
+                .backend
+                .zeros((tail_blocks * layout.tail_block_bytes()).max(1))?,
+        })
+    }
+
+    /// Copies the device pools back (sealed, tail).
+    pub fn download(&self, kv: &DeviceKv<B>) -> Result<(Vec<u8>, Vec<u8>), KernelError> {
+        Ok((
+            self.backend.download(&kv.sealed)?,
+            self.backend.download(&kv.tail)?,
+        ))
+    }
+
+    /// Decode attention (one query token per sequence) on the device. `q` is
+    /// `seqs.len() × n_heads × head_dim`; partitions of `partition_tokens`
+    /// split long contexts (0 = one partition), reduced by a second kernel.
+    /// Returns the output, same shape as `q`.
+    pub fn decode(
+        &self,
+        kv: &DeviceKv<B>,
+        seqs: &[&SeqKv],
+        q: &[f32],
+        n_heads: usize,
+        scale: f32,
+        partition_tokens: usize,
+    ) -> Result<Vec<f32>, KernelError> {
+        let run = self.prepare_decode(kv, seqs, q, n_heads, scale, partition_tokens)?;
+        run.launch(self, kv)?;
+        run.output(self)
+    }
+
+    /// Uploads everything a decode call needs; [`DecodeRun::launch`] then only
+    /// launches (what the benchmark times).
+    pub fn prepare_decode(
+        &self,
+        kv: &DeviceKv<B>,
+        seqs: &[&SeqKv],
+        q: &[f32],
+        n_heads: usize,
+        scale: f32,
+        partition_tokens: usize,
+    ) -> Result<DecodeRun<B>, KernelError> {
+        let l = kv.layout;
+        let d = l.head_dim;
+        if d != 64 && d != 128 {
+            return Err(KernelError::Layout(format!(
+                "the CUDA kernels are built for head dimensions 64 and 128, not {d}"
+            )));
+        }
+        if !n_heads.is_multiple_of(l.kv_heads) || n_heads / l.kv_heads > MAX_GROUP {
+            return Err(KernelError::Shape(format!(
+                "{n_heads} query heads over {} KV heads (at most {MAX_GROUP} per KV head on CUDA)",
+                l.kv_heads
+            )));
+        }
+        if q.len() != seqs.len() * n_heads * d || seqs.is_empty() {
+            return Err(KernelError::Shape(format!(
+                "q has {} values for {} sequences",
+                q.len(),
+                seqs.len()
+            )));
+        }
+        let (name, kg, vg) = codec_names(&l)?;
+        let max_len = seqs.iter().map(|s| s.len).max().unwrap_or(0);
+        if seqs
+            .iter()
+            .any(|s| s.len == 0 || s.blocks() != s.len.div_ceil(l.block_tokens))
+        {
+            return Err(KernelError::Shape(
+                "every sequence needs tokens and a matching block table".into(),
+            ));
+        }
+        let part = if partition_tokens == 0 {
+            max_len
+        } else {
+            partition_tokens.min(max_len)
+        };
+        if part > MAX_PARTITION_TOKENS {
+            return Err(KernelError::Shape(format!(
+                "partitions of {part} tokens exceed the kernel's shared memory; split with partition_tokens ≤ {MAX_PARTITION_TOKENS}"
+            )));
+        }
+        let p = max_len.div_ceil(part);
+        let mut qh = q.to_vec();
+        for row in qh.chunks_exact_mut(d) {
+            for x in row.iter_mut() {
+                *x *= scale;
+            }
+            if l.rotate_k {
+                hadamard(row);
+            }
+        }
+        let max_sealed = seqs
+            .iter()
+            .map(|s| s.sealed.len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let max_tail = seqs.iter().map(|s| s.tail.len()).max().unwrap_or(0).max(1);
+        let mut sealed_tab = vec![0u32; seqs.len() * max_sealed];
+        let mut tail_tab = vec![0u32; seqs.len() * max_tail];
+        for (i, s) in seqs.iter().enumerate() {
+            sealed_tab[i * max_sealed..i * max_sealed + s.sealed.len()].copy_from_slice(&s.sealed);
+            tail_tab[i * max_tail..i * max_tail + s.tail.len()].copy_from_slice(&s.tail);
+        }
+        let lens: Vec<i32> = seqs.iter().map(|s| s.len as i32).collect();
+        let n_sealed: Vec<i32> = seqs.iter().map(|s| s.sealed.len() as i32).collect();
+        let rows = seqs.len() * n_heads;
+        let b = &self.backend;
+        Ok(DecodeRun {
+            kernel: format!("siliceo_attn_decode_{name}_d{d}"),
+            out: b.zeros(rows * d * 4)?,
+            part_m: b.zeros(rows * p * 4)?,
+            part_l: b.zeros(rows * p * 4)?,
+            part_acc: b.zeros(rows * p * d * 4)?,
+            q: b.upload(&f32_bytes(&qh))?,
+            sealed_tab: b.upload(&u32_bytes(&sealed_tab))?,
+            tail_tab: b.upload(&u32_bytes(&tail_tab))?,
+            lens: b.upload(&i32_bytes(&lens))?,
+            n_sealed: b.upload(&i32_bytes(&n_sealed))?,
+            ints: [
+                max_sealed as i32,
+                max_tail as i32,
+                n_heads as i32,
+                l.kv_heads as i32,
+                l.block_tokens as i32,
+                kg,
+                vg,
+                part as i32,
+                p as i32,
+            ],
+            seqs: seqs.len(),
+            d,
+        })
+    }
+
+    /// Writes `n` new tokens' K and V (`n × kv_heads × head_dim` f32 each)
+    /// into the F16 tail: token `i` goes to row `rows[i]` of tail block
+    /// `blocks[i]`.
+    pub fn append(
+        &self,
+        kv: &mut DeviceKv<B>,
+        k: &[f32],
+        v: &[f32],
+        blocks: &[u32],
+        rows: &[i32],
+    ) -> Result<(), KernelError> {
+        let l = kv.layout;
+        let n = blocks.len();
+        if k.len() != n * l.kv_heads * l.head_dim || v.len() != k.len() || rows.len() != n {
+            return Err(KernelError::Shape(
+                "append: K, V, blocks and rows disagree".into(),
+            ));
+        }
+        if blocks
+            .iter()
+            .any(|&b| (b as usize + 1) * l.tail_block_bytes() > B::buf_len(&kv.tail))
+        {
+            return Err(KernelError::Shape(
+                "append: a tail block index is outside the pool".into(),
+            ));
+        }
+        if rows.iter().any(|&r| r < 0 || r as usize >= l.block_tokens) {
+            return Err(KernelError::Shape(
+                "append: a row is outside the block".into(),
+            ));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let b = &self.backend;
+        let (dk, dv) = (b.upload(&f32_bytes(k))?, b.upload(&f32_bytes(v))?);
+        let (db, dr) = (b.upload(&u32_bytes(blocks))?, b.upload(&i32_bytes(rows))?);
+        let total = (n * l.kv_heads * l.head_dim) as u32;
+        let launch = Launch {
+            grid: (total.div_ceil(256), 1, 1),
+            block: 256,
+            shared_bytes: 0,
+        };
+        let args = [
+            Arg::Buf(&kv.tail),
+            Arg::Buf(&dk),
+            Arg::Buf(&dv),
+            Arg::Buf(&db),
+            Arg::Buf(&dr),
+            Arg::I32(n as i32),
+            Arg::I32(l.kv_heads as i32),
+            Arg::I32(l.head_dim as i32),
+            Arg::I32(l.block_tokens as i32),
+        ];
+        // SAFETY: the arguments match `siliceo_kv_append` in paged_attention.cu;
+        // it runs n·kv_heads·head_dim threads (the rest return) and writes row
+        // rows[i] < block_tokens of tail block blocks[i], both checked above.
+        unsafe { b.launch("siliceo_kv_append", launch, &args) }?;
+        b.synchronize()
+    }
+
+    /// Quantizes tail block `src` (full, F16) into sealed block `dst` with the
+    /// layout's codecs (the tail block ageing out).
+    pub fn seal(&self, kv: &mut DeviceKv<B>, src: u32, dst: u32) -> Result<(), KernelError> {
+        let l = kv.layout;
+        if (src as usize + 1) * l.tail_block_bytes() > B::buf_len(&kv.tail)
+            || (dst as usize + 1) * l.block_bytes() > B::buf_len(&kv.sealed)
+        {
+            return Err(KernelError::Shape(
+                "seal: block index outside the pool".into(),
+            ));
+        }
+        let (name, kg, vg) = codec_names(&l)?;
+        let launch = Launch {
+            grid: (l.kv_heads as u32, 2, 1),
+            block: 128,
+            shared_bytes: (l.block_tokens * l.head_dim) as u32,
+        };
+        let args = [
+            Arg::Buf(&kv.sealed),
+            Arg::Buf(&kv.tail),
+            Arg::U32(src),
+            Arg::U32(dst),
+            Arg::I32(l.kv_heads as i32),
+            Arg::I32(l.head_dim as i32),
+            Arg::I32(l.block_tokens as i32),
+            Arg::I32(kg),
+            Arg::I32(vg),
+        ];
+        // SAFETY: the arguments match `siliceo_kv_seal_*`; both blocks were
+        // checked against the pools above.
+        unsafe {
+            self.backend
+                .launch(&format!("siliceo_kv_seal_{name}"), launch, &args)
+        }?;
+        self.backend.synchronize()
+    }
+}
+
+/// A decode call with its inputs on the device, ready to launch again and
+/// again (the benchmark times [`DecodeRun::enqueue`]).
+#[derive(Debug)]
+pub struct DecodeRun<B: Backend> {
+    kernel: String,
+    out: B::Buf,
+    part_m: B::Buf,
+    part_l: B::Buf,
+    part_acc: B::Buf,
+    q: B::Buf,
+    sealed_tab: B::Buf,
+    tail_tab: B::Buf,
+    lens: B::Buf,
+    n_sealed: B::Buf,
+    ints: [i32; 9],
+    seqs: usize,
+    d: usize,
+}
+
+impl<B: Backend> DecodeRun<B> {
+    /// Grid, block and shared memory of the decode kernel.
+    pub fn decode_launch(&self) -> Launch {
+        let [_, _, _, kvh, _, _, _, part, p] = self.ints;
+        let d = self.d;
+        Launch {
+            grid: (kvh as u32, self.seqs as u32, p as u32),
+            block: (WARPS * 32) as u32,
+            shared_bytes: ((MAX_GROUP * d + MAX_GROUP * part as usize + WARPS * MAX_GROUP * d) * 4)
+                as u32,
+        }
+    }
+
+    /// Partitions per sequence (1: no reduction kernel).
+    pub fn partitions(&self) -> usize {
+        self.ints[8] as usize
+    }
+
+    /// Queues the decode kernel (and the reduction when there are several
+    /// partitions) without waiting.
+    pub fn enqueue(&self, k: &Kernels<B>, kv: &DeviceKv<B>) -> Result<(), KernelError> {
+        let [max_sealed, max_tail, h, kvh, t, kg, vg, part, p] = self.ints;
+        let args = [
+            Arg::Buf(&self.out),
+            Arg::Buf(&self.part_m),
+            Arg::Buf(&self.part_l),
+            Arg::Buf(&self.part_acc),
+            Arg::Buf(&self.q),
+            Arg::Buf(&kv.sealed),
+            Arg::Buf(&kv.tail),
+            Arg::Buf(&self.sealed_tab),
+            Arg::Buf(&self.tail_tab),
+            Arg::Buf(&self.lens),
+            Arg::Buf(&self.n_sealed),
+            Arg::I32(max_sealed),
+            Arg::I32(max_tail),
+            Arg::I32(h),
+            Arg::I32(kvh),
+            Arg::I32(t),
+            Arg::I32(kg),
+            Arg::I32(vg),
+            Arg::I32(part),
+            Arg::I32(p),
+        ];
+        // SAFETY: the arguments match `siliceo_attn_decode_*` in
+        // paged_attention.cu; tables, lengths and pools were built from the
+        // same store and layout, so every block index is inside the pools.
+        unsafe { k.backend.launch(&self.kernel, self.decode_launch(), &args) }?;
+        if p > 1 {
+            let args = [
+                Arg::Buf(&self.out),
+                Arg::Buf(&self.part_m),
+                Arg::Buf(&self.part_l),
+                Arg::Buf(&self.part_acc),
+                Arg::I32(h),
+                Arg::I32(self.d as i32),
+                Arg::I32(p),
+            ];
+            let launch = Launch {
+                grid: (h as u32, self.seqs as u32, 1),
+                block: self.d as u32,
+                shared_bytes: 0,
+            };
+            // SAFETY: arguments match `siliceo_attn_reduce`; buffers sized rows × P (× D).
+            unsafe { k.backend.launch("siliceo_attn_reduce", launch, &args) }?;
+        }
+        Ok(())
+    }
+
+    /// Launches and waits.
+    pub fn launch(&self, k: &Kernels<B>, kv: &DeviceKv<B>) -> Result<(), KernelError> {
+        self.enqueue(k, kv)?;
+        k.backend.synchronize()
+    }
+
+    /// The output of the last launch (`seqs × n_heads × head_dim`).
+    pub fn output(&self, k: &Kernels<B>) -> Result<Vec<f32>, KernelError> {
+        Ok(bytes_f32(&k.backend.download(&self.out)?))
+    }
+}

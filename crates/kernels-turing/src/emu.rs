@@ -1,0 +1,183 @@
+//! The CUDA kernels of `kernels/paged_attention.cu` run on the CPU (feature
+//! `cuda-emu`): the `.cu` source itself, compiled as C++ against a small
+//! emulation of the CUDA features it uses (`kernels/emu`). A CTA's threads are
+//! fibers switched at `__syncthreads` and warp shuffles, CTAs run one after
+//! another, device buffers end at a guard page (a kernel that runs past a
+//! buffer's end faults), and a launch whose arguments do not match the
+//! kernel's parameters, that asks for more than sm_75's 64 KiB of dynamic
+//! shared memory, or whose threads deadlock is an error.
+//!
+//! What this checks: the kernels' indexing, bit layouts, reductions and
+//! partition merging, and the host code of [`crate::device`] (the same code
+//! drives the GPU). What it cannot: speed, coalescing, occupancy, register
+//! pressure, or races the GPU's memory model would expose. It is slow (a few
+//! microseconds per thread switch): for tests, not for serving.
+//!
+//! ```
+//! use siliceo_kernels_turing::emu::EmuKernels;
+//! use siliceo_kernels_turing::{KvLayout, KvStore, SeqKv};
+//! let k = EmuKernels::emulated();
+//! let layout = KvLayout::preset("k5v4", 2, 64).unwrap();
+//! let mut store = KvStore::new(layout, 4, 2).unwrap();
+//! let mut seq = SeqKv::default();
+//! let kv: Vec<f32> = (0..80 * 2 * 64).map(|i| ((i % 13) as f32 - 6.0) / 6.0).collect();
+//! store.append(&mut seq, &kv, &kv).unwrap();
+//! let dev = k.upload(&store).unwrap();
+//! let q = vec![0.1f32; 4 * 64];
+//! let out = k.decode(&dev, &[&seq], &q, 4, 0.125, 0).unwrap();
+//! assert_eq!(out.len(), q.len());
+//! ```
+
+use std::ffi::{CString, c_char, c_void};
+use std::ptr::NonNull;
+
+use crate::KernelError;
+use crate::device::{Arg, Backend, Kernels, Launch};
+
+unsafe extern "C" {
+    fn siliceo_emu_alloc(bytes: usize) -> *mut c_void;
+    fn siliceo_emu_free(p: *mut c_void, bytes: usize);
+    fn siliceo_emu_launch(
+        name: *const c_char,
+        gx: u32,
+        gy: u32,
+        gz: u32,
+        bx: u32,
+        shared_bytes: usize,
+        args: *mut *mut c_void,
+        kinds: *const c_char,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> i32;
+}
+
+/// The kernels run by the CPU emulator.
+pub type EmuKernels = Kernels<Emulator>;
+
+impl Kernels<Emulator> {
+    /// The kernels on the CPU emulator.
+    pub fn emulated() -> EmuKernels {
+        Kernels::from_backend(Emulator { _private: () })
+    }
+}
+
+/// The CPU emulator: the [`Backend`] of [`EmuKernels`]. Launches run at once,
+/// on the calling thread.
+#[derive(Debug)]
+pub struct Emulator {
+    _private: (),
+}
+
+/// A buffer of the emulator: host memory that ends at a guard page.
+#[derive(Debug)]
+pub struct EmuBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+impl Drop for EmuBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated by siliceo_emu_alloc with this length, freed once.
+        unsafe { siliceo_emu_free(self.ptr.as_ptr().cast(), self.len) }
+    }
+}
+
+impl EmuBuf {
+    fn new(len: usize) -> Result<EmuBuf, KernelError> {
+        let len = len.max(1);
+        // SAFETY: plain allocation; null is checked.
+        let p = unsafe { siliceo_emu_alloc(len) };
+        NonNull::new(p.cast::<u8>())
+            .map(|ptr| EmuBuf { ptr, len })
+            .ok_or_else(|| KernelError::Cuda(format!("emulator: cannot allocate {len} bytes")))
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `len` bytes allocated (zero-filled by mmap) and owned by self.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and borrowed mutably through self.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Backend for Emulator {
+    type Buf = EmuBuf;
+
+    fn upload(&self, bytes: &[u8]) -> Result<EmuBuf, KernelError> {
+        let mut b = EmuBuf::new(bytes.len())?;
+        b.bytes_mut()[..bytes.len()].copy_from_slice(bytes);
+        Ok(b)
+    }
+
+    fn zeros(&self, bytes: usize) -> Result<EmuBuf, KernelError> {
+        EmuBuf::new(bytes)
+    }
+
+    fn download(&self, buf: &EmuBuf) -> Result<Vec<u8>, KernelError> {
+        Ok(buf.bytes().to_vec())
+    }
+
+    fn buf_len(buf: &EmuBuf) -> usize {
+        buf.len
+    }
+
+    unsafe fn launch(
+        &self,
+        kernel: &str,
+        launch: Launch,
+        args: &[Arg<'_, EmuBuf>],
+    ) -> Result<(), KernelError> {
+        // Values the argument pointers point at: a device pointer or a
+        // 32-bit integer each, as cuLaunchKernel takes them.
+        let mut values: Vec<u64> = args
+            .iter()
+            .map(|a| match a {
+                Arg::Buf(b) => b.ptr.as_ptr() as u64,
+                Arg::I32(x) => u64::from(*x as u32),
+                Arg::U32(x) => u64::from(*x),
+            })
+            .collect();
+        let mut ptrs: Vec<*mut c_void> =
+            values.iter_mut().map(|v| (v as *mut u64).cast()).collect();
+        let kinds: String = args.iter().map(Arg::kind).collect();
+        let (name, kinds) = (
+            CString::new(kernel).map_err(|_| KernelError::Cuda("kernel name with NUL".into()))?,
+            CString::new(kinds).expect("kinds are ASCII letters"),
+        );
+        let mut err = vec![0u8; 512];
+        // SAFETY: every pointer points into `values`, alive for the call; the
+        // emulator checks the kinds against the kernel's parameters (a 32-bit
+        // integer is read from the low half of its u64, this is a
+        // little-endian host); the caller guarantees the kernel's addresses
+        // stay inside the buffers.
+        let rc = unsafe {
+            siliceo_emu_launch(
+                name.as_ptr(),
+                launch.grid.0,
+                launch.grid.1,
+                launch.grid.2,
+                launch.block,
+                launch.shared_bytes as usize,
+                ptrs.as_mut_ptr(),
+                kinds.as_ptr(),
+                err.as_mut_ptr().cast(),
+                err.len(),
+            )
+        };
+        if rc == 0 {
+            return Ok(());
+        }
+        let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
+        Err(KernelError::Cuda(format!(
+            "emulator: {}",
+            String::from_utf8_lossy(&err[..end])
+        )))
+    }
+
+    fn synchronize(&self) -> Result<(), KernelError> {
+        Ok(())
+    }
+}

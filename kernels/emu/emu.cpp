@@ -1,0 +1,291 @@
+// Runs the kernels of kernels/paged_attention.cu on the CPU (see cuda_fp16.h
+// here for the model and its limits). Built by crates/kernels-turing's
+// build.rs under the `cuda-emu` feature; the Rust side is src/emu.rs, which
+// drives the same host code as the CUDA backend.
+//
+// C interface:
+//   siliceo_emu_alloc / siliceo_emu_free   buffers that end at a guard page,
+//       so a kernel reading or writing past the end faults at once;
+//   siliceo_emu_launch                     one launch: grid × block threads,
+//       arguments as cuLaunchKernel takes them (an array of pointers to the
+//       values) plus their kinds ('p' pointer, 'i' int, 'u' unsigned), which
+//       must match the kernel's signature.
+#include "paged_attention.cu"
+
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace emu {
+
+thread_local dim3 block_idx, block_dim, grid_dim;
+thread_local void* dynamic_shared_memory = nullptr;
+
+void* dynamic_shared() { return dynamic_shared_memory; }
+
+namespace {
+
+constexpr size_t STACK_BYTES = 256 * 1024;
+constexpr unsigned MAX_THREADS = 1024;
+
+struct Fiber {
+    ucontext_t ctx;
+    dim3 tid;
+    bool done;
+    std::vector<char> stack;
+};
+
+struct Cta {
+    std::vector<Fiber> fibers;
+    ucontext_t scheduler;
+    Fiber* current = nullptr;
+    unsigned live = 0;
+    unsigned bar_count = 0, bar_gen = 0;
+    unsigned warp_count[MAX_THREADS / 32] = {}, warp_gen[MAX_THREADS / 32] = {};
+    float warp_slots[MAX_THREADS / 32][32] = {};
+    unsigned long progress = 0;
+    void (*body)(void*) = nullptr;
+    void* body_arg = nullptr;
+    std::string error;
+};
+
+thread_local Cta* cta = nullptr;
+
+void yield_to_scheduler() { swapcontext(&cta->current->ctx, &cta->scheduler); }
+
+void fail(const std::string& what) {
+    if (cta->error.empty()) cta->error = what;
+}
+
+void fiber_entry() {
+    cta->body(cta->body_arg);
+    cta->current->done = true;
+    cta->live--;
+    cta->progress++;
+    // Threads that have exited no longer count at __syncthreads.
+    if (cta->bar_count > 0 && cta->bar_count == cta->live) {
+        cta->bar_count = 0;
+        cta->bar_gen++;
+    }
+    // uc_link returns to the scheduler.
+}
+
+void warp_barrier(unsigned warp) {
+    unsigned lanes = std::min(32u, block_dim.x - warp * 32);
+    unsigned gen = cta->warp_gen[warp];
+    cta->progress++;
+    if (++cta->warp_count[warp] == lanes) {
+        cta->warp_count[warp] = 0;
+        cta->warp_gen[warp]++;
+        return;
+    }
+    while (cta->warp_gen[warp] == gen && cta->error.empty()) yield_to_scheduler();
+}
+
+}  // namespace
+
+dim3 thread_idx() { return cta->current->tid; }
+
+void sync_threads() {
+    unsigned gen = cta->bar_gen;
+    cta->progress++;
+    if (++cta->bar_count == cta->live) {
+        cta->bar_count = 0;
+        cta->bar_gen++;
+        return;
+    }
+    while (cta->bar_gen == gen && cta->error.empty()) yield_to_scheduler();
+}
+
+float shfl_xor(unsigned mask, float x, int lane_mask) {
+    if (mask != 0xffffffffu) fail("__shfl_xor_sync with a partial mask is not emulated");
+    unsigned t = cta->current->tid.x, warp = t / 32, lane = t % 32;
+    if (lane_mask < 0 || lane_mask > 31 || (block_dim.x - warp * 32) < 32) {
+        fail("__shfl_xor_sync in a partial warp or with a lane mask outside 0..31");
+        return x;
+    }
+    cta->warp_slots[warp][lane] = x;
+    warp_barrier(warp);
+    float r = cta->warp_slots[warp][lane ^ (unsigned)lane_mask];
+    warp_barrier(warp);
+    return r;
+}
+
+// Runs one CTA to completion; false (and cta->error) on a deadlock.
+static bool run_cta(Cta& c, unsigned threads) {
+    c.live = threads;
+    c.bar_count = 0;
+    for (auto& n : c.warp_count) n = 0;
+    for (unsigned i = 0; i < threads; i++) {
+        Fiber& f = c.fibers[i];
+        f.tid = {i, 0, 0};
+        f.done = false;
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = f.stack.data();
+        f.ctx.uc_stack.ss_size = f.stack.size();
+        f.ctx.uc_link = &c.scheduler;
+        makecontext(&f.ctx, fiber_entry, 0);
+    }
+    for (;;) {
+        unsigned long before = c.progress;
+        bool any = false;
+        for (unsigned i = 0; i < threads; i++) {
+            Fiber& f = c.fibers[i];
+            if (f.done) continue;
+            any = true;
+            c.current = &f;
+            swapcontext(&c.scheduler, &f.ctx);
+            if (!c.error.empty()) return false;
+        }
+        if (!any) return true;
+        if (c.progress == before) {
+            c.error = "deadlock: every live thread waits at a barrier or shuffle that cannot complete";
+            return false;
+        }
+    }
+}
+
+}  // namespace emu
+
+namespace {
+
+struct Entry {
+    const char* name;
+    std::string kinds;
+    void (*invoke)(const void* f, void** args);
+    const void* f;
+};
+
+template <class T>
+constexpr char kind() {
+    if constexpr (std::is_pointer_v<T>) return 'p';
+    else if constexpr (std::is_same_v<T, int>) return 'i';
+    else if constexpr (std::is_same_v<T, unsigned>) return 'u';
+    else static_assert(sizeof(T) == 0, "argument type not emulated");
+}
+
+template <class... A, size_t... I>
+void call(void (*f)(A...), void** args, std::index_sequence<I...>) {
+    f(*static_cast<A*>(args[I])...);
+}
+
+template <class... A>
+Entry entry(const char* name, void (*f)(A...)) {
+    return Entry{name, std::string{kind<A>()...},
+                 [](const void* fp, void** args) {
+                     call(reinterpret_cast<void (*)(A...)>(const_cast<void*>(fp)), args,
+                          std::index_sequence_for<A...>{});
+                 },
+                 reinterpret_cast<const void*>(f)};
+}
+
+#define KERNEL(name) entry(#name, &name)
+
+const Entry ENTRIES[] = {
+    KERNEL(siliceo_attn_decode_f16_f16_d64),
+    KERNEL(siliceo_attn_decode_f16_f16_d128),
+    KERNEL(siliceo_attn_decode_kv8_kv8_d64),
+    KERNEL(siliceo_attn_decode_kv8_kv8_d128),
+    KERNEL(siliceo_attn_decode_k5_v4_d64),
+    KERNEL(siliceo_attn_decode_k5_v4_d128),
+    KERNEL(siliceo_attn_reduce),
+    KERNEL(siliceo_kv_append),
+    KERNEL(siliceo_kv_seal_f16_f16),
+    KERNEL(siliceo_kv_seal_kv8_kv8),
+    KERNEL(siliceo_kv_seal_k5_v4),
+};
+
+struct Launch {
+    const Entry* e;
+    void** args;
+};
+
+void run_body(void* p) {
+    auto* l = static_cast<Launch*>(p);
+    l->e->invoke(l->e->f, l->args);
+}
+
+int report(char* err, size_t len, const std::string& what) {
+    if (err && len) std::snprintf(err, len, "%s", what.c_str());
+    return 1;
+}
+
+}  // namespace
+
+extern "C" void* siliceo_emu_alloc(size_t bytes) {
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    size_t rounded = (bytes + 15) / 16 * 16;
+    size_t data = (rounded + page - 1) / page * page;
+    if (data == 0) data = page;
+    void* base = mmap(nullptr, data + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) return nullptr;
+    char* guard = static_cast<char*>(base) + data;
+    if (mprotect(guard, page, PROT_NONE) != 0) {
+        munmap(base, data + page);
+        return nullptr;
+    }
+    return guard - rounded;
+}
+
+extern "C" void siliceo_emu_free(void* p, size_t bytes) {
+    if (!p) return;
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    size_t rounded = (bytes + 15) / 16 * 16;
+    size_t data = (rounded + page - 1) / page * page;
+    if (data == 0) data = page;
+    char* guard = static_cast<char*>(p) + rounded;
+    munmap(guard - data, data + page);
+}
+
+extern "C" int siliceo_emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                                  size_t smem_bytes, void** args, const char* kinds, char* err, size_t err_len) {
+    const Entry* e = nullptr;
+    for (const Entry& x : ENTRIES)
+        if (std::string(x.name) == name) e = &x;
+    if (!e) return report(err, err_len, std::string("no kernel named ") + name);
+    if (e->kinds != kinds)
+        return report(err, err_len,
+                      std::string(name) + ": arguments " + kinds + " do not match the kernel's " + e->kinds);
+    if (bx == 0 || bx > emu::MAX_THREADS || gx == 0 || gy == 0 || gz == 0)
+        return report(err, err_len, "launch: empty grid or block, or a block over 1024 threads");
+    // Dynamic shared memory: the 64 KiB a CTA may opt into on Turing (sm_75),
+    // the smallest target; it ends at a guard page like the buffers.
+    constexpr size_t EMU_SMEM_BYTES = 64 * 1024;
+    if (smem_bytes > EMU_SMEM_BYTES)
+        return report(err, err_len,
+                      std::to_string(smem_bytes) + " bytes of dynamic shared memory: over sm_75's 64 KiB");
+    emu::Cta c;
+    c.fibers.resize(bx);
+    for (auto& f : c.fibers) f.stack.resize(emu::STACK_BYTES);
+    Launch l{e, args};
+    c.body = run_body;
+    c.body_arg = &l;
+    void* shared = siliceo_emu_alloc(smem_bytes);
+    if (!shared) return report(err, err_len, "cannot allocate the shared memory");
+    emu::Cta* saved = emu::cta;
+    void* saved_shared = emu::dynamic_shared_memory;
+    emu::dynamic_shared_memory = shared;
+    emu::cta = &c;
+    emu::block_dim = {bx, 1, 1};
+    emu::grid_dim = {gx, gy, gz};
+    bool ok = true;
+    for (unsigned z = 0; z < gz && ok; z++)
+        for (unsigned y = 0; y < gy && ok; y++)
+            for (unsigned x = 0; x < gx && ok; x++) {
+                emu::block_idx = {x, y, z};
+                std::memset(shared, 0xff, smem_bytes);  // shared memory starts as garbage
+                ok = emu::run_cta(c, bx);
+            }
+    emu::cta = saved;
+    emu::dynamic_shared_memory = saved_shared;
+    siliceo_emu_free(shared, smem_bytes);
+    if (!ok) return report(err, err_len, std::string(name) + ": " + c.error);
+    return 0;
+}
