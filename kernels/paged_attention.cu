@@ -7,9 +7,10 @@
 // Hadamard-rotated when the layout rotates K) from the host.
 //
 // Kernels (extern "C", names stable; the Rust loader in cuda.rs uses them):
-//   siliceo_attn_decode_<k>_<v>_d<D>  one query token per sequence; grid
-//       (kv_heads, sequences, partitions), 128 threads; each CTA serves the
-//       query heads of one KV head over one partition of the context. With one
+//   siliceo_attn_decode_<k>_<v>_d<D>_g<GT>  one query token per sequence;
+//       grid (kv_heads, sequences, partitions), 128 threads; each CTA serves
+//       the G ≤ GT query heads of one KV head over one partition of the
+//       context (GT = 1, 2, 4, 8: G rounded up to a power of two). With one
 //       partition it writes the output, else partial (max, sum, acc) rows.
 //   siliceo_attn_reduce               merges the partitions of each head.
 //   siliceo_kv_append                 writes new K/V rows (f32) into tail
@@ -30,7 +31,6 @@
 
 #define WARPS 4
 #define THREADS (WARPS * 32)
-#define G_MAX 8
 #define F16 0
 #define KV8 1
 #define K5 2
@@ -82,43 +82,32 @@ struct Tables {
     int max_sealed, max_tail;
 };
 
-// Dot product of K row `t` of a segment with the G query rows in shared
-// memory; lanes split the channels, half2 loads for F16.
-template <int D, int C>
-__device__ __forceinline__ void k_dots(const uint8_t* seg, int T, int g, int t, const float* qs, int G,
-                                       float* acc) {
-    const int lane = threadIdx.x & 31;
+// Eight consecutive channels c0..c0+7 of row `t` of a segment, dequantized
+// (fused into the attention loops). F16 is one 16-byte load and KV8 one
+// 8-byte load plus the group's scale (groups are a multiple of 8 channels);
+// K5 and V4 gather their bit planes per channel.
+template <int C>
+__device__ __forceinline__ void row8(const uint8_t* seg, int T, int D, int g, int t, int c0, float* x) {
     if (C == F16) {
-        const __half2* row = reinterpret_cast<const __half2*>(seg) + t * (D / 2);
+        uint4 u = *reinterpret_cast<const uint4*>(seg + ((size_t)t * D + c0) * 2);
+        const __half2* h = reinterpret_cast<const __half2*>(&u);
 #pragma unroll
-        for (int i = lane; i < D / 2; i += 32) {
-            float2 k = __half22float2(row[i]);
-            for (int q = 0; q < G; q++) acc[q] += qs[q * D + 2 * i] * k.x + qs[q * D + 2 * i + 1] * k.y;
+        for (int i = 0; i < 4; i++) {
+            float2 f = __half22float2(h[i]);
+            x[2 * i] = f.x;
+            x[2 * i + 1] = f.y;
         }
+    } else if (C == KV8) {
+        const __half* scales = reinterpret_cast<const __half*>(seg);
+        const float sc = __half2float(scales[t * (D / g) + c0 / g]);
+        uint2 u = *reinterpret_cast<const uint2*>(seg + T * (D / g) * 2 + (size_t)t * D + c0);
+        const int8_t* b = reinterpret_cast<const int8_t*>(&u);
+#pragma unroll
+        for (int i = 0; i < 8; i++) x[i] = sc * (float)b[i];
     } else {
 #pragma unroll
-        for (int c = lane; c < D; c += 32) {
-            float k = elem<C>(seg, T, D, g, t, c);
-            for (int q = 0; q < G; q++) acc[q] += qs[q * D + c] * k;
-        }
+        for (int i = 0; i < 8; i++) x[i] = elem<C>(seg, T, D, g, t, c0 + i);
     }
-}
-
-template <int D, int C>
-__device__ __forceinline__ void v_accum(const uint8_t* seg, int T, int g, int t, const float* w, int G,
-                                        float (*acc)[D / 32]) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int i = 0; i < D / 32; i++) {
-        float v = elem<C>(seg, T, D, g, t, lane + 32 * i);
-        for (int q = 0; q < G; q++) acc[q][i] += w[q] * v;
-    }
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
 }
 
 __device__ __forceinline__ float warp_max(float x) {
@@ -127,51 +116,103 @@ __device__ __forceinline__ float warp_max(float x) {
     return x;
 }
 
-// Shared memory: qs[G_MAX][D] | scores[G_MAX][part_tokens] | red[WARPS][G_MAX][D]
-template <int D, int KC, int VC>
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+// Where token `tok` of sequence `s` lives: the K segment of KV head `kh` in
+// its sealed or tail block, and whether that block is sealed.
+__device__ __forceinline__ const uint8_t* k_segment(const Tables& tb, int s, int kh, int tok, int T, int ns,
+                                                   int sealed_bb, int ksb, int vsb, int tail_bb, int tail_seg,
+                                                   bool* sealed) {
+    const int b = tok / T;
+    *sealed = b < ns;
+    if (*sealed) return tb.sealed + (size_t)tb.sealed_tab[s * tb.max_sealed + b] * sealed_bb + kh * (ksb + vsb);
+    return tb.tail + (size_t)tb.tail_tab[s * tb.max_tail + (b - ns)] * tail_bb + kh * 2 * tail_seg;
+}
+
+// Decode attention for one KV head of one sequence over one partition of
+// its context, for the GT (≥ G, a power of two) query heads that share the
+// KV head; every loop over heads is unrolled so per-head values stay in
+// registers.
+//
+// A token's row is read by LPT = D/8 lanes, eight channels each (one 16-byte
+// load for F16); a warp covers TPW = 32/LPT tokens per load and keeps U such
+// loads in flight before using them. Scores go to shared memory, then the
+// softmax over the partition (a warp per head), then V the same way as K,
+// summed over a warp's token groups by shuffles and over warps in shared
+// memory.
+//
+// Shared memory: qs[GT][D] | scores[GT][part_tokens] | red[WARPS][GT][D].
+template <int D, int KC, int VC, int GT>
 __device__ void attn_decode(float* out, float* part_m, float* part_l, float* part_acc, const float* q,
                             Tables tb, int H, int KVH, int T, int kg, int vg, int part_tokens, int P) {
+    constexpr int LPT = D / 8, TPW = 32 / LPT, U = GT >= 8 ? 2 : 4, STEP = WARPS * TPW * U;
     DYNAMIC_SHARED(float, smem);
+    float* qs = smem;
+    float* sc = qs + GT * D;
+    float* red = sc + GT * part_tokens;
+    __shared__ float m_s[GT], l_s[GT];
+
     const int kh = blockIdx.x, s = blockIdx.y, p = blockIdx.z;
     const int G = H / KVH;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    float* qs = smem;
-    float* sc = qs + G_MAX * D;
-    float* red = sc + G_MAX * part_tokens;
-    __shared__ float m_s[G_MAX], l_s[G_MAX];
-
+    const int sub = lane / LPT, c0 = (lane % LPT) * 8;
     const int len = tb.seq_len[s];
     const int start = p * part_tokens;
-    const int end = min(len, start + part_tokens);
-    const int n = end - start;
+    const int n = max(0, min(len, start + part_tokens) - start);
     const int ns = tb.n_sealed[s];
     const int ksb = seg_bytes(KC, T, D, kg), vsb = seg_bytes(VC, T, D, vg);
     const int sealed_bb = KVH * (ksb + vsb), tail_seg = T * D * 2, tail_bb = KVH * 2 * tail_seg;
 
-    for (int i = threadIdx.x; i < G * D; i += THREADS) qs[i] = q[((size_t)s * H + kh * G) * D + i];
+    for (int i = threadIdx.x; i < GT * D; i += THREADS)
+        qs[i] = i < G * D ? q[((size_t)s * H + kh * G) * D + i] : 0.f;
     __syncthreads();
 
-    // Scores: a warp per token.
-    for (int j = warp; j < n; j += WARPS) {
-        int tok = start + j, b = tok / T, r = tok % T;
-        float acc[G_MAX];
-        for (int g = 0; g < G; g++) acc[g] = 0.f;
-        if (b < ns) {
-            const uint8_t* seg = tb.sealed + (size_t)tb.sealed_tab[s * tb.max_sealed + b] * sealed_bb + kh * (ksb + vsb);
-            k_dots<D, KC>(seg, T, kg, r, qs, G, acc);
-        } else {
-            const uint8_t* seg = tb.tail + (size_t)tb.tail_tab[s * tb.max_tail + (b - ns)] * tail_bb + kh * 2 * tail_seg;
-            k_dots<D, F16>(seg, T, 0, r, qs, G, acc);
+    float qr[GT][8];
+#pragma unroll
+    for (int g = 0; g < GT; g++)
+#pragma unroll
+        for (int i = 0; i < 8; i++) qr[g][i] = qs[g * D + c0 + i];
+
+    // Scores. The loop bound is the same for every lane of a warp (the
+    // shuffles need all 32); lanes past the end load nothing.
+    for (int base = 0; base < n; base += STEP) {
+        float k[U][8];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int j = base + (u * WARPS + warp) * TPW + sub;
+            if (j < n) {
+                bool sealed;
+                const uint8_t* seg =
+                    k_segment(tb, s, kh, start + j, T, ns, sealed_bb, ksb, vsb, tail_bb, tail_seg, &sealed);
+                if (sealed) row8<KC>(seg, T, D, kg, (start + j) % T, c0, k[u]);
+                else row8<F16>(seg, T, D, 0, (start + j) % T, c0, k[u]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; i++) k[u][i] = 0.f;
+            }
         }
-        for (int g = 0; g < G; g++) {
-            float x = warp_sum(acc[g]);
-            if (lane == 0) sc[g * part_tokens + j] = x;
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int j = base + (u * WARPS + warp) * TPW + sub;
+#pragma unroll
+            for (int g = 0; g < GT; g++) {
+                float x = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; i++) x += qr[g][i] * k[u][i];
+#pragma unroll
+                for (int o = LPT / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+                if (lane % LPT == 0 && j < n) sc[g * part_tokens + j] = x;
+            }
         }
     }
     __syncthreads();
 
     // Softmax over the partition: a warp per query head.
-    for (int g = warp; g < G; g += WARPS) {
+    for (int g = warp; g < GT; g += WARPS) {
         float m = -INFINITY;
         for (int j = lane; j < n; j += 32) m = fmaxf(m, sc[g * part_tokens + j]);
         m = warp_max(m);
@@ -189,29 +230,58 @@ __device__ void attn_decode(float* out, float* part_m, float* part_l, float* par
     }
     __syncthreads();
 
-    // V: a warp per token, lanes over channels; then the warps' sums are added.
-    float acc[G_MAX][D / 32];
-    for (int g = 0; g < G_MAX; g++)
-        for (int i = 0; i < D / 32; i++) acc[g][i] = 0.f;
-    for (int j = warp; j < n; j += WARPS) {
-        int tok = start + j, b = tok / T, r = tok % T;
-        float w[G_MAX];
-        for (int g = 0; g < G; g++) w[g] = sc[g * part_tokens + j];
-        if (b < ns) {
-            const uint8_t* seg = tb.sealed + (size_t)tb.sealed_tab[s * tb.max_sealed + b] * sealed_bb + kh * (ksb + vsb) + ksb;
-            v_accum<D, VC>(seg, T, vg, r, w, G, acc);
-        } else {
-            const uint8_t* seg = tb.tail + (size_t)tb.tail_tab[s * tb.max_tail + (b - ns)] * tail_bb + kh * 2 * tail_seg + tail_seg;
-            v_accum<D, F16>(seg, T, 0, r, w, G, acc);
+    // V: the same token mapping as K; acc holds this lane's eight channels.
+    float acc[GT][8];
+#pragma unroll
+    for (int g = 0; g < GT; g++)
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc[g][i] = 0.f;
+    for (int base = 0; base < n; base += STEP) {
+        float v[U][8];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int j = base + (u * WARPS + warp) * TPW + sub;
+            if (j < n) {
+                bool sealed;
+                const uint8_t* seg =
+                    k_segment(tb, s, kh, start + j, T, ns, sealed_bb, ksb, vsb, tail_bb, tail_seg, &sealed);
+                if (sealed) row8<VC>(seg + ksb, T, D, vg, (start + j) % T, c0, v[u]);
+                else row8<F16>(seg + tail_seg, T, D, 0, (start + j) % T, c0, v[u]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int j = base + (u * WARPS + warp) * TPW + sub;
+            if (j < n) {
+#pragma unroll
+                for (int g = 0; g < GT; g++) {
+                    const float w = sc[g * part_tokens + j];
+#pragma unroll
+                    for (int i = 0; i < 8; i++) acc[g][i] += w * v[u][i];
+                }
+            }
         }
     }
-    for (int g = 0; g < G; g++)
-        for (int i = 0; i < D / 32; i++) red[(warp * G_MAX + g) * D + lane + 32 * i] = acc[g][i];
+    // Sum the warp's TPW token groups (lanes with the same channels), then
+    // the warps through shared memory.
+#pragma unroll
+    for (int g = 0; g < GT; g++)
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+#pragma unroll
+            for (int o = LPT; o < 32; o <<= 1) acc[g][i] += __shfl_xor_sync(0xffffffffu, acc[g][i], o);
+    if (sub == 0) {
+#pragma unroll
+        for (int g = 0; g < GT; g++)
+#pragma unroll
+            for (int i = 0; i < 8; i++) red[(warp * GT + g) * D + c0 + i] = acc[g][i];
+    }
     __syncthreads();
     for (int x = threadIdx.x; x < G * D; x += THREADS) {
         int g = x / D, c = x % D;
         float v = 0.f;
-        for (int w = 0; w < WARPS; w++) v += red[(w * G_MAX + g) * D + c];
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) v += red[(w * GT + g) * D + c];
         size_t row = (size_t)s * H + kh * G + g;
         if (P == 1) {
             out[row * D + c] = v / l_s[g];
@@ -225,22 +295,28 @@ __device__ void attn_decode(float* out, float* part_m, float* part_l, float* par
     }
 }
 
-#define DECODE(NAME, KC, VC, D)                                                                              \
-    extern "C" __global__ void __launch_bounds__(THREADS) siliceo_attn_decode_##NAME##_d##D(                  \
+#define DECODE(NAME, KC, VC, D, GT)                                                                          \
+    extern "C" __global__ void __launch_bounds__(THREADS) siliceo_attn_decode_##NAME##_d##D##_g##GT(          \
         float* out, float* part_m, float* part_l, float* part_acc, const float* q, const uint8_t* sealed,      \
         const uint8_t* tail, const uint32_t* sealed_tab, const uint32_t* tail_tab, const int* seq_len,        \
         const int* n_sealed, int max_sealed, int max_tail, int H, int KVH, int T, int kg, int vg,             \
         int part_tokens, int P) {                                                                             \
         Tables tb = {sealed, tail, sealed_tab, tail_tab, seq_len, n_sealed, max_sealed, max_tail};            \
-        attn_decode<D, KC, VC>(out, part_m, part_l, part_acc, q, tb, H, KVH, T, kg, vg, part_tokens, P);     \
+        attn_decode<D, KC, VC, GT>(out, part_m, part_l, part_acc, q, tb, H, KVH, T, kg, vg, part_tokens, P); \
     }
 
-DECODE(f16_f16, F16, F16, 64)
-DECODE(f16_f16, F16, F16, 128)
-DECODE(kv8_kv8, KV8, KV8, 64)
-DECODE(kv8_kv8, KV8, KV8, 128)
-DECODE(k5_v4, K5, V4, 64)
-DECODE(k5_v4, K5, V4, 128)
+#define DECODE_GROUPS(NAME, KC, VC, D) \
+    DECODE(NAME, KC, VC, D, 1)         \
+    DECODE(NAME, KC, VC, D, 2)         \
+    DECODE(NAME, KC, VC, D, 4)         \
+    DECODE(NAME, KC, VC, D, 8)
+
+DECODE_GROUPS(f16_f16, F16, F16, 64)
+DECODE_GROUPS(f16_f16, F16, F16, 128)
+DECODE_GROUPS(kv8_kv8, KV8, KV8, 64)
+DECODE_GROUPS(kv8_kv8, KV8, KV8, 128)
+DECODE_GROUPS(k5_v4, K5, V4, 64)
+DECODE_GROUPS(k5_v4, K5, V4, 128)
 
 // Grid (H, S), D threads: merges P partial rows per head.
 extern "C" __global__ void siliceo_attn_reduce(float* out, const float* part_m, const float* part_l,

@@ -23,6 +23,9 @@ fn emu() {
         .include(root.join("emu"))
         .include(&root)
         .flag_if_supported("-Wno-unknown-pragmas")
+        // CUDA code reads vector loads through other types (a uint4 as
+        // four half2), which nvcc allows and C++'s aliasing rules do not.
+        .flag("-fno-strict-aliasing")
         .file(root.join("emu/emu.cpp"))
         .compile("siliceo_cuda_emu");
 }

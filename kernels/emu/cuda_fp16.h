@@ -58,6 +58,9 @@ struct __half2 {
 struct float2 {
     float x, y;
 };
+struct alignas(8) uint2 {
+    unsigned x, y;
+};
 struct alignas(16) uint4 {
     unsigned x, y, z, w;
 };

@@ -188,13 +188,17 @@ Entry entry(const char* name, void (*f)(A...)) {
 
 #define KERNEL(name) entry(#name, &name)
 
+#define DECODE_KERNELS(fmt, d)                                                                     \
+    KERNEL(siliceo_attn_decode_##fmt##_d##d##_g1), KERNEL(siliceo_attn_decode_##fmt##_d##d##_g2), \
+        KERNEL(siliceo_attn_decode_##fmt##_d##d##_g4), KERNEL(siliceo_attn_decode_##fmt##_d##d##_g8)
+
 const Entry ENTRIES[] = {
-    KERNEL(siliceo_attn_decode_f16_f16_d64),
-    KERNEL(siliceo_attn_decode_f16_f16_d128),
-    KERNEL(siliceo_attn_decode_kv8_kv8_d64),
-    KERNEL(siliceo_attn_decode_kv8_kv8_d128),
-    KERNEL(siliceo_attn_decode_k5_v4_d64),
-    KERNEL(siliceo_attn_decode_k5_v4_d128),
+    DECODE_KERNELS(f16_f16, 64),
+    DECODE_KERNELS(f16_f16, 128),
+    DECODE_KERNELS(kv8_kv8, 64),
+    DECODE_KERNELS(kv8_kv8, 128),
+    DECODE_KERNELS(k5_v4, 64),
+    DECODE_KERNELS(k5_v4, 128),
     KERNEL(siliceo_attn_reduce),
     KERNEL(siliceo_kv_append),
     KERNEL(siliceo_kv_seal_f16_f16),

@@ -15,7 +15,7 @@ use crate::store::{KvLayout, KvStore, SeqKv};
 
 /// Warps per CTA in the decode kernel (`WARPS` in the .cu file).
 const WARPS: usize = 4;
-/// Query heads per KV head the kernel handles at most (`G_MAX`).
+/// Query heads per KV head the kernels handle at most (the largest `GT`).
 pub const MAX_GROUP: usize = 8;
 /// Most tokens in one decode partition (the kernel keeps its scores in shared memory).
 pub const MAX_PARTITION_TOKENS: usize = 1024;
@@ -233,7 +233,7 @@ impl<B: Backend> Kernels<B> {
                 "the CUDA kernels are built for head dimensions 64 and 128, not {d}"
             )));
         }
-        if !n_heads.is_multiple_of(l.kv_heads) || n_heads / l.kv_heads > MAX_GROUP {
+        if n_heads == 0 || !n_heads.is_multiple_of(l.kv_heads) || n_heads / l.kv_heads > MAX_GROUP {
             return Err(KernelError::Shape(format!(
                 "{n_heads} query heads over {} KV heads (at most {MAX_GROUP} per KV head on CUDA)",
                 l.kv_heads
@@ -247,6 +247,13 @@ impl<B: Backend> Kernels<B> {
             )));
         }
         let (name, kg, vg) = codec_names(&l)?;
+        if kg % 8 != 0 || vg % 8 != 0 {
+            return Err(KernelError::Layout(format!(
+                "the CUDA kernels read groups of a multiple of 8 channels, not {kg}/{vg}"
+            )));
+        }
+        // Query heads per KV head, rounded up to the kernel's 1, 2, 4 or 8.
+        let group = (n_heads / l.kv_heads).next_power_of_two();
         let max_len = seqs.iter().map(|s| s.len).max().unwrap_or(0);
         if seqs
             .iter()
@@ -294,7 +301,8 @@ impl<B: Backend> Kernels<B> {
         let rows = seqs.len() * n_heads;
         let b = &self.backend;
         Ok(DecodeRun {
-            kernel: format!("siliceo_attn_decode_{name}_d{d}"),
+            kernel: format!("siliceo_attn_decode_{name}_d{d}_g{group}"),
+            group,
             out: b.zeros(rows * d * 4)?,
             part_m: b.zeros(rows * p * 4)?,
             part_l: b.zeros(rows * p * 4)?,
@@ -424,6 +432,8 @@ impl<B: Backend> Kernels<B> {
 #[derive(Debug)]
 pub struct DecodeRun<B: Backend> {
     kernel: String,
+    /// Query heads per KV head the kernel is built for (`GT`).
+    group: usize,
     out: B::Buf,
     part_m: B::Buf,
     part_l: B::Buf,
@@ -446,8 +456,8 @@ impl<B: Backend> DecodeRun<B> {
         Launch {
             grid: (kvh as u32, self.seqs as u32, p as u32),
             block: (WARPS * 32) as u32,
-            shared_bytes: ((MAX_GROUP * d + MAX_GROUP * part as usize + WARPS * MAX_GROUP * d) * 4)
-                as u32,
+            // qs[GT][D] | scores[GT][part] | red[WARPS][GT][D], f32.
+            shared_bytes: (self.group * (d + part as usize + WARPS * d) * 4) as u32,
         }
     }
 

@@ -235,10 +235,12 @@ mod emulated {
 
     #[test]
     fn emulated_decode_covers_every_group_size() {
-        // One query head per KV head (MHA) up to the kernel's most (8), and a
-        // sequence over a partition boundary that is not a block boundary.
+        // One query head per KV head (MHA) up to the kernels' most (8), group
+        // sizes that are not a power of two (run by the next larger kernel),
+        // and a sequence over a partition boundary that is not a block
+        // boundary.
         let k = EmuKernels::emulated();
-        for (kv_heads, heads) in [(4, 4), (1, 8), (2, 6)] {
+        for (kv_heads, heads) in [(4, 4), (2, 4), (3, 9), (1, 8), (2, 12)] {
             let c = Case {
                 fmt: "k5v4",
                 kv_heads,
