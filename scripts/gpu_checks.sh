@@ -12,7 +12,8 @@
 #   scripts/gpu_checks.sh run
 #       on the GPU machine (device run with carry ["gpu-run"]; no Rust needed):
 #       the CUDA kernels against the CPU kernel (SILICEO_REQUIRE_GPU: no GPU
-#       is a failure), then `bench --gpu`: achieved bandwidth against the
+#       is a failure), from the device's cubin and again from the PTX alone,
+#       then `bench --gpu`: achieved bandwidth against the
 #       device's peak, per format, context and batch. Logs go to $OUT (or
 #       gpu-run/out); copy the tables into docs/BENCHMARKS.md.
 #
@@ -54,6 +55,13 @@ run)
   { nvidia-smi || true; lscpu | head -20 || true; } >"$out/machine.txt" 2>&1
   status=0
   "$dir/cuda-tests" --test-threads=1 --nocapture 2>&1 | tee "$out/test-gpu.log" || status=1
+  # Again from the compute_75 PTX alone (JIT-compiled by the driver), as on
+  # an architecture without a cubin (the issue: the same PTX must load on
+  # Ampere and Hopper).
+  mkdir -p "$dir/ptx-only"
+  cp "$dir"/kernels/*.ptx "$dir/ptx-only/"
+  SILICEO_KERNELS_DIR="$PWD/$dir/ptx-only" "$dir/cuda-tests" --test-threads=1 --nocapture 2>&1 |
+    tee "$out/test-gpu-ptx.log" || status=1
   # Partitions are in blocks of 64 tokens (the GPU caps them at 16: 1024 tokens).
   "$dir/bench" --gpu --formats f16,kv8,k5v4 --ctx 4096,32768 --batch 1,8 \
     --partition 4,8,16 --reps 9 2>&1 | tee "$out/bench-gpu.log" || status=1
