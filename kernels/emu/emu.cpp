@@ -32,14 +32,37 @@ void* dynamic_shared() { return dynamic_shared_memory; }
 
 namespace {
 
-constexpr size_t STACK_BYTES = 256 * 1024;
+// A fiber's stack: the kernels keep a few hundred bytes of locals (printf
+// while debugging needs a few KiB more).
+constexpr size_t STACK_BYTES = 64 * 1024;
 constexpr unsigned MAX_THREADS = 1024;
+
+// A fiber's stack with a guard page below it (stacks grow down): a kernel
+// that overflows it faults instead of writing over other memory.
+struct Stack {
+    char* base = nullptr;  // the guard page; the stack is the STACK_BYTES above it
+    size_t page = 0;
+    Stack() {
+        page = (size_t)sysconf(_SC_PAGESIZE);
+        void* p = mmap(nullptr, page + STACK_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p != MAP_FAILED) {
+            base = static_cast<char*>(p);
+            mprotect(base, page, PROT_NONE);
+        }
+    }
+    ~Stack() {
+        if (base) munmap(base, page + STACK_BYTES);
+    }
+    Stack(const Stack&) = delete;
+    Stack& operator=(const Stack&) = delete;
+    char* bottom() const { return base ? base + page : nullptr; }
+};
 
 struct Fiber {
     ucontext_t ctx;
     dim3 tid;
     bool done;
-    std::vector<char> stack;
+    std::unique_ptr<Stack> stack;
 };
 
 struct Cta {
@@ -128,8 +151,8 @@ static bool run_cta(Cta& c, unsigned threads) {
         f.tid = {i, 0, 0};
         f.done = false;
         getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = f.stack.data();
-        f.ctx.uc_stack.ss_size = f.stack.size();
+        f.ctx.uc_stack.ss_sp = f.stack->bottom();
+        f.ctx.uc_stack.ss_size = STACK_BYTES;
         f.ctx.uc_link = &c.scheduler;
         makecontext(&f.ctx, fiber_entry, 0);
     }
@@ -267,7 +290,10 @@ extern "C" int siliceo_emu_launch(const char* name, unsigned gx, unsigned gy, un
                       std::to_string(smem_bytes) + " bytes of dynamic shared memory: over sm_75's 64 KiB");
     emu::Cta c;
     c.fibers.resize(bx);
-    for (auto& f : c.fibers) f.stack.resize(emu::STACK_BYTES);
+    for (auto& f : c.fibers) {
+        f.stack.reset(new emu::Stack());
+        if (!f.stack->bottom()) return report(err, err_len, "cannot allocate the threads' stacks");
+    }
     Launch l{e, args};
     c.body = run_body;
     c.body_arg = &l;

@@ -106,19 +106,12 @@ impl<B: Backend> DeviceKv<B> {
     }
 }
 
-pub(crate) fn f32_bytes(x: &[f32]) -> Vec<u8> {
-    x.iter().flat_map(|v| v.to_le_bytes()).collect()
+/// Little-endian bytes of numbers (what a device buffer holds).
+fn le_bytes<T, const N: usize>(x: &[T], to_le: impl Fn(&T) -> [u8; N]) -> Vec<u8> {
+    x.iter().flat_map(to_le).collect()
 }
 
-fn i32_bytes(x: &[i32]) -> Vec<u8> {
-    x.iter().flat_map(|v| v.to_le_bytes()).collect()
-}
-
-fn u32_bytes(x: &[u32]) -> Vec<u8> {
-    x.iter().flat_map(|v| v.to_le_bytes()).collect()
-}
-
-pub(crate) fn bytes_f32(b: &[u8]) -> Vec<f32> {
+fn bytes_f32(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect()
@@ -307,11 +300,11 @@ impl<B: Backend> Kernels<B> {
             part_m: b.zeros(rows * p * 4)?,
             part_l: b.zeros(rows * p * 4)?,
             part_acc: b.zeros(rows * p * d * 4)?,
-            q: b.upload(&f32_bytes(&qh))?,
-            sealed_tab: b.upload(&u32_bytes(&sealed_tab))?,
-            tail_tab: b.upload(&u32_bytes(&tail_tab))?,
-            lens: b.upload(&i32_bytes(&lens))?,
-            n_sealed: b.upload(&i32_bytes(&n_sealed))?,
+            q: b.upload(&le_bytes(&qh, |x| x.to_le_bytes()))?,
+            sealed_tab: b.upload(&le_bytes(&sealed_tab, |x| x.to_le_bytes()))?,
+            tail_tab: b.upload(&le_bytes(&tail_tab, |x| x.to_le_bytes()))?,
+            lens: b.upload(&le_bytes(&lens, |x| x.to_le_bytes()))?,
+            n_sealed: b.upload(&le_bytes(&n_sealed, |x| x.to_le_bytes()))?,
             ints: [
                 max_sealed as i32,
                 max_tail as i32,
@@ -363,8 +356,14 @@ impl<B: Backend> Kernels<B> {
             return Ok(());
         }
         let b = &self.backend;
-        let (dk, dv) = (b.upload(&f32_bytes(k))?, b.upload(&f32_bytes(v))?);
-        let (db, dr) = (b.upload(&u32_bytes(blocks))?, b.upload(&i32_bytes(rows))?);
+        let (dk, dv) = (
+            b.upload(&le_bytes(k, |x| x.to_le_bytes()))?,
+            b.upload(&le_bytes(v, |x| x.to_le_bytes()))?,
+        );
+        let (db, dr) = (
+            b.upload(&le_bytes(blocks, |x| x.to_le_bytes()))?,
+            b.upload(&le_bytes(rows, |x| x.to_le_bytes()))?,
+        );
         let total = (n * l.kv_heads * l.head_dim) as u32;
         let launch = Launch {
             grid: (total.div_ceil(256), 1, 1),
@@ -450,7 +449,7 @@ pub struct DecodeRun<B: Backend> {
 
 impl<B: Backend> DecodeRun<B> {
     /// Grid, block and shared memory of the decode kernel.
-    pub fn decode_launch(&self) -> Launch {
+    fn decode_launch(&self) -> Launch {
         let [_, _, _, kvh, _, _, _, part, p] = self.ints;
         let d = self.d;
         Launch {
@@ -459,11 +458,6 @@ impl<B: Backend> DecodeRun<B> {
             // qs[GT][D] | scores[GT][part] | red[WARPS][GT][D], f32.
             shared_bytes: (self.group * (d + part as usize + WARPS * d) * 4) as u32,
         }
-    }
-
-    /// Partitions per sequence (1: no reduction kernel).
-    pub fn partitions(&self) -> usize {
-        self.ints[8] as usize
     }
 
     /// Queues the decode kernel (and the reduction when there are several
