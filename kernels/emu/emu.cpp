@@ -141,21 +141,25 @@ float shfl_xor(unsigned mask, float x, int lane_mask) {
     return r;
 }
 
+// Sets up thread `i`'s fiber to run the kernel from the start. A function of
+// its own: getcontext "returns twice", and a caller's loop variables would
+// have to survive that.
+__attribute__((noinline)) static void start_fiber(Fiber& f, unsigned i, ucontext_t* scheduler) {
+    f.tid = {i, 0, 0};
+    f.done = false;
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack->bottom();
+    f.ctx.uc_stack.ss_size = STACK_BYTES;
+    f.ctx.uc_link = scheduler;
+    makecontext(&f.ctx, fiber_entry, 0);
+}
+
 // Runs one CTA to completion; false (and cta->error) on a deadlock.
 static bool run_cta(Cta& c, unsigned threads) {
     c.live = threads;
     c.bar_count = 0;
     for (auto& n : c.warp_count) n = 0;
-    for (unsigned i = 0; i < threads; i++) {
-        Fiber& f = c.fibers[i];
-        f.tid = {i, 0, 0};
-        f.done = false;
-        getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = f.stack->bottom();
-        f.ctx.uc_stack.ss_size = STACK_BYTES;
-        f.ctx.uc_link = &c.scheduler;
-        makecontext(&f.ctx, fiber_entry, 0);
-    }
+    for (unsigned i = 0; i < threads; i++) start_fiber(c.fibers[i], i, &c.scheduler);
     for (;;) {
         unsigned long before = c.progress;
         bool any = false;
