@@ -13,8 +13,9 @@
 #       on the GPU machine (device run with carry ["gpu-run"]; no Rust needed):
 #       the CUDA kernels against the CPU kernel (SILICEO_REQUIRE_GPU: no GPU
 #       is a failure), from the device's cubin and again from the PTX alone,
-#       then `bench --gpu`: achieved bandwidth against the
-#       device's peak, per format, context and batch. Logs go to $OUT (or
+#       then `bench --gpu`: achieved bandwidth against the device's peak and
+#       a measured copy, per format, context and batch; then the CPU kernel's
+#       thread scaling on that machine's cores. Logs go to $OUT (or
 #       gpu-run/out); copy the tables into docs/BENCHMARKS.md.
 #
 # Equivalent with a Rust toolchain on the GPU machine: `cargo xtask test-gpu`
@@ -65,6 +66,12 @@ run)
   # Partitions are in blocks of 64 tokens (the GPU caps them at 16: 1024 tokens).
   "$dir/bench" --gpu --formats f16,kv8,k5v4 --ctx 4096,32768 --batch 1,8 \
     --partition 4,8,16 --reps 9 2>&1 | tee "$out/bench-gpu.log" || status=1
+  # While the machine is held: the CPU kernel's thread scaling on its cores
+  # (this project's own machines have 2), decode and 64-token prefill chunks,
+  # against the bandwidth measured in the same run. Capped so the GPU
+  # results above are never lost to it.
+  timeout 150 "$dir/bench" --formats f16,kv8,k5v4 --ctx 4096,32768 --mode decode,prefill \
+    --threads 1,2,4,8,16 --reps 5 --naive-max-ctx 0 2>&1 | tee "$out/bench-cpu.log" || true
   exit $status
   ;;
 *)
