@@ -117,56 +117,64 @@ fn decode_matches_the_cpu_kernel<B: Backend>(k: &Kernels<B>, lens: &'static [usi
     }
 }
 
-/// Appends a block's tokens to the F16 tail, seals it, and checks the sealed
-/// block decodes within the codec's bounds of what was appended.
+/// Appends two blocks' worth of tokens to two F16 tail blocks, interleaved
+/// (token i to tail block i % 2, row i / 2), seals tail block 0 into sealed
+/// block 1 and tail block 1 into sealed block 0, and checks every sealed
+/// value decodes within its codec's bound of what was appended.
 fn append_and_seal_quantize_within_the_codec_bounds<B: Backend>(k: &Kernels<B>) {
     for fmt in ["f16", "kv8", "k5v4"] {
-        let (heads, d, t) = (2, 128, 64);
-        let layout = KvLayout::preset(fmt, heads, d).unwrap();
-        let mut dev = k.alloc(layout, 2, 2).unwrap();
-        let kx = data(t * heads * d, 1);
-        let vx = data(t * heads * d, 2);
-        let rows: Vec<i32> = (0..t as i32).collect();
-        k.append(&mut dev, &kx, &vx, &vec![1u32; t], &rows).unwrap();
-        k.seal(&mut dev, 1, 1).unwrap();
-        let (sealed, _) = k.download(&dev).unwrap();
-        let block = &sealed[layout.block_bytes()..2 * layout.block_bytes()];
-        assert!(
-            sealed[..layout.block_bytes()].iter().all(|&b| b == 0),
-            "{fmt}: sealing block 1 wrote into block 0"
-        );
-        let (ks, vs) = (layout.k_segment_bytes(), layout.v_segment_bytes());
-        for h in 0..heads {
-            for (codec, seg, x) in [
-                (layout.k, &block[h * (ks + vs)..h * (ks + vs) + ks], &kx),
-                (
-                    layout.v,
-                    &block[h * (ks + vs) + ks..(h + 1) * (ks + vs)],
-                    &vx,
-                ),
-            ] {
-                // What was stored in the tail: f16 of the inputs, head h.
-                let src: Vec<f32> = (0..t)
-                    .flat_map(|r| (0..d).map(move |c| (r, c)))
-                    .map(|(r, c)| half::f16::from_f32(x[(r * heads + h) * d + c]).to_f32())
-                    .collect();
-                let mut got = vec![0f32; t * d];
-                codec.decode(seg, t, d, &mut got);
-                for r in 0..t {
-                    for c in 0..d {
-                        let grp: Vec<f32> = match codec {
-                            Codec::F16 => vec![src[r * d + c]],
-                            Codec::Kv8 { group } | Codec::V4 { group } => {
-                                let g = group as usize;
-                                src[r * d + c / g * g..r * d + (c / g + 1) * g].to_vec()
+        for d in [64, 128] {
+            let (heads, t) = (2, 64);
+            let layout = KvLayout::preset(fmt, heads, d).unwrap();
+            let mut dev = k.alloc(layout, 2, 2).unwrap();
+            let kx = data(2 * t * heads * d, 1);
+            let vx = data(2 * t * heads * d, 2);
+            let blocks: Vec<u32> = (0..2 * t as u32).map(|i| i % 2).collect();
+            let rows: Vec<i32> = (0..2 * t as i32).map(|i| i / 2).collect();
+            k.append(&mut dev, &kx, &vx, &blocks, &rows).unwrap();
+            k.seal(&mut dev, 0, 1).unwrap();
+            k.seal(&mut dev, 1, 0).unwrap();
+            let (sealed, _) = k.download(&dev).unwrap();
+            let (ks, vs) = (layout.k_segment_bytes(), layout.v_segment_bytes());
+            for (sealed_block, tail_block) in [(1, 0), (0, 1)] {
+                let block = &sealed[sealed_block * layout.block_bytes()
+                    ..(sealed_block + 1) * layout.block_bytes()];
+                for h in 0..heads {
+                    for (codec, seg, x) in [
+                        (layout.k, &block[h * (ks + vs)..h * (ks + vs) + ks], &kx),
+                        (
+                            layout.v,
+                            &block[h * (ks + vs) + ks..(h + 1) * (ks + vs)],
+                            &vx,
+                        ),
+                    ] {
+                        // What the tail held: f16 of tokens 2r + tail_block, head h.
+                        let src: Vec<f32> = (0..t)
+                            .flat_map(|r| (0..d).map(move |c| (r, c)))
+                            .map(|(r, c)| {
+                                let i = 2 * r + tail_block;
+                                half::f16::from_f32(x[(i * heads + h) * d + c]).to_f32()
+                            })
+                            .collect();
+                        let mut got = vec![0f32; t * d];
+                        codec.decode(seg, t, d, &mut got);
+                        for r in 0..t {
+                            for c in 0..d {
+                                let grp: Vec<f32> = match codec {
+                                    Codec::F16 => vec![src[r * d + c]],
+                                    Codec::Kv8 { group } | Codec::V4 { group } => {
+                                        let g = group as usize;
+                                        src[r * d + c / g * g..r * d + (c / g + 1) * g].to_vec()
+                                    }
+                                    Codec::K5 => (0..t).map(|rr| src[rr * d + c]).collect(),
+                                };
+                                let err = (got[r * d + c] - src[r * d + c]).abs();
+                                assert!(
+                                    err <= codec.error_bound(&grp),
+                                    "{fmt} d={d} {codec:?} sealed block {sealed_block} head {h} [{r}][{c}]: error {err}"
+                                );
                             }
-                            Codec::K5 => (0..t).map(|rr| src[rr * d + c]).collect(),
-                        };
-                        let err = (got[r * d + c] - src[r * d + c]).abs();
-                        assert!(
-                            err <= codec.error_bound(&grp),
-                            "{fmt} {codec:?} head {h} [{r}][{c}]: error {err}"
-                        );
+                        }
                     }
                 }
             }
