@@ -44,11 +44,27 @@ fn decode_difference<B: Backend>(k: &Kernels<B>, c: &Case) -> f32 {
     )
     .unwrap();
     let row = c.kv_heads * c.d;
+    // Appended round-robin, 37 tokens at a time, so every sequence's blocks
+    // are scattered over the pools and only the block tables find them.
     let mut seqs = vec![SeqKv::default(); c.lens.len()];
-    for (i, (s, &len)) in seqs.iter_mut().zip(c.lens).enumerate() {
-        store
-            .append(s, &data(len * row, i), &data(len * row, i + 50))
-            .unwrap();
+    let kvs: Vec<(Vec<f32>, Vec<f32>)> = c
+        .lens
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| (data(len * row, i), data(len * row, i + 50)))
+        .collect();
+    let mut at = vec![0usize; c.lens.len()];
+    while at.iter().zip(c.lens).any(|(a, l)| a < l) {
+        for (i, s) in seqs.iter_mut().enumerate() {
+            let n = (c.lens[i] - at[i]).min(37);
+            if n > 0 {
+                let span = at[i] * row..(at[i] + n) * row;
+                store
+                    .append(s, &kvs[i].0[span.clone()], &kvs[i].1[span])
+                    .unwrap();
+                at[i] += n;
+            }
+        }
     }
     let q = data(c.lens.len() * c.heads * c.d, 99);
     let scale = 1.0 / (c.d as f32).sqrt();
