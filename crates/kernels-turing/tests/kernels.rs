@@ -264,14 +264,21 @@ fn check_layout(layout: KvLayout, seed: u64) -> f32 {
     let tail = KvStore::tail_blocks_per_seq(&layout);
     let sealed: usize = lens.iter().map(|l| l.div_ceil(layout.block_tokens)).sum();
     let mut store = KvStore::new(layout, sealed, tail * lens.len()).unwrap();
-    let mut seqs = Vec::new();
-    let mut originals = Vec::new();
-    for &len in &lens {
-        let (k, v) = kv_data(&mut rng, len, heads, d);
-        let mut s = SeqKv::default();
-        store.append(&mut s, &k, &v).unwrap();
-        seqs.push(s);
-        originals.push((k, v));
+    let originals: Vec<(Vec<f32>, Vec<f32>)> = lens
+        .iter()
+        .map(|&len| kv_data(&mut rng, len, heads, d))
+        .collect();
+    // Appended round-robin, 37 tokens at a time: every sequence's blocks are
+    // scattered over the pools, so only its block table finds them.
+    let mut seqs = vec![SeqKv::default(); lens.len()];
+    let row = heads * d;
+    for start in (0..*lens.iter().max().unwrap()).step_by(37) {
+        for ((s, (k, v)), &len) in seqs.iter_mut().zip(&originals).zip(&lens) {
+            if start < len {
+                let span = start * row..(start + 37).min(len) * row;
+                store.append(s, &k[span.clone()], &v[span]).unwrap();
+            }
+        }
     }
     let qs = random_queries(&mut rng, &n_qs, n_heads * d);
     let queries = seq_queries(&seqs, &qs, &n_qs);
