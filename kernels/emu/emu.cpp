@@ -181,6 +181,31 @@ static bool run_cta(Cta& c, unsigned threads) {
 
 }  // namespace emu
 
+// Kernels that only test the emulator itself (not in the .cu file).
+// A barrier some threads never reach while others wait at a shuffle that
+// half their warp skips: a deadlock, which the emulator must report.
+extern "C" __global__ void siliceo_emu_test_deadlock(int* out) {
+    const unsigned t = threadIdx.x;
+    if (t < 32 || t >= 48) {
+        __syncthreads();
+    } else {
+        out[t] = (int)__shfl_xor_sync(0xffffffffu, (float)t, 1);
+    }
+}
+
+// Every thread adds its index after a barrier: checks that all threads of
+// all CTAs run and that shared memory is per CTA.
+extern "C" __global__ void siliceo_emu_test_sum(int* out) {
+    __shared__ int total;
+    if (threadIdx.x == 0) total = 0;
+    __syncthreads();
+    for (unsigned i = 0; i < blockDim.x; i++) {
+        if (threadIdx.x == i) total += (int)i;
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = total;
+}
+
 namespace {
 
 struct Entry {
@@ -231,6 +256,8 @@ const Entry ENTRIES[] = {
     KERNEL(siliceo_kv_seal_f16_f16),
     KERNEL(siliceo_kv_seal_kv8_kv8),
     KERNEL(siliceo_kv_seal_k5_v4),
+    KERNEL(siliceo_emu_test_deadlock),
+    KERNEL(siliceo_emu_test_sum),
 };
 
 struct Launch {

@@ -286,6 +286,42 @@ mod emulated {
     }
 
     #[test]
+    fn the_emulator_runs_every_thread_and_reports_a_deadlock() {
+        let k = EmuKernels::emulated();
+        let b = k.backend();
+        let out = b.zeros(4 * 64).unwrap();
+        let launch = Launch {
+            grid: (3, 1, 1),
+            block: 64,
+            shared_bytes: 0,
+        };
+        // SAFETY: one int per CTA, 3 CTAs, in a buffer of 64.
+        unsafe { b.launch("siliceo_emu_test_sum", launch, &[Arg::Buf(&out)]) }.unwrap();
+        let sums: Vec<i32> = b
+            .download(&out)
+            .unwrap()
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        assert_eq!(
+            &sums[..3],
+            &[2016, 2016, 2016],
+            "0 + 1 + … + 63 in each CTA"
+        );
+        let one = Launch {
+            grid: (1, 1, 1),
+            ..launch
+        };
+        // SAFETY: writes out[t] for t < 64 at most.
+        let e =
+            unsafe { b.launch("siliceo_emu_test_deadlock", one, &[Arg::Buf(&out)]) }.unwrap_err();
+        assert!(
+            matches!(&e, KernelError::Cuda(m) if m.contains("deadlock")),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn the_emulator_refuses_what_a_gpu_would_refuse() {
         let k = EmuKernels::emulated();
         let b = k.backend();
