@@ -155,15 +155,31 @@ __attribute__((noinline)) static void start_fiber(Fiber& f, unsigned i, ucontext
 }
 
 // Runs one CTA to completion; false (and cta->error) on a deadlock.
-static bool run_cta(Cta& c, unsigned threads) {
+//
+// Each pass resumes every live thread once, in an order shuffled afresh per
+// pass (seeded by `seed`, so a run is reproducible): a thread runs until it
+// blocks, so which thread's writes another sees between two barriers depends
+// on that order, and a missing __syncthreads shows up as wrong results in
+// some CTA instead of being hidden by one fixed order.
+static bool run_cta(Cta& c, unsigned threads, uint64_t seed) {
     c.live = threads;
     c.bar_count = 0;
     for (auto& n : c.warp_count) n = 0;
     for (unsigned i = 0; i < threads; i++) start_fiber(c.fibers[i], i, &c.scheduler);
+    std::vector<unsigned> order(threads);
+    for (unsigned i = 0; i < threads; i++) order[i] = i;
+    uint64_t rng = seed * 0x9E3779B97F4A7C15ull + 1;
+    auto next = [&rng]() {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        return rng;
+    };
     for (;;) {
+        for (unsigned i = threads; i > 1; i--) std::swap(order[i - 1], order[next() % i]);
         unsigned long before = c.progress;
         bool any = false;
-        for (unsigned i = 0; i < threads; i++) {
+        for (unsigned i : order) {
             Fiber& f = c.fibers[i];
             if (f.done) continue;
             any = true;
@@ -341,8 +357,11 @@ extern "C" int siliceo_emu_launch(const char* name, unsigned gx, unsigned gy, un
         for (unsigned y = 0; y < gy && ok; y++)
             for (unsigned x = 0; x < gx && ok; x++) {
                 emu::block_idx = {x, y, z};
-                std::memset(shared, 0xff, smem_bytes);  // shared memory starts as garbage
-                ok = emu::run_cta(c, bx);
+                // Shared memory starts as garbage: NaN in every float in
+                // one CTA (spreads through sums), 3.4e38 in the next (wins
+                // every max, which ignores NaN).
+                std::memset(shared, (x + y + z) % 2 ? 0x7f : 0xff, smem_bytes);
+                ok = emu::run_cta(c, bx, ((uint64_t)z * gy + y) * gx + x);
             }
     emu::cta = saved;
     emu::dynamic_shared_memory = saved_shared;

@@ -1,9 +1,11 @@
 //! The CUDA kernels of `kernels/paged_attention.cu` run on the CPU (feature
 //! `cuda-emu`): the `.cu` source itself, compiled as C++ against a small
 //! emulation of the CUDA features it uses (`kernels/emu`). A CTA's threads are
-//! fibers switched at `__syncthreads` and warp shuffles, CTAs run one after
-//! another, device buffers end at a guard page (a kernel that runs past a
-//! buffer's end faults), and a launch whose arguments do not match the
+//! fibers switched at `__syncthreads` and warp shuffles and resumed in an
+//! order shuffled at every pass (a missing barrier changes results), shared
+//! memory starts as garbage (NaN or 3.4e38), CTAs run one after another,
+//! device buffers end at a guard page (a kernel that runs past a buffer's end
+//! faults), and a launch whose arguments do not match the
 //! kernel's parameters, that asks for more than sm_75's 64 KiB of dynamic
 //! shared memory, or whose threads deadlock is an error.
 //!
