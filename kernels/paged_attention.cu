@@ -351,12 +351,17 @@ extern "C" __global__ void siliceo_kv_append(uint8_t* tail, const float* k, cons
     reinterpret_cast<__half*>(base + seg)[slot_row[i] * D + c] = __float2half(v[x]);
 }
 
-// Scale and minimum of an asymmetric code with `levels` steps, as the CPU codec.
+// Scale and minimum of an asymmetric code with `levels` steps, as the CPU
+// codec, bit for bit: the top-code check multiplies and adds with separate
+// roundings (`_rn`: nvcc would otherwise fuse them into one FMA, and a
+// borderline scale would differ from the CPU's), so a block sealed here
+// holds the same bytes as one the CPU store seals.
 __device__ __forceinline__ void quant_params(float lo, float hi, float levels, __half* scale, __half* minv) {
     __half mn = __float2half(lo);
     float step = fmaxf(hi - __half2float(mn), 0.f) / levels;
     __half sc = __float2half(step);
-    if (__half2float(sc) * levels + __half2float(mn) < hi) sc = __ushort_as_half(__half_as_ushort(sc) + 1);
+    if (__fadd_rn(__fmul_rn(__half2float(sc), levels), __half2float(mn)) < hi)
+        sc = __ushort_as_half(__half_as_ushort(sc) + 1);
     *scale = sc;
     *minv = mn;
 }

@@ -26,6 +26,9 @@ fn emu() {
         // CUDA code reads vector loads through other types (a uint4 as
         // four half2), which nvcc allows and C++'s aliasing rules do not.
         .flag("-fno-strict-aliasing")
+        // Each multiply and add rounded on its own, as Rust does (the
+        // kernels fuse where they want with explicit intrinsics).
+        .flag("-ffp-contract=off")
         .file(root.join("emu/emu.cpp"))
         .compile("siliceo_cuda_emu");
 }

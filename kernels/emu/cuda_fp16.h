@@ -80,6 +80,10 @@ inline float2 __half22float2(__half2 h) { return {__half2float(h.x), __half2floa
 inline __half __ushort_as_half(unsigned short u) { return __half{u}; }
 inline unsigned short __half_as_ushort(__half h) { return h.bits; }
 inline float __expf(float x) { return std::exp(x); }
+// Multiply and add, each rounded once (never fused: emu.cpp is built with
+// -ffp-contract=off).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __int_as_float(int x) {
     float f;
     std::memcpy(&f, &x, 4);

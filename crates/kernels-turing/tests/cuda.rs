@@ -136,7 +136,9 @@ fn decode_matches_the_cpu_kernel<B: Backend>(k: &Kernels<B>, lens: &'static [usi
 /// Appends two blocks' worth of tokens to two F16 tail blocks, interleaved
 /// (token i to tail block i % 2, row i / 2), seals tail block 0 into sealed
 /// block 1 and tail block 1 into sealed block 0, and checks every sealed
-/// value decodes within its codec's bound of what was appended.
+/// segment holds the bytes the CPU codec writes for the same values (so
+/// GPU- and CPU-sealed blocks are interchangeable), and decodes within the
+/// codec's bound of what was appended.
 fn append_and_seal_quantize_within_the_codec_bounds<B: Backend>(k: &Kernels<B>) {
     for fmt in ["f16", "kv8", "k5v4"] {
         for d in [64, 128] {
@@ -172,6 +174,13 @@ fn append_and_seal_quantize_within_the_codec_bounds<B: Backend>(k: &Kernels<B>) 
                                 half::f16::from_f32(x[(i * heads + h) * d + c]).to_f32()
                             })
                             .collect();
+                        let mut cpu = vec![0u8; seg.len()];
+                        codec.encode(&src, t, d, &mut cpu);
+                        let differ = cpu.iter().zip(seg).filter(|(a, b)| a != b).count();
+                        assert_eq!(
+                            differ, 0,
+                            "{fmt} d={d} {codec:?} sealed block {sealed_block} head {h}: {differ} bytes differ from the CPU codec's"
+                        );
                         let mut got = vec![0f32; t * d];
                         codec.decode(seg, t, d, &mut got);
                         for r in 0..t {
