@@ -65,7 +65,7 @@ run)
     tee "$out/test-gpu-ptx.log" || status=1
   # Partitions are in blocks of 64 tokens (the GPU caps them at 16: 1024 tokens).
   "$dir/bench" --gpu --formats f16,kv8,k5v4 --ctx 4096,32768 --batch 1,8 \
-    --partition 4,8,16 --reps 9 2>&1 | tee "$out/bench-gpu.log" || status=1
+    --partition 2,4,8,16 --reps 9 2>&1 | tee "$out/bench-gpu.log" || status=1
   # While the machine is held: the CPU kernel's thread scaling on its cores
   # (this project's own machines have 2), decode and 64-token prefill chunks,
   # against the bandwidth measured in the same run. Capped so the GPU

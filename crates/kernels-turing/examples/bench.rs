@@ -419,24 +419,23 @@ fn gpu(_: &Opts) {
 fn gpu(o: &Opts) {
     // Partition sizes are in tokens on the GPU: blocks × block size, at most
     // 1024 (the decode kernel keeps a partition's scores in shared memory).
-    for &p in &o.partition {
-        let p = if p == 0 {
-            1024 / o.block[0]
-        } else {
-            p.min(1024 / o.block[0])
+    let cap = siliceo_kernels_turing::device::MAX_PARTITION_TOKENS / o.block[0];
+    let partitions: Vec<usize> = o
+        .partition
+        .iter()
+        .map(|&p| (if p == 0 { cap } else { p.min(cap) }) * o.block[0])
+        .collect();
+    for &batch in &o.batch {
+        let shape = siliceo_kernels_turing::device::BenchShape {
+            ctxs: &o.ctx,
+            formats: &o.formats,
+            heads: o.heads,
+            kv_heads: o.kv_heads,
+            head_dim: o.head_dim,
+            reps: o.reps,
+            partitions: &partitions,
+            batch,
         };
-        for &batch in &o.batch {
-            siliceo_kernels_turing::cuda::bench::run(
-                &o.ctx,
-                &o.formats,
-                o.heads,
-                o.kv_heads,
-                o.head_dim,
-                o.reps,
-                p * o.block[0],
-                batch,
-            )
-            .unwrap_or_else(|e| die(&e.to_string()));
-        }
+        siliceo_kernels_turing::cuda::bench::run(&shape).unwrap_or_else(|e| die(&e.to_string()));
     }
 }

@@ -248,27 +248,13 @@ impl Cuda {
 
 /// The GPU side of the kernel benchmark (`cargo xtask bench kernels --gpu`).
 pub mod bench {
-    use std::time::Instant;
-
     use super::*;
-    use crate::{KvLayout, KvStore, SeqKv};
+    use crate::device::{BenchShape, bench_decode};
 
-    /// Decode calls queued per timed rep.
-    const LAUNCHES_PER_REP: usize = 20;
-
-    /// Times the CUDA decode kernel per format and context, checks it against the
-    /// CPU kernel, and prints achieved bandwidth against the device's peak.
-    #[allow(clippy::too_many_arguments)]
-    pub fn run(
-        ctxs: &[usize],
-        formats: &[String],
-        heads: usize,
-        kv_heads: usize,
-        head_dim: usize,
-        reps: usize,
-        partition_tokens: usize,
-        batch: usize,
-    ) -> Result<(), KernelError> {
+    /// Times the CUDA decode kernel per format, context and partition size,
+    /// checks it against the CPU kernel, and prints achieved bandwidth against
+    /// the device's peak and a measured copy, a row as each is done.
+    pub fn run(shape: &BenchShape<'_>) -> Result<(), KernelError> {
         let k = CudaKernels::new(0)?;
         let peak = k.peak_bandwidth()?;
         let copy = k.copy_bandwidth(256 << 20)?;
@@ -289,100 +275,24 @@ pub mod bench {
             "| format | context | sequences | partition | kernel ms | KV read GB/s | % of peak | % of copy | max |GPU − CPU| |"
         );
         println!("|---|---|---|---|---|---|---|---|---|");
-        for fmt in formats {
-            let layout = KvLayout::preset(fmt, kv_heads, head_dim)?;
-            for &ctx in ctxs {
-                let mut store = KvStore::new(
-                    layout,
-                    batch * ctx.div_ceil(layout.block_tokens),
-                    batch * KvStore::tail_blocks_per_seq(&layout),
-                )?;
-                let row = kv_heads * head_dim;
-                let mut seqs = vec![SeqKv::default(); batch];
-                for (si, s) in seqs.iter_mut().enumerate() {
-                    let mut at = 0;
-                    while at < ctx {
-                        let n = (ctx - at).min(4096);
-                        let kv: Vec<f32> = (0..n * row)
-                            .map(|i| {
-                                (((i + at * row + si * 7) * 2_654_435_761) % 2001) as f32 / 1000.0
-                                    - 1.0
-                            })
-                            .collect();
-                        store.append(s, &kv, &kv)?;
-                        at += n;
-                    }
-                }
-                let q: Vec<f32> = (0..batch * heads * head_dim)
-                    .map(|i| ((i * 40_503) % 997) as f32 / 500.0 - 1.0)
-                    .collect();
-                let scale = 1.0 / (head_dim as f32).sqrt();
-                let dev = k.upload(&store)?;
-                let refs: Vec<&SeqKv> = seqs.iter().collect();
-                let run = k.prepare_decode(&dev, &refs, &q, heads, scale, partition_tokens)?;
-                run.launch(&k, &dev)?;
-                let got = run.output(&k)?;
-                let queries: Vec<crate::SeqQuery<'_>> = seqs
-                    .iter()
-                    .enumerate()
-                    .map(|(i, s)| crate::SeqQuery {
-                        kv: s,
-                        q: &q[i * heads * head_dim..(i + 1) * heads * head_dim],
-                        n_q: 1,
-                    })
-                    .collect();
-                let mut want = vec![0f32; q.len()];
-                crate::paged_attention(
-                    &store,
-                    heads,
-                    scale,
-                    &queries,
-                    &mut want,
-                    &crate::AttnParams::default(),
-                )?;
-                let diff = got
-                    .iter()
-                    .zip(&want)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0f32, f32::max);
-                // Each rep queues LAUNCHES_PER_REP calls back to back and waits
-                // once, so the host's launch and wait latency (several µs, as
-                // long as a short call) is not counted as kernel time.
-                let mut times = Vec::new();
-                for _ in 0..reps.max(1) {
-                    let t0 = Instant::now();
-                    for _ in 0..LAUNCHES_PER_REP {
-                        run.enqueue(&k, &dev)?;
-                    }
-                    k.backend().synchronize()?;
-                    times.push(t0.elapsed().as_secs_f64() / LAUNCHES_PER_REP as f64);
-                }
-                times.sort_by(f64::total_cmp);
-                let dt = times[times.len() / 2];
-                let bytes: usize = seqs
-                    .iter()
-                    .map(|s| {
-                        s.sealed.len() * layout.block_bytes()
-                            + s.tail.len() * layout.tail_block_bytes()
-                    })
-                    .sum();
-                let rate = bytes as f64 / dt;
-                let of_peak = if peak > 0.0 {
-                    format!("{:.0}%", 100.0 * rate / peak)
-                } else {
-                    String::new()
-                };
-                println!(
-                    "| {fmt} | {ctx} | {batch} | {partition_tokens} | {:.3} | {:.0} | {of_peak} | {:.0}% | {diff:.2e} |",
-                    dt * 1e3,
-                    rate / 1e9,
-                    100.0 * rate / copy
-                );
-                for s in seqs.iter_mut() {
-                    store.release(s);
-                }
-            }
-        }
-        Ok(())
+        bench_decode(&k, shape, |r| {
+            let rate = r.kv_bytes as f64 / r.seconds;
+            let of_peak = if peak > 0.0 {
+                format!("{:.0}%", 100.0 * rate / peak)
+            } else {
+                String::new()
+            };
+            println!(
+                "| {} | {} | {} | {} | {:.3} | {:.0} | {of_peak} | {:.0}% | {:.2e} |",
+                r.format,
+                r.ctx,
+                r.batch,
+                r.partition_tokens,
+                r.seconds * 1e3,
+                rate / 1e9,
+                100.0 * rate / copy,
+                r.max_diff
+            );
+        })
     }
 }

@@ -8,7 +8,10 @@
 //! rotated) queries, grid and shared-memory sizes, argument order — is the
 //! same for both backends.
 
+use std::time::Instant;
+
 use crate::KernelError;
+use crate::attention::{AttnParams, SeqQuery, paged_attention};
 use crate::codec::Codec;
 use crate::hadamard::hadamard;
 use crate::store::{KvLayout, KvStore, SeqKv};
@@ -521,4 +524,157 @@ impl<B: Backend> DecodeRun<B> {
     pub fn output(&self, k: &Kernels<B>) -> Result<Vec<f32>, KernelError> {
         Ok(bytes_f32(&k.backend.download(&self.out)?))
     }
+}
+
+/// What [`bench_decode`] measures.
+#[derive(Debug, Clone)]
+pub struct BenchShape<'a> {
+    /// Context lengths (tokens per sequence).
+    pub ctxs: &'a [usize],
+    /// Layout presets (`f16`, `kv8`, `k5v4`).
+    pub formats: &'a [String],
+    /// Query heads.
+    pub heads: usize,
+    /// KV heads.
+    pub kv_heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+    /// Timed reps per row (the median is reported).
+    pub reps: usize,
+    /// Partition sizes in tokens (each ≤ [`MAX_PARTITION_TOKENS`]).
+    pub partitions: &'a [usize],
+    /// Sequences decoded together.
+    pub batch: usize,
+}
+
+/// One row of [`bench_decode`].
+#[derive(Debug, Clone)]
+pub struct DecodeBench {
+    /// Layout preset.
+    pub format: String,
+    /// Tokens per sequence.
+    pub ctx: usize,
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per partition.
+    pub partition_tokens: usize,
+    /// Median seconds per decode call (decode kernel and reduction).
+    pub seconds: f64,
+    /// Bytes of KV the call reads (every block of every sequence).
+    pub kv_bytes: usize,
+    /// Largest difference from the CPU kernel's output.
+    pub max_diff: f32,
+}
+
+/// Decode calls queued per timed rep.
+const LAUNCHES_PER_REP: usize = 20;
+
+/// Times the decode kernel on `k` for every format, context and partition
+/// size of `shape`, and checks each against the CPU kernel; `row` gets each
+/// result as soon as it is measured. A store is filled once per format and
+/// context (every partition size reuses it).
+pub fn bench_decode<B: Backend>(
+    k: &Kernels<B>,
+    shape: &BenchShape<'_>,
+    mut row: impl FnMut(&DecodeBench),
+) -> Result<(), KernelError> {
+    let (heads, head_dim, batch) = (shape.heads, shape.head_dim, shape.batch);
+    for fmt in shape.formats {
+        let layout = KvLayout::preset(fmt, shape.kv_heads, head_dim)?;
+        for &ctx in shape.ctxs {
+            let mut store = KvStore::new(
+                layout,
+                batch * ctx.div_ceil(layout.block_tokens),
+                batch * KvStore::tail_blocks_per_seq(&layout),
+            )?;
+            let width = shape.kv_heads * head_dim;
+            let mut seqs = vec![SeqKv::default(); batch];
+            for (si, s) in seqs.iter_mut().enumerate() {
+                let mut at = 0;
+                while at < ctx {
+                    let n = (ctx - at).min(4096);
+                    let kv: Vec<f32> = (0..n * width)
+                        .map(|i| {
+                            (((i + at * width + si * 7) * 2_654_435_761) % 2001) as f32 / 1000.0
+                                - 1.0
+                        })
+                        .collect();
+                    store.append(s, &kv, &kv)?;
+                    at += n;
+                }
+            }
+            let q: Vec<f32> = (0..batch * heads * head_dim)
+                .map(|i| ((i * 40_503) % 997) as f32 / 500.0 - 1.0)
+                .collect();
+            let scale = 1.0 / (head_dim as f32).sqrt();
+            let dev = k.upload(&store)?;
+            let refs: Vec<&SeqKv> = seqs.iter().collect();
+            let queries: Vec<SeqQuery<'_>> = seqs
+                .iter()
+                .enumerate()
+                .map(|(i, s)| SeqQuery {
+                    kv: s,
+                    q: &q[i * heads * head_dim..(i + 1) * heads * head_dim],
+                    n_q: 1,
+                })
+                .collect();
+            let mut want = vec![0f32; q.len()];
+            paged_attention(
+                &store,
+                heads,
+                scale,
+                &queries,
+                &mut want,
+                &AttnParams::default(),
+            )?;
+            let kv_bytes: usize = seqs
+                .iter()
+                .map(|s| {
+                    s.sealed.len() * layout.block_bytes() + s.tail.len() * layout.tail_block_bytes()
+                })
+                .sum();
+            for &partition_tokens in shape.partitions {
+                let run = k.prepare_decode(&dev, &refs, &q, heads, scale, partition_tokens)?;
+                run.launch(k, &dev)?;
+                let max_diff = run
+                    .output(k)?
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| {
+                        if a.is_finite() {
+                            (a - b).abs()
+                        } else {
+                            f32::INFINITY
+                        }
+                    })
+                    .fold(0f32, f32::max);
+                // Each rep queues LAUNCHES_PER_REP calls back to back and
+                // waits once, so the host's launch and wait latency (several
+                // µs, as long as a short call) is not counted as kernel time.
+                let mut times = Vec::new();
+                for _ in 0..shape.reps.max(1) {
+                    let t0 = Instant::now();
+                    for _ in 0..LAUNCHES_PER_REP {
+                        run.enqueue(k, &dev)?;
+                    }
+                    k.backend.synchronize()?;
+                    times.push(t0.elapsed().as_secs_f64() / LAUNCHES_PER_REP as f64);
+                }
+                times.sort_by(f64::total_cmp);
+                row(&DecodeBench {
+                    format: fmt.clone(),
+                    ctx,
+                    batch,
+                    partition_tokens,
+                    seconds: times[times.len() / 2],
+                    kv_bytes,
+                    max_diff,
+                });
+            }
+            for s in seqs.iter_mut() {
+                store.release(s);
+            }
+        }
+    }
+    Ok(())
 }

@@ -255,9 +255,9 @@ mod gpu {
 
 #[cfg(feature = "cuda-emu")]
 mod emulated {
-    use siliceo_kernels_turing::KernelError;
-    use siliceo_kernels_turing::device::{Arg, Backend, Launch};
+    use siliceo_kernels_turing::device::{Arg, Backend, BenchShape, Launch, bench_decode};
     use siliceo_kernels_turing::emu::EmuKernels;
+    use siliceo_kernels_turing::{KernelError, KvLayout};
 
     use super::Case;
 
@@ -292,6 +292,36 @@ mod emulated {
     #[test]
     fn emulated_append_and_seal_quantize_within_the_codec_bounds() {
         super::append_and_seal_quantize_within_the_codec_bounds(&EmuKernels::emulated());
+    }
+
+    #[test]
+    fn the_gpu_benchmark_runs_in_the_emulator() {
+        // The code `cargo xtask bench kernels --gpu` runs on a GPU, on a small
+        // shape: every row is produced, agrees with the CPU kernel and counts
+        // every block it reads.
+        let formats = ["f16".to_string(), "k5v4".to_string()];
+        let shape = BenchShape {
+            ctxs: &[70, 130],
+            formats: &formats,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            reps: 1,
+            partitions: &[64, 128],
+            batch: 2,
+        };
+        let mut rows = Vec::new();
+        bench_decode(&EmuKernels::emulated(), &shape, |r| rows.push(r.clone())).unwrap();
+        assert_eq!(rows.len(), 2 * 2 * 2);
+        for r in &rows {
+            assert!(r.max_diff < 2e-3, "{r:?}");
+            assert!(r.seconds > 0.0, "{r:?}");
+            let layout = KvLayout::preset(&r.format, 2, 64).unwrap();
+            let blocks = r.ctx.div_ceil(64);
+            let min = r.batch * blocks * layout.block_bytes().min(layout.tail_block_bytes());
+            let max = r.batch * blocks * layout.block_bytes().max(layout.tail_block_bytes());
+            assert!(r.kv_bytes >= min && r.kv_bytes <= max, "{r:?}");
+        }
     }
 
     #[test]
