@@ -418,12 +418,13 @@ fn gpu(_: &Opts) {
 #[cfg(feature = "cuda")]
 fn gpu(o: &Opts) {
     // Partition sizes are in tokens on the GPU: blocks × block size, at most
-    // 1024 (the decode kernel keeps a partition's scores in shared memory).
+    // 1024 (the decode kernel keeps a partition's scores in shared memory);
+    // 0 leaves it to the kernels (device::AUTO_PARTITION_TOKENS).
     let cap = siliceo_kernels_turing::device::MAX_PARTITION_TOKENS / o.block[0];
     let partitions: Vec<usize> = o
         .partition
         .iter()
-        .map(|&p| (if p == 0 { cap } else { p.min(cap) }) * o.block[0])
+        .map(|&p| p.min(cap) * o.block[0])
         .collect();
     for &batch in &o.batch {
         let shape = siliceo_kernels_turing::device::BenchShape {

@@ -22,6 +22,11 @@ const WARPS: usize = 4;
 pub const MAX_GROUP: usize = 8;
 /// Most tokens in one decode partition (the kernel keeps its scores in shared memory).
 pub const MAX_PARTITION_TOKENS: usize = 1024;
+/// Tokens per decode partition when the caller leaves it to the kernels
+/// (`partition_tokens = 0`): 8 blocks of 64, so one sequence of 32k tokens
+/// over 8 KV heads is 512 CTAs, several per SM on any GPU this targets,
+/// while a short context stays one partition (no reduction).
+pub const AUTO_PARTITION_TOKENS: usize = 512;
 
 /// Grid, block and dynamic shared memory of one launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -195,7 +200,8 @@ impl<B: Backend> Kernels<B> {
 
     /// Decode attention (one query token per sequence) on the device. `q` is
     /// `seqs.len() × n_heads × head_dim`; partitions of `partition_tokens`
-    /// split long contexts (0 = one partition), reduced by a second kernel.
+    /// (at most [`MAX_PARTITION_TOKENS`]; 0 = [`AUTO_PARTITION_TOKENS`]) split
+    /// long contexts over more CTAs, reduced by a second kernel.
     /// Returns the output, same shape as `q`.
     pub fn decode(
         &self,
@@ -260,10 +266,11 @@ impl<B: Backend> Kernels<B> {
             ));
         }
         let part = if partition_tokens == 0 {
-            max_len
+            AUTO_PARTITION_TOKENS
         } else {
-            partition_tokens.min(max_len)
-        };
+            partition_tokens
+        }
+        .min(max_len);
         if part > MAX_PARTITION_TOKENS {
             return Err(KernelError::Shape(format!(
                 "partitions of {part} tokens exceed the kernel's shared memory; split with partition_tokens ≤ {MAX_PARTITION_TOKENS}"
@@ -514,6 +521,11 @@ impl<B: Backend> DecodeRun<B> {
         Ok(())
     }
 
+    /// Tokens per partition this run uses.
+    pub fn partition_tokens(&self) -> usize {
+        self.ints[7] as usize
+    }
+
     /// Launches and waits.
     pub fn launch(&self, k: &Kernels<B>, kv: &DeviceKv<B>) -> Result<(), KernelError> {
         self.enqueue(k, kv)?;
@@ -556,7 +568,7 @@ pub struct DecodeBench {
     pub ctx: usize,
     /// Sequences.
     pub batch: usize,
-    /// Tokens per partition.
+    /// Tokens per partition (as the kernels ran it: 0 asked becomes the default).
     pub partition_tokens: usize,
     /// Median seconds per decode call (decode kernel and reduction).
     pub seconds: f64,
@@ -665,7 +677,7 @@ pub fn bench_decode<B: Backend>(
                     format: fmt.clone(),
                     ctx,
                     batch,
-                    partition_tokens,
+                    partition_tokens: run.partition_tokens(),
                     seconds: times[times.len() / 2],
                     kv_bytes,
                     max_diff,

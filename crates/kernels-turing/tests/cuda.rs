@@ -105,14 +105,18 @@ fn decode_difference<B: Backend>(k: &Kernels<B>, c: &Case) -> f32 {
         .fold(0f32, f32::max)
 }
 
-/// Every format, head size 64 and 128, rotation and a tail, one partition
-/// or several, sequences of 1 token to several partitions.
+/// Every format, head size 64 and 128, rotation and a tail, the default
+/// partition size (0), one partition per sequence (1024) or several,
+/// sequences of 1 token to several partitions.
 fn decode_matches_the_cpu_kernel<B: Backend>(k: &Kernels<B>, lens: &'static [usize]) {
     for fmt in ["f16", "kv8", "k5v4"] {
         for d in [64, 128] {
-            for (rotate_k, tail_tokens, partition) in
-                [(false, 0, 0), (true, 100, 256), (false, 0, 64)]
-            {
+            for (rotate_k, tail_tokens, partition) in [
+                (false, 0, 0),
+                (true, 100, 256),
+                (false, 0, 64),
+                (false, 0, 1024),
+            ] {
                 let c = Case {
                     fmt,
                     kv_heads: 2,
@@ -307,13 +311,18 @@ mod emulated {
             kv_heads: 2,
             head_dim: 64,
             reps: 1,
-            partitions: &[64, 128],
+            partitions: &[64, 0],
             batch: 2,
         };
         let mut rows = Vec::new();
         bench_decode(&EmuKernels::emulated(), &shape, |r| rows.push(r.clone())).unwrap();
         assert_eq!(rows.len(), 2 * 2 * 2);
         for r in &rows {
+            // 0 asked runs the default partition, capped at the context.
+            assert!(
+                r.partition_tokens == 64 || r.partition_tokens == r.ctx,
+                "{r:?}"
+            );
             assert!(r.max_diff < 2e-3, "{r:?}");
             assert!(r.seconds > 0.0, "{r:?}");
             let layout = KvLayout::preset(&r.format, 2, 64).unwrap();
