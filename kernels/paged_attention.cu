@@ -366,6 +366,26 @@ __device__ __forceinline__ void quant_params(float lo, float hi, float levels, _
     *minv = mn;
 }
 
+// Scale and minimum (stored as the CPU codec stores them) of the `n` values
+// src[i · stride]; returns the decoded minimum and 1 / scale for asym_code.
+__device__ __forceinline__ float2 asym_params(const __half* src, int n, int stride, float levels, __half* scale,
+                                              __half* minv) {
+    float lo = INFINITY, hi = -INFINITY;
+    for (int i = 0; i < n; i++) {
+        float x = __half2float(src[i * stride]);
+        lo = fminf(lo, x);
+        hi = fmaxf(hi, x);
+    }
+    quant_params(lo, hi, levels, scale, minv);
+    const float sf = __half2float(*scale);
+    return make_float2(__half2float(*minv), sf > 0.f ? 1.f / sf : 0.f);
+}
+
+// The code of x on the grid asym_params returned: nearest step, 0..top.
+__device__ __forceinline__ int asym_code(__half x, float2 p, float top) {
+    return (int)fminf(fmaxf(roundf((__half2float(x) - p.x) * p.y), 0.f), top);
+}
+
 // Quantizes one segment (T × D f16 in `src`) with codec C into `dst`.
 // codes: shared scratch of T × D bytes.
 template <int C>
@@ -392,19 +412,8 @@ __device__ void seal_segment(const __half* src, uint8_t* dst, int T, int D, int 
     if (C == K5) {
         __half* params = reinterpret_cast<__half*>(dst);
         for (int c = tid; c < D; c += blockDim.x) {
-            float lo = INFINITY, hi = -INFINITY;
-            for (int t = 0; t < T; t++) {
-                float x = __half2float(src[t * D + c]);
-                lo = fminf(lo, x);
-                hi = fmaxf(hi, x);
-            }
-            __half sc, mn;
-            quant_params(lo, hi, 31.f, &sc, &mn);
-            params[c] = sc;
-            params[D + c] = mn;
-            float sf = __half2float(sc), mf = __half2float(mn), inv = sf > 0.f ? 1.f / sf : 0.f;
-            for (int t = 0; t < T; t++)
-                codes[t * D + c] = (uint8_t)fminf(fmaxf(roundf((__half2float(src[t * D + c]) - mf) * inv), 0.f), 31.f);
+            const float2 p = asym_params(src + c, T, D, 31.f, &params[c], &params[D + c]);
+            for (int t = 0; t < T; t++) codes[t * D + c] = (uint8_t)asym_code(src[t * D + c], p, 31.f);
         }
         __syncthreads();
         uint8_t* nib = dst + D * 4;
@@ -427,20 +436,10 @@ __device__ void seal_segment(const __half* src, uint8_t* dst, int T, int D, int 
     __half* params = reinterpret_cast<__half*>(dst);
     uint8_t* nib = dst + ng * 4;
     for (int gi = tid; gi < ng; gi += blockDim.x) {
-        float lo = INFINITY, hi = -INFINITY;
-        for (int j = 0; j < g; j++) {
-            float x = __half2float(src[gi * g + j]);
-            lo = fminf(lo, x);
-            hi = fmaxf(hi, x);
-        }
-        __half sc, mn;
-        quant_params(lo, hi, 15.f, &sc, &mn);
-        params[gi] = sc;
-        params[ng + gi] = mn;
-        float sf = __half2float(sc), mf = __half2float(mn), inv = sf > 0.f ? 1.f / sf : 0.f;
+        const float2 p = asym_params(src + gi * g, g, 1, 15.f, &params[gi], &params[ng + gi]);
         for (int j = 0; j < hg; j++) {
-            int a = (int)fminf(fmaxf(roundf((__half2float(src[gi * g + j]) - mf) * inv), 0.f), 15.f);
-            int b = (int)fminf(fmaxf(roundf((__half2float(src[gi * g + j + hg]) - mf) * inv), 0.f), 15.f);
+            int a = asym_code(src[gi * g + j], p, 15.f);
+            int b = asym_code(src[gi * g + j + hg], p, 15.f);
             nib[gi * hg + j] = (uint8_t)(a | (b << 4));
         }
     }

@@ -76,6 +76,7 @@ inline __half __float2half(float x) {
     std::memcpy(&h.bits, &f, 2);
     return h;
 }
+inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float2 __half22float2(__half2 h) { return {__half2float(h.x), __half2float(h.y)}; }
 inline __half __ushort_as_half(unsigned short u) { return __half{u}; }
 inline unsigned short __half_as_ushort(__half h) { return h.bits; }
