@@ -122,16 +122,33 @@ __device__ __forceinline__ float warp_sum(float x) {
     return x;
 }
 
-// Where token `tok` of sequence `s` lives: the K segment of KV head `kh` in
-// its sealed or tail block, and whether that block is sealed.
-__device__ __forceinline__ const uint8_t* k_segment(const Tables& tb, int s, int kh, int tok, int T, int ns,
-                                                   int sealed_bb, int ksb, int vsb, int tail_bb, int tail_seg,
-                                                   bool* sealed) {
-    const int b = tok / T;
-    *sealed = b < ns;
-    if (*sealed) return tb.sealed + (size_t)tb.sealed_tab[s * tb.max_sealed + b] * sealed_bb + kh * (ksb + vsb);
-    return tb.tail + (size_t)tb.tail_tab[s * tb.max_tail + (b - ns)] * tail_bb + kh * 2 * tail_seg;
-}
+// One CTA's partition of one sequence's context, for one KV head: where
+// each of its tokens' K and V rows live.
+struct Partition {
+    Tables tb;
+    int s, kh, start, n, T, ns, kg, vg, ksb, vsb, sealed_bb, tail_seg, tail_bb;
+
+    // Eight channels from c0 of the K (V = false) or V row of the partition's
+    // token j, dequantized; zeros for j past the end.
+    template <int D, int KC, int VC, bool V>
+    __device__ __forceinline__ void row(int j, int c0, float* x) const {
+        if (j >= n) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) x[i] = 0.f;
+            return;
+        }
+        const int tok = start + j, b = tok / T, r = tok % T;
+        if (b < ns) {
+            const uint8_t* seg =
+                tb.sealed + (size_t)tb.sealed_tab[s * tb.max_sealed + b] * sealed_bb + kh * (ksb + vsb);
+            if (V) row8<VC>(seg + ksb, T, D, vg, r, c0, x);
+            else row8<KC>(seg, T, D, kg, r, c0, x);
+        } else {
+            const uint8_t* seg = tb.tail + (size_t)tb.tail_tab[s * tb.max_tail + (b - ns)] * tail_bb + kh * 2 * tail_seg;
+            row8<F16>(seg + (V ? tail_seg : 0), T, D, 0, r, c0, x);
+        }
+    }
+};
 
 // Decode attention for one KV head of one sequence over one partition of
 // its context, for the GT (≥ G, a power of two) query heads that share the
@@ -163,9 +180,9 @@ __device__ void attn_decode(float* out, float* part_m, float* part_l, float* par
     const int len = tb.seq_len[s];
     const int start = p * part_tokens;
     const int n = max(0, min(len, start + part_tokens) - start);
-    const int ns = tb.n_sealed[s];
     const int ksb = seg_bytes(KC, T, D, kg), vsb = seg_bytes(VC, T, D, vg);
-    const int sealed_bb = KVH * (ksb + vsb), tail_seg = T * D * 2, tail_bb = KVH * 2 * tail_seg;
+    const Partition pt = {tb, s, kh, start, n, T, tb.n_sealed[s], kg, vg, ksb, vsb, KVH * (ksb + vsb), T * D * 2,
+                          KVH * 2 * T * D * 2};
 
     for (int i = threadIdx.x; i < GT * D; i += THREADS)
         qs[i] = i < G * D ? q[((size_t)s * H + kh * G) * D + i] : 0.f;
@@ -182,19 +199,7 @@ __device__ void attn_decode(float* out, float* part_m, float* part_l, float* par
     for (int base = 0; base < n; base += STEP) {
         float k[U][8];
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int j = base + (u * WARPS + warp) * TPW + sub;
-            if (j < n) {
-                bool sealed;
-                const uint8_t* seg =
-                    k_segment(tb, s, kh, start + j, T, ns, sealed_bb, ksb, vsb, tail_bb, tail_seg, &sealed);
-                if (sealed) row8<KC>(seg, T, D, kg, (start + j) % T, c0, k[u]);
-                else row8<F16>(seg, T, D, 0, (start + j) % T, c0, k[u]);
-            } else {
-#pragma unroll
-                for (int i = 0; i < 8; i++) k[u][i] = 0.f;
-            }
-        }
+        for (int u = 0; u < U; u++) pt.row<D, KC, VC, false>(base + (u * WARPS + warp) * TPW + sub, c0, k[u]);
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int j = base + (u * WARPS + warp) * TPW + sub;
@@ -239,16 +244,7 @@ __device__ void attn_decode(float* out, float* part_m, float* part_l, float* par
     for (int base = 0; base < n; base += STEP) {
         float v[U][8];
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int j = base + (u * WARPS + warp) * TPW + sub;
-            if (j < n) {
-                bool sealed;
-                const uint8_t* seg =
-                    k_segment(tb, s, kh, start + j, T, ns, sealed_bb, ksb, vsb, tail_bb, tail_seg, &sealed);
-                if (sealed) row8<VC>(seg + ksb, T, D, vg, (start + j) % T, c0, v[u]);
-                else row8<F16>(seg + tail_seg, T, D, 0, (start + j) % T, c0, v[u]);
-            }
-        }
+        for (int u = 0; u < U; u++) pt.row<D, KC, VC, true>(base + (u * WARPS + warp) * TPW + sub, c0, v[u]);
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int j = base + (u * WARPS + warp) * TPW + sub;

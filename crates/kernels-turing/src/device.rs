@@ -578,6 +578,21 @@ pub struct DecodeBench {
     pub max_diff: f32,
 }
 
+/// The largest `|got − want|` over two outputs; infinite where `got` is not
+/// finite (a NaN would otherwise vanish in the max).
+pub fn max_abs_diff(got: &[f32], want: &[f32]) -> f32 {
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| {
+            if a.is_finite() {
+                (a - b).abs()
+            } else {
+                f32::INFINITY
+            }
+        })
+        .fold(0f32, f32::max)
+}
+
 /// Decode calls queued per timed rep.
 const LAUNCHES_PER_REP: usize = 20;
 
@@ -648,18 +663,7 @@ pub fn bench_decode<B: Backend>(
             for &partition_tokens in shape.partitions {
                 let run = k.prepare_decode(&dev, &refs, &q, heads, scale, partition_tokens)?;
                 run.launch(k, &dev)?;
-                let max_diff = run
-                    .output(k)?
-                    .iter()
-                    .zip(&want)
-                    .map(|(a, b)| {
-                        if a.is_finite() {
-                            (a - b).abs()
-                        } else {
-                            f32::INFINITY
-                        }
-                    })
-                    .fold(0f32, f32::max);
+                let max_diff = max_abs_diff(&run.output(k)?, &want);
                 // Each rep queues LAUNCHES_PER_REP calls back to back and
                 // waits once, so the host's launch and wait latency (several
                 // µs, as long as a short call) is not counted as kernel time.

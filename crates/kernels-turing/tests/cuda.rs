@@ -5,7 +5,7 @@
 //! it), where they fail; the emulated tests run everywhere.
 #![cfg(any(feature = "cuda", feature = "cuda-emu"))]
 
-use siliceo_kernels_turing::device::{Backend, Kernels};
+use siliceo_kernels_turing::device::{Backend, Kernels, max_abs_diff};
 use siliceo_kernels_turing::{
     AttnParams, Codec, KvLayout, KvStore, SeqKv, SeqQuery, paged_attention,
 };
@@ -93,16 +93,7 @@ fn decode_difference<B: Backend>(k: &Kernels<B>, c: &Case) -> f32 {
         .decode(&dev, &refs, &q, c.heads, scale, c.partition)
         .unwrap();
     assert_eq!(got.len(), want.len());
-    got.iter()
-        .zip(&want)
-        .map(|(a, b)| {
-            if a.is_finite() {
-                (a - b).abs()
-            } else {
-                f32::INFINITY
-            }
-        })
-        .fold(0f32, f32::max)
+    max_abs_diff(&got, &want)
 }
 
 /// Every format, head size 64 and 128, rotation and a tail, the default
