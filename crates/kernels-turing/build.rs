@@ -10,8 +10,22 @@ fn main() {
 #[cfg(feature = "cuda-emu")]
 fn emu() {
     use std::path::PathBuf;
-    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("set by cargo"))
-        .join("../../kernels");
+    // The workspace's kernels/ (or, for this crate used on its own, wherever
+    // SILICEO_KERNELS_SRC points: a copy of that folder).
+    println!("cargo:rerun-if-env-changed=SILICEO_KERNELS_SRC");
+    let root = std::env::var_os("SILICEO_KERNELS_SRC")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("set by cargo"))
+                .join("../../kernels")
+        });
+    if !root.join("paged_attention.cu").exists() || !root.join("emu/emu.cpp").exists() {
+        panic!(
+            "feature cuda-emu: no kernels/paged_attention.cu and kernels/emu/ in {} \
+             (set SILICEO_KERNELS_SRC to the siliceo-infer repository's kernels/ folder)",
+            root.display()
+        );
+    }
     for f in ["paged_attention.cu", "emu/emu.cpp", "emu/cuda_fp16.h"] {
         println!("cargo:rerun-if-changed={}", root.join(f).display());
     }
