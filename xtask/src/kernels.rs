@@ -141,35 +141,62 @@ pub fn build() -> Result<Vec<PathBuf>> {
             .expect("a .cu file has a stem")
             .to_string_lossy()
             .to_string();
-        let mut jobs: Vec<(String, PathBuf)> =
-            vec![("-ptx".into(), out.join(format!("{stem}.compute_75.ptx")))];
+        let mut jobs: Vec<(String, PathBuf, String)> = vec![(
+            "-ptx".into(),
+            out.join(format!("{stem}.compute_75.ptx")),
+            "compute_75".into(),
+        )];
         for sm in CUBINS {
-            jobs.push(("-cubin".into(), out.join(format!("{stem}.{sm}.cubin"))));
+            jobs.push((
+                "-cubin".into(),
+                out.join(format!("{stem}.{sm}.cubin")),
+                sm.to_string(),
+            ));
         }
-        for (i, (kind, dst)) in jobs.iter().enumerate() {
-            let arch = if i == 0 {
-                "compute_75".to_string()
-            } else {
-                CUBINS[i - 1].to_string()
-            };
-            eprintln!("kernels: {} → {}", src.display(), dst.display());
-            crate::run(
-                Command::new(&nvcc)
-                    .args([
-                        kind.as_str(),
-                        &format!("-arch={arch}"),
-                        "-O3",
-                        "-std=c++17",
-                        "-Werror",
-                        "all-warnings",
-                    ])
-                    .arg(src)
-                    .arg("-o")
-                    .arg(dst),
-            )
-            .with_context(|| format!("{} does not compile for {arch}", src.display()))?;
-            written.push(dst.clone());
+        // One nvcc per target, as many at once as there are cores (each is
+        // single-threaded; the decode kernels take most of a minute per target).
+        let width = std::thread::available_parallelism().map_or(1, |n| n.get());
+        for batch in jobs.chunks(width) {
+            let results: Vec<Result<()>> = std::thread::scope(|scope| {
+                let handles: Vec<_> = batch
+                    .iter()
+                    .map(|(kind, dst, arch)| {
+                        let nvcc = &nvcc;
+                        scope.spawn(move || {
+                            eprintln!("kernels: {} → {}", src.display(), dst.display());
+                            crate::run(
+                                Command::new(nvcc)
+                                    .args([
+                                        kind.as_str(),
+                                        &format!("-arch={arch}"),
+                                        "-O3",
+                                        "-std=c++17",
+                                        "-Werror",
+                                        "all-warnings",
+                                    ])
+                                    .arg(src)
+                                    .arg("-o")
+                                    .arg(dst),
+                            )
+                            .with_context(|| {
+                                format!("{} does not compile for {arch}", src.display())
+                            })
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| {
+                        h.join()
+                            .unwrap_or_else(|_| bail!("an nvcc thread panicked"))
+                    })
+                    .collect()
+            });
+            for r in results {
+                r?;
+            }
         }
+        written.extend(jobs.into_iter().map(|(_, dst, _)| dst));
     }
     Ok(written)
 }
