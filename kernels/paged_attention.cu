@@ -7,7 +7,7 @@
 // Hadamard-rotated when the layout rotates K) from the host.
 //
 // Kernels (extern "C", names stable; the Rust loader in cuda.rs uses them):
-//   siliceo_attn_decode_<k>_<v>_d<D>_g<GT>  one query token per sequence;
+//   siliceo_attn_decode_<k>_<v>_d<D>_g<GT>  (D = 64, 128, 256) one query token per sequence;
 //       grid (kv_heads, sequences, partitions), 128 threads; each CTA serves
 //       the G ≤ GT query heads of one KV head over one partition of the
 //       context (GT = 1, 2, 4, 8: G rounded up to a power of two). With one
@@ -309,10 +309,13 @@ __device__ void attn_decode(float* out, float* part_m, float* part_l, float* par
 
 DECODE_GROUPS(f16_f16, F16, F16, 64)
 DECODE_GROUPS(f16_f16, F16, F16, 128)
+DECODE_GROUPS(f16_f16, F16, F16, 256)
 DECODE_GROUPS(kv8_kv8, KV8, KV8, 64)
 DECODE_GROUPS(kv8_kv8, KV8, KV8, 128)
+DECODE_GROUPS(kv8_kv8, KV8, KV8, 256)
 DECODE_GROUPS(k5_v4, K5, V4, 64)
 DECODE_GROUPS(k5_v4, K5, V4, 128)
+DECODE_GROUPS(k5_v4, K5, V4, 256)
 
 // Grid (H, S), D threads: merges P partial rows per head.
 extern "C" __global__ void siliceo_attn_reduce(float* out, const float* part_m, const float* part_l,

@@ -263,10 +263,13 @@ Entry entry(const char* name, void (*f)(A...)) {
 const Entry ENTRIES[] = {
     DECODE_KERNELS(f16_f16, 64),
     DECODE_KERNELS(f16_f16, 128),
+    DECODE_KERNELS(f16_f16, 256),
     DECODE_KERNELS(kv8_kv8, 64),
     DECODE_KERNELS(kv8_kv8, 128),
+    DECODE_KERNELS(kv8_kv8, 256),
     DECODE_KERNELS(k5_v4, 64),
     DECODE_KERNELS(k5_v4, 128),
+    DECODE_KERNELS(k5_v4, 256),
     KERNEL(siliceo_attn_reduce),
     KERNEL(siliceo_kv_append),
     KERNEL(siliceo_kv_seal_f16_f16),

@@ -418,9 +418,10 @@ fn gpu(_: &Opts) {
 #[cfg(feature = "cuda")]
 fn gpu(o: &Opts) {
     // Partition sizes are in tokens on the GPU: blocks × block size, at most
-    // 1024 (the decode kernel keeps a partition's scores in shared memory);
+    // what the decode kernel's shared memory holds (its scores live there);
     // 0 leaves it to the kernels (device::AUTO_PARTITION_TOKENS).
-    let cap = siliceo_kernels_turing::device::MAX_PARTITION_TOKENS / o.block[0];
+    let group = (o.heads / o.kv_heads.max(1)).next_power_of_two();
+    let cap = siliceo_kernels_turing::device::max_partition_tokens(group, o.head_dim) / o.block[0];
     let partitions: Vec<usize> = o
         .partition
         .iter()

@@ -28,6 +28,20 @@ pub const MAX_PARTITION_TOKENS: usize = 1024;
 /// while a short context stays one partition (no reduction).
 pub const AUTO_PARTITION_TOKENS: usize = 512;
 
+/// Shared memory a CTA may use on every GPU the kernels target (sm_75's
+/// opt-in limit).
+pub const SHARED_BYTES_LIMIT: usize = 64 * 1024;
+
+/// The longest decode partition (in tokens, a multiple of 64, at most
+/// [`MAX_PARTITION_TOKENS`]) whose shared memory — query rows, scores and the
+/// warps' partial sums, `group · (5·head_dim + tokens)` floats, plus two
+/// floats per head — fits [`SHARED_BYTES_LIMIT`].
+pub fn max_partition_tokens(group: usize, head_dim: usize) -> usize {
+    let floats = SHARED_BYTES_LIMIT / 4 - 2 * group;
+    let tokens = (floats / group).saturating_sub((WARPS + 1) * head_dim);
+    (tokens / 64 * 64).min(MAX_PARTITION_TOKENS)
+}
+
 /// Grid, block and dynamic shared memory of one launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Launch {
@@ -230,9 +244,9 @@ impl<B: Backend> Kernels<B> {
     ) -> Result<DecodeRun<B>, KernelError> {
         let l = kv.layout;
         let d = l.head_dim;
-        if d != 64 && d != 128 {
+        if d != 64 && d != 128 && d != 256 {
             return Err(KernelError::Layout(format!(
-                "the CUDA kernels are built for head dimensions 64 and 128, not {d}"
+                "the CUDA kernels are built for head dimensions 64, 128 and 256, not {d}"
             )));
         }
         if n_heads == 0 || !n_heads.is_multiple_of(l.kv_heads) || n_heads / l.kv_heads > MAX_GROUP {
@@ -265,15 +279,16 @@ impl<B: Backend> Kernels<B> {
                 "every sequence needs tokens and a matching block table".into(),
             ));
         }
+        let most = max_partition_tokens(group, d);
         let part = if partition_tokens == 0 {
-            AUTO_PARTITION_TOKENS
+            AUTO_PARTITION_TOKENS.min(most)
         } else {
             partition_tokens
         }
         .min(max_len);
-        if part > MAX_PARTITION_TOKENS {
+        if part > most {
             return Err(KernelError::Shape(format!(
-                "partitions of {part} tokens exceed the kernel's shared memory; split with partition_tokens ≤ {MAX_PARTITION_TOKENS}"
+                "partitions of {part} tokens exceed the kernel's shared memory with heads of {d} and {group} query heads per KV head; split with partition_tokens ≤ {most}"
             )));
         }
         let p = max_len.div_ceil(part);
