@@ -14,7 +14,8 @@
 #       the CUDA kernels against the CPU kernel (SILICEO_REQUIRE_GPU: no GPU
 #       is a failure), from the device's cubin and again from the PTX alone,
 #       then `bench --gpu`: achieved bandwidth against the device's peak and
-#       a measured copy, per format, context and batch; then the CPU kernel's
+#       a measured copy, per format, context and batch; then the tests again
+#       under compute-sanitizer (memcheck, racecheck, synccheck); then the CPU kernel's
 #       thread scaling on that machine's cores. Logs go to $OUT (or
 #       gpu-run/out); copy the tables into docs/BENCHMARKS.md.
 #
@@ -66,11 +67,25 @@ run)
   # Partitions are in blocks of 64 tokens (the GPU caps them at 16: 1024 tokens).
   "$dir/bench" --gpu --formats f16,kv8,k5v4 --ctx 4096,32768 --batch 1,8 \
     --partition 2,4,8,16 --reps 9 2>&1 | tee "$out/bench-gpu.log" || status=1
+  # The GPU's own checkers on the decode and append/seal tests (what the CPU
+  # emulator cannot see: real out-of-bounds accesses, shared-memory races
+  # between warps, barriers in divergent code). Capped: they slow kernels
+  # down by orders of magnitude.
+  sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1 || true)
+  if [ -n "$sanitizer" ]; then
+    for tool in memcheck racecheck synccheck; do
+      echo "== compute-sanitizer --tool $tool" >>"$out/sanitizer.log"
+      timeout 60 "$sanitizer" --tool "$tool" --error-exitcode 9 "$dir/cuda-tests" --test-threads=1 gpu_ 2>&1 |
+        tail -30 >>"$out/sanitizer.log" || status=1
+    done
+  else
+    echo "no compute-sanitizer on this machine" >"$out/sanitizer.log"
+  fi
   # While the machine is held: the CPU kernel's thread scaling on its cores
   # (this project's own machines have 2), decode and 64-token prefill chunks,
-  # against the bandwidth measured in the same run. Capped so the GPU
-  # results above are never lost to it.
-  timeout 150 "$dir/bench" --formats f16,kv8,k5v4 --ctx 4096,32768 --mode decode,prefill \
+  # against the bandwidth measured in the same run. Capped so the whole run
+  # stays well inside one 10-minute device command (the rest: ~5 min at most).
+  timeout 100 "$dir/bench" --formats f16,kv8,k5v4 --ctx 4096,32768 --mode decode,prefill \
     --threads 1,2,4,8,16 --reps 5 --naive-max-ctx 0 2>&1 | tee "$out/bench-cpu.log" || true
   exit $status
   ;;
