@@ -59,7 +59,7 @@ fn is_root() -> bool {
         .unwrap_or(false)
 }
 
-/// Installs `cmake` and `libclang-dev` (required) and `ccache` (optional: it
+/// Installs `cmake`, `libclang-dev` and `g++` (required) and `ccache` (optional: it
 /// lets the several builds of llama.cpp that different feature sets cause —
 /// tests, `check-layers`' per-crate builds, release — share compiled objects)
 /// with apt-get when run as root and they are missing; otherwise says exactly
@@ -71,6 +71,11 @@ pub fn ensure_build_deps() -> Result<()> {
     }
     if !have_libclang() {
         missing.push("libclang-dev");
+    }
+    // llama.cpp, nvcc's host side and the CUDA kernels' CPU emulator
+    // (kernels-turing's `cuda-emu` feature) compile C++.
+    if !have("g++") {
+        missing.push("g++");
     }
     // The server's build script compiles the .proto with protoc.
     if !have("protoc") && std::env::var_os("PROTOC").is_none() {
