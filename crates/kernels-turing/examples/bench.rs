@@ -421,23 +421,27 @@ fn gpu(o: &Opts) {
     // what the decode kernel's shared memory holds (its scores live there);
     // 0 leaves it to the kernels (device::AUTO_PARTITION_TOKENS).
     let group = (o.heads / o.kv_heads.max(1)).next_power_of_two();
-    let cap = siliceo_kernels_turing::device::max_partition_tokens(group, o.head_dim) / o.block[0];
-    let partitions: Vec<usize> = o
-        .partition
-        .iter()
-        .map(|&p| p.min(cap) * o.block[0])
-        .collect();
-    for &batch in &o.batch {
-        let shape = siliceo_kernels_turing::device::BenchShape {
-            ctxs: &o.ctx,
-            formats: &o.formats,
-            heads: o.heads,
-            kv_heads: o.kv_heads,
-            head_dim: o.head_dim,
-            reps: o.reps,
-            partitions: &partitions,
-            batch,
-        };
-        siliceo_kernels_turing::cuda::bench::run(&shape).unwrap_or_else(|e| die(&e.to_string()));
+    let most = siliceo_kernels_turing::device::max_partition_tokens(group, o.head_dim);
+    for &block in &o.block {
+        let partitions: Vec<usize> = o
+            .partition
+            .iter()
+            .map(|&p| p.min(most / block) * block)
+            .collect();
+        for &batch in &o.batch {
+            let shape = siliceo_kernels_turing::device::BenchShape {
+                ctxs: &o.ctx,
+                formats: &o.formats,
+                heads: o.heads,
+                kv_heads: o.kv_heads,
+                head_dim: o.head_dim,
+                reps: o.reps,
+                partitions: &partitions,
+                batch,
+                block_tokens: block,
+            };
+            siliceo_kernels_turing::cuda::bench::run(&shape)
+                .unwrap_or_else(|e| die(&e.to_string()));
+        }
     }
 }

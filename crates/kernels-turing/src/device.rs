@@ -572,6 +572,8 @@ pub struct BenchShape<'a> {
     pub partitions: &'a [usize],
     /// Sequences decoded together.
     pub batch: usize,
+    /// Tokens per block (64 in the presets).
+    pub block_tokens: usize,
 }
 
 /// One row of [`bench_decode`].
@@ -585,6 +587,8 @@ pub struct DecodeBench {
     pub batch: usize,
     /// Tokens per partition (as the kernels ran it: 0 asked becomes the default).
     pub partition_tokens: usize,
+    /// Tokens per block.
+    pub block_tokens: usize,
     /// Median seconds per decode call (decode kernel and reduction).
     pub seconds: f64,
     /// Bytes of KV the call reads (every block of every sequence).
@@ -622,7 +626,9 @@ pub fn bench_decode<B: Backend>(
 ) -> Result<(), KernelError> {
     let (heads, head_dim, batch) = (shape.heads, shape.head_dim, shape.batch);
     for fmt in shape.formats {
-        let layout = KvLayout::preset(fmt, shape.kv_heads, head_dim)?;
+        let mut layout = KvLayout::preset(fmt, shape.kv_heads, head_dim)?;
+        layout.block_tokens = shape.block_tokens;
+        layout.check()?;
         for &ctx in shape.ctxs {
             let mut store = KvStore::new(
                 layout,
@@ -697,6 +703,7 @@ pub fn bench_decode<B: Backend>(
                     ctx,
                     batch,
                     partition_tokens: run.partition_tokens(),
+                    block_tokens: layout.block_tokens,
                     seconds: times[times.len() / 2],
                     kv_bytes,
                     max_diff,

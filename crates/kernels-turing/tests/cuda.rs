@@ -337,6 +337,7 @@ mod emulated {
             reps: 1,
             partitions: &[64, 0],
             batch: 2,
+            block_tokens: 32,
         };
         let mut rows = Vec::new();
         bench_decode(&EmuKernels::emulated(), &shape, |r| rows.push(r.clone())).unwrap();
@@ -349,8 +350,9 @@ mod emulated {
             );
             assert!(r.max_diff < 2e-3, "{r:?}");
             assert!(r.seconds > 0.0, "{r:?}");
-            let layout = KvLayout::preset(&r.format, 2, 64).unwrap();
-            let blocks = r.ctx.div_ceil(64);
+            let mut layout = KvLayout::preset(&r.format, 2, 64).unwrap();
+            layout.block_tokens = r.block_tokens;
+            let blocks = r.ctx.div_ceil(32);
             let min = r.batch * blocks * layout.block_bytes().min(layout.tail_block_bytes());
             let max = r.batch * blocks * layout.block_bytes().max(layout.tail_block_bytes());
             assert!(r.kv_bytes >= min && r.kv_bytes <= max, "{r:?}");
