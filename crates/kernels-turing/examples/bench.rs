@@ -419,7 +419,7 @@ fn gpu(_: &Opts) {
 fn gpu(o: &Opts) {
     // Partition sizes are in tokens on the GPU: blocks × block size, at most
     // what the decode kernel's shared memory holds (its scores live there);
-    // 0 leaves it to the kernels (device::AUTO_PARTITION_TOKENS).
+    // 0 leaves it to the kernels (device::auto_partition_tokens).
     let group = (o.heads / o.kv_heads.max(1)).next_power_of_two();
     let most = siliceo_kernels_turing::device::max_partition_tokens(group, o.head_dim);
     for &block in &o.block {

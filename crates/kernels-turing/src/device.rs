@@ -22,11 +22,24 @@ const WARPS: usize = 4;
 pub const MAX_GROUP: usize = 8;
 /// Most tokens in one decode partition (the kernel keeps its scores in shared memory).
 pub const MAX_PARTITION_TOKENS: usize = 1024;
-/// Tokens per decode partition when the caller leaves it to the kernels
-/// (`partition_tokens = 0`): 8 blocks of 64, so one sequence of 32k tokens
-/// over 8 KV heads is 512 CTAs, several per SM on any GPU this targets,
-/// while a short context stays one partition (no reduction).
-pub const AUTO_PARTITION_TOKENS: usize = 512;
+/// CTAs a decode call aims for when the caller leaves the partition size to
+/// the kernels: several per SM on the GPUs this targets (40–132 SMs), so the
+/// loads of many CTAs overlap.
+pub const TARGET_CTAS: usize = 512;
+
+/// The partition size used when the caller passes `partition_tokens = 0`:
+/// enough partitions that KV heads × sequences × partitions reaches
+/// [`TARGET_CTAS`], in whole 64-token steps, no shorter than 128 tokens (a
+/// CTA's fixed costs — loading the queries, the softmax, the reduction —
+/// want some tokens to spread over) and no longer than `most` (shared
+/// memory). One sequence of 32k tokens over 8 KV heads gets 512-token
+/// partitions (512 CTAs), over one KV head (MQA) 128-token ones (256 CTAs);
+/// eight such sequences over 8 KV heads get `most`.
+pub fn auto_partition_tokens(max_len: usize, kv_heads: usize, seqs: usize, most: usize) -> usize {
+    let per_seq = TARGET_CTAS.div_ceil((kv_heads * seqs).max(1));
+    let tokens = max_len.div_ceil(per_seq).div_ceil(64) * 64;
+    tokens.clamp(128, most.max(128)).min(most)
+}
 
 /// Shared memory a CTA may use on every GPU the kernels target (sm_75's
 /// opt-in limit).
@@ -214,7 +227,7 @@ impl<B: Backend> Kernels<B> {
 
     /// Decode attention (one query token per sequence) on the device. `q` is
     /// `seqs.len() × n_heads × head_dim`; partitions of `partition_tokens`
-    /// (at most [`MAX_PARTITION_TOKENS`]; 0 = [`AUTO_PARTITION_TOKENS`]) split
+    /// (at most [`max_partition_tokens`]; 0 = [`auto_partition_tokens`]) split
     /// long contexts over more CTAs, reduced by a second kernel.
     /// Returns the output, same shape as `q`.
     pub fn decode(
@@ -281,7 +294,7 @@ impl<B: Backend> Kernels<B> {
         }
         let most = max_partition_tokens(group, d);
         let part = if partition_tokens == 0 {
-            AUTO_PARTITION_TOKENS.min(most)
+            auto_partition_tokens(max_len, l.kv_heads, seqs.len(), most)
         } else {
             partition_tokens
         }

@@ -245,7 +245,7 @@ mod gpu {
 #[cfg(feature = "cuda-emu")]
 mod emulated {
     use siliceo_kernels_turing::device::{
-        Arg, Backend, BenchShape, Launch, bench_decode, max_partition_tokens,
+        Arg, Backend, BenchShape, Launch, auto_partition_tokens, bench_decode, max_partition_tokens,
     };
     use siliceo_kernels_turing::emu::EmuKernels;
     use siliceo_kernels_turing::{KernelError, KvLayout, KvStore, SeqKv};
@@ -283,6 +283,29 @@ mod emulated {
     #[test]
     fn emulated_append_and_seal_quantize_within_the_codec_bounds() {
         super::append_and_seal_quantize_within_the_codec_bounds(&EmuKernels::emulated());
+    }
+
+    #[test]
+    fn the_default_partition_fills_the_gpu() {
+        let most = max_partition_tokens(8, 128);
+        // 32k tokens, 8 KV heads, one sequence: 64 partitions of 512 (512 CTAs).
+        assert_eq!(auto_partition_tokens(32768, 8, 1, most), 512);
+        // MQA: 128-token partitions, the floor (256 CTAs).
+        assert_eq!(auto_partition_tokens(32768, 1, 1, most), 128);
+        // Eight long sequences already fill it: the longest partition.
+        assert_eq!(auto_partition_tokens(32768, 8, 8, most), most);
+        // A short context: one partition's worth, in 64-token steps, ≥ 128.
+        assert_eq!(auto_partition_tokens(100, 8, 1, most), 128);
+        // 4k tokens over 2 KV heads would want 256 partitions of 16: the floor.
+        assert_eq!(auto_partition_tokens(4096, 2, 1, most), 128);
+        // 16k over 2 KV heads: 256 partitions of 64, rounded up to the floor.
+        assert_eq!(auto_partition_tokens(16384, 2, 1, most), 128);
+        // 4k over 8 KV heads, 2 sequences: 32 partitions of 128.
+        assert_eq!(auto_partition_tokens(4096, 8, 2, most), 128);
+        // 32k over 4 KV heads, 2 sequences: 64 partitions of 512.
+        assert_eq!(auto_partition_tokens(32768, 4, 2, most), 512);
+        // Never past what shared memory holds.
+        assert_eq!(auto_partition_tokens(1 << 20, 8, 8, 704), 704);
     }
 
     #[test]
@@ -344,8 +367,9 @@ mod emulated {
         assert_eq!(rows.len(), 2 * 2 * 2);
         for r in &rows {
             // 0 asked runs the default partition, capped at the context.
+            let auto = auto_partition_tokens(r.ctx, 2, 2, max_partition_tokens(2, 64)).min(r.ctx);
             assert!(
-                r.partition_tokens == 64 || r.partition_tokens == r.ctx,
+                r.partition_tokens == 64 || r.partition_tokens == auto,
                 "{r:?}"
             );
             assert!(r.max_diff < 2e-3, "{r:?}");
