@@ -45,16 +45,12 @@ __device__ __forceinline__ int seg_bytes(int codec, int T, int D, int g) {
     }
 }
 
-// Element (t, c) of a segment, dequantized (fused into the attention loops).
+// Element (t, c) of a K5 or V4 segment, dequantized (F16 and KV8 rows are
+// read eight channels at a time by row8).
 template <int C>
 __device__ __forceinline__ float elem(const uint8_t* seg, int T, int D, int g, int t, int c) {
-    if (C == F16) {
-        return __half2float(reinterpret_cast<const __half*>(seg)[t * D + c]);
-    } else if (C == KV8) {
-        const __half* scales = reinterpret_cast<const __half*>(seg);
-        const int8_t* codes = reinterpret_cast<const int8_t*>(seg + T * (D / g) * 2);
-        return __half2float(scales[t * (D / g) + c / g]) * (float)codes[t * D + c];
-    } else if (C == K5) {
+    static_assert(C == K5 || C == V4, "elem reads the bit-plane codecs");
+    if constexpr (C == K5) {
         const __half* params = reinterpret_cast<const __half*>(seg);
         const uint8_t* nib = seg + D * 4;
         const uint8_t* high = nib + T * D / 2;
@@ -88,7 +84,7 @@ struct Tables {
 // K5 and V4 gather their bit planes per channel.
 template <int C>
 __device__ __forceinline__ void row8(const uint8_t* seg, int T, int D, int g, int t, int c0, float* x) {
-    if (C == F16) {
+    if constexpr (C == F16) {
         uint4 u = *reinterpret_cast<const uint4*>(seg + ((size_t)t * D + c0) * 2);
         const __half2* h = reinterpret_cast<const __half2*>(&u);
 #pragma unroll
@@ -97,7 +93,7 @@ __device__ __forceinline__ void row8(const uint8_t* seg, int T, int D, int g, in
             x[2 * i] = f.x;
             x[2 * i + 1] = f.y;
         }
-    } else if (C == KV8) {
+    } else if constexpr (C == KV8) {
         const __half* scales = reinterpret_cast<const __half*>(seg);
         const float sc = __half2float(scales[t * (D / g) + c0 / g]);
         uint2 u = *reinterpret_cast<const uint2*>(seg + T * (D / g) * 2 + (size_t)t * D + c0);
