@@ -343,17 +343,17 @@ impl<B: Backend> Kernels<B> {
             tail_tab: b.upload(&le_bytes(&tail_tab, |x| x.to_le_bytes()))?,
             lens: b.upload(&le_bytes(&lens, |x| x.to_le_bytes()))?,
             n_sealed: b.upload(&le_bytes(&n_sealed, |x| x.to_le_bytes()))?,
-            ints: [
-                max_sealed as i32,
-                max_tail as i32,
-                n_heads as i32,
-                l.kv_heads as i32,
-                l.block_tokens as i32,
-                kg,
-                vg,
-                part as i32,
-                p as i32,
-            ],
+            shape: DecodeShape {
+                max_sealed: max_sealed as i32,
+                max_tail: max_tail as i32,
+                heads: n_heads as i32,
+                kv_heads: l.kv_heads as i32,
+                block_tokens: l.block_tokens as i32,
+                k_group: kg,
+                v_group: vg,
+                partition_tokens: part as i32,
+                partitions: p as i32,
+            },
             seqs: seqs.len(),
             d,
         })
@@ -480,28 +480,41 @@ pub struct DecodeRun<B: Backend> {
     tail_tab: B::Buf,
     lens: B::Buf,
     n_sealed: B::Buf,
-    ints: [i32; 9],
+    shape: DecodeShape,
     seqs: usize,
     d: usize,
+}
+
+/// The decode kernel's integer arguments, in its order.
+#[derive(Debug, Clone, Copy)]
+struct DecodeShape {
+    max_sealed: i32,
+    max_tail: i32,
+    heads: i32,
+    kv_heads: i32,
+    block_tokens: i32,
+    k_group: i32,
+    v_group: i32,
+    partition_tokens: i32,
+    partitions: i32,
 }
 
 impl<B: Backend> DecodeRun<B> {
     /// Grid, block and shared memory of the decode kernel.
     fn decode_launch(&self) -> Launch {
-        let [_, _, _, kvh, _, _, _, part, p] = self.ints;
-        let d = self.d;
+        let (sh, d) = (self.shape, self.d);
         Launch {
-            grid: (kvh as u32, self.seqs as u32, p as u32),
+            grid: (sh.kv_heads as u32, self.seqs as u32, sh.partitions as u32),
             block: (WARPS * 32) as u32,
             // qs[GT][D] | scores[GT][part] | red[WARPS][GT][D], f32.
-            shared_bytes: (self.group * (d + part as usize + WARPS * d) * 4) as u32,
+            shared_bytes: (self.group * (d + sh.partition_tokens as usize + WARPS * d) * 4) as u32,
         }
     }
 
     /// Queues the decode kernel (and the reduction when there are several
     /// partitions) without waiting.
     pub fn enqueue(&self, k: &Kernels<B>, kv: &DeviceKv<B>) -> Result<(), KernelError> {
-        let [max_sealed, max_tail, h, kvh, t, kg, vg, part, p] = self.ints;
+        let sh = self.shape;
         let args = [
             Arg::Buf(&self.out),
             Arg::Buf(&self.part_m),
@@ -514,32 +527,32 @@ impl<B: Backend> DecodeRun<B> {
             Arg::Buf(&self.tail_tab),
             Arg::Buf(&self.lens),
             Arg::Buf(&self.n_sealed),
-            Arg::I32(max_sealed),
-            Arg::I32(max_tail),
-            Arg::I32(h),
-            Arg::I32(kvh),
-            Arg::I32(t),
-            Arg::I32(kg),
-            Arg::I32(vg),
-            Arg::I32(part),
-            Arg::I32(p),
+            Arg::I32(sh.max_sealed),
+            Arg::I32(sh.max_tail),
+            Arg::I32(sh.heads),
+            Arg::I32(sh.kv_heads),
+            Arg::I32(sh.block_tokens),
+            Arg::I32(sh.k_group),
+            Arg::I32(sh.v_group),
+            Arg::I32(sh.partition_tokens),
+            Arg::I32(sh.partitions),
         ];
         // SAFETY: the arguments match `siliceo_attn_decode_*` in
         // paged_attention.cu; tables, lengths and pools were built from the
         // same store and layout, so every block index is inside the pools.
         unsafe { k.backend.launch(&self.kernel, self.decode_launch(), &args) }?;
-        if p > 1 {
+        if sh.partitions > 1 {
             let args = [
                 Arg::Buf(&self.out),
                 Arg::Buf(&self.part_m),
                 Arg::Buf(&self.part_l),
                 Arg::Buf(&self.part_acc),
-                Arg::I32(h),
+                Arg::I32(sh.heads),
                 Arg::I32(self.d as i32),
-                Arg::I32(p),
+                Arg::I32(sh.partitions),
             ];
             let launch = Launch {
-                grid: (h as u32, self.seqs as u32, 1),
+                grid: (sh.heads as u32, self.seqs as u32, 1),
                 block: self.d as u32,
                 shared_bytes: 0,
             };
@@ -551,7 +564,7 @@ impl<B: Backend> DecodeRun<B> {
 
     /// Tokens per partition this run uses.
     pub fn partition_tokens(&self) -> usize {
-        self.ints[7] as usize
+        self.shape.partition_tokens as usize
     }
 
     /// Launches and waits.
