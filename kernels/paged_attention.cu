@@ -159,10 +159,10 @@ struct Partition {
 // memory.
 //
 // Shared memory: qs[GT][D] | scores[GT][part_tokens] | red[WARPS][GT][D].
-template <int D, int KC, int VC, int GT>
+template <int D, int KC, int VC, int GT, int U>
 __device__ void attn_decode(float* out, float* part_m, float* part_l, float* part_acc, const float* q,
                             Tables tb, int H, int KVH, int T, int kg, int vg, int part_tokens, int P) {
-    constexpr int LPT = D / 8, TPW = 32 / LPT, U = GT >= 8 ? 2 : 4, STEP = WARPS * TPW * U;
+    constexpr int LPT = D / 8, TPW = 32 / LPT, STEP = WARPS * TPW * U;
     DYNAMIC_SHARED(float, smem);
     float* qs = smem;
     float* sc = qs + GT * D;
@@ -287,21 +287,38 @@ __device__ void attn_decode(float* out, float* part_m, float* part_l, float* par
     }
 }
 
-#define DECODE(NAME, KC, VC, D, GT)                                                                          \
-    extern "C" __global__ void __launch_bounds__(THREADS) siliceo_attn_decode_##NAME##_d##D##_g##GT(          \
+// U: K or V rows each lane loads before it uses them (loads in flight).
+// The default, 4 (2 for eight heads, whose registers are fuller), has no
+// suffix; F16 heads of 128 also come with _u1/_u2/_u4/_u8 so one GPU run can
+// compare them (`bench --gpu --loads`).
+#define DECODE_U(NAME, KC, VC, D, GT, U, SUFFIX)                                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS) siliceo_attn_decode_##NAME##_d##D##_g##GT##SUFFIX(  \
         float* out, float* part_m, float* part_l, float* part_acc, const float* q, const uint8_t* sealed,      \
         const uint8_t* tail, const uint32_t* sealed_tab, const uint32_t* tail_tab, const int* seq_len,        \
         const int* n_sealed, int max_sealed, int max_tail, int H, int KVH, int T, int kg, int vg,             \
         int part_tokens, int P) {                                                                             \
         Tables tb = {sealed, tail, sealed_tab, tail_tab, seq_len, n_sealed, max_sealed, max_tail};            \
-        attn_decode<D, KC, VC, GT>(out, part_m, part_l, part_acc, q, tb, H, KVH, T, kg, vg, part_tokens, P); \
+        attn_decode<D, KC, VC, GT, U>(out, part_m, part_l, part_acc, q, tb, H, KVH, T, kg, vg, part_tokens,    \
+                                      P);                                                                     \
     }
+#define DECODE(NAME, KC, VC, D, GT) DECODE_U(NAME, KC, VC, D, GT, (GT >= 8 ? 2 : 4), )
 
 #define DECODE_GROUPS(NAME, KC, VC, D) \
     DECODE(NAME, KC, VC, D, 1)         \
     DECODE(NAME, KC, VC, D, 2)         \
     DECODE(NAME, KC, VC, D, 4)         \
     DECODE(NAME, KC, VC, D, 8)
+
+#define DECODE_LOADS(GT)                                 \
+    DECODE_U(f16_f16, F16, F16, 128, GT, 1, _u1)         \
+    DECODE_U(f16_f16, F16, F16, 128, GT, 2, _u2)         \
+    DECODE_U(f16_f16, F16, F16, 128, GT, 4, _u4)         \
+    DECODE_U(f16_f16, F16, F16, 128, GT, 8, _u8)
+
+DECODE_LOADS(1)
+DECODE_LOADS(2)
+DECODE_LOADS(4)
+DECODE_LOADS(8)
 
 DECODE_GROUPS(f16_f16, F16, F16, 64)
 DECODE_GROUPS(f16_f16, F16, F16, 128)

@@ -14,7 +14,8 @@
 #       the CUDA kernels against the CPU kernel (SILICEO_REQUIRE_GPU: no GPU
 #       is a failure), from the device's cubin and again from the PTX alone,
 #       then `bench --gpu`: achieved bandwidth against the device's peak and
-#       a measured copy, per format, context and batch; then the tests again
+#       a measured copy, per format, context and batch (and the F16 kernel's
+#       loads-in-flight variants at 32k); then the tests again
 #       under compute-sanitizer (memcheck, racecheck, synccheck); then the CPU kernel's
 #       thread scaling on that machine's cores. Logs go to $OUT (or
 #       gpu-run/out); copy the tables into docs/BENCHMARKS.md.
@@ -67,6 +68,10 @@ run)
   # Partitions are in blocks of 64 tokens (the GPU caps them at 16: 1024 tokens).
   "$dir/bench" --gpu --formats f16,kv8,k5v4 --ctx 4096,32768 --batch 1,8 \
     --partition 2,4,8,16 --reps 9 2>&1 | tee "$out/bench-gpu.log" || status=1
+  # The F16 kernel's loads-in-flight variants at 32k, so one run can pick
+  # the best (the table above uses the default, 4; 2 for eight heads).
+  "$dir/bench" --gpu --formats f16 --ctx 32768 --batch 1,8 --partition 4,8 --loads 1,2,4,8 \
+    --reps 9 2>&1 | tee -a "$out/bench-gpu.log" || status=1
   # The GPU's own checkers on the decode and append/seal tests (what the CPU
   # emulator cannot see: real out-of-bounds accesses, shared-memory races
   # between warps, barriers in divergent code). Capped: they slow kernels

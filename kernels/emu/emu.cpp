@@ -271,6 +271,13 @@ const Entry ENTRIES[] = {
     DECODE_KERNELS(k5_v4, 64),
     DECODE_KERNELS(k5_v4, 128),
     DECODE_KERNELS(k5_v4, 256),
+#define LOAD_KERNELS(g)                                                                           \
+    KERNEL(siliceo_attn_decode_f16_f16_d128_g##g##_u1), KERNEL(siliceo_attn_decode_f16_f16_d128_g##g##_u2), \
+        KERNEL(siliceo_attn_decode_f16_f16_d128_g##g##_u4), KERNEL(siliceo_attn_decode_f16_f16_d128_g##g##_u8)
+    LOAD_KERNELS(1),
+    LOAD_KERNELS(2),
+    LOAD_KERNELS(4),
+    LOAD_KERNELS(8),
     KERNEL(siliceo_attn_reduce),
     KERNEL(siliceo_kv_append),
     KERNEL(siliceo_kv_seal_f16_f16),

@@ -11,7 +11,7 @@
 //! cargo run --release -p siliceo-kernels-turing --example bench -- \
 //!     [--ctx 256,1024,4096,32768] [--formats f16,kv8,k5v4] [--mode decode,prefill]
 //!     [--threads 1,2] [--partition 0,32] [--block-size 64] [--sub-tile 64] [--heads 32] [--kv-heads 8]
-//!     [--head-dim 128] [--chunk 64] [--reps 5] [--naive-max-ctx 4096] [--gpu [--batch 1,8]]
+//!     [--head-dim 128] [--chunk 64] [--reps 5] [--naive-max-ctx 4096] [--gpu [--batch 1,8] [--loads 0,1,2,4,8]]
 //!     [--prefetch 0,1,2] [--paired]
 //! ```
 //!
@@ -48,6 +48,7 @@ struct Opts {
     naive_max_ctx: usize,
     gpu: bool,
     batch: Vec<usize>,
+    loads: Vec<usize>,
     paired: bool,
     prefetch: Vec<usize>,
 }
@@ -85,6 +86,7 @@ fn parse() -> Opts {
         naive_max_ctx: 4096,
         gpu: false,
         batch: vec![1],
+        loads: vec![0],
         paired: false,
         prefetch: vec![AttnParams::default().prefetch_ahead],
     };
@@ -112,6 +114,7 @@ fn parse() -> Opts {
             "--naive-max-ctx" => o.naive_max_ctx = list(&val(), "context")[0],
             "--gpu" => o.gpu = true,
             "--batch" => o.batch = list(&val(), "batch"),
+            "--loads" => o.loads = list(&val(), "loads in flight"),
             "--paired" => o.paired = true,
             "--prefetch" => o.prefetch = list(&val(), "prefetch distance"),
             other => die(&format!("unknown argument `{other}` (see the file's docs)")),
@@ -439,6 +442,7 @@ fn gpu(o: &Opts) {
                 partitions: &partitions,
                 batch,
                 block_tokens: block,
+                loads: &o.loads,
             };
             siliceo_kernels_turing::cuda::bench::run(&shape)
                 .unwrap_or_else(|e| die(&e.to_string()));

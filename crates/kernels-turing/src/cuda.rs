@@ -272,9 +272,9 @@ pub mod bench {
             println!("(the attributes give no peak: % of peak is left blank)");
         }
         println!(
-            "| format | context | sequences | block | partition | kernel ms | KV read GB/s | % of peak | % of copy | max |GPU − CPU| |"
+            "| format | context | sequences | block | partition | loads | kernel ms | KV read GB/s | % of peak | % of copy | max |GPU − CPU| |"
         );
-        println!("|---|---|---|---|---|---|---|---|---|---|");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|");
         bench_decode(&k, shape, |r| {
             let rate = r.kv_bytes as f64 / r.seconds;
             let of_peak = if peak > 0.0 {
@@ -283,12 +283,17 @@ pub mod bench {
                 String::new()
             };
             println!(
-                "| {} | {} | {} | {} | {} | {:.3} | {:.0} | {of_peak} | {:.0}% | {:.2e} |",
+                "| {} | {} | {} | {} | {} | {} | {:.3} | {:.0} | {of_peak} | {:.0}% | {:.2e} |",
                 r.format,
                 r.ctx,
                 r.batch,
                 r.block_tokens,
                 r.partition_tokens,
+                if r.loads == 0 {
+                    "default".to_string()
+                } else {
+                    r.loads.to_string()
+                },
                 r.seconds * 1e3,
                 rate / 1e9,
                 100.0 * rate / copy,

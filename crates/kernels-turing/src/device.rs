@@ -562,6 +562,29 @@ impl<B: Backend> DecodeRun<B> {
         Ok(())
     }
 
+    /// Switches to the variant of the kernel that keeps `loads` K/V rows in
+    /// flight per lane (1, 2, 4 or 8; 0 keeps the default). Only F16 heads of
+    /// 128 have variants (for tuning on a GPU: `bench --gpu --loads`).
+    pub fn with_loads_in_flight(mut self, loads: usize) -> Result<Self, KernelError> {
+        if loads == 0 {
+            return Ok(self);
+        }
+        let base = "siliceo_attn_decode_f16_f16_d128_g";
+        if !self.kernel.starts_with(base) || self.kernel.contains("_u") {
+            return Err(KernelError::Layout(format!(
+                "{}: only F16 heads of 128 come with loads-in-flight variants",
+                self.kernel
+            )));
+        }
+        if ![1, 2, 4, 8].contains(&loads) {
+            return Err(KernelError::Layout(format!(
+                "{loads} loads in flight: the variants keep 1, 2, 4 or 8"
+            )));
+        }
+        self.kernel = format!("{}_u{loads}", self.kernel);
+        Ok(self)
+    }
+
     /// Tokens per partition this run uses.
     pub fn partition_tokens(&self) -> usize {
         self.shape.partition_tokens as usize
@@ -600,6 +623,9 @@ pub struct BenchShape<'a> {
     pub batch: usize,
     /// Tokens per block (64 in the presets).
     pub block_tokens: usize,
+    /// Loads in flight per lane to try (0: the kernel's default; others only
+    /// where [`DecodeRun::with_loads_in_flight`] has a variant).
+    pub loads: &'a [usize],
 }
 
 /// One row of [`bench_decode`].
@@ -615,6 +641,8 @@ pub struct DecodeBench {
     pub partition_tokens: usize,
     /// Tokens per block.
     pub block_tokens: usize,
+    /// Loads in flight per lane (0: the kernel's default).
+    pub loads: usize,
     /// Median seconds per decode call (decode kernel and reduction).
     pub seconds: f64,
     /// Bytes of KV the call reads (every block of every sequence).
@@ -707,8 +735,16 @@ pub fn bench_decode<B: Backend>(
                     s.sealed.len() * layout.block_bytes() + s.tail.len() * layout.tail_block_bytes()
                 })
                 .sum();
-            for &partition_tokens in shape.partitions {
+            for (&partition_tokens, &loads) in shape
+                .partitions
+                .iter()
+                .flat_map(|p| shape.loads.iter().map(move |l| (p, l)))
+            {
                 let run = k.prepare_decode(&dev, &refs, &q, heads, scale, partition_tokens)?;
+                // Formats without the variant are left out of that row.
+                let Ok(run) = run.with_loads_in_flight(loads) else {
+                    continue;
+                };
                 run.launch(k, &dev)?;
                 let max_diff = max_abs_diff(&run.output(k)?, &want);
                 // Each rep queues LAUNCHES_PER_REP calls back to back and
@@ -730,6 +766,7 @@ pub fn bench_decode<B: Backend>(
                     batch,
                     partition_tokens: run.partition_tokens(),
                     block_tokens: layout.block_tokens,
+                    loads,
                     seconds: times[times.len() / 2],
                     kv_bytes,
                     max_diff,

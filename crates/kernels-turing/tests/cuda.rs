@@ -286,6 +286,33 @@ mod emulated {
     }
 
     #[test]
+    fn the_loads_in_flight_variants_agree_with_the_cpu_kernel() {
+        // F16 heads of 128 come in 1, 2, 4 and 8 loads in flight for tuning
+        // on a GPU; every one must compute the same attention.
+        let formats = ["f16".to_string(), "kv8".to_string()];
+        let shape = BenchShape {
+            ctxs: &[90],
+            formats: &formats,
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 128,
+            reps: 1,
+            partitions: &[64],
+            batch: 1,
+            block_tokens: 64,
+            loads: &[1, 2, 4, 8],
+        };
+        let mut rows = Vec::new();
+        bench_decode(&EmuKernels::emulated(), &shape, |r| rows.push(r.clone())).unwrap();
+        // KV8 has no variants: its rows are left out.
+        assert_eq!(rows.len(), 4);
+        for r in &rows {
+            assert_eq!(r.format, "f16");
+            assert!(r.max_diff < 2e-3, "{r:?}");
+        }
+    }
+
+    #[test]
     fn the_default_partition_fills_the_gpu() {
         let most = max_partition_tokens(8, 128);
         // 32k tokens, 8 KV heads, one sequence: 64 partitions of 512 (512 CTAs).
@@ -361,6 +388,7 @@ mod emulated {
             partitions: &[64, 0],
             batch: 2,
             block_tokens: 32,
+            loads: &[0],
         };
         let mut rows = Vec::new();
         bench_decode(&EmuKernels::emulated(), &shape, |r| rows.push(r.clone())).unwrap();
