@@ -92,7 +92,8 @@ impl<B> Arg<'_, B> {
 pub trait Backend {
     /// A device buffer of bytes.
     type Buf;
-    /// A buffer holding `bytes`.
+    /// A buffer holding `bytes` (at least one byte is allocated, so an
+    /// empty pool is still a valid pointer).
     fn upload(&self, bytes: &[u8]) -> Result<Self::Buf, KernelError>;
     /// A zeroed buffer of `bytes` (at least one byte is allocated).
     fn zeros(&self, bytes: usize) -> Result<Self::Buf, KernelError>;
@@ -133,11 +134,6 @@ impl<B: Backend> DeviceKv<B> {
     /// Bytes of the sealed and tail pools.
     pub fn bytes(&self) -> usize {
         B::buf_len(&self.sealed) + B::buf_len(&self.tail)
-    }
-
-    /// The layout the pools are in.
-    pub fn layout(&self) -> &KvLayout {
-        &self.layout
     }
 }
 
@@ -183,17 +179,10 @@ impl<B: Backend> Kernels<B> {
 
     /// Uploads a store's pools.
     pub fn upload(&self, store: &KvStore) -> Result<DeviceKv<B>, KernelError> {
-        let up = |b: &[u8]| {
-            if b.is_empty() {
-                self.backend.zeros(1)
-            } else {
-                self.backend.upload(b)
-            }
-        };
         Ok(DeviceKv {
             layout: *store.layout(),
-            sealed: up(store.sealed_bytes())?,
-            tail: up(store.tail_bytes())?,
+            sealed: self.backend.upload(store.sealed_bytes())?,
+            tail: self.backend.upload(store.tail_bytes())?,
         })
     }
 
@@ -208,12 +197,10 @@ impl<B: Backend> Kernels<B> {
         layout.check()?;
         Ok(DeviceKv {
             layout,
-            sealed: self
-                .backend
-                .zeros((sealed_blocks * layout.block_bytes()).max(1))?,
+            sealed: self.backend.zeros(sealed_blocks * layout.block_bytes())?,
             tail: self
                 .backend
-                .zeros((tail_blocks * layout.tail_block_bytes()).max(1))?,
+                .zeros(tail_blocks * layout.tail_block_bytes())?,
         })
     }
 
@@ -682,7 +669,6 @@ pub fn bench_decode<B: Backend>(
     for fmt in shape.formats {
         let mut layout = KvLayout::preset(fmt, shape.kv_heads, head_dim)?;
         layout.block_tokens = shape.block_tokens;
-        layout.check()?;
         for &ctx in shape.ctxs {
             let mut store = KvStore::new(
                 layout,
