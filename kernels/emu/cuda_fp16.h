@@ -85,10 +85,5 @@ inline float __expf(float x) { return std::exp(x); }
 // -ffp-contract=off).
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __int_as_float(int x) {
-    float f;
-    std::memcpy(&f, &x, 4);
-    return f;
-}
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
