@@ -14,7 +14,7 @@ use crate::KernelError;
 use crate::attention::{AttnParams, SeqQuery, paged_attention};
 use crate::codec::Codec;
 use crate::hadamard::hadamard;
-use crate::store::{KvLayout, KvStore, SeqKv};
+use crate::store::{AppendStep, BlockPools, KvLayout, KvStore, SeqKv};
 
 /// Warps per CTA in the decode kernel (`WARPS` in the .cu file).
 const WARPS: usize = 4;
@@ -122,18 +122,56 @@ pub struct Kernels<B> {
     backend: B,
 }
 
-/// A [`KvStore`]'s pools on a backend.
+/// A paged KV store for one layer on a backend: the sealed and tail pools in
+/// device memory, and their bookkeeping ([`BlockPools`]) on the host. Filled
+/// through [`Kernels::append`], it holds the same bytes in the same blocks as
+/// a [`KvStore`] given the same appends and releases.
 #[derive(Debug)]
 pub struct DeviceKv<B: Backend> {
     layout: KvLayout,
     sealed: B::Buf,
     tail: B::Buf,
+    pools: BlockPools,
 }
 
 impl<B: Backend> DeviceKv<B> {
     /// Bytes of the sealed and tail pools.
     pub fn bytes(&self) -> usize {
         B::buf_len(&self.sealed) + B::buf_len(&self.tail)
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// The block bookkeeping (which blocks are free).
+    pub fn pools(&self) -> &BlockPools {
+        &self.pools
+    }
+
+    /// Free (sealed, tail) blocks.
+    pub fn free_blocks(&self) -> (usize, usize) {
+        self.pools.free_blocks()
+    }
+
+    /// Returns the sequence's blocks to the pools and empties it.
+    pub fn release(&mut self, seq: &mut SeqKv) {
+        self.pools.release(seq);
+    }
+
+    /// A shape error unless every block of `seq` lies inside the pools (a
+    /// block table from another store would send the kernels past them).
+    fn check_blocks(&self, seq: &SeqKv) -> Result<(), KernelError> {
+        let (sealed, tail) = self.pools.capacity();
+        if seq.sealed.iter().any(|&b| b as usize >= sealed)
+            || seq.tail.iter().any(|&b| b as usize >= tail)
+        {
+            return Err(KernelError::Shape(format!(
+                "a block table names a block outside the pools ({sealed} sealed, {tail} tail blocks)"
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -177,31 +215,93 @@ impl<B: Backend> Kernels<B> {
         &self.backend
     }
 
-    /// Uploads a store's pools.
+    /// Uploads a store's pools, with its bookkeeping: the store's sequences
+    /// can be decoded, appended to and released on the device.
     pub fn upload(&self, store: &KvStore) -> Result<DeviceKv<B>, KernelError> {
         Ok(DeviceKv {
             layout: *store.layout(),
             sealed: self.backend.upload(store.sealed_bytes())?,
             tail: self.backend.upload(store.tail_bytes())?,
+            pools: store.pools().clone(),
         })
     }
 
-    /// Empty (zeroed) pools of `sealed_blocks` and `tail_blocks` for `layout`,
-    /// for [`Kernels::append`] and [`Kernels::seal`].
+    /// An empty store of `sealed_blocks` and `tail_blocks` (zeroed, all free)
+    /// for `layout`, filled by [`Kernels::append`].
     pub fn alloc(
         &self,
         layout: KvLayout,
         sealed_blocks: usize,
         tail_blocks: usize,
     ) -> Result<DeviceKv<B>, KernelError> {
-        layout.check()?;
+        let pools = BlockPools::new(&layout, sealed_blocks, tail_blocks)?;
         Ok(DeviceKv {
             layout,
             sealed: self.backend.zeros(sealed_blocks * layout.block_bytes())?,
             tail: self
                 .backend
                 .zeros(tail_blocks * layout.tail_block_bytes())?,
+            pools,
         })
+    }
+
+    /// Appends `n` tokens to `seq`, as [`KvStore::append`] does on the host:
+    /// `k` and `v` are `n × kv_heads × head_dim` (token-major, then head); K is
+    /// rotated when the layout says so, tokens go into the F16 tail, and tail
+    /// blocks that age out are sealed on the device. Either every token is
+    /// stored or none is: when blocks run out, or the device fails, `seq` and
+    /// the pools are unchanged.
+    pub fn append(
+        &self,
+        kv: &mut DeviceKv<B>,
+        seq: &mut SeqKv,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), KernelError> {
+        let l = kv.layout;
+        let n = l.tokens_in(k, v)?;
+        kv.check_blocks(seq)?;
+        let (mut pools, mut planned) = (kv.pools.clone(), seq.clone());
+        let steps = pools.plan_append(&mut planned, n)?;
+        let mut rotated = Vec::new();
+        let k = if l.rotate_k {
+            rotated.extend_from_slice(k);
+            rotated.chunks_exact_mut(l.head_dim).for_each(hadamard);
+            &rotated[..]
+        } else {
+            k
+        };
+        let row = l.kv_heads * l.head_dim;
+        // Runs of consecutive tokens are written by one launch each, in order
+        // with the seals between them (a sealed tail block may be reused).
+        let (mut first, mut blocks, mut rows) = (0, Vec::new(), Vec::new());
+        let flush =
+            |kv: &mut DeviceKv<B>, first: usize, blocks: &mut Vec<u32>, rows: &mut Vec<i32>| {
+                let span = first * row..(first + blocks.len()) * row;
+                let r = self.write_rows(kv, &k[span.clone()], &v[span], blocks, rows);
+                blocks.clear();
+                rows.clear();
+                r
+            };
+        for step in steps {
+            match step {
+                AppendStep::Write { token, block, row } => {
+                    if blocks.is_empty() {
+                        first = token;
+                    }
+                    blocks.push(block);
+                    rows.push(row as i32);
+                }
+                AppendStep::Seal { src, dst } => {
+                    flush(kv, first, &mut blocks, &mut rows)?;
+                    self.seal(kv, src, dst)?;
+                }
+            }
+        }
+        flush(kv, first, &mut blocks, &mut rows)?;
+        kv.pools = pools;
+        *seq = planned;
+        Ok(())
     }
 
     /// Copies the device pools back (sealed, tail).
@@ -279,6 +379,9 @@ impl<B: Backend> Kernels<B> {
                 "every sequence needs tokens and a matching block table".into(),
             ));
         }
+        for s in seqs {
+            kv.check_blocks(s)?;
+        }
         let most = max_partition_tokens(group, d);
         let part = if partition_tokens == 0 {
             auto_partition_tokens(max_len, l.kv_heads, seqs.len(), most)
@@ -343,13 +446,16 @@ impl<B: Backend> Kernels<B> {
             },
             seqs: seqs.len(),
             d,
+            store: (l, kv.pools.capacity()),
         })
     }
 
     /// Writes `n` new tokens' K and V (`n × kv_heads × head_dim` f32 each)
     /// into the F16 tail: token `i` goes to row `rows[i]` of tail block
-    /// `blocks[i]`.
-    pub fn append(
+    /// `blocks[i]`. K is written as given (not rotated). A raw step for
+    /// callers that keep their own block tables: it leaves the pools'
+    /// bookkeeping alone, where [`Kernels::append`] keeps it.
+    pub fn write_rows(
         &self,
         kv: &mut DeviceKv<B>,
         k: &[f32],
@@ -361,7 +467,7 @@ impl<B: Backend> Kernels<B> {
         let n = blocks.len();
         if k.len() != n * l.kv_heads * l.head_dim || v.len() != k.len() || rows.len() != n {
             return Err(KernelError::Shape(
-                "append: K, V, blocks and rows disagree".into(),
+                "write_rows: K, V, blocks and rows disagree".into(),
             ));
         }
         if blocks
@@ -369,12 +475,12 @@ impl<B: Backend> Kernels<B> {
             .any(|&b| (b as usize + 1) * l.tail_block_bytes() > B::buf_len(&kv.tail))
         {
             return Err(KernelError::Shape(
-                "append: a tail block index is outside the pool".into(),
+                "write_rows: a tail block index is outside the pool".into(),
             ));
         }
         if rows.iter().any(|&r| r < 0 || r as usize >= l.block_tokens) {
             return Err(KernelError::Shape(
-                "append: a row is outside the block".into(),
+                "write_rows: a row is outside the block".into(),
             ));
         }
         if n == 0 {
@@ -414,7 +520,8 @@ impl<B: Backend> Kernels<B> {
     }
 
     /// Quantizes tail block `src` (full, F16) into sealed block `dst` with the
-    /// layout's codecs (the tail block ageing out).
+    /// layout's codecs (the tail block ageing out). A raw step like
+    /// [`Kernels::write_rows`]: the pools' bookkeeping is left alone.
     pub fn seal(&self, kv: &mut DeviceKv<B>, src: u32, dst: u32) -> Result<(), KernelError> {
         let l = kv.layout;
         if (src as usize + 1) * l.tail_block_bytes() > B::buf_len(&kv.tail)
@@ -470,6 +577,8 @@ pub struct DecodeRun<B: Backend> {
     shape: DecodeShape,
     seqs: usize,
     d: usize,
+    /// The layout and pool sizes the block tables were checked against.
+    store: (KvLayout, (usize, usize)),
 }
 
 /// The decode kernel's integer arguments, in its order.
@@ -501,6 +610,12 @@ impl<B: Backend> DecodeRun<B> {
     /// Queues the decode kernel (and the reduction when there are several
     /// partitions) without waiting.
     pub fn enqueue(&self, k: &Kernels<B>, kv: &DeviceKv<B>) -> Result<(), KernelError> {
+        if (kv.layout, kv.pools.capacity()) != self.store {
+            return Err(KernelError::Shape(
+                "a decode run launched on a store of another layout or size than it was prepared for"
+                    .into(),
+            ));
+        }
         let sh = self.shape;
         let args = [
             Arg::Buf(&self.out),
@@ -525,8 +640,9 @@ impl<B: Backend> DecodeRun<B> {
             Arg::I32(sh.partitions),
         ];
         // SAFETY: the arguments match `siliceo_attn_decode_*` in
-        // paged_attention.cu; tables, lengths and pools were built from the
-        // same store and layout, so every block index is inside the pools.
+        // paged_attention.cu; the tables were checked against pools of this
+        // layout and size (above and in `prepare_decode`), so every block
+        // index is inside the pools.
         unsafe { k.backend.launch(&self.kernel, self.decode_launch(), &args) }?;
         if sh.partitions > 1 {
             let args = [

@@ -59,7 +59,7 @@ pub mod store;
 
 pub use attention::{AttnParams, SeqQuery, naive_attention, paged_attention};
 pub use codec::Codec;
-pub use store::{KvLayout, KvStore, SeqKv};
+pub use store::{AppendStep, BlockPools, KvLayout, KvStore, SeqKv};
 
 /// What the kernels can refuse.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]

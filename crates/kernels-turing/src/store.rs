@@ -121,6 +121,22 @@ impl KvLayout {
         self.kv_heads * 2 * Codec::F16.segment_bytes(self.block_tokens, self.head_dim)
     }
 
+    /// How many tokens `k` and `v` hold (`n × kv_heads × head_dim` each,
+    /// token-major, then head); a shape error when they disagree or are ragged.
+    pub fn tokens_in(&self, k: &[f32], v: &[f32]) -> Result<usize, KernelError> {
+        let row = self.kv_heads * self.head_dim;
+        if k.len() != v.len() || !k.len().is_multiple_of(row) {
+            return Err(KernelError::Shape(format!(
+                "K ({}) and V ({}) must both be n × {} × {}",
+                k.len(),
+                v.len(),
+                self.kv_heads,
+                self.head_dim
+            )));
+        }
+        Ok(k.len() / row)
+    }
+
     /// KV bytes per token in sealed blocks (metadata included), all heads, K and V.
     pub fn bytes_per_token(&self) -> f64 {
         self.block_bytes() as f64 / self.block_tokens as f64
@@ -193,17 +209,159 @@ impl Bytes {
     }
 }
 
+/// What an append does, in order: new tokens written into rows of F16 tail
+/// blocks, and full tail blocks sealed into the layout's codecs as they age
+/// out. A sealed tail block is free at once, so a later write of the same
+/// append may reuse it: the steps must run in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AppendStep {
+    /// Token `token` of the append goes to row `row` of tail block `block`.
+    Write {
+        /// Index of the token within the append.
+        token: usize,
+        /// Tail block.
+        block: u32,
+        /// Row (token slot) within the block.
+        row: usize,
+    },
+    /// Tail block `src`, full, is quantized into sealed block `dst` and freed.
+    Seal {
+        /// Tail block.
+        src: u32,
+        /// Sealed block.
+        dst: u32,
+    },
+}
+
+/// The block bookkeeping of a store, apart from its bytes: the free lists of
+/// both pools and what an append or a release does to them and to a
+/// sequence's block table. [`KvStore`] keeps its bytes in host memory; the
+/// device store (`device::DeviceKv`) keeps them on a GPU and runs the same
+/// bookkeeping, so both place every token in the same block and row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockPools {
+    block_tokens: usize,
+    tail_tokens: usize,
+    sealed_free: Vec<u32>,
+    tail_free: Vec<u32>,
+    sealed_blocks: usize,
+    tail_blocks: usize,
+}
+
+impl BlockPools {
+    /// Pools of `sealed_blocks` and `tail_blocks` blocks for `layout`, all free.
+    pub fn new(
+        layout: &KvLayout,
+        sealed_blocks: usize,
+        tail_blocks: usize,
+    ) -> Result<BlockPools, KernelError> {
+        layout.check()?;
+        if sealed_blocks > u32::MAX as usize || tail_blocks > u32::MAX as usize {
+            return Err(KernelError::Layout("too many blocks".into()));
+        }
+        Ok(BlockPools {
+            block_tokens: layout.block_tokens,
+            tail_tokens: layout.tail_tokens,
+            sealed_free: (0..sealed_blocks as u32).rev().collect(),
+            tail_free: (0..tail_blocks as u32).rev().collect(),
+            sealed_blocks,
+            tail_blocks,
+        })
+    }
+
+    /// Free (sealed, tail) blocks.
+    pub fn free_blocks(&self) -> (usize, usize) {
+        (self.sealed_free.len(), self.tail_free.len())
+    }
+
+    /// Total (sealed, tail) blocks.
+    pub fn capacity(&self) -> (usize, usize) {
+        (self.sealed_blocks, self.tail_blocks)
+    }
+
+    /// Places `n` new tokens of `seq`: takes the blocks they need, updates
+    /// `seq`'s block tables and length, and returns the steps that write them
+    /// (and seal what ages out), in order. All or nothing: when the pools
+    /// cannot hold them, nothing changes and the error says what was free.
+    pub fn plan_append(
+        &mut self,
+        seq: &mut SeqKv,
+        n: usize,
+    ) -> Result<Vec<AppendStep>, KernelError> {
+        let t = self.block_tokens;
+        // Dry run over the counts: tail blocks to hold new tokens, sealed blocks
+        // for what ages out (a sealed tail block is free again at once).
+        let (mut tail_n, mut sealed_n, mut len) = (seq.tail.len(), seq.sealed.len(), seq.len);
+        let (mut tail_free, mut sealed_free) = (self.tail_free.len(), self.sealed_free.len());
+        for _ in 0..n {
+            if (len - sealed_n * t) / t == tail_n {
+                if tail_free == 0 {
+                    return Err(self.out_of_blocks(n));
+                }
+                tail_free -= 1;
+                tail_n += 1;
+            }
+            len += 1;
+            if len - sealed_n * t >= self.tail_tokens + t {
+                if sealed_free == 0 {
+                    return Err(self.out_of_blocks(n));
+                }
+                sealed_free -= 1;
+                sealed_n += 1;
+                tail_n -= 1;
+                tail_free += 1;
+            }
+        }
+        let mut steps = Vec::with_capacity(n + n / t + 1);
+        for token in 0..n {
+            let pos = seq.len - seq.sealed.len() * t;
+            let (bi, row) = (pos / t, pos % t);
+            if bi == seq.tail.len() {
+                seq.tail
+                    .push(self.tail_free.pop().expect("checked by the dry run"));
+            }
+            steps.push(AppendStep::Write {
+                token,
+                block: seq.tail[bi],
+                row,
+            });
+            seq.len += 1;
+            if seq.len - seq.sealed.len() * t >= self.tail_tokens + t {
+                let src = seq.tail.remove(0);
+                let dst = self.sealed_free.pop().expect("checked by the dry run");
+                steps.push(AppendStep::Seal { src, dst });
+                seq.sealed.push(dst);
+                self.tail_free.push(src);
+            }
+        }
+        debug_assert_eq!((seq.tail.len(), seq.sealed.len()), (tail_n, sealed_n));
+        Ok(steps)
+    }
+
+    fn out_of_blocks(&self, tokens: usize) -> KernelError {
+        KernelError::OutOfBlocks {
+            tokens,
+            sealed_free: self.sealed_free.len(),
+            tail_free: self.tail_free.len(),
+        }
+    }
+
+    /// Frees a sequence's blocks and empties it.
+    pub fn release(&mut self, seq: &mut SeqKv) {
+        self.sealed_free.append(&mut seq.sealed);
+        self.tail_free.append(&mut seq.tail);
+        seq.len = 0;
+    }
+}
+
 /// One layer's KV in siliceo's formats: a pool of sealed blocks and a pool of
-/// F16 tail blocks, each with a free list.
+/// F16 tail blocks, with their bookkeeping ([`BlockPools`]).
 #[derive(Debug)]
 pub struct KvStore {
     layout: KvLayout,
     sealed: Bytes,
     tail: Bytes,
-    sealed_free: Vec<u32>,
-    tail_free: Vec<u32>,
-    sealed_blocks: usize,
-    tail_blocks: usize,
+    pools: BlockPools,
 }
 
 impl KvStore {
@@ -213,18 +371,12 @@ impl KvStore {
         sealed_blocks: usize,
         tail_blocks: usize,
     ) -> Result<KvStore, KernelError> {
-        layout.check()?;
-        if sealed_blocks > u32::MAX as usize || tail_blocks > u32::MAX as usize {
-            return Err(KernelError::Layout("too many blocks".into()));
-        }
+        let pools = BlockPools::new(&layout, sealed_blocks, tail_blocks)?;
         Ok(KvStore {
             layout,
             sealed: Bytes::zeroed(sealed_blocks * layout.block_bytes()),
             tail: Bytes::zeroed(tail_blocks * layout.tail_block_bytes()),
-            sealed_free: (0..sealed_blocks as u32).rev().collect(),
-            tail_free: (0..tail_blocks as u32).rev().collect(),
-            sealed_blocks,
-            tail_blocks,
+            pools,
         })
     }
 
@@ -241,12 +393,17 @@ impl KvStore {
 
     /// Free (sealed, tail) blocks.
     pub fn free_blocks(&self) -> (usize, usize) {
-        (self.sealed_free.len(), self.tail_free.len())
+        self.pools.free_blocks()
     }
 
     /// Total (sealed, tail) blocks.
     pub fn capacity(&self) -> (usize, usize) {
-        (self.sealed_blocks, self.tail_blocks)
+        self.pools.capacity()
+    }
+
+    /// The block bookkeeping (which blocks are free).
+    pub fn pools(&self) -> &BlockPools {
+        &self.pools
     }
 
     /// The bytes of sealed block `b`.
@@ -276,96 +433,50 @@ impl KvStore {
     /// and the sequence is unchanged.
     pub fn append(&mut self, seq: &mut SeqKv, k: &[f32], v: &[f32]) -> Result<(), KernelError> {
         let l = self.layout;
+        let n = l.tokens_in(k, v)?;
         let row = l.kv_heads * l.head_dim;
-        if k.len() != v.len() || !k.len().is_multiple_of(row) {
-            return Err(KernelError::Shape(format!(
-                "K ({}) and V ({}) must both be n × {} × {}",
-                k.len(),
-                v.len(),
-                l.kv_heads,
-                l.head_dim
-            )));
-        }
-        let n = k.len() / row;
-        let t = l.block_tokens;
-        // Dry run over the counts: tail blocks to hold new tokens, sealed blocks
-        // for what ages out (a sealed tail block is free again at once).
-        let (mut tail_n, mut sealed_n, mut len) = (seq.tail.len(), seq.sealed.len(), seq.len);
-        let (mut tail_free, mut sealed_free) = (self.tail_free.len(), self.sealed_free.len());
-        for _ in 0..n {
-            if (len - sealed_n * t) / t == tail_n {
-                if tail_free == 0 {
-                    return Err(self.out_of_blocks(n));
-                }
-                tail_free -= 1;
-                tail_n += 1;
-            }
-            len += 1;
-            if len - sealed_n * t >= l.tail_tokens + t {
-                if sealed_free == 0 {
-                    return Err(self.out_of_blocks(n));
-                }
-                sealed_free -= 1;
-                sealed_n += 1;
-                tail_n -= 1;
-                tail_free += 1;
-            }
-        }
-        let tail_bytes = l.tail_block_bytes();
-        let seg = Codec::F16.segment_bytes(t, l.head_dim);
+        let seg = Codec::F16.segment_bytes(l.block_tokens, l.head_dim);
         let mut krow = [0f32; MAX_HEAD_DIM];
-        for i in 0..n {
-            let pos = seq.len - seq.sealed.len() * t;
-            let (bi, slot) = (pos / t, pos % t);
-            if bi == seq.tail.len() {
-                seq.tail
-                    .push(self.tail_free.pop().expect("checked by the dry run"));
-            }
-            let base = seq.tail[bi] as usize * tail_bytes;
-            let tail = self.tail.as_mut_slice();
-            for h in 0..l.kv_heads {
-                let src = i * row + h * l.head_dim;
-                let kdst = base + h * 2 * seg + slot * l.head_dim * 2;
-                let vdst = kdst + seg;
-                let kr = &mut krow[..l.head_dim];
-                kr.copy_from_slice(&k[src..src + l.head_dim]);
-                if l.rotate_k {
-                    hadamard(kr);
+        for step in self.pools.plan_append(seq, n)? {
+            match step {
+                AppendStep::Write {
+                    token,
+                    block,
+                    row: slot,
+                } => {
+                    let base = block as usize * l.tail_block_bytes();
+                    let tail = self.tail.as_mut_slice();
+                    for h in 0..l.kv_heads {
+                        let src = token * row + h * l.head_dim;
+                        let kdst = base + h * 2 * seg + slot * l.head_dim * 2;
+                        let vdst = kdst + seg;
+                        let kr = &mut krow[..l.head_dim];
+                        kr.copy_from_slice(&k[src..src + l.head_dim]);
+                        if l.rotate_k {
+                            hadamard(kr);
+                        }
+                        write_f16(&mut tail[kdst..kdst + l.head_dim * 2], kr);
+                        write_f16(
+                            &mut tail[vdst..vdst + l.head_dim * 2],
+                            &v[src..src + l.head_dim],
+                        );
+                    }
                 }
-                write_f16(&mut tail[kdst..kdst + l.head_dim * 2], kr);
-                write_f16(
-                    &mut tail[vdst..vdst + l.head_dim * 2],
-                    &v[src..src + l.head_dim],
-                );
-            }
-            seq.len += 1;
-            if seq.len - seq.sealed.len() * t >= l.tail_tokens + t {
-                self.seal_oldest(seq);
+                AppendStep::Seal { src, dst } => self.seal(src, dst),
             }
         }
-        debug_assert_eq!((seq.tail.len(), seq.sealed.len()), (tail_n, sealed_n));
         Ok(())
     }
 
-    fn out_of_blocks(&self, tokens: usize) -> KernelError {
-        KernelError::OutOfBlocks {
-            tokens,
-            sealed_free: self.sealed_free.len(),
-            tail_free: self.tail_free.len(),
-        }
-    }
-
-    /// Quantizes the oldest tail block of `seq` into a new sealed block.
-    fn seal_oldest(&mut self, seq: &mut SeqKv) {
+    /// Quantizes tail block `src` into sealed block `dst`.
+    fn seal(&mut self, src: u32, dst: u32) {
         let l = self.layout;
         let (t, d) = (l.block_tokens, l.head_dim);
-        let src_b = seq.tail.remove(0);
-        let dst_b = self.sealed_free.pop().expect("checked by append");
         let f16_seg = Codec::F16.segment_bytes(t, d);
         let (ks, vs) = (l.k_segment_bytes(), l.v_segment_bytes());
         let mut tile = vec![0f32; t * d];
-        let src_base = src_b as usize * l.tail_block_bytes();
-        let dst_base = dst_b as usize * l.block_bytes();
+        let src_base = src as usize * l.tail_block_bytes();
+        let dst_base = dst as usize * l.block_bytes();
         for h in 0..l.kv_heads {
             for (which, codec, dst_off, dst_len) in [
                 (0, l.k, h * (ks + vs), ks),
@@ -378,15 +489,11 @@ impl KvStore {
                 codec.encode(&tile, t, d, dst);
             }
         }
-        seq.sealed.push(dst_b);
-        self.tail_free.push(src_b);
     }
 
     /// Returns the sequence's blocks to the pools and empties it.
     pub fn release(&mut self, seq: &mut SeqKv) {
-        self.sealed_free.append(&mut seq.sealed);
-        self.tail_free.append(&mut seq.tail);
-        seq.len = 0;
+        self.pools.release(seq);
     }
 
     /// Decodes a sequence back to f32 K and V (`len × kv_heads × head_dim`), K

@@ -7,7 +7,7 @@
 #![cfg(any(feature = "cuda", feature = "cuda-emu"))]
 
 use siliceo_kernels_turing::device::{Backend, Kernels, max_abs_diff, max_partition_tokens};
-use siliceo_kernels_turing::{Codec, KvLayout, KvStore, SeqKv, naive_attention};
+use siliceo_kernels_turing::{Codec, KernelError, KvLayout, KvStore, SeqKv, naive_attention};
 
 fn data(n: usize, seed: usize) -> Vec<f32> {
     (0..n)
@@ -122,6 +122,115 @@ fn decode_matches_exact_attention<B: Backend>(k: &Kernels<B>, lens: &'static [us
     }
 }
 
+/// A store filled on the device through `Kernels::append` — three sequences
+/// appended to round-robin in uneven steps (single tokens, partial and whole
+/// blocks), one released and its blocks reused — holds the same block tables,
+/// free lists and pool bytes as a `KvStore` given the same appends on the
+/// host, for every format, with and without K rotation and an F16 tail; its
+/// decode matches exact attention; a full store refuses an append and
+/// changes nothing; a block table from a larger store is refused.
+fn device_store_matches_the_cpu_store<B: Backend>(k: &Kernels<B>) {
+    let (kv_heads, heads, d) = (2, 4, 64);
+    let row = kv_heads * d;
+    for fmt in ["f16", "kv8", "k5v4"] {
+        for (rotate_k, tail_tokens) in [(false, 0), (true, 70)] {
+            let what = format!("{fmt} rotate={rotate_k} tail={tail_tokens}");
+            let mut layout = KvLayout::preset(fmt, kv_heads, d).unwrap();
+            layout.rotate_k = rotate_k;
+            layout.tail_tokens = tail_tokens;
+            let (sealed_blocks, tail_blocks) = (12, 3 * KvStore::tail_blocks_per_seq(&layout));
+            let mut host = KvStore::new(layout, sealed_blocks, tail_blocks).unwrap();
+            let mut dev = k.alloc(layout, sealed_blocks, tail_blocks).unwrap();
+            let mut hs = vec![SeqKv::default(); 3];
+            let mut ds = vec![SeqKv::default(); 3];
+            let steps = [1, 37, 64, 5, 1, 100, 3, 64, 1, 29];
+            let mut seed = 0;
+            for (round, n) in steps.iter().enumerate() {
+                for i in 0..3 {
+                    let n = n + i;
+                    seed += 1;
+                    let (kx, vx) = (data(n * row, seed), data(n * row, seed + 1000));
+                    host.append(&mut hs[i], &kx, &vx).unwrap();
+                    k.append(&mut dev, &mut ds[i], &kx, &vx).unwrap();
+                    assert_eq!(hs[i], ds[i], "{what}: block tables after round {round}");
+                }
+                if round == 5 {
+                    // Free a sequence mid-way: later appends reuse its blocks.
+                    host.release(&mut hs[1]);
+                    dev.release(&mut ds[1]);
+                }
+                assert_eq!(
+                    host.pools(),
+                    dev.pools(),
+                    "{what}: pools after round {round}"
+                );
+            }
+            assert!(
+                hs[0].sealed.len() >= 2 && hs[2].sealed.len() >= 2,
+                "{what}: too little sealed"
+            );
+            let (sealed, tail) = k.download(&dev).unwrap();
+            for (name, a, b) in [
+                ("sealed", host.sealed_bytes(), &sealed[..]),
+                ("tail", host.tail_bytes(), &tail[..]),
+            ] {
+                let differ = a.iter().zip(b).filter(|(x, y)| x != y).count();
+                assert_eq!(
+                    differ, 0,
+                    "{what}: {differ} bytes of the {name} pool differ"
+                );
+            }
+            // Decode over the device store against exact attention over the
+            // host store (the same values, block for block).
+            let q = data(3 * heads * d, 77);
+            let scale = 0.125;
+            let mut want = Vec::new();
+            for (i, s) in hs.iter().enumerate() {
+                let (rk, rv) = host.read(s);
+                let qi = &q[i * heads * d..(i + 1) * heads * d];
+                want.extend(naive_attention(qi, 1, heads, &rk, &rv, kv_heads, d, scale));
+            }
+            let refs: Vec<&SeqKv> = ds.iter().collect();
+            let got = k.decode(&dev, &refs, &q, heads, scale, 0).unwrap();
+            let worst = max_abs_diff(&got, &want);
+            assert!(worst < 2e-3, "{what}: decode differs by {worst}");
+            // Full: the next append fails whole, and nothing changes.
+            let before = (ds[0].clone(), dev.pools().clone());
+            let big = data(sealed_blocks * 64 * row, 5);
+            let e = k.append(&mut dev, &mut ds[0], &big, &big).unwrap_err();
+            assert!(matches!(e, KernelError::OutOfBlocks { .. }), "{what}: {e}");
+            assert_eq!((ds[0].clone(), dev.pools().clone()), before, "{what}");
+            // A table naming blocks past this store's pools is refused.
+            let mut other = KvStore::new(layout, 40, 40).unwrap();
+            let mut far = SeqKv::default();
+            let many = data(30 * 64 * row, 6);
+            other.append(&mut far, &many, &many).unwrap();
+            let e = k
+                .decode(&dev, &[&far], &q[..heads * d], heads, scale, 0)
+                .unwrap_err();
+            assert!(
+                matches!(&e, KernelError::Shape(m) if m.contains("outside the pools")),
+                "{what}: {e}"
+            );
+            let e = k
+                .append(&mut dev, &mut far, &q[..row], &q[..row])
+                .unwrap_err();
+            assert!(
+                matches!(&e, KernelError::Shape(m) if m.contains("outside the pools")),
+                "{what}: {e}"
+            );
+            for s in &mut ds {
+                dev.release(s);
+            }
+            assert_eq!(
+                dev.free_blocks(),
+                (sealed_blocks, tail_blocks),
+                "{what}: blocks leaked"
+            );
+        }
+    }
+}
+
 /// Appends two blocks' worth of tokens to two F16 tail blocks, interleaved
 /// (token i to tail block i % 2, row i / 2), seals tail block 0 into sealed
 /// block 1 and tail block 1 into sealed block 0, and checks every sealed
@@ -138,7 +247,7 @@ fn append_and_seal_quantize_within_the_codec_bounds<B: Backend>(k: &Kernels<B>) 
             let vx = data(2 * t * heads * d, 2);
             let blocks: Vec<u32> = (0..2 * t as u32).map(|i| i % 2).collect();
             let rows: Vec<i32> = (0..2 * t as i32).map(|i| i / 2).collect();
-            k.append(&mut dev, &kx, &vx, &blocks, &rows).unwrap();
+            k.write_rows(&mut dev, &kx, &vx, &blocks, &rows).unwrap();
             k.seal(&mut dev, 0, 1).unwrap();
             k.seal(&mut dev, 1, 0).unwrap();
             let (sealed, _) = k.download(&dev).unwrap();
@@ -236,6 +345,12 @@ mod gpu {
     }
 
     #[test]
+    fn gpu_store_matches_the_cpu_store() {
+        let Some(k) = device() else { return };
+        super::device_store_matches_the_cpu_store(&k);
+    }
+
+    #[test]
     fn gpu_append_and_seal_quantize_within_the_codec_bounds() {
         let Some(k) = device() else { return };
         super::append_and_seal_quantize_within_the_codec_bounds(&k);
@@ -278,6 +393,11 @@ mod emulated {
             let worst = super::decode_difference(&k, &c);
             assert!(worst < 2e-3, "{heads}/{kv_heads} heads: {worst}");
         }
+    }
+
+    #[test]
+    fn emulated_store_matches_the_cpu_store() {
+        super::device_store_matches_the_cpu_store(&EmuKernels::emulated());
     }
 
     #[test]
