@@ -248,9 +248,11 @@ impl<B: Backend> Kernels<B> {
     /// Appends `n` tokens to `seq`, as [`KvStore::append`] does on the host:
     /// `k` and `v` are `n × kv_heads × head_dim` (token-major, then head); K is
     /// rotated when the layout says so, tokens go into the F16 tail, and tail
-    /// blocks that age out are sealed on the device. Either every token is
-    /// stored or none is: when blocks run out, or the device fails, `seq` and
-    /// the pools are unchanged.
+    /// blocks that age out are sealed on the device. When blocks run out,
+    /// nothing is written and nothing changes. When the device fails midway,
+    /// `seq` and the pools are left as they were but the sequence's bytes may
+    /// be partly overwritten (a tail block sealed early in the call can be
+    /// reused by a later token): release it.
     pub fn append(
         &self,
         kv: &mut DeviceKv<B>,
