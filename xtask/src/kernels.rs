@@ -26,6 +26,73 @@ const CUDA_WHEELS: [(&str, &str); 5] = [
 /// Architectures: PTX for compute_75 (JIT on newer GPUs) and these cubins.
 const CUBINS: [&str; 3] = ["sm_75", "sm_80", "sm_90"];
 
+/// The most local memory (stack frame, spill stores) a kernel may use on any
+/// target. ptxas spills a word or two now and then to reach an occupancy step
+/// (4 bytes in a few decode kernels at 64 registers); an array indexed at run
+/// time lands in local memory at 128 bytes and more (the first decode
+/// kernel's `acc[G][D/32]`: 128–192 bytes per thread), and every access to it
+/// goes through L1 — that is what this catches, on machines with no GPU.
+const LOCAL_BYTES_BUDGET: u32 = 16;
+
+/// What ptxas reports for one function (`-Xptxas -v`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Resources {
+    pub function: String,
+    pub registers: u32,
+    pub stack_bytes: u32,
+    pub spill_store_bytes: u32,
+    pub spill_load_bytes: u32,
+}
+
+/// Reads ptxas's `-v` report: a "Function properties for NAME" line, then
+/// "N bytes stack frame, N bytes spill stores, N bytes spill loads", then
+/// (for entry functions) "Used N registers, …".
+pub fn parse_ptxas(report: &str) -> Vec<Resources> {
+    let number_before = |line: &str, what: &str| -> Option<u32> {
+        let at = line.find(what)?;
+        line[..at]
+            .split([' ', ','])
+            .rev()
+            .find(|w| !w.is_empty())?
+            .parse()
+            .ok()
+    };
+    let mut out: Vec<Resources> = Vec::new();
+    for line in report.lines() {
+        if let Some(name) = line.split("Function properties for ").nth(1) {
+            out.push(Resources {
+                function: name.trim().to_string(),
+                ..Resources::default()
+            });
+        } else if let Some(r) = out.last_mut() {
+            if line.contains("bytes stack frame") {
+                r.stack_bytes = number_before(line, "bytes stack frame").unwrap_or(0);
+                r.spill_store_bytes = number_before(line, "bytes spill stores").unwrap_or(0);
+                r.spill_load_bytes = number_before(line, "bytes spill loads").unwrap_or(0);
+            } else if line.contains("Used ") && r.registers == 0 {
+                r.registers = number_before(line, "registers").unwrap_or(0);
+            }
+        }
+    }
+    out
+}
+
+/// CTAs of `threads` that fit on one SM by registers alone (65,536 per SM on
+/// every target; allocated per warp in units of 256).
+pub fn ctas_by_registers(registers: u32, threads: u32) -> u32 {
+    let per_warp = (registers.max(1) * 32).div_ceil(256) * 256;
+    let warps = 65_536 / per_warp;
+    warps / threads.div_ceil(32)
+}
+
+/// The functions over [`LOCAL_BYTES_BUDGET`] of local memory.
+pub fn over_budget(resources: &[Resources]) -> Vec<&Resources> {
+    resources
+        .iter()
+        .filter(|r| r.stack_bytes.max(r.spill_store_bytes) > LOCAL_BYTES_BUDGET)
+        .collect()
+}
+
 pub fn kernels_dir() -> PathBuf {
     crate::workspace_root().join("kernels")
 }
@@ -156,31 +223,42 @@ pub fn build() -> Result<Vec<PathBuf>> {
         // One nvcc per target, as many at once as there are cores (each is
         // single-threaded; the decode kernels take most of a minute per target).
         let width = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let mut table = String::from(
+            "# ptxas -v per target: registers, stack frame and spill bytes per thread,\n\
+             # CTAs of 128 threads per SM by registers (cargo xtask kernels)\n\
+             target\tfunction\tregisters\tstack\tspill_st\tspill_ld\tctas_per_sm\n",
+        );
+        let mut over = Vec::new();
         for batch in jobs.chunks(width) {
-            let results: Vec<Result<()>> = std::thread::scope(|scope| {
+            let results: Vec<Result<(String, String)>> = std::thread::scope(|scope| {
                 let handles: Vec<_> = batch
                     .iter()
                     .map(|(kind, dst, arch)| {
                         let nvcc = &nvcc;
-                        scope.spawn(move || {
+                        scope.spawn(move || -> Result<(String, String)> {
                             eprintln!("kernels: {} → {}", src.display(), dst.display());
-                            crate::run(
-                                Command::new(nvcc)
-                                    .args([
-                                        kind.as_str(),
-                                        &format!("-arch={arch}"),
-                                        "-O3",
-                                        "-std=c++17",
-                                        "-Werror",
-                                        "all-warnings",
-                                    ])
-                                    .arg(src)
-                                    .arg("-o")
-                                    .arg(dst),
-                            )
-                            .with_context(|| {
-                                format!("{} does not compile for {arch}", src.display())
-                            })
+                            let mut cmd = Command::new(nvcc);
+                            cmd.args([
+                                kind.as_str(),
+                                &format!("-arch={arch}"),
+                                "-O3",
+                                "-std=c++17",
+                                "-Werror",
+                                "all-warnings",
+                            ]);
+                            if kind == "-cubin" {
+                                cmd.args(["-Xptxas", "-v"]);
+                            }
+                            let shown = format!("{:?}", cmd.arg(src).arg("-o").arg(dst));
+                            let o = cmd
+                                .output()
+                                .with_context(|| format!("cannot start {shown}"))?;
+                            let report = String::from_utf8_lossy(&o.stderr).to_string();
+                            if !o.status.success() {
+                                eprint!("{report}");
+                                bail!("{} does not compile for {arch} ({shown})", src.display());
+                            }
+                            Ok((arch.clone(), report))
                         })
                     })
                     .collect();
@@ -193,10 +271,114 @@ pub fn build() -> Result<Vec<PathBuf>> {
                     .collect()
             });
             for r in results {
-                r?;
+                let (arch, report) = r?;
+                let res = parse_ptxas(&report);
+                if res.is_empty() {
+                    continue; // the PTX job: no ptxas
+                }
+                let regs = res.iter().map(|r| r.registers);
+                let (lo, hi) = (regs.clone().min().unwrap_or(0), regs.max().unwrap_or(0));
+                let local = res.iter().map(|r| r.stack_bytes).max().unwrap_or(0);
+                let spilling = res.iter().filter(|r| r.spill_store_bytes > 0).count();
+                eprintln!(
+                    "kernels: {arch}: {} functions, {lo}–{hi} registers, stack frames ≤ {local} bytes, {spilling} spilling",
+                    res.len()
+                );
+                for r in &res {
+                    table.push_str(&format!(
+                        "{arch}\t{}\t{}\t{}\t{}\t{}\t{}\n",
+                        r.function,
+                        r.registers,
+                        r.stack_bytes,
+                        r.spill_store_bytes,
+                        r.spill_load_bytes,
+                        ctas_by_registers(r.registers, 128)
+                    ));
+                }
+                over.extend(over_budget(&res).into_iter().map(|r| {
+                    format!(
+                        "{arch} {}: {} bytes stack frame, {} bytes spilled",
+                        r.function, r.stack_bytes, r.spill_store_bytes
+                    )
+                }));
             }
         }
+        let resources = out.join(format!("{stem}.resources.tsv"));
+        std::fs::write(&resources, &table)?;
+        if !over.is_empty() {
+            bail!(
+                "{}: {} kernel(s) use more than {LOCAL_BYTES_BUDGET} bytes of local memory per thread (an array indexed at run time, or registers spilled; see {}):\n  {}",
+                src.display(),
+                over.len(),
+                resources.display(),
+                over.join("\n  ")
+            );
+        }
         written.extend(jobs.into_iter().map(|(_, dst, _)| dst));
+        written.push(resources);
     }
     Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const REPORT: &str = "\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'siliceo_kv_seal_k5_v4' for 'sm_75'
+ptxas info    : Function properties for siliceo_kv_seal_k5_v4
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 39 registers, used 1 barriers, 396 bytes cmem[0]
+ptxas info    : Compile time = 116.317 ms
+ptxas info    : Compiling entry function 'siliceo_attn_decode_f16_f16_d128_g2' for 'sm_75'
+ptxas info    : Function properties for siliceo_attn_decode_f16_f16_d128_g2
+    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 64 registers, used 1 barriers, 8 bytes cumulative stack size, 16 bytes smem, 476 bytes cmem[0]
+ptxas info    : Compiling entry function 'old_decode' for 'sm_75'
+ptxas info    : Function properties for old_decode
+    192 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers, 192 bytes cumulative stack size, 476 bytes cmem[0]
+";
+
+    #[test]
+    fn reads_what_ptxas_reports_per_function() {
+        let r = parse_ptxas(REPORT);
+        let got: Vec<(&str, u32, u32, u32, u32)> = r
+            .iter()
+            .map(|r| {
+                (
+                    r.function.as_str(),
+                    r.registers,
+                    r.stack_bytes,
+                    r.spill_store_bytes,
+                    r.spill_load_bytes,
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("siliceo_kv_seal_k5_v4", 39, 0, 0, 0),
+                ("siliceo_attn_decode_f16_f16_d128_g2", 64, 8, 4, 4),
+                ("old_decode", 128, 192, 0, 0),
+            ]
+        );
+        // A word spilled for occupancy passes; a local array does not.
+        let over: Vec<&str> = over_budget(&r)
+            .iter()
+            .map(|r| r.function.as_str())
+            .collect();
+        assert_eq!(over, ["old_decode"]);
+    }
+
+    #[test]
+    fn counts_ctas_per_sm_by_registers() {
+        // 64 registers × 128 threads: 8 CTAs in 65,536 registers.
+        assert_eq!(ctas_by_registers(64, 128), 8);
+        // 65 rounds up to 72 per thread (2,304 per warp): 28 warps, 7 CTAs.
+        assert_eq!(ctas_by_registers(65, 128), 7);
+        assert_eq!(ctas_by_registers(128, 128), 4);
+        assert_eq!(ctas_by_registers(255, 128), 2);
+    }
 }
