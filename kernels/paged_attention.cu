@@ -29,6 +29,18 @@
 #define DYNAMIC_SHARED(type, name) extern __shared__ type name[]
 #endif
 
+// K/V loads go through gload(): a plain load on a GPU. The CPU emulator
+// defines TRACE_LOAD to see which bytes each warp-wide load touches (how many
+// 32-byte sectors it costs), so coalescing is checked without a GPU.
+#ifndef TRACE_LOAD
+#define TRACE_LOAD(p, bytes)
+#endif
+template <class T>
+__device__ __forceinline__ T gload(const T* p) {
+    TRACE_LOAD(p, sizeof(T));
+    return *p;
+}
+
 #define WARPS 4
 #define THREADS (WARPS * 32)
 #define F16 0
@@ -55,16 +67,16 @@ __device__ __forceinline__ float elem(const uint8_t* seg, int T, int D, int g, i
         const uint8_t* nib = seg + D * 4;
         const uint8_t* high = nib + T * D / 2;
         int half_d = D / 2, e = D / 8;
-        int lo = (nib[t * half_d + c % half_d] >> ((c / half_d) * 4)) & 0xF;
-        int hb = (high[t * e + c % e] >> (c / e)) & 1;
-        return __half2float(params[D + c]) + __half2float(params[c]) * (float)(lo | (hb << 4));
+        int lo = (gload(&nib[t * half_d + c % half_d]) >> ((c / half_d) * 4)) & 0xF;
+        int hb = (gload(&high[t * e + c % e]) >> (c / e)) & 1;
+        return __half2float(gload(&params[D + c])) + __half2float(gload(&params[c])) * (float)(lo | (hb << 4));
     } else {
         int ng = T * (D / g);
         const __half* params = reinterpret_cast<const __half*>(seg);
         const uint8_t* nib = seg + ng * 4;
         int gi = t * (D / g) + c / g, j = c % g, hg = g / 2;
-        int code = (nib[gi * hg + j % hg] >> ((j / hg) * 4)) & 0xF;
-        return __half2float(params[ng + gi]) + __half2float(params[gi]) * (float)code;
+        int code = (gload(&nib[gi * hg + j % hg]) >> ((j / hg) * 4)) & 0xF;
+        return __half2float(gload(&params[ng + gi])) + __half2float(gload(&params[gi])) * (float)code;
     }
 }
 
@@ -85,7 +97,7 @@ struct Tables {
 template <int C>
 __device__ __forceinline__ void row8(const uint8_t* seg, int T, int D, int g, int t, int c0, float* x) {
     if constexpr (C == F16) {
-        uint4 u = *reinterpret_cast<const uint4*>(seg + ((size_t)t * D + c0) * 2);
+        uint4 u = gload(reinterpret_cast<const uint4*>(seg + ((size_t)t * D + c0) * 2));
         const __half2* h = reinterpret_cast<const __half2*>(&u);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
@@ -95,8 +107,8 @@ __device__ __forceinline__ void row8(const uint8_t* seg, int T, int D, int g, in
         }
     } else if constexpr (C == KV8) {
         const __half* scales = reinterpret_cast<const __half*>(seg);
-        const float sc = __half2float(scales[t * (D / g) + c0 / g]);
-        uint2 u = *reinterpret_cast<const uint2*>(seg + T * (D / g) * 2 + (size_t)t * D + c0);
+        const float sc = __half2float(gload(&scales[t * (D / g) + c0 / g]));
+        uint2 u = gload(reinterpret_cast<const uint2*>(seg + T * (D / g) * 2 + (size_t)t * D + c0));
         const int8_t* b = reinterpret_cast<const int8_t*>(&u);
 #pragma unroll
         for (int i = 0; i < 8; i++) x[i] = sc * (float)b[i];

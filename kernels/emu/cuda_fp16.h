@@ -34,7 +34,11 @@ extern thread_local dim3 block_idx, block_dim, grid_dim;
 void sync_threads();
 void* dynamic_shared();
 float shfl_xor(unsigned mask, float x, int lane_mask);
+void trace_load(const void* p, unsigned long bytes);
 }  // namespace emu
+
+// gload() in the .cu reports each K/V load here (see trace_load in emu.cpp).
+#define TRACE_LOAD(p, bytes) ::emu::trace_load((p), (bytes))
 
 // `extern __shared__ T name[]` in CUDA: the launch's dynamic shared memory.
 #define DYNAMIC_SHARED(type, name) type* name = static_cast<type*>(::emu::dynamic_shared())

@@ -10,6 +10,11 @@
 //       arguments as cuLaunchKernel takes them (an array of pointers to the
 //       values) plus their kinds ('p' pointer, 'i' int, 'u' unsigned), which
 //       must match the kernel's signature.
+//   siliceo_emu_trace / siliceo_emu_trace_stats
+//                                          count what the K/V loads of the
+//       launches in between cost: loads are grouped per warp as a GPU
+//       issues them (a thread's k-th load since its last __syncthreads), and
+//       each warp-wide load counts the 32-byte sectors it touches.
 #include "paged_attention.cu"
 
 #include <sys/mman.h>
@@ -17,7 +22,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <unordered_set>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -64,7 +74,65 @@ struct Fiber {
     dim3 tid;
     bool done;
     std::unique_ptr<Stack> stack;
+    // Barriers passed, and traced loads since the last one.
+    unsigned epoch = 0, loads = 0;
 };
+
+// What the traced loads cost, over the launches since tracing began.
+struct Trace {
+    bool on = false;
+    // This CTA's loads: (warp, epoch, k) → every lane's (address, bytes).
+    std::map<std::tuple<unsigned, unsigned, unsigned>, std::vector<std::pair<uintptr_t, unsigned>>> warp_loads;
+    uint64_t requests = 0;      // warp-wide loads
+    uint64_t bytes = 0;         // distinct bytes they asked for (a byte two lanes read counts once)
+    uint64_t sectors = 0;       // 32-byte sectors they touched, summed over the loads
+    std::unordered_set<uintptr_t> distinct;  // sectors touched at all
+
+    // Folds a finished CTA's warp loads into the totals.
+    void flush() {
+        std::vector<std::pair<uintptr_t, uintptr_t>> spans;
+        std::vector<uintptr_t> secs;
+        for (auto& kv : warp_loads) {
+            spans.clear();
+            secs.clear();
+            for (auto [a, n] : kv.second) {
+                spans.push_back({a, a + n});
+                for (uintptr_t sct = a / 32; sct <= (a + n - 1) / 32; sct++) secs.push_back(sct);
+            }
+            std::sort(spans.begin(), spans.end());
+            uintptr_t end = 0;
+            for (auto [a, b] : spans) {
+                if (b <= end) continue;
+                bytes += b - std::max(a, end);
+                end = b;
+            }
+            std::sort(secs.begin(), secs.end());
+            sectors += std::unique(secs.begin(), secs.end()) - secs.begin();
+            for (uintptr_t sct : secs) distinct.insert(sct);
+            requests++;
+        }
+        warp_loads.clear();
+    }
+};
+thread_local Trace trace;
+
+// Live buffers by start address, so a traced address is counted in sectors
+// from its buffer's start: cudaMalloc aligns buffers to 256 bytes, these
+// (placed to end at a guard page) only to 16.
+std::mutex buffers_lock;
+std::map<uintptr_t, size_t> buffers;
+
+// `p` as an offset from a 256-byte-aligned start of its buffer (p itself
+// when it lies in none: shared memory, the stack).
+uintptr_t device_address(uintptr_t p) {
+    std::lock_guard<std::mutex> g(buffers_lock);
+    auto it = buffers.upper_bound(p);
+    if (it == buffers.begin()) return p;
+    --it;
+    if (p >= it->first + it->second) return p;
+    // A distinct 256-aligned base per buffer, far above any offset.
+    return (it->first << 8) + (p - it->first);
+}
 
 struct Cta {
     std::vector<Fiber> fibers;
@@ -117,7 +185,15 @@ void warp_barrier(unsigned warp) {
 
 dim3 thread_idx() { return cta->current->tid; }
 
+void trace_load(const void* p, unsigned long bytes) {
+    if (!trace.on) return;
+    Fiber& f = *cta->current;
+    trace.warp_loads[{f.tid.x / 32, f.epoch, f.loads++}].push_back({device_address((uintptr_t)p), (unsigned)bytes});
+}
+
 void sync_threads() {
+    cta->current->epoch++;
+    cta->current->loads = 0;
     unsigned gen = cta->bar_gen;
     cta->progress++;
     if (++cta->bar_count == cta->live) {
@@ -148,6 +224,8 @@ float shfl_xor(unsigned mask, float x, int lane_mask) {
 __attribute__((noinline)) static void start_fiber(Fiber& f, unsigned i, ucontext_t* scheduler) {
     f.tid = {i, 0, 0};
     f.done = false;
+    f.epoch = 0;
+    f.loads = 0;
     getcontext(&f.ctx);
     f.ctx.uc_stack.ss_sp = f.stack->bottom();
     f.ctx.uc_stack.ss_size = STACK_BYTES;
@@ -316,7 +394,10 @@ extern "C" void* siliceo_emu_alloc(size_t bytes) {
         munmap(base, data + page);
         return nullptr;
     }
-    return guard - rounded;
+    char* p = guard - rounded;
+    std::lock_guard<std::mutex> g(emu::buffers_lock);
+    emu::buffers[(uintptr_t)p] = rounded;
+    return p;
 }
 
 extern "C" void siliceo_emu_free(void* p, size_t bytes) {
@@ -326,6 +407,10 @@ extern "C" void siliceo_emu_free(void* p, size_t bytes) {
     size_t data = (rounded + page - 1) / page * page;
     if (data == 0) data = page;
     char* guard = static_cast<char*>(p) + rounded;
+    {
+        std::lock_guard<std::mutex> g(emu::buffers_lock);
+        emu::buffers.erase((uintptr_t)p);
+    }
     munmap(guard - data, data + page);
 }
 
@@ -373,10 +458,23 @@ extern "C" int siliceo_emu_launch(const char* name, unsigned gx, unsigned gy, un
                 // every max, which ignores NaN).
                 std::memset(shared, (x + y + z) % 2 ? 0x7f : 0xff, smem_bytes);
                 ok = emu::run_cta(c, bx, ((uint64_t)z * gy + y) * gx + x);
+                emu::trace.flush();
             }
     emu::cta = saved;
     emu::dynamic_shared_memory = saved_shared;
     siliceo_emu_free(shared, smem_bytes);
     if (!ok) return report(err, err_len, std::string(name) + ": " + c.error);
     return 0;
+}
+
+extern "C" void siliceo_emu_trace(int on) {
+    emu::trace = emu::Trace{};
+    emu::trace.on = on != 0;
+}
+
+extern "C" void siliceo_emu_trace_stats(uint64_t* out) {
+    out[0] = emu::trace.requests;
+    out[1] = emu::trace.bytes;
+    out[2] = emu::trace.sectors;
+    out[3] = emu::trace.distinct.size();
 }

@@ -11,9 +11,11 @@
 //!
 //! What this checks: the kernels' indexing, bit layouts, reductions and
 //! partition merging, and the host code of [`crate::device`] (the same code
-//! drives the GPU). What it cannot: speed, coalescing, occupancy, register
-//! pressure, or races the GPU's memory model would expose. It is slow (a few
-//! microseconds per thread switch): for tests, not for serving.
+//! drives the GPU). [`Emulator::trace`] also counts what the kernels' K/V
+//! loads would cost a GPU — warp-wide loads and the 32-byte sectors each
+//! touches — so coalescing is checked too. What it cannot: speed, occupancy,
+//! register pressure, or races the GPU's memory model would expose. It is
+//! slow (a few microseconds per thread switch): for tests, not for serving.
 //!
 //! ```
 //! use siliceo_kernels_turing::emu::EmuKernels;
@@ -39,6 +41,8 @@ use crate::device::{Arg, Backend, Kernels, Launch};
 unsafe extern "C" {
     fn siliceo_emu_alloc(bytes: usize) -> *mut c_void;
     fn siliceo_emu_free(p: *mut c_void, bytes: usize);
+    fn siliceo_emu_trace(on: i32);
+    fn siliceo_emu_trace_stats(out: *mut u64);
     fn siliceo_emu_launch(
         name: *const c_char,
         gx: u32,
@@ -68,6 +72,69 @@ impl Kernels<Emulator> {
 #[derive(Debug)]
 pub struct Emulator {
     _private: (),
+}
+
+/// What the K/V loads of traced launches cost, counted the way a GPU issues
+/// them: the lanes of a warp load together (a thread's k-th K/V load since
+/// its last `__syncthreads` is one warp-wide load), and a warp-wide load
+/// costs every 32-byte sector its lanes' bytes touch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LoadTrace {
+    /// Warp-wide loads issued.
+    pub warp_loads: u64,
+    /// Distinct bytes they asked for, summed over the loads (bytes several
+    /// lanes of one load share count once).
+    pub bytes: u64,
+    /// Sectors touched, summed over the loads.
+    pub sectors: u64,
+    /// Sectors touched at all (what DRAM must deliver at least once).
+    pub distinct_sectors: u64,
+}
+
+impl LoadTrace {
+    /// Bytes asked for per byte of the sectors touched, load by load: 1 when
+    /// every load is fully coalesced; 1/8 when each lane's 4 bytes sit in a
+    /// sector of their own.
+    pub fn efficiency(&self) -> f64 {
+        self.bytes as f64 / (self.sectors.max(1) * 32) as f64
+    }
+
+    /// Bytes a warp-wide load asks for, on average (512 for 32 lanes × 16 bytes).
+    pub fn bytes_per_load(&self) -> f64 {
+        self.bytes as f64 / self.warp_loads.max(1) as f64
+    }
+}
+
+impl Emulator {
+    /// Runs `f` with the K/V loads of its launches on this thread traced
+    /// (launches run on the calling thread); returns what they cost.
+    pub fn trace<R>(&self, f: impl FnOnce() -> R) -> (R, LoadTrace) {
+        struct Off;
+        impl Drop for Off {
+            fn drop(&mut self) {
+                // SAFETY: resets this thread's trace state; no pointers.
+                unsafe { siliceo_emu_trace(0) }
+            }
+        }
+        // SAFETY: as above.
+        unsafe { siliceo_emu_trace(1) };
+        let off = Off;
+        let r = f();
+        let mut s = [0u64; 4];
+        // SAFETY: writes four u64 into `s`.
+        unsafe { siliceo_emu_trace_stats(s.as_mut_ptr()) };
+        drop(off);
+        let [warp_loads, bytes, sectors, distinct_sectors] = s;
+        (
+            r,
+            LoadTrace {
+                warp_loads,
+                bytes,
+                sectors,
+                distinct_sectors,
+            },
+        )
+    }
 }
 
 /// A buffer of the emulator: host memory that ends at a guard page.

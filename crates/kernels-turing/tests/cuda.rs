@@ -432,6 +432,51 @@ mod emulated {
         }
     }
 
+    /// What the decode kernels' K/V loads would cost a GPU, counted by the
+    /// emulator: every byte of the context is read (the distinct sectors
+    /// touched are exactly the K/V bytes a decode needs), and F16 and KV8
+    /// loads are coalesced. Printed per format and head size
+    /// (`--nocapture`): warp-wide loads per token and KV head, bytes per
+    /// load, sector efficiency.
+    #[test]
+    fn the_decode_kernels_read_every_kv_byte_once_in_coalesced_loads() {
+        let k = EmuKernels::emulated();
+        let (kv_heads, heads, len) = (2, 8, 1000);
+        for fmt in ["f16", "kv8", "k5v4"] {
+            for d in [64, 128, 256] {
+                let layout = KvLayout::preset(fmt, kv_heads, d).unwrap();
+                let mut store = KvStore::new(layout, 16, 1).unwrap();
+                let mut seq = SeqKv::default();
+                let kv = super::data(len * kv_heads * d, d);
+                store.append(&mut seq, &kv, &kv).unwrap();
+                let dev = k.upload(&store).unwrap();
+                let q = super::data(heads * d, 3);
+                let run = k.prepare_decode(&dev, &[&seq], &q, heads, 0.1, 0).unwrap();
+                let (r, t) = k.backend().trace(|| run.launch(&k, &dev));
+                r.unwrap();
+                let tail = len - seq.sealed.len() * 64;
+                let needed = seq.sealed.len() * layout.block_bytes() + tail * kv_heads * 2 * d * 2;
+                let per_token = t.warp_loads as f64 / (len * kv_heads) as f64;
+                println!(
+                    "{fmt:>5} d={d:<3} warp loads per token and KV head {per_token:6.3}, {:5.1} bytes per load, sector efficiency {:.3}, distinct sectors {} × 32 B for {needed} B of K/V",
+                    t.bytes_per_load(),
+                    t.efficiency(),
+                    t.distinct_sectors
+                );
+                assert_eq!(
+                    t.distinct_sectors as usize * 32,
+                    needed,
+                    "{fmt} d={d}: {t:?}"
+                );
+                match fmt {
+                    "f16" => assert_eq!(t.efficiency(), 1.0, "{fmt} d={d}: {t:?}"),
+                    "kv8" => assert!(t.efficiency() > 0.9, "{fmt} d={d}: {t:?}"),
+                    _ => {}
+                }
+            }
+        }
+    }
+
     #[test]
     fn the_default_partition_fills_the_gpu() {
         let most = max_partition_tokens(8, 128);
