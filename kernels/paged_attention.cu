@@ -57,29 +57,6 @@ __device__ __forceinline__ int seg_bytes(int codec, int T, int D, int g) {
     }
 }
 
-// Element (t, c) of a K5 or V4 segment, dequantized (F16 and KV8 rows are
-// read eight channels at a time by row8).
-template <int C>
-__device__ __forceinline__ float elem(const uint8_t* seg, int T, int D, int g, int t, int c) {
-    static_assert(C == K5 || C == V4, "elem reads the bit-plane codecs");
-    if constexpr (C == K5) {
-        const __half* params = reinterpret_cast<const __half*>(seg);
-        const uint8_t* nib = seg + D * 4;
-        const uint8_t* high = nib + T * D / 2;
-        int half_d = D / 2, e = D / 8;
-        int lo = (gload(&nib[t * half_d + c % half_d]) >> ((c / half_d) * 4)) & 0xF;
-        int hb = (gload(&high[t * e + c % e]) >> (c / e)) & 1;
-        return __half2float(gload(&params[D + c])) + __half2float(gload(&params[c])) * (float)(lo | (hb << 4));
-    } else {
-        int ng = T * (D / g);
-        const __half* params = reinterpret_cast<const __half*>(seg);
-        const uint8_t* nib = seg + ng * 4;
-        int gi = t * (D / g) + c / g, j = c % g, hg = g / 2;
-        int code = (gload(&nib[gi * hg + j % hg]) >> ((j / hg) * 4)) & 0xF;
-        return __half2float(gload(&params[ng + gi])) + __half2float(gload(&params[gi])) * (float)code;
-    }
-}
-
 struct Tables {
     const uint8_t* sealed;
     const uint8_t* tail;
@@ -91,9 +68,12 @@ struct Tables {
 };
 
 // Eight consecutive channels c0..c0+7 of row `t` of a segment, dequantized
-// (fused into the attention loops). F16 is one 16-byte load and KV8 one
-// 8-byte load plus the group's scale (groups are a multiple of 8 channels);
-// K5 and V4 gather their bit planes per channel.
+// (fused into the attention loops), in a few vector loads per lane (groups are
+// a multiple of 8 channels, c0 a multiple of 8, so the eight channels' bits
+// sit side by side): F16 one 16-byte load; KV8 one 8-byte load plus the
+// group's scale; K5 the channels' scales and minima (16 bytes each) and one
+// 8-byte load from each bit plane (low nibbles, fifth bits); V4 the group's
+// scale and minimum and one 8-byte load of nibbles (4 bytes for groups of 8).
 template <int C>
 __device__ __forceinline__ void row8(const uint8_t* seg, int T, int D, int g, int t, int c0, float* x) {
     if constexpr (C == F16) {
@@ -112,9 +92,43 @@ __device__ __forceinline__ void row8(const uint8_t* seg, int T, int D, int g, in
         const int8_t* b = reinterpret_cast<const int8_t*>(&u);
 #pragma unroll
         for (int i = 0; i < 8; i++) x[i] = sc * (float)b[i];
-    } else {
+    } else if constexpr (C == K5) {
+        const int half_d = D / 2, e = D / 8;
+        const uint4 su = gload(reinterpret_cast<const uint4*>(seg + c0 * 2));
+        const uint4 mu = gload(reinterpret_cast<const uint4*>(seg + D * 2 + c0 * 2));
+        const uint8_t* planes = seg + D * 4;
+        const uint2 lu = gload(reinterpret_cast<const uint2*>(planes + (size_t)t * half_d + c0 % half_d));
+        const uint2 hu = gload(reinterpret_cast<const uint2*>(planes + (size_t)T * half_d + (size_t)t * e + c0 % e));
+        const __half* sc = reinterpret_cast<const __half*>(&su);
+        const __half* mn = reinterpret_cast<const __half*>(&mu);
+        const uint8_t* lo = reinterpret_cast<const uint8_t*>(&lu);
+        const uint8_t* hi = reinterpret_cast<const uint8_t*>(&hu);
+        const int lshift = (c0 / half_d) * 4, hshift = c0 / e;
 #pragma unroll
-        for (int i = 0; i < 8; i++) x[i] = elem<C>(seg, T, D, g, t, c0 + i);
+        for (int i = 0; i < 8; i++) {
+            const int code = ((lo[i] >> lshift) & 0xF) | (((hi[i] >> hshift) & 1) << 4);
+            x[i] = __half2float(mn[i]) + __half2float(sc[i]) * (float)code;
+        }
+    } else {
+        static_assert(C == V4, "row8 reads F16, KV8, K5 and V4");
+        const int ng = T * (D / g), hg = g / 2;
+        const int gi = t * (D / g) + c0 / g, j = c0 % g;
+        const __half* params = reinterpret_cast<const __half*>(seg);
+        const float sc = __half2float(gload(&params[gi])), mn = __half2float(gload(&params[ng + gi]));
+        const uint8_t* nib = seg + ng * 4 + (size_t)gi * hg;
+        if (hg >= 8) {
+            // Channels j..j+7 of the group: bytes j % hg.., one nibble each.
+            const uint2 u = gload(reinterpret_cast<const uint2*>(nib + j % hg));
+            const uint8_t* b = reinterpret_cast<const uint8_t*>(&u);
+            const int shift = (j / hg) * 4;
+#pragma unroll
+            for (int i = 0; i < 8; i++) x[i] = mn + sc * (float)((b[i] >> shift) & 0xF);
+        } else {
+            // Groups of 8: the group's 4 bytes, low nibbles then high.
+            const uint32_t u = gload(reinterpret_cast<const uint32_t*>(nib));
+#pragma unroll
+            for (int i = 0; i < 8; i++) x[i] = mn + sc * (float)((u >> ((i % 4) * 8 + (i / 4) * 4)) & 0xF);
+        }
     }
 }
 

@@ -186,6 +186,11 @@ void warp_barrier(unsigned warp) {
 dim3 thread_idx() { return cta->current->tid; }
 
 void trace_load(const void* p, unsigned long bytes) {
+    // A GPU faults on a load that is not aligned to its size (these buffers
+    // are 16-byte aligned, a GPU's at least 256, so the address tells).
+    if ((uintptr_t)p % bytes != 0)
+        fail("a " + std::to_string(bytes) + "-byte load from an address that is not a multiple of " +
+             std::to_string(bytes) + " (a misaligned address on a GPU)");
     if (!trace.on) return;
     Fiber& f = *cta->current;
     trace.warp_loads[{f.tid.x / 32, f.epoch, f.loads++}].push_back({device_address((uintptr_t)p), (unsigned)bytes});

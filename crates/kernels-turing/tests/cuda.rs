@@ -401,6 +401,33 @@ mod emulated {
     }
 
     #[test]
+    fn emulated_decode_reads_every_group_size() {
+        // Groups of 8 channels (V4 keeps such a group's nibbles in 4 bytes,
+        // read whole), 16, and a whole head, for V4 and KV8.
+        let k = EmuKernels::emulated();
+        for fmt in [
+            "k5:v4/8",
+            "k5:v4/16",
+            "k5:v4/64",
+            "kv8/8:kv8/8",
+            "kv8/64:kv8/16",
+        ] {
+            let c = Case {
+                fmt,
+                kv_heads: 2,
+                heads: 4,
+                d: 64,
+                rotate_k: false,
+                tail_tokens: 0,
+                lens: &[150, 64],
+                partition: 0,
+            };
+            let worst = super::decode_difference(&k, &c);
+            assert!(worst < 2e-3, "{fmt}: {worst}");
+        }
+    }
+
+    #[test]
     fn emulated_append_and_seal_quantize_within_the_codec_bounds() {
         super::append_and_seal_quantize_within_the_codec_bounds(&EmuKernels::emulated());
     }
@@ -468,10 +495,14 @@ mod emulated {
                     needed,
                     "{fmt} d={d}: {t:?}"
                 );
-                match fmt {
-                    "f16" => assert_eq!(t.efficiency(), 1.0, "{fmt} d={d}: {t:?}"),
-                    "kv8" => assert!(t.efficiency() > 0.9, "{fmt} d={d}: {t:?}"),
-                    _ => {}
+                // F16 rows are whole sectors; KV8's group scales (16 bytes
+                // per load at heads of 64) and K5/V4's parameters fill a
+                // little less. Byte-sized gathers (K5/V4 read one element at
+                // a time: 0.15–0.17) fail here.
+                if fmt == "f16" {
+                    assert_eq!(t.efficiency(), 1.0, "{fmt} d={d}: {t:?}");
+                } else {
+                    assert!(t.efficiency() > 0.9, "{fmt} d={d}: {t:?}");
                 }
             }
         }
