@@ -7,6 +7,38 @@
 //! Everything here — shape checks, block tables, the pre-scaled (and
 //! rotated) queries, grid and shared-memory sizes, argument order — is the
 //! same for both backends.
+//!
+//! A layer's KV lives on the device as a [`DeviceKv`], filled and read the
+//! way a [`KvStore`] is on the host:
+//!
+//! ```
+//! use siliceo_kernels_turing::device::{Backend, Kernels};
+//! use siliceo_kernels_turing::{KernelError, KvLayout, SeqKv};
+//!
+//! // A sequence of 100 tokens, then one decode step, on any backend.
+//! fn decode_once<B: Backend>(k: &Kernels<B>) -> Result<Vec<f32>, KernelError> {
+//!     let layout = KvLayout::preset("k5v4", 2, 64)?; // 2 KV heads of 64
+//!     let mut kv = k.alloc(layout, 8, 2)?; // 8 sealed and 2 F16 tail blocks
+//!     let mut seq = SeqKv::default();
+//!     let row: Vec<f32> = (0..2 * 64).map(|i| (i % 7) as f32 / 7.0).collect();
+//!     for _ in 0..100 {
+//!         // One token's K and V; the 64th fills the first block, which is
+//!         // quantized into a sealed block on the device.
+//!         k.append(&mut kv, &mut seq, &row, &row)?;
+//!     }
+//!     let q = vec![0.1f32; 4 * 64]; // 4 query heads: 2 per KV head
+//!     let out = k.decode(&kv, &[&seq], &q, 4, 0.125, 0)?;
+//!     kv.release(&mut seq);
+//!     Ok(out)
+//! }
+//! # #[cfg(feature = "cuda-emu")]
+//! # assert_eq!(decode_once(&siliceo_kernels_turing::emu::EmuKernels::emulated()).unwrap().len(), 4 * 64);
+//! ```
+//!
+//! On a GPU, `k` is a `cuda::CudaKernels` (feature `cuda`); where
+//! `CudaKernels::new` fails (no driver, no device, no compiled kernels:
+//! [`KernelError::Cuda`]) the same appends go to a [`KvStore`] and decode to
+//! [`paged_attention`], the CPU kernel.
 
 use std::time::Instant;
 
