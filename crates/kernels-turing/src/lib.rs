@@ -6,7 +6,9 @@
 //!   layouts and error bounds.
 //! - [`store`]: a paged store for one layer: sealed blocks in the chosen
 //!   codecs plus a full-precision (F16) tail of the most recent tokens, with
-//!   optional Hadamard rotation of K ([`hadamard`]).
+//!   optional Hadamard rotation of K ([`hadamard`]); its block bookkeeping
+//!   ([`BlockPools`]: which block and row each token goes to, which tail
+//!   block is sealed when) is shared with the device store.
 //! - [`attention`]: the CPU kernel — decode and causal prefill chunks,
 //!   grouped-query heads, online softmax, split-context partitions,
 //!   multi-threaded on worker threads started on first use and kept between
@@ -18,9 +20,11 @@
 //!   no device or no compiled kernels it returns [`KernelError::Cuda`] and the
 //!   caller falls back to the CPU kernel.
 //! - `device` (features `cuda` or `cuda-emu`): the kernels' host code over a
-//!   backend — the CUDA driver, or `emu` (feature `cuda-emu`), which runs the
-//!   kernels' own CUDA source on the CPU (fibers for threads) so their logic is
-//!   tested on machines without a GPU.
+//!   backend — a layer's KV on the device (`DeviceKv`: alloc or upload,
+//!   append with sealing on the device, decode, release) — for the CUDA
+//!   driver, or `emu` (feature `cuda-emu`), which runs the kernels' own CUDA
+//!   source on the CPU (fibers for threads) so their logic, alignment and
+//!   coalescing are tested on machines without a GPU.
 //!
 //! ```
 //! use siliceo_kernels_turing::{KvLayout, KvStore, SeqKv, AttnParams, paged_attention};
