@@ -179,6 +179,63 @@ pub fn nvcc() -> Result<PathBuf> {
     Ok(nvcc)
 }
 
+/// GPUs without a cubin of their own load the compute_75 PTX, which the driver
+/// compiles with its ptxas: Ampere (sm_86: RTX 30), Ada (sm_89: RTX 40),
+/// Hopper (sm_90, also has a cubin) and consumer Blackwell (sm_120: RTX 50).
+/// `cargo xtask kernels` runs that ptxas step on the PTX for each, so a PTX
+/// that would not load there fails here, and their resources are checked too.
+const JIT_TARGETS: [&str; 4] = ["sm_86", "sm_89", "sm_90", "sm_120"];
+
+/// ptxas beside `nvcc` (the toolkit's own), else the one on PATH.
+fn ptxas(nvcc: &Path) -> PathBuf {
+    nvcc.parent()
+        .map(|d| d.join("ptxas"))
+        .filter(|p| p.is_file())
+        .unwrap_or_else(|| PathBuf::from("ptxas"))
+}
+
+/// Runs `jobs` (a label and a command each), as many at once as there are
+/// cores (nvcc and ptxas are single-threaded; the decode kernels take most of
+/// a minute per target). Returns each job's label and stderr (ptxas's report).
+fn run_parallel(jobs: Vec<(String, Command)>) -> Result<Vec<(String, String)>> {
+    let width = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut done = Vec::new();
+    let mut jobs = jobs.into_iter().peekable();
+    while jobs.peek().is_some() {
+        let batch: Vec<(String, Command)> = jobs.by_ref().take(width).collect();
+        let results: Vec<Result<(String, String)>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = batch
+                .into_iter()
+                .map(|(label, mut cmd)| {
+                    scope.spawn(move || -> Result<(String, String)> {
+                        let shown = format!("{cmd:?}");
+                        let o = cmd
+                            .output()
+                            .with_context(|| format!("cannot start {shown}"))?;
+                        let report = String::from_utf8_lossy(&o.stderr).to_string();
+                        if !o.status.success() {
+                            eprint!("{report}");
+                            bail!("{label} failed: {shown}");
+                        }
+                        Ok((label, report))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| bail!("a compiler thread panicked"))
+                })
+                .collect()
+        });
+        for r in results {
+            done.push(r?);
+        }
+    }
+    Ok(done)
+}
+
 /// Compiles every `kernels/*.cu`; returns the files written.
 pub fn build() -> Result<Vec<PathBuf>> {
     if !Command::new("gcc")
@@ -190,6 +247,7 @@ pub fn build() -> Result<Vec<PathBuf>> {
         bail!("nvcc needs gcc on PATH as its host compiler (apt-get install -y gcc g++)");
     }
     let nvcc = nvcc()?;
+    let ptxas = ptxas(&nvcc);
     let out = build_dir();
     std::fs::create_dir_all(&out)?;
     let mut sources: Vec<PathBuf> = std::fs::read_dir(kernels_dir())?
@@ -208,100 +266,89 @@ pub fn build() -> Result<Vec<PathBuf>> {
             .expect("a .cu file has a stem")
             .to_string_lossy()
             .to_string();
-        let mut jobs: Vec<(String, PathBuf, String)> = vec![(
-            "-ptx".into(),
-            out.join(format!("{stem}.compute_75.ptx")),
-            "compute_75".into(),
-        )];
+        let ptx = out.join(format!("{stem}.compute_75.ptx"));
+        let mut targets = vec![("-ptx", ptx.clone(), "compute_75".to_string())];
         for sm in CUBINS {
-            jobs.push((
-                "-cubin".into(),
-                out.join(format!("{stem}.{sm}.cubin")),
-                sm.to_string(),
-            ));
+            targets.push(("-cubin", out.join(format!("{stem}.{sm}.cubin")), sm.into()));
         }
-        // One nvcc per target, as many at once as there are cores (each is
-        // single-threaded; the decode kernels take most of a minute per target).
-        let width = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let jobs = targets
+            .iter()
+            .map(|(kind, dst, arch)| {
+                eprintln!("kernels: {} → {}", src.display(), dst.display());
+                let mut cmd = Command::new(&nvcc);
+                cmd.args([
+                    kind,
+                    format!("-arch={arch}").as_str(),
+                    "-O3",
+                    "-std=c++17",
+                    "-Werror",
+                    "all-warnings",
+                ]);
+                if *kind == "-cubin" {
+                    cmd.args(["-Xptxas", "-v"]);
+                }
+                cmd.arg(src).arg("-o").arg(dst);
+                (arch.clone(), cmd)
+            })
+            .collect();
+        let mut reports = run_parallel(jobs)?;
+        // What a driver does with the PTX on GPUs without a cubin of their own.
+        let jit_dir = out.join("jit");
+        std::fs::create_dir_all(&jit_dir)?;
+        let jit = JIT_TARGETS
+            .iter()
+            .map(|sm| {
+                let mut cmd = Command::new(&ptxas);
+                cmd.args([&format!("-arch={sm}") as &str, "-O3", "-v"])
+                    .arg(&ptx)
+                    .arg("-o")
+                    .arg(jit_dir.join(format!("{stem}.{sm}.cubin")));
+                (format!("jit {sm}"), cmd)
+            })
+            .collect();
+        eprintln!(
+            "kernels: the compute_75 PTX through ptxas for {} (what the driver's JIT does)",
+            JIT_TARGETS.join(", ")
+        );
+        reports.extend(run_parallel(jit)?);
+        std::fs::remove_dir_all(&jit_dir).ok();
         let mut table = String::from(
-            "# ptxas -v per target: registers, stack frame and spill bytes per thread,\n\
-             # CTAs of 128 threads per SM by registers (cargo xtask kernels)\n\
+            "# ptxas -v per target (jit: the compute_75 PTX compiled for a GPU with no cubin):\n\
+             # registers, stack frame and spill bytes per thread, CTAs of 128 threads per SM\n\
+             # by registers (cargo xtask kernels)\n\
              target\tfunction\tregisters\tstack\tspill_st\tspill_ld\tctas_per_sm\n",
         );
         let mut over = Vec::new();
-        for batch in jobs.chunks(width) {
-            let results: Vec<Result<(String, String)>> = std::thread::scope(|scope| {
-                let handles: Vec<_> = batch
-                    .iter()
-                    .map(|(kind, dst, arch)| {
-                        let nvcc = &nvcc;
-                        scope.spawn(move || -> Result<(String, String)> {
-                            eprintln!("kernels: {} → {}", src.display(), dst.display());
-                            let mut cmd = Command::new(nvcc);
-                            cmd.args([
-                                kind.as_str(),
-                                &format!("-arch={arch}"),
-                                "-O3",
-                                "-std=c++17",
-                                "-Werror",
-                                "all-warnings",
-                            ]);
-                            if kind == "-cubin" {
-                                cmd.args(["-Xptxas", "-v"]);
-                            }
-                            let shown = format!("{:?}", cmd.arg(src).arg("-o").arg(dst));
-                            let o = cmd
-                                .output()
-                                .with_context(|| format!("cannot start {shown}"))?;
-                            let report = String::from_utf8_lossy(&o.stderr).to_string();
-                            if !o.status.success() {
-                                eprint!("{report}");
-                                bail!("{} does not compile for {arch} ({shown})", src.display());
-                            }
-                            Ok((arch.clone(), report))
-                        })
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| {
-                        h.join()
-                            .unwrap_or_else(|_| bail!("an nvcc thread panicked"))
-                    })
-                    .collect()
-            });
-            for r in results {
-                let (arch, report) = r?;
-                let res = parse_ptxas(&report);
-                if res.is_empty() {
-                    continue; // the PTX job: no ptxas
-                }
-                let regs = res.iter().map(|r| r.registers);
-                let (lo, hi) = (regs.clone().min().unwrap_or(0), regs.max().unwrap_or(0));
-                let local = res.iter().map(|r| r.stack_bytes).max().unwrap_or(0);
-                let spilling = res.iter().filter(|r| r.spill_store_bytes > 0).count();
-                eprintln!(
-                    "kernels: {arch}: {} functions, {lo}–{hi} registers, stack frames ≤ {local} bytes, {spilling} spilling",
-                    res.len()
-                );
-                for r in &res {
-                    table.push_str(&format!(
-                        "{arch}\t{}\t{}\t{}\t{}\t{}\t{}\n",
-                        r.function,
-                        r.registers,
-                        r.stack_bytes,
-                        r.spill_store_bytes,
-                        r.spill_load_bytes,
-                        ctas_by_registers(r.registers, 128)
-                    ));
-                }
-                over.extend(over_budget(&res).into_iter().map(|r| {
-                    format!(
-                        "{arch} {}: {} bytes stack frame, {} bytes spilled",
-                        r.function, r.stack_bytes, r.spill_store_bytes
-                    )
-                }));
+        for (target, report) in reports {
+            let res = parse_ptxas(&report);
+            if res.is_empty() {
+                continue; // the PTX job: no ptxas
             }
+            let regs = res.iter().map(|r| r.registers);
+            let (lo, hi) = (regs.clone().min().unwrap_or(0), regs.max().unwrap_or(0));
+            let local = res.iter().map(|r| r.stack_bytes).max().unwrap_or(0);
+            let spilling = res.iter().filter(|r| r.spill_store_bytes > 0).count();
+            eprintln!(
+                "kernels: {target}: {} functions, {lo}–{hi} registers, stack frames ≤ {local} bytes, {spilling} spilling",
+                res.len()
+            );
+            for r in &res {
+                table.push_str(&format!(
+                    "{target}\t{}\t{}\t{}\t{}\t{}\t{}\n",
+                    r.function,
+                    r.registers,
+                    r.stack_bytes,
+                    r.spill_store_bytes,
+                    r.spill_load_bytes,
+                    ctas_by_registers(r.registers, 128)
+                ));
+            }
+            over.extend(over_budget(&res).into_iter().map(|r| {
+                format!(
+                    "{target} {}: {} bytes stack frame, {} bytes spilled",
+                    r.function, r.stack_bytes, r.spill_store_bytes
+                )
+            }));
         }
         let resources = out.join(format!("{stem}.resources.tsv"));
         std::fs::write(&resources, &table)?;
@@ -314,7 +361,7 @@ pub fn build() -> Result<Vec<PathBuf>> {
                 over.join("\n  ")
             );
         }
-        written.extend(jobs.into_iter().map(|(_, dst, _)| dst));
+        written.extend(targets.into_iter().map(|(_, dst, _)| dst));
         written.push(resources);
     }
     Ok(written)
