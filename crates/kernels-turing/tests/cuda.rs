@@ -194,6 +194,13 @@ fn device_store_matches_the_cpu_store<B: Backend>(k: &Kernels<B>) {
             let got = k.decode(&dev, &refs, &q, heads, scale, 0).unwrap();
             let worst = max_abs_diff(&got, &want);
             assert!(worst < 2e-3, "{what}: decode differs by {worst}");
+            // K and V of different lengths, or a ragged row: a shape error.
+            for (kl, vl) in [(row, 2 * row), (row + 1, row + 1)] {
+                let e = k
+                    .append(&mut dev, &mut ds[0], &q[..kl], &q[..vl])
+                    .unwrap_err();
+                assert!(matches!(e, KernelError::Shape(_)), "{what}: {e}");
+            }
             // Full: the next append fails whole, and nothing changes.
             let before = (ds[0].clone(), dev.pools().clone());
             let big = data(sealed_blocks * 64 * row, 5);
