@@ -172,11 +172,6 @@ impl<B: Backend> DeviceKv<B> {
         B::buf_len(&self.sealed) + B::buf_len(&self.tail)
     }
 
-    /// The layout.
-    pub fn layout(&self) -> &KvLayout {
-        &self.layout
-    }
-
     /// The block bookkeeping (which blocks are free).
     pub fn pools(&self) -> &BlockPools {
         &self.pools
