@@ -1,5 +1,5 @@
 //! The CPU paged-attention kernel: decode (one query token per sequence) and
-//! prefill chunks (several query tokens, causal) over a [`KvStore`] in any
+//! prefill chunks (several query tokens, causal) over a store ([`KvPages`]) in any
 //! layout, grouped-query heads, online (streaming) softmax, multi-threaded,
 //! with an optional split of long contexts into partitions that are reduced
 //! at the end (the same plan as the CUDA kernels).
@@ -30,7 +30,7 @@ use crate::KernelError;
 use crate::codec::Codec;
 use crate::hadamard::hadamard;
 use crate::simd::{self, Rows};
-use crate::store::{KvLayout, KvStore, SeqKv};
+use crate::store::{KvLayout, KvPages, SeqKv};
 
 /// Tuning knobs of the CPU kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,7 +113,7 @@ struct Item {
 /// and the results do not depend on the split. `scale` multiplies Q·K (usually
 /// `1/sqrt(head_dim)`).
 pub fn paged_attention(
-    store: &KvStore,
+    store: &KvPages,
     n_heads: usize,
     scale: f32,
     seqs: &[SeqQuery<'_>],
@@ -329,7 +329,7 @@ impl Scratch {
 }
 
 fn run_item(
-    store: &KvStore,
+    store: &KvPages,
     seqs: &[SeqQuery<'_>],
     n_heads: usize,
     scale: f32,

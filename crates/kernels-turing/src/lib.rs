@@ -6,9 +6,12 @@
 //!   layouts and error bounds.
 //! - [`store`]: a paged store for one layer: sealed blocks in the chosen
 //!   codecs plus a full-precision (F16) tail of the most recent tokens, with
-//!   optional Hadamard rotation of K ([`hadamard`]); its block bookkeeping
-//!   ([`BlockPools`]: which block and row each token goes to, which tail
-//!   block is sealed when) is shared with the device store.
+//!   optional Hadamard rotation of K ([`hadamard`]). [`KvPages`] holds the
+//!   bytes and the operations on blocks by index (write a token, seal, copy
+//!   rows), for a caller with its own allocator (a server's, one for all
+//!   layers); [`KvStore`] adds its own block bookkeeping ([`BlockPools`]:
+//!   which block and row each token goes to, which tail block is sealed
+//!   when), shared with the device store.
 //! - [`attention`]: the CPU kernel — decode and causal prefill chunks,
 //!   grouped-query heads, online softmax, split-context partitions,
 //!   multi-threaded on worker threads started on first use and kept between
@@ -63,7 +66,7 @@ pub mod store;
 
 pub use attention::{AttnParams, SeqQuery, naive_attention, paged_attention};
 pub use codec::Codec;
-pub use store::{AppendStep, BlockPools, KvLayout, KvStore, SeqKv};
+pub use store::{AppendStep, BlockPools, KvLayout, KvPages, KvStore, SeqKv};
 
 /// What the kernels can refuse.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]

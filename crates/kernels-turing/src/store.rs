@@ -354,36 +354,40 @@ impl BlockPools {
     }
 }
 
-/// One layer's KV in siliceo's formats: a pool of sealed blocks and a pool of
-/// F16 tail blocks, with their bookkeeping ([`BlockPools`]).
+/// One layer's KV bytes in siliceo's formats: a pool of sealed blocks and a
+/// pool of F16 tail blocks, addressed by block index, and what can be done to
+/// them — write a token's row, seal a full tail block, copy rows, read and
+/// restore a block's bytes, decode a sequence. Which block a token goes to is
+/// the caller's business: [`KvStore`] adds its own bookkeeping
+/// ([`BlockPools`]); a server keeps its own allocator (one for all layers) and
+/// drives the same operations.
 #[derive(Debug)]
-pub struct KvStore {
+pub struct KvPages {
     layout: KvLayout,
     sealed: Bytes,
     tail: Bytes,
-    pools: BlockPools,
+    sealed_blocks: usize,
+    tail_blocks: usize,
 }
 
-impl KvStore {
-    /// A store with `sealed_blocks` sealed blocks and `tail_blocks` tail blocks.
+impl KvPages {
+    /// `sealed_blocks` sealed and `tail_blocks` tail blocks, zeroed.
     pub fn new(
         layout: KvLayout,
         sealed_blocks: usize,
         tail_blocks: usize,
-    ) -> Result<KvStore, KernelError> {
-        let pools = BlockPools::new(&layout, sealed_blocks, tail_blocks)?;
-        Ok(KvStore {
+    ) -> Result<KvPages, KernelError> {
+        layout.check()?;
+        if sealed_blocks > u32::MAX as usize || tail_blocks > u32::MAX as usize {
+            return Err(KernelError::Layout("too many blocks".into()));
+        }
+        Ok(KvPages {
             layout,
             sealed: Bytes::zeroed(sealed_blocks * layout.block_bytes()),
             tail: Bytes::zeroed(tail_blocks * layout.tail_block_bytes()),
-            pools,
+            sealed_blocks,
+            tail_blocks,
         })
-    }
-
-    /// Tail blocks a sequence holds at most: `tail_tokens` plus a full block
-    /// (the moment before the oldest is sealed).
-    pub fn tail_blocks_per_seq(layout: &KvLayout) -> usize {
-        (layout.tail_tokens + layout.block_tokens).div_ceil(layout.block_tokens)
     }
 
     /// The layout.
@@ -391,19 +395,14 @@ impl KvStore {
         &self.layout
     }
 
-    /// Free (sealed, tail) blocks.
-    pub fn free_blocks(&self) -> (usize, usize) {
-        self.pools.free_blocks()
-    }
-
-    /// Total (sealed, tail) blocks.
+    /// Blocks in the (sealed, tail) pools.
     pub fn capacity(&self) -> (usize, usize) {
-        self.pools.capacity()
+        (self.sealed_blocks, self.tail_blocks)
     }
 
-    /// The block bookkeeping (which blocks are free).
-    pub fn pools(&self) -> &BlockPools {
-        &self.pools
+    /// Bytes held by both pools.
+    pub fn byte_len(&self) -> usize {
+        self.sealed.len + self.tail.len
     }
 
     /// The bytes of sealed block `b`.
@@ -418,6 +417,18 @@ impl KvStore {
         &self.tail.as_slice()[b as usize * n..(b as usize + 1) * n]
     }
 
+    /// Sealed block `b`'s bytes, to restore a saved block.
+    pub fn sealed_block_mut(&mut self, b: u32) -> &mut [u8] {
+        let n = self.layout.block_bytes();
+        &mut self.sealed.as_mut_slice()[b as usize * n..(b as usize + 1) * n]
+    }
+
+    /// Tail block `b`'s bytes, to restore a saved block.
+    pub fn tail_block_mut(&mut self, b: u32) -> &mut [u8] {
+        let n = self.layout.tail_block_bytes();
+        &mut self.tail.as_mut_slice()[b as usize * n..(b as usize + 1) * n]
+    }
+
     /// All sealed-pool bytes (for copying to a device).
     pub fn sealed_bytes(&self) -> &[u8] {
         self.sealed.as_slice()
@@ -428,48 +439,56 @@ impl KvStore {
         self.tail.as_slice()
     }
 
-    /// Appends `n` tokens: `k` and `v` are `n × kv_heads × head_dim` (token-major,
-    /// then head). Either every token is stored or, when blocks run out, none is
-    /// and the sequence is unchanged.
-    pub fn append(&mut self, seq: &mut SeqKv, k: &[f32], v: &[f32]) -> Result<(), KernelError> {
+    /// Writes one token's K and V (`kv_heads × head_dim` each, head-major) into
+    /// row `row` of tail block `block` (K rotated first with `rotate_k`).
+    ///
+    /// # Panics
+    /// When the block or row is outside the pool or the rows are not one
+    /// token long.
+    pub fn write_token(&mut self, block: u32, row: usize, k: &[f32], v: &[f32]) {
         let l = self.layout;
-        let n = l.tokens_in(k, v)?;
-        let row = l.kv_heads * l.head_dim;
+        assert!(row < l.block_tokens, "row {row} outside a block");
+        assert_eq!(k.len(), l.kv_heads * l.head_dim, "K row length");
+        assert_eq!(v.len(), l.kv_heads * l.head_dim, "V row length");
         let seg = Codec::F16.segment_bytes(l.block_tokens, l.head_dim);
+        let base = block as usize * l.tail_block_bytes();
+        let tail = self.tail.as_mut_slice();
         let mut krow = [0f32; MAX_HEAD_DIM];
-        for step in self.pools.plan_append(seq, n)? {
-            match step {
-                AppendStep::Write {
-                    token,
-                    block,
-                    row: slot,
-                } => {
-                    let base = block as usize * l.tail_block_bytes();
-                    let tail = self.tail.as_mut_slice();
-                    for h in 0..l.kv_heads {
-                        let src = token * row + h * l.head_dim;
-                        let kdst = base + h * 2 * seg + slot * l.head_dim * 2;
-                        let vdst = kdst + seg;
-                        let kr = &mut krow[..l.head_dim];
-                        kr.copy_from_slice(&k[src..src + l.head_dim]);
-                        if l.rotate_k {
-                            hadamard(kr);
-                        }
-                        write_f16(&mut tail[kdst..kdst + l.head_dim * 2], kr);
-                        write_f16(
-                            &mut tail[vdst..vdst + l.head_dim * 2],
-                            &v[src..src + l.head_dim],
-                        );
-                    }
-                }
-                AppendStep::Seal { src, dst } => self.seal(src, dst),
+        for h in 0..l.kv_heads {
+            let src = h * l.head_dim;
+            let kdst = base + h * 2 * seg + row * l.head_dim * 2;
+            let vdst = kdst + seg;
+            let kr = &mut krow[..l.head_dim];
+            kr.copy_from_slice(&k[src..src + l.head_dim]);
+            if l.rotate_k {
+                hadamard(kr);
             }
+            write_f16(&mut tail[kdst..kdst + l.head_dim * 2], kr);
+            write_f16(
+                &mut tail[vdst..vdst + l.head_dim * 2],
+                &v[src..src + l.head_dim],
+            );
         }
-        Ok(())
     }
 
-    /// Quantizes tail block `src` into sealed block `dst`.
-    fn seal(&mut self, src: u32, dst: u32) {
+    /// Copies the first `rows` token rows of tail block `src` into tail block
+    /// `dst` (copy-on-write of a shared partial block).
+    pub fn copy_tail_rows(&mut self, src: u32, dst: u32, rows: usize) {
+        let l = self.layout;
+        let seg = Codec::F16.segment_bytes(l.block_tokens, l.head_dim);
+        let n = rows.min(l.block_tokens) * l.head_dim * 2;
+        let (sb, db) = (
+            src as usize * l.tail_block_bytes(),
+            dst as usize * l.tail_block_bytes(),
+        );
+        let tail = self.tail.as_mut_slice();
+        for s in 0..2 * l.kv_heads {
+            tail.copy_within(sb + s * seg..sb + s * seg + n, db + s * seg);
+        }
+    }
+
+    /// Quantizes tail block `src` (full) into sealed block `dst`.
+    pub fn seal(&mut self, src: u32, dst: u32) {
         let l = self.layout;
         let (t, d) = (l.block_tokens, l.head_dim);
         let f16_seg = Codec::F16.segment_bytes(t, d);
@@ -489,11 +508,6 @@ impl KvStore {
                 codec.encode(&tile, t, d, dst);
             }
         }
-    }
-
-    /// Returns the sequence's blocks to the pools and empties it.
-    pub fn release(&mut self, seq: &mut SeqKv) {
-        self.pools.release(seq);
     }
 
     /// Decodes a sequence back to f32 K and V (`len × kv_heads × head_dim`), K
@@ -548,6 +562,82 @@ impl KvStore {
             let off = (h * 2 + usize::from(value)) * seg;
             (Codec::F16, &block[off..off + seg])
         }
+    }
+}
+
+/// One layer's KV in siliceo's formats with its own block bookkeeping: the
+/// bytes ([`KvPages`], which it dereferences to) and [`BlockPools`] that
+/// place each appended token and seal what ages out of the tail.
+#[derive(Debug)]
+pub struct KvStore {
+    pages: KvPages,
+    pools: BlockPools,
+}
+
+impl std::ops::Deref for KvStore {
+    type Target = KvPages;
+    fn deref(&self) -> &KvPages {
+        &self.pages
+    }
+}
+
+impl KvStore {
+    /// A store with `sealed_blocks` sealed blocks and `tail_blocks` tail blocks.
+    pub fn new(
+        layout: KvLayout,
+        sealed_blocks: usize,
+        tail_blocks: usize,
+    ) -> Result<KvStore, KernelError> {
+        Ok(KvStore {
+            pools: BlockPools::new(&layout, sealed_blocks, tail_blocks)?,
+            pages: KvPages::new(layout, sealed_blocks, tail_blocks)?,
+        })
+    }
+
+    /// Tail blocks a sequence holds at most: `tail_tokens` plus a full block
+    /// (the moment before the oldest is sealed).
+    pub fn tail_blocks_per_seq(layout: &KvLayout) -> usize {
+        (layout.tail_tokens + layout.block_tokens).div_ceil(layout.block_tokens)
+    }
+
+    /// Free (sealed, tail) blocks.
+    pub fn free_blocks(&self) -> (usize, usize) {
+        self.pools.free_blocks()
+    }
+
+    /// The block bookkeeping (which blocks are free).
+    pub fn pools(&self) -> &BlockPools {
+        &self.pools
+    }
+
+    /// Appends `n` tokens: `k` and `v` are `n × kv_heads × head_dim` (token-major,
+    /// then head). Either every token is stored or, when blocks run out, none is
+    /// and the sequence is unchanged.
+    pub fn append(&mut self, seq: &mut SeqKv, k: &[f32], v: &[f32]) -> Result<(), KernelError> {
+        let l = self.pages.layout;
+        let n = l.tokens_in(k, v)?;
+        let row = l.kv_heads * l.head_dim;
+        for step in self.pools.plan_append(seq, n)? {
+            match step {
+                AppendStep::Write {
+                    token,
+                    block,
+                    row: slot,
+                } => self.pages.write_token(
+                    block,
+                    slot,
+                    &k[token * row..(token + 1) * row],
+                    &v[token * row..(token + 1) * row],
+                ),
+                AppendStep::Seal { src, dst } => self.pages.seal(src, dst),
+            }
+        }
+        Ok(())
+    }
+
+    /// Returns the sequence's blocks to the pools and empties it.
+    pub fn release(&mut self, seq: &mut SeqKv) {
+        self.pools.release(seq);
     }
 }
 

@@ -35,7 +35,7 @@ fn pool_ops(c: &mut Criterion) {
     let mut kv = KvCacheManager::new(KvConfig {
         num_blocks: 4096,
         block_size: 64,
-        prefix_caching: true,
+        ..KvConfig::default()
     });
     let warm = kv.new_sequence(&keys);
     kv.append(warm, &prompt).unwrap();
@@ -43,7 +43,7 @@ fn pool_ops(c: &mut Criterion) {
     g.bench_function("match 2048-token cached prefix + free", |b| {
         b.iter(|| {
             let h = kv.new_sequence(&keys);
-            let n = kv.match_prefix(h, &prompt);
+            let (n, _) = kv.match_prefix(h, &prompt);
             assert_eq!(n, 1984);
             kv.free(h);
         })
@@ -54,7 +54,7 @@ fn pool_ops(c: &mut Criterion) {
             let mut cold = KvCacheManager::new(KvConfig {
                 num_blocks: 4096,
                 block_size: 64,
-                prefix_caching: true,
+                ..KvConfig::default()
             });
             let mut salt = 0u64;
             b.iter(|| {

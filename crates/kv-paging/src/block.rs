@@ -71,6 +71,15 @@ pub fn hash_block(parent: BlockHash, tokens: &[TokenId]) -> BlockHash {
     BlockHash(h.finish())
 }
 
+/// The key under which the *sealed* (quantized) form of the block with
+/// content hash `h` is cached, apart from its open (full-precision) form:
+/// both hold the same tokens, in different bytes.
+pub fn sealed_form(h: BlockHash) -> BlockHash {
+    let mut x = Hasher::new(h.0);
+    x.word(0x5EA1_ED00_F0F0_0001);
+    BlockHash(x.finish())
+}
+
 /// A small 64-bit hash (multiply-fold mixing). Not cryptographic: a cache hit
 /// is always confirmed by comparing tokens, so a collision costs a miss, never
 /// a wrong answer.

@@ -1,22 +1,55 @@
 //! Per-sequence policy over the pool: block tables, prefix matching, appends
-//! with copy-on-write, forks, lookahead reservations, truncation and freeing.
+//! with copy-on-write and sealing, forks, lookahead reservations, truncation
+//! and freeing.
+//!
+//! **Sealing** (optional, [`KvConfig::sealing`]): a store that keeps KV in a
+//! quantized format writes each token into an *open* (full-precision) block
+//! and quantizes a full block into a *sealed* block once it is older than the
+//! full-precision tail. A sequence's table is its sealed blocks, then its
+//! open ones; [`KvConfig::sealed_at`] says how many blocks are sealed at a
+//! length, a function of the length alone, so a query at position `p` sees
+//! the same bytes however the tokens before it were batched, chunked or found
+//! in the prefix cache. Appends report each seal ([`BlockSeal`]) with the
+//! length from which it holds; a block filled and sealed within one append
+//! never gets an open block (its rows live in the caller's scratch for that
+//! step), and a sealed block's open source is released only at
+//! [`KvCacheManager::finish_step`], after the step that read it.
 
 use std::collections::HashMap;
 
 use siliceo_core::TokenId;
 
-use crate::block::{BlockHash, BlockId, CacheKeys, hash_block};
+use crate::block::{BlockHash, BlockId, CacheKeys, hash_block, sealed_form};
 use crate::pool::BlockPool;
+
+const OPEN: usize = 0;
+const SEALED: usize = 1;
+
+/// Sealed blocks: full blocks older than the tail are quantized into a second
+/// class of (smaller) blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sealing {
+    /// Sealed blocks in the pool.
+    pub blocks: u32,
+    /// Most recent tokens kept open (full precision) beyond the current
+    /// partial block.
+    pub tail_tokens: u32,
+}
 
 /// Sizes of a [`KvCacheManager`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvConfig {
-    /// Blocks in the pool.
+    /// Open blocks in the pool (every block when nothing is sealed).
     pub num_blocks: u32,
     /// Tokens per block (64 by default).
     pub block_size: u32,
-    /// Whether full blocks are registered and reused across sequences.
+    /// Whether blocks are registered and reused across sequences.
     pub prefix_caching: bool,
+    /// Quantized blocks for what leaves the full-precision tail, if any.
+    pub sealing: Option<Sealing>,
+    /// Whether a sequence's partial last block is cached too (its caller can
+    /// share a block's first rows and copy them on write).
+    pub cache_partial: bool,
 }
 
 impl Default for KvConfig {
@@ -25,6 +58,53 @@ impl Default for KvConfig {
             num_blocks: 1024,
             block_size: 64,
             prefix_caching: true,
+            sealing: None,
+            cache_partial: false,
+        }
+    }
+}
+
+impl KvConfig {
+    /// Blocks a sequence of `len` tokens holds sealed: every full block that
+    /// ends at least `tail_tokens` before the end (0 without sealing).
+    pub fn sealed_at(&self, len: usize) -> usize {
+        match self.sealing {
+            None => 0,
+            Some(s) => len.saturating_sub(s.tail_tokens as usize) / self.block_size as usize,
+        }
+    }
+
+    /// The length at which block `index` is sealed.
+    pub fn seal_len(&self, index: usize) -> usize {
+        let tail = self.sealing.map_or(0, |s| s.tail_tokens as usize);
+        (index + 1) * self.block_size as usize + tail
+    }
+}
+
+/// Blocks of each class.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BlockCount {
+    /// Open (full-precision) blocks.
+    pub open: usize,
+    /// Sealed blocks.
+    pub sealed: usize,
+}
+
+impl BlockCount {
+    /// Whether every class of `self` fits in `free`.
+    pub fn fits(&self, free: BlockCount) -> bool {
+        self.open <= free.open && self.sealed <= free.sealed
+    }
+
+    /// Both classes together.
+    pub fn total(&self) -> usize {
+        self.open + self.sealed
+    }
+
+    fn add(self, o: BlockCount) -> BlockCount {
+        BlockCount {
+            open: self.open + o.open,
+            sealed: self.sealed + o.sealed,
         }
     }
 }
@@ -56,6 +136,33 @@ pub struct BlockCopy {
     pub tokens: usize,
 }
 
+/// Block `index` of a sequence is sealed: from length `at_len` on it is read
+/// from sealed block `dst`, before that from its open form.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockSeal {
+    /// Index of the block in the sequence's table.
+    pub index: usize,
+    /// The open block holding its rows, or `None` when the block was filled
+    /// and sealed by the same append (its rows are the caller's scratch).
+    pub src: Option<BlockId>,
+    /// The sealed block now in the table.
+    pub dst: BlockId,
+    /// The sequence length from which queries see `dst`.
+    pub at_len: usize,
+    /// Whether the caller must quantize the rows into `dst`; false when `dst`
+    /// is a cached block already holding them.
+    pub encode: bool,
+}
+
+/// Work for the block store that a table change implies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockOp {
+    /// Copy rows of an open block.
+    Copy(BlockCopy),
+    /// Seal an open block.
+    Seal(BlockSeal),
+}
+
 /// Counters for metrics. Hits and misses count prompt tokens looked up.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CacheStats {
@@ -65,26 +172,44 @@ pub struct CacheStats {
     pub miss_tokens: u64,
     /// Cached blocks evicted to make room.
     pub evictions: u64,
-    /// Blocks free right now (including cached-but-unreferenced).
+    /// Blocks free right now (including cached-but-unreferenced), all classes.
     pub free_blocks: usize,
-    /// Blocks referenced right now.
+    /// Blocks referenced right now, all classes.
     pub used_blocks: usize,
     /// Unreferenced blocks still holding a cached prefix.
     pub cached_unreferenced_blocks: usize,
+    /// Referenced blocks that more than one sequence references (prefix hits,
+    /// forks).
+    pub shared_blocks: usize,
+    /// Referenced sealed blocks (a subset of `used_blocks`).
+    pub used_sealed_blocks: usize,
 }
 
 #[derive(Debug, Clone)]
 struct SeqState {
     root: BlockHash,
+    /// Sealed blocks first, then open ones; covers tokens plus `reserved`.
     blocks: Vec<BlockId>,
+    /// Leading sealed entries of `blocks`.
+    sealed: usize,
     tokens: Vec<TokenId>,
-    /// Hashes of the leading full blocks that are committed (a prefix of `blocks`).
+    /// Content hashes of the leading full blocks that are committed.
     hashes: Vec<BlockHash>,
+    /// Leading blocks whose current form has been offered to the cache (a
+    /// seal sets it back: the sealed form is offered at the next commit).
+    offered: usize,
     /// Slots reserved past `tokens` for speculative lookahead.
     reserved: usize,
+    /// Blocks held for this sequence's coming appends ([`KvCacheManager::reserve`]).
+    spare: Vec<BlockId>,
 }
 
 /// Block tables of all sequences over one [`BlockPool`].
+///
+/// Blocks a step reads as a source — the open block a seal quantizes, the
+/// shared block a copy-on-write copies — stay referenced until
+/// [`finish_step`](KvCacheManager::finish_step), so nothing planned in the
+/// same step can be given them and overwrite them first.
 #[derive(Debug, Clone)]
 pub struct KvCacheManager {
     config: KvConfig,
@@ -93,18 +218,43 @@ pub struct KvCacheManager {
     next_handle: u64,
     hit_tokens: u64,
     miss_tokens: u64,
+    /// Open blocks sealed away during the current step, released at
+    /// [`KvCacheManager::finish_step`].
+    deferred: Vec<BlockId>,
+}
+
+/// What the cache holds of a prompt's start: per full block its open and
+/// sealed forms, then a shared run of a partial block.
+#[derive(Debug, Default)]
+struct PrefixPlan {
+    /// Per matched full block: the block to take, whether it must be sealed
+    /// (only its open form is cached), and its content hash.
+    full: Vec<(BlockId, bool, BlockHash)>,
+    /// A block whose first rows continue the prompt, and how many.
+    partial: Option<(BlockId, usize)>,
+}
+
+impl PrefixPlan {
+    fn tokens(&self, bs: usize) -> usize {
+        self.full.len() * bs + self.partial.map_or(0, |p| p.1)
+    }
 }
 
 impl KvCacheManager {
     /// A manager over a fresh pool.
     pub fn new(config: KvConfig) -> Self {
+        let mut classes = vec![config.num_blocks];
+        if let Some(s) = config.sealing {
+            classes.push(s.blocks);
+        }
         KvCacheManager {
             config,
-            pool: BlockPool::new(config.num_blocks, config.block_size),
+            pool: BlockPool::with_classes(&classes, config.block_size),
             seqs: HashMap::new(),
             next_handle: 0,
             hit_tokens: 0,
             miss_tokens: 0,
+            deferred: Vec::new(),
         }
     }
 
@@ -116,6 +266,31 @@ impl KvCacheManager {
     /// The pool (read-only: counts, free queue, reference counts).
     pub fn pool(&self) -> &BlockPool {
         &self.pool
+    }
+
+    /// Unreferenced blocks of each class (cached ones included).
+    pub fn free_blocks(&self) -> BlockCount {
+        BlockCount {
+            open: self.pool.num_free_in(OPEN),
+            sealed: if self.config.sealing.is_some() {
+                self.pool.num_free_in(SEALED)
+            } else {
+                0
+            },
+        }
+    }
+
+    /// Blocks of each class in the pool.
+    pub fn capacity(&self) -> BlockCount {
+        BlockCount {
+            open: self.config.num_blocks as usize,
+            sealed: self.config.sealing.map_or(0, |s| s.blocks as usize),
+        }
+    }
+
+    /// Whether `id` is a sealed block (else open).
+    pub fn is_sealed_block(&self, id: BlockId) -> bool {
+        self.config.sealing.is_some() && self.pool.class_of(id) == SEALED
     }
 
     fn bs(&self) -> usize {
@@ -130,6 +305,14 @@ impl KvCacheManager {
         self.seqs.get(&h).expect("unknown sequence handle")
     }
 
+    fn class_count(&self, id: BlockId) -> BlockCount {
+        if self.is_sealed_block(id) {
+            BlockCount { open: 0, sealed: 1 }
+        } else {
+            BlockCount { open: 1, sealed: 0 }
+        }
+    }
+
     /// Starts an empty sequence whose cached blocks are keyed by `keys`.
     pub fn new_sequence(&mut self, keys: &CacheKeys) -> SeqHandle {
         let h = SeqHandle(self.next_handle);
@@ -139,9 +322,12 @@ impl KvCacheManager {
             SeqState {
                 root: keys.root_hash(),
                 blocks: Vec::new(),
+                sealed: 0,
                 tokens: Vec::new(),
                 hashes: Vec::new(),
+                offered: 0,
                 reserved: 0,
+                spare: Vec::new(),
             },
         );
         h
@@ -152,228 +338,568 @@ impl KvCacheManager {
         self.seqs.len()
     }
 
-    /// The longest run of cached full blocks that starts `prompt`, capped so
-    /// the last prompt token is always left to recompute (its logits are
-    /// needed). Looks only; takes no references.
-    pub fn peek_prefix(&self, keys_root: BlockHash, prompt: &[TokenId]) -> Vec<BlockId> {
-        if !self.config.prefix_caching || prompt.is_empty() {
-            return Vec::new();
+    /// What the cache holds of `prompt`'s start (at most all but its last
+    /// token, whose logits are needed), such that a query after it sees the
+    /// bytes it would have seen had the prefix been computed here: blocks the
+    /// prefix's length seals come sealed (sealed now when only their open form
+    /// is cached); blocks in its open tail must have their open form cached.
+    fn plan_prefix(&self, root: BlockHash, prompt: &[TokenId]) -> PrefixPlan {
+        let mut plan = PrefixPlan::default();
+        if !self.config.prefix_caching || prompt.len() < 2 {
+            return plan;
         }
-        let max_blocks = (prompt.len() - 1) / self.bs();
-        let mut parent = keys_root;
-        let mut out = Vec::new();
-        for chunk in prompt.chunks(self.bs()).take(max_blocks) {
+        let bs = self.bs();
+        let max = prompt.len() - 1;
+        let sealing = self.config.sealing.is_some();
+        // Per full block: (open form, sealed form, hash).
+        let mut found: Vec<(Option<BlockId>, Option<BlockId>, BlockHash)> = Vec::new();
+        let mut parent = root;
+        for chunk in prompt[..max].chunks_exact(bs) {
             let h = hash_block(parent, chunk);
-            match self.pool.lookup(parent, h, chunk) {
-                Some(b) => out.push(b),
-                None => break,
+            let open = self.pool.lookup(parent, h, chunk);
+            let sealed = sealing
+                .then(|| self.pool.lookup(parent, sealed_form(h), chunk))
+                .flatten();
+            if open.is_none() && sealed.is_none() {
+                break;
             }
+            found.push((open, sealed, h));
             parent = h;
         }
-        out
+        let mut n_full = found.len();
+        let mut partial = None;
+        if self.config.cache_partial {
+            let rest = &prompt[n_full * bs..max.min((n_full + 1) * bs)];
+            partial = self.pool.longest_shared(parent, rest);
+        }
+        // Blocks in the open tail of the prefix's length need their open form;
+        // where one lacks it the prefix ends there (a shorter prefix seals
+        // fewer blocks, so look again).
+        loop {
+            let len = n_full * bs + partial.map_or(0, |p: (BlockId, usize)| p.1);
+            let s = self.config.sealed_at(len);
+            match (s..n_full).find(|&k| found[k].0.is_none()) {
+                Some(k) => {
+                    n_full = k;
+                    partial = None;
+                }
+                None => {
+                    for (k, &(open, sealed, h)) in found[..n_full].iter().enumerate() {
+                        let entry = if k < s {
+                            match sealed {
+                                Some(b) => (b, false, h),
+                                None => (open.expect("one form is cached"), true, h),
+                            }
+                        } else {
+                            (open.expect("checked above"), false, h)
+                        };
+                        plan.full.push(entry);
+                    }
+                    plan.partial = partial;
+                    return plan;
+                }
+            }
+        }
     }
 
-    /// Blocks an empty sequence would need to hold `prompt` plus `lookahead`
-    /// slots, given what the cache already has. For admission decisions.
+    /// Prompt tokens the prefix cache would serve for `prompt` (see
+    /// [`match_prefix`](Self::match_prefix)). Looks only; takes no references.
+    pub fn peek_prefix(&self, keys_root: BlockHash, prompt: &[TokenId]) -> usize {
+        self.plan_prefix(keys_root, prompt).tokens(self.bs())
+    }
+
+    /// Blocks of each class an append of `n` tokens to a sequence of `len`
+    /// tokens, `blocks_now` table entries and `sealed_now` sealed ones takes,
+    /// plus one open block when its partial last block must be copied first.
+    fn append_need(
+        &self,
+        len: usize,
+        blocks_now: usize,
+        sealed_now: usize,
+        copy: bool,
+        n: usize,
+    ) -> BlockCount {
+        if n == 0 {
+            return BlockCount::default();
+        }
+        let new_len = len + n;
+        let new_sealed = self.config.sealed_at(new_len);
+        let new_blocks = blocks_now.max(self.blocks_for(new_len));
+        BlockCount {
+            // Blocks sealed by this very append never get an open block.
+            open: new_blocks.saturating_sub(blocks_now.max(new_sealed)) + usize::from(copy),
+            sealed: new_sealed - sealed_now,
+        }
+    }
+
+    /// Whether writing past `len` tokens into `h`'s partial last block needs a
+    /// private copy first: it is shared, or registered with rows past `len`.
+    fn partial_needs_copy(&self, s: &SeqState) -> bool {
+        let bs = self.bs();
+        let len = s.tokens.len();
+        if len.is_multiple_of(bs) {
+            return false;
+        }
+        let last = s.blocks[len / bs];
+        self.pool.ref_count(last) > 1 || self.pool.registered_len(last) > len % bs
+    }
+
+    /// Blocks of each class an empty sequence would take to hold `prompt`
+    /// plus `lookahead` slots, given what the cache already has (an upper
+    /// bound). For admission decisions.
     pub fn blocks_needed_for_prompt(
         &self,
         keys: &CacheKeys,
         prompt: &[TokenId],
         lookahead: usize,
-    ) -> usize {
-        let hit = self.peek_prefix(keys.root_hash(), prompt);
-        // Cached blocks sitting in the free queue are counted as free: taking
-        // them costs a free block too.
-        let hit_free = hit.iter().filter(|b| self.pool.ref_count(**b) == 0).count();
-        self.blocks_for(prompt.len() + lookahead) - hit.len() + hit_free
+    ) -> BlockCount {
+        let bs = self.bs();
+        let plan = self.plan_prefix(keys.root_hash(), prompt);
+        let c = plan.tokens(bs);
+        let mut need = BlockCount::default();
+        for &(b, seal, _) in &plan.full {
+            // Taking a cached block nobody references costs a free block.
+            if self.pool.ref_count(b) == 0 {
+                need = need.add(self.class_count(b));
+            }
+            if seal {
+                need.sealed += 1;
+            }
+        }
+        if let Some((b, _)) = plan.partial
+            && self.pool.ref_count(b) == 0
+        {
+            need.open += 1;
+        }
+        let blocks_now = self.blocks_for(c);
+        let copy = plan.partial.is_some();
+        need.add(self.append_need(
+            c,
+            blocks_now,
+            self.config.sealed_at(c),
+            copy,
+            prompt.len() + lookahead - c,
+        ))
+    }
+
+    /// Blocks of each class a sequence takes on its way to `tokens` tokens,
+    /// appended in one go at its last step (the most of each class, which
+    /// need not be at the end: a seal trades an open block for a sealed one).
+    pub fn blocks_for_sequence(&self, tokens: usize) -> BlockCount {
+        let last = self.append_need(0, 0, 0, false, tokens);
+        let before = self.append_need(0, 0, 0, false, tokens.saturating_sub(1));
+        BlockCount {
+            open: last.open.max(before.open),
+            sealed: last.sealed.max(before.sealed),
+        }
     }
 
     /// Gives an empty sequence the cached blocks that start `prompt`; returns
-    /// how many prompt tokens are now in place (a multiple of the block size,
-    /// less than `prompt.len()`). The caller computes the rest and
-    /// [`append`](Self::append)s it.
-    pub fn match_prefix(&mut self, h: SeqHandle, prompt: &[TokenId]) -> usize {
+    /// how many prompt tokens are now in place (less than `prompt.len()`),
+    /// and the seals to make before its first step (blocks whose sealed form
+    /// was not cached). The caller computes the rest and appends it.
+    pub fn match_prefix(&mut self, h: SeqHandle, prompt: &[TokenId]) -> (usize, Vec<BlockOp>) {
         let root = self.seq(h).root;
         assert!(
             self.seq(h).tokens.is_empty(),
             "match_prefix on a non-empty sequence"
         );
-        let hit = self.peek_prefix(root, prompt);
-        let n = hit.len() * self.bs();
+        let bs = self.bs();
+        let mut plan = self.plan_prefix(root, prompt);
+        // Take every block first, so sealing cannot evict one of them.
+        for &(b, _, _) in &plan.full {
+            self.pool.retain(b);
+        }
+        if let Some((b, _)) = plan.partial {
+            self.pool.retain(b);
+        }
+        let mut ops = Vec::new();
+        let mut blocks = Vec::with_capacity(plan.full.len() + 1);
+        for (k, &(b, seal, _)) in plan.full.iter().enumerate() {
+            if !seal {
+                blocks.push(b);
+                continue;
+            }
+            let Some(dst) = self.pool.allocate_in(SEALED) else {
+                // Admission counted these; should the pool still be short, the
+                // prefix ends before this block.
+                for &(b, _, _) in &plan.full[k..] {
+                    self.pool.release(b);
+                }
+                if let Some((b, _)) = plan.partial.take() {
+                    self.pool.release(b);
+                }
+                plan.full.truncate(k);
+                break;
+            };
+            ops.push(BlockOp::Seal(BlockSeal {
+                index: k,
+                src: Some(b),
+                dst,
+                at_len: self.config.seal_len(k),
+                encode: true,
+            }));
+            // The open source is read while sealing, in the coming step.
+            self.deferred.push(b);
+            blocks.push(dst);
+        }
+        if let Some((b, _)) = plan.partial {
+            blocks.push(b);
+        }
+        let n = plan.tokens(bs);
         self.hit_tokens += n as u64;
         self.miss_tokens += (prompt.len() - n) as u64;
-        let mut parent = root;
-        let mut hashes = Vec::with_capacity(hit.len());
-        for (b, chunk) in hit.iter().zip(prompt.chunks(self.bs())) {
-            self.pool.retain(*b);
-            parent = hash_block(parent, chunk);
-            hashes.push(parent);
-        }
+        let sealed = self.config.sealed_at(n);
         let s = self.seqs.get_mut(&h).expect("unknown sequence handle");
-        s.blocks = hit;
-        s.hashes = hashes;
+        s.blocks = blocks;
+        s.sealed = sealed;
+        s.hashes = plan.full.iter().map(|e| e.2).collect();
+        // Blocks taken from the cache are registered; fresh seals are not yet.
+        s.offered = ops
+            .iter()
+            .map(|op| match op {
+                BlockOp::Seal(seal) => seal.index,
+                BlockOp::Copy(_) => usize::MAX,
+            })
+            .min()
+            .unwrap_or(s.hashes.len())
+            .min(s.hashes.len());
         s.tokens.extend_from_slice(&prompt[..n]);
-        n
+        (n, ops)
     }
 
-    /// Blocks that appending `n` tokens to `h` would take from the pool.
-    pub fn blocks_needed_to_append(&self, h: SeqHandle, n: usize) -> usize {
+    /// Blocks of each class that appending `n` tokens to `h` would take from
+    /// the pool (its spare blocks not counted against it).
+    pub fn blocks_needed_to_append(&self, h: SeqHandle, n: usize) -> BlockCount {
         let s = self.seq(h);
-        let have = s.blocks.len();
-        let want = self.blocks_for(s.tokens.len() + n.max(s.reserved));
-        let mut need = want.saturating_sub(have);
-        // A shared partial last block that will be written needs a private copy.
-        if n > 0 && !s.tokens.len().is_multiple_of(self.bs()) {
-            let last = s.blocks[s.tokens.len() / self.bs()];
-            if self.pool.ref_count(last) > 1 {
-                need += 1;
-            }
+        let copy = n > 0 && self.partial_needs_copy(s);
+        self.append_need(s.tokens.len(), s.blocks.len(), s.sealed, copy, n)
+    }
+
+    fn spare_of(&self, s: &SeqState) -> BlockCount {
+        s.spare
+            .iter()
+            .fold(BlockCount::default(), |c, &b| c.add(self.class_count(b)))
+    }
+
+    /// Takes a block of `class` from `h`'s spares, else from the pool.
+    fn take(&mut self, h: SeqHandle, class: usize) -> Option<BlockId> {
+        let sealing = self.config.sealing.is_some();
+        let pool = &self.pool;
+        let s = self.seqs.get_mut(&h).expect("unknown sequence handle");
+        let at = s
+            .spare
+            .iter()
+            .position(|&b| (sealing && pool.class_of(b) == SEALED) == (class == SEALED));
+        match at {
+            Some(i) => Some(s.spare.swap_remove(i)),
+            None => self.pool.allocate_in(class),
         }
-        need
+    }
+
+    /// Sets aside the blocks that appending `n` more tokens to `h` will take,
+    /// so later planning cannot take them (an admitted prompt's reservation).
+    /// Spares left when the sequence ends are released.
+    pub fn reserve(&mut self, h: SeqHandle, n: usize) -> Result<(), NotEnoughBlocks> {
+        let need = self.blocks_needed_to_append(h, n);
+        let have = self.spare_of(self.seq(h));
+        let want = BlockCount {
+            open: need.open.saturating_sub(have.open),
+            sealed: need.sealed.saturating_sub(have.sealed),
+        };
+        let free = self.free_blocks();
+        if !want.fits(free) {
+            return Err(NotEnoughBlocks {
+                needed: want.total(),
+                free: free.total(),
+            });
+        }
+        let mut got = Vec::with_capacity(want.total());
+        got.extend((0..want.open).map(|_| self.pool.allocate_in(OPEN).expect("counted")));
+        got.extend((0..want.sealed).map(|_| self.pool.allocate_in(SEALED).expect("counted")));
+        self.seqs
+            .get_mut(&h)
+            .expect("unknown sequence handle")
+            .spare
+            .extend(got);
+        Ok(())
+    }
+
+    /// Gives `h`'s spare blocks back.
+    pub fn release_spare(&mut self, h: SeqHandle) {
+        let spare = std::mem::take(&mut self.seqs.get_mut(&h).expect("unknown sequence").spare);
+        for b in spare {
+            self.pool.release(b);
+        }
     }
 
     /// Appends computed (verified) tokens to `h`, allocating blocks as needed.
     /// Every block that becomes full is registered in the prefix cache. Returns
-    /// the copies the caller must make (copy-on-write); on shortage nothing changes.
+    /// the block work the caller must do; on shortage nothing changes.
     pub fn append(
         &mut self,
         h: SeqHandle,
         new: &[TokenId],
-    ) -> Result<Vec<BlockCopy>, NotEnoughBlocks> {
-        let copies = self.append_pending(h, new)?;
+    ) -> Result<Vec<BlockOp>, NotEnoughBlocks> {
+        let ops = self.append_pending(h, new)?;
         let n = self.num_tokens(h);
         self.commit(h, n);
-        Ok(copies)
+        Ok(ops)
     }
 
     /// Like [`append`](Self::append) but registers nothing: for tokens
     /// planned and not yet computed. [`commit`](Self::commit) registers their
-    /// full blocks once their KV exists, so no other sequence can match a
-    /// block whose content is still being computed.
+    /// blocks once their KV exists, so no other sequence can match a block
+    /// whose content is still being computed.
     pub fn append_pending(
         &mut self,
         h: SeqHandle,
         new: &[TokenId],
-    ) -> Result<Vec<BlockCopy>, NotEnoughBlocks> {
-        let needed = self.blocks_needed_to_append(h, new.len());
-        if needed > self.pool.num_free() {
+    ) -> Result<Vec<BlockOp>, NotEnoughBlocks> {
+        let need = self.blocks_needed_to_append(h, new.len());
+        let spare = self.spare_of(self.seq(h));
+        let free = self.free_blocks();
+        let short = BlockCount {
+            open: need.open.saturating_sub(spare.open),
+            sealed: need.sealed.saturating_sub(spare.sealed),
+        };
+        if !short.fits(free) {
             return Err(NotEnoughBlocks {
-                needed,
-                free: self.pool.num_free(),
+                needed: short.total(),
+                free: free.total(),
             });
         }
+        if new.is_empty() {
+            return Ok(Vec::new());
+        }
         let bs = self.bs();
-        let s = self.seqs.get_mut(&h).expect("unknown sequence handle");
-        let mut copies = Vec::new();
-        if !new.is_empty() && !s.tokens.len().is_multiple_of(bs) {
+        let mut ops = Vec::new();
+        if self.partial_needs_copy(self.seq(h)) {
+            let fresh = self.take(h, OPEN).expect("counted");
+            let s = self.seqs.get_mut(&h).expect("unknown sequence handle");
             let idx = s.tokens.len() / bs;
             let last = s.blocks[idx];
-            if self.pool.ref_count(last) > 1 {
-                let fresh = self.pool.allocate().expect("counted");
-                copies.push(BlockCopy {
-                    src: last,
-                    dst: fresh,
-                    tokens: s.tokens.len() % bs,
-                });
-                self.pool.release(last);
-                s.blocks[idx] = fresh;
-            }
+            ops.push(BlockOp::Copy(BlockCopy {
+                src: last,
+                dst: fresh,
+                tokens: s.tokens.len() % bs,
+            }));
+            s.blocks[idx] = fresh;
+            // Its rows are read by the coming step: released after it.
+            self.deferred.push(last);
         }
+        let s = self.seqs.get_mut(&h).expect("unknown sequence handle");
+        let blocks_before = s.blocks.len();
         s.tokens.extend_from_slice(new);
         s.reserved = s.reserved.saturating_sub(new.len());
-        while s.blocks.len() < (s.tokens.len() + s.reserved).div_ceil(bs) {
-            s.blocks.push(self.pool.allocate().expect("counted"));
+        let want = (s.tokens.len() + s.reserved).div_ceil(bs);
+        let new_sealed = self.config.sealed_at(s.tokens.len());
+        for i in blocks_before..want {
+            let b = if i < new_sealed {
+                // Filled and sealed by this append: the seal below sets it.
+                BlockId(u32::MAX)
+            } else {
+                self.take(h, OPEN).expect("counted")
+            };
+            self.seqs.get_mut(&h).expect("seq").blocks.push(b);
         }
-        Ok(copies)
+        let first = self.seq(h).sealed;
+        let hashes = if first < new_sealed && self.config.prefix_caching {
+            self.content_hashes(h, new_sealed)
+        } else {
+            Vec::new()
+        };
+        for i in first..new_sealed {
+            let s = self.seq(h);
+            let cached = if hashes.is_empty() {
+                None
+            } else {
+                let chunk = &s.tokens[i * bs..(i + 1) * bs];
+                let parent = if i == 0 { s.root } else { hashes[i - 1] };
+                self.pool.lookup(parent, sealed_form(hashes[i]), chunk)
+            };
+            let src = (i < blocks_before).then(|| s.blocks[i]);
+            let (dst, encode) = match cached {
+                Some(b) => {
+                    self.pool.retain(b);
+                    (b, false)
+                }
+                None => (self.take(h, SEALED).expect("counted"), true),
+            };
+            if let Some(src) = src {
+                self.deferred.push(src);
+            }
+            ops.push(BlockOp::Seal(BlockSeal {
+                index: i,
+                src,
+                dst,
+                at_len: self.config.seal_len(i),
+                encode,
+            }));
+            let s = self.seqs.get_mut(&h).expect("seq");
+            s.blocks[i] = dst;
+            s.sealed = i + 1;
+            if encode {
+                s.offered = s.offered.min(i);
+            }
+        }
+        Ok(ops)
+    }
+
+    /// Content hashes of `h`'s first `n` full blocks (committed ones as
+    /// recorded, the rest computed from the tokens).
+    fn content_hashes(&self, h: SeqHandle, n: usize) -> Vec<BlockHash> {
+        let s = self.seq(h);
+        let bs = self.bs();
+        let mut out: Vec<BlockHash> = s.hashes.iter().copied().take(n).collect();
+        while out.len() < n {
+            let i = out.len();
+            let parent = if i == 0 { s.root } else { out[i - 1] };
+            out.push(hash_block(parent, &s.tokens[i * bs..(i + 1) * bs]));
+        }
+        out
     }
 
     /// Registers in the prefix cache every full block of `h` within its first
-    /// `upto` tokens that is not registered yet (a no-op with prefix caching
-    /// off). A block whose hash another block already caches stays private;
-    /// the chain of hashes still continues past it.
+    /// `upto` tokens that is not registered yet — an open block under its
+    /// content hash, a sealed one under [`sealed_form`] of it — and, with
+    /// [`KvConfig::cache_partial`], the partial block that ends at `upto`
+    /// (a no-op with prefix caching off). A block whose hash another block
+    /// already caches stays private; the chain of hashes still continues past
+    /// it.
     pub fn commit(&mut self, h: SeqHandle, upto: usize) {
         if !self.config.prefix_caching {
             return;
         }
         let bs = self.bs();
+        let sealing = self.config.sealing.is_some();
         let s = self.seqs.get_mut(&h).expect("unknown sequence handle");
-        let full = upto.min(s.tokens.len()) / bs;
+        let upto = upto.min(s.tokens.len());
+        let full = upto / bs;
         while s.hashes.len() < full {
             let i = s.hashes.len();
             let parent = if i == 0 { s.root } else { s.hashes[i - 1] };
-            let chunk = &s.tokens[i * bs..(i + 1) * bs];
-            let hash = hash_block(parent, chunk);
-            self.pool.register(s.blocks[i], parent, hash, chunk);
+            let hash = hash_block(parent, &s.tokens[i * bs..(i + 1) * bs]);
             s.hashes.push(hash);
         }
+        while s.offered < full {
+            let i = s.offered;
+            let parent = if i == 0 { s.root } else { s.hashes[i - 1] };
+            let chunk = &s.tokens[i * bs..(i + 1) * bs];
+            let b = s.blocks[i];
+            let key = if sealing && self.pool.class_of(b) == SEALED {
+                sealed_form(s.hashes[i])
+            } else {
+                s.hashes[i]
+            };
+            if self.pool.registered_len(b) < bs {
+                // A partial registration of this block grows into the full one.
+                self.pool.uncache(b);
+                self.pool.register(b, parent, key, chunk);
+            }
+            s.offered += 1;
+        }
+        let k = upto % bs;
+        if self.config.cache_partial && k > 0 && upto / bs < s.blocks.len() {
+            let b = s.blocks[full];
+            if self.pool.registered_len(b) < k {
+                let parent = if full == 0 {
+                    s.root
+                } else {
+                    s.hashes[full - 1]
+                };
+                let chunk = &s.tokens[full * bs..upto];
+                self.pool.uncache(b);
+                self.pool
+                    .register(b, parent, hash_block(parent, chunk), chunk);
+            }
+        }
+    }
+
+    /// Releases the blocks sealed or copied away during the step just run
+    /// (their rows were read by it). Call once the step's work is done.
+    pub fn finish_step(&mut self) {
+        for b in std::mem::take(&mut self.deferred) {
+            self.pool.release(b);
+        }
+    }
+
+    /// Tokens that can follow `h`'s current length before the next seal (how
+    /// far a speculative draft may reach without crossing one).
+    pub fn tokens_until_seal(&self, h: SeqHandle) -> usize {
+        if self.config.sealing.is_none() {
+            return usize::MAX;
+        }
+        let s = self.seq(h);
+        self.config.seal_len(s.sealed) - 1 - s.tokens.len()
     }
 
     /// Makes room for `n` speculative tokens past the sequence's end without
     /// caching anything; a later [`append`](Self::append) of verified tokens
     /// uses these slots, and [`truncate`](Self::truncate) gives back the rest.
+    /// The slots must not reach a seal ([`tokens_until_seal`](Self::tokens_until_seal)).
     pub fn reserve_lookahead(&mut self, h: SeqHandle, n: usize) -> Result<(), NotEnoughBlocks> {
+        debug_assert!(n <= self.tokens_until_seal(h));
         let s = self.seq(h);
         let want = self.blocks_for(s.tokens.len() + n);
         let need = want.saturating_sub(s.blocks.len());
-        if need > self.pool.num_free() {
+        if need > self.pool.num_free_in(OPEN) {
             return Err(NotEnoughBlocks {
                 needed: need,
-                free: self.pool.num_free(),
+                free: self.pool.num_free_in(OPEN),
             });
+        }
+        for _ in 0..need {
+            let b = self.take(h, OPEN).expect("counted");
+            self.seqs.get_mut(&h).expect("seq").blocks.push(b);
         }
         let s = self.seqs.get_mut(&h).expect("unknown sequence handle");
         s.reserved = s.reserved.max(n);
-        while s.blocks.len() < want {
-            s.blocks.push(self.pool.allocate().expect("counted"));
-        }
         Ok(())
+    }
+
+    /// Appends speculative tokens verified after a step that wrote their rows
+    /// into `h`'s lookahead slots: no block is taken, copied or sealed (the
+    /// slots were in the table when the step ran). The rest of the slots
+    /// stay reserved until [`truncate`](Self::truncate).
+    ///
+    /// # Panics
+    /// With more tokens than slots reserved.
+    pub fn accept_lookahead(&mut self, h: SeqHandle, new: &[TokenId]) {
+        let s = self.seqs.get_mut(&h).expect("unknown sequence handle");
+        assert!(
+            new.len() <= s.reserved,
+            "{} tokens accepted into {} reserved slots",
+            new.len(),
+            s.reserved
+        );
+        s.tokens.extend_from_slice(new);
+        s.reserved -= new.len();
+        debug_assert_eq!(self.config.sealed_at(s.tokens.len()), s.sealed);
     }
 
     /// Shortens `h` to its first `len` tokens and drops any lookahead
     /// reservation (rejected speculative tokens, or a rewind). Blocks past the
-    /// end are released; a cached block cut into is replaced by a private copy.
-    pub fn truncate(
-        &mut self,
-        h: SeqHandle,
-        len: usize,
-    ) -> Result<Vec<BlockCopy>, NotEnoughBlocks> {
+    /// end are released. A block cut into keeps its rows: the next append
+    /// copies it first if it is shared or cached past `len`. `len` must not
+    /// unseal a block.
+    pub fn truncate(&mut self, h: SeqHandle, len: usize) {
         let bs = self.bs();
         let s = self.seq(h);
         let len = len.min(s.tokens.len());
+        debug_assert_eq!(
+            self.config.sealed_at(len),
+            s.sealed,
+            "truncation below a seal"
+        );
         let keep_blocks = len.div_ceil(bs);
-        let cut_block = (!len.is_multiple_of(bs)).then(|| s.blocks[len / bs]);
-        let needs_copy =
-            cut_block.is_some_and(|b| self.pool.is_cached(b) || self.pool.ref_count(b) > 1);
-        if needs_copy && self.pool.num_free() == 0 {
-            // The blocks we are about to release may cover it.
-            let releasable = s.blocks[keep_blocks..]
-                .iter()
-                .filter(|b| self.pool.ref_count(**b) == 1)
-                .count();
-            if releasable == 0 {
-                return Err(NotEnoughBlocks { needed: 1, free: 0 });
-            }
-        }
         let s = self.seqs.get_mut(&h).expect("unknown sequence handle");
         let tail: Vec<BlockId> = s.blocks.drain(keep_blocks..).collect();
-        self.pool.release_chain(&tail);
         s.tokens.truncate(len);
         s.reserved = 0;
         s.hashes.truncate(len / bs);
-        let mut copies = Vec::new();
-        if needs_copy {
-            let idx = len / bs;
-            let old = s.blocks[idx];
-            let fresh = self.pool.allocate().expect("checked above");
-            copies.push(BlockCopy {
-                src: old,
-                dst: fresh,
-                tokens: len % bs,
-            });
-            self.pool.release(old);
-            s.blocks[idx] = fresh;
-        }
-        Ok(copies)
+        s.offered = s.offered.min(len / bs);
+        self.pool.release_chain(&tail);
     }
 
     /// A new sequence sharing every block of `h` (reference counts, no copy).
@@ -381,6 +907,7 @@ impl KvCacheManager {
     pub fn fork(&mut self, h: SeqHandle) -> SeqHandle {
         let mut state = self.seq(h).clone();
         state.reserved = 0;
+        state.spare.clear();
         let used = self.blocks_for(state.tokens.len());
         state.blocks.truncate(used);
         for &b in &state.blocks {
@@ -397,6 +924,9 @@ impl KvCacheManager {
     pub fn free(&mut self, h: SeqHandle) {
         if let Some(s) = self.seqs.remove(&h) {
             self.pool.release_chain(&s.blocks);
+            for b in s.spare {
+                self.pool.release(b);
+            }
         }
     }
 
@@ -416,9 +946,14 @@ impl KvCacheManager {
         self.pool.uncache(id)
     }
 
-    /// The block table of `h`, in token order.
+    /// The block table of `h`, in token order (sealed blocks first).
     pub fn block_table(&self, h: SeqHandle) -> &[BlockId] {
         &self.seq(h).blocks
+    }
+
+    /// Leading sealed blocks of `h`'s table.
+    pub fn sealed_blocks(&self, h: SeqHandle) -> usize {
+        self.seq(h).sealed
     }
 
     /// Tokens held by `h`.
@@ -433,6 +968,18 @@ impl KvCacheManager {
 
     /// Counters and current occupancy.
     pub fn stats(&self) -> CacheStats {
+        let mut shared = 0;
+        let mut used_sealed = 0;
+        for i in 0..self.pool.num_blocks() as u32 {
+            let b = BlockId(i);
+            let rc = self.pool.ref_count(b);
+            if rc > 1 {
+                shared += 1;
+            }
+            if rc > 0 && self.is_sealed_block(b) {
+                used_sealed += 1;
+            }
+        }
         CacheStats {
             hit_tokens: self.hit_tokens,
             miss_tokens: self.miss_tokens,
@@ -440,11 +987,15 @@ impl KvCacheManager {
             free_blocks: self.pool.num_free(),
             used_blocks: self.pool.num_used(),
             cached_unreferenced_blocks: self.pool.num_cached_unreferenced(),
+            shared_blocks: shared,
+            used_sealed_blocks: used_sealed,
         }
     }
 
-    /// Checks that reference counts equal the number of table entries naming
-    /// each block, that no block is lost, and the pool's own invariants.
+    /// Checks that reference counts equal the number of table entries,
+    /// spares and step-deferred releases naming each block, that tables are
+    /// sealed blocks then open ones as their lengths say, that no block is
+    /// lost, and the pool's own invariants.
     pub fn check(&self) -> Result<(), String> {
         self.pool.check()?;
         let mut refs = vec![0u32; self.pool.num_blocks()];
@@ -457,9 +1008,25 @@ impl KvCacheManager {
                     s.reserved
                 ));
             }
-            for b in &s.blocks {
+            if s.sealed != self.config.sealed_at(s.tokens.len()) {
+                return Err(format!(
+                    "{h:?}: {} sealed blocks at {} tokens, expected {}",
+                    s.sealed,
+                    s.tokens.len(),
+                    self.config.sealed_at(s.tokens.len())
+                ));
+            }
+            for (i, b) in s.blocks.iter().enumerate() {
+                if self.is_sealed_block(*b) != (i < s.sealed) {
+                    return Err(format!("{h:?}: block {i} ({}) of the wrong class", b.0));
+                }
+            }
+            for b in s.blocks.iter().chain(&s.spare) {
                 refs[b.0 as usize] += 1;
             }
+        }
+        for b in &self.deferred {
+            refs[b.0 as usize] += 1;
         }
         for (i, &r) in refs.iter().enumerate() {
             let rc = self.pool.ref_count(BlockId(i as u32));

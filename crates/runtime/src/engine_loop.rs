@@ -216,6 +216,8 @@ pub(crate) fn run(
             num_blocks,
             block_size: bs,
             prefix_caching: n_holders > 0,
+            sealing: None,
+            cache_partial: false,
         },
     );
     let kv_format = format!("{}/{}", cfg.context.type_k, cfg.context.type_v);
@@ -740,8 +742,8 @@ impl<'m> Engine<'m> {
             panic!("injected fault (feature fault-injection)");
         }
         debug_assert!(
-            step.copies.is_empty(),
-            "block copies arise only from forks and truncation, which the runtime does not use"
+            step.items.iter().all(|i| i.ops.is_empty()),
+            "block work arises only from forks, sealing and partial blocks, which llama.cpp's cells do not use"
         );
         // Evicted blocks' cells go first: the step's new blocks need the room.
         self.evict(&step.evicted);

@@ -35,7 +35,7 @@
 //!
 //! let mut s = Scheduler::new(
 //!     SchedulerConfig { max_batch_tokens: 64, ..SchedulerConfig::default() },
-//!     KvConfig { num_blocks: 64, block_size: 16, prefix_caching: true },
+//!     KvConfig { num_blocks: 64, block_size: 16, ..KvConfig::default() },
 //! );
 //! let prompt: Vec<TokenId> = (0..100).map(TokenId).collect();
 //! s.add(Request::new(RequestId::from("a"), prompt, 4, CacheKeys::new("m", "f16"), Priority::Normal, 0)).unwrap();

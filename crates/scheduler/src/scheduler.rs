@@ -1,7 +1,9 @@
 use std::collections::HashMap;
 
 use siliceo_core::{Priority, RequestId, TokenId};
-use siliceo_kv_paging::{BlockCopy, BlockId, CacheKeys, KvCacheManager, KvConfig, SeqHandle};
+use siliceo_kv_paging::{
+    BlockCount, BlockId, BlockOp, CacheKeys, KvCacheManager, KvConfig, SeqHandle,
+};
 
 /// Limits and policy knobs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -212,8 +214,14 @@ pub struct StepItem {
     pub wants_logits: bool,
     /// Slots reserved after a decode token for drafted (speculative) tokens,
     /// counted in this step's token budget and blocks; see
-    /// [`Scheduler::set_draft_len`] and [`Scheduler::on_tokens`].
+    /// [`Scheduler::set_draft_len`] and [`Scheduler::on_tokens`]. They never
+    /// reach a seal ([`KvCacheManager::tokens_until_seal`]).
     pub draft_slots: usize,
+    /// Block work this item's table changes imply, in order: copies of shared
+    /// partial blocks and seals ([`BlockOp`]), to do before its tokens are
+    /// computed (seals at the lengths they name). Not for `ResumeSwap` items,
+    /// whose bytes are restored.
+    pub ops: Vec<BlockOp>,
 }
 
 /// The plan of one engine step.
@@ -225,8 +233,6 @@ pub struct Step {
     pub preempted: Vec<Preempted>,
     /// Requests the scheduler ended (deadlines), already freed.
     pub finished: Vec<Finished>,
-    /// Block copies (copy-on-write) to make before running `items`.
-    pub copies: Vec<BlockCopy>,
     /// Cached blocks evicted while planning this step (their old content is
     /// gone; drop whatever held it before running `items`).
     pub evicted: Vec<BlockId>,
@@ -347,11 +353,14 @@ impl Scheduler {
                 max_seq_len: self.cfg.max_seq_len,
             });
         }
-        let bs = self.kv.config().block_size as usize;
-        let needed = (req.prompt.len() + 1).div_ceil(bs);
-        let total = self.kv.config().num_blocks as usize;
-        if needed > total {
-            return Err(Rejected::TooLargeForCache { id, needed, total });
+        let needed = self.kv.blocks_for_sequence(req.prompt.len() + 1);
+        let total = self.kv.capacity();
+        if !needed.fits(total) {
+            return Err(Rejected::TooLargeForCache {
+                id,
+                needed: needed.total(),
+                total: total.total(),
+            });
         }
         let waiting = self.entries.len() - self.running.len();
         if waiting >= self.cfg.max_waiting {
@@ -490,16 +499,11 @@ impl Scheduler {
         e.awaiting_token = false;
         if e.draft_planned > 0 {
             if let Some(h) = e.handle {
-                self.kv
-                    .append_pending(h, accepted)
-                    .expect("draft slots were reserved");
+                // Their rows were written into the reserved slots by the step.
+                self.kv.accept_lookahead(h, accepted);
                 // Give back the slots of rejected drafts.
                 let n = self.kv.num_tokens(h);
-                let copies = self
-                    .kv
-                    .truncate(h, n)
-                    .expect("cutting at the end copies nothing");
-                debug_assert!(copies.is_empty());
+                self.kv.truncate(h, n);
             }
             e.draft_planned = 0;
         }
@@ -546,15 +550,24 @@ impl Scheduler {
 
     /// Blocks that preempting every running request of a class below `class_`
     /// would free (blocks shared with other sequences stay taken).
-    fn reclaimable_below(&self, class_: u64) -> usize {
-        self.running
+    fn reclaimable_below(&self, class_: u64) -> BlockCount {
+        let mut n = BlockCount::default();
+        for b in self
+            .running
             .iter()
             .map(|id| &self.entries[id])
             .filter(|e| !e.admitted_now && class(e.req.priority) > class_)
             .filter_map(|e| e.handle)
             .flat_map(|h| self.kv.block_table(h))
             .filter(|b| self.kv.pool().ref_count(**b) == 1)
-            .count()
+        {
+            if self.kv.is_sealed_block(*b) {
+                n.sealed += 1;
+            } else {
+                n.open += 1;
+            }
+        }
+        n
     }
 
     fn preempt(&mut self, id: &RequestId, step: &mut Step, budget: &mut usize) {
@@ -600,13 +613,16 @@ impl Scheduler {
     }
 
     /// Schedules `id`'s next chunk (at most `budget` tokens), preempting others
-    /// (or itself) when blocks run short. Returns false if it was preempted.
+    /// (or itself) when blocks run short. `ops` are block work already owed
+    /// (a prefix match's seals), put in the item. Returns false if it was
+    /// preempted.
     fn schedule_chunk(
         &mut self,
         id: &RequestId,
         step: &mut Step,
         budget: &mut usize,
         kind: ItemKind,
+        mut ops: Vec<BlockOp>,
     ) -> bool {
         loop {
             let e = &self.entries[id];
@@ -616,24 +632,31 @@ impl Scheduler {
             }
             let handle = e.handle.expect("running entry has blocks");
             let chunk = e.tokens[e.computed..e.computed + n].to_vec();
-            // Draft slots after a decode token: within the budget, the length
-            // limits, and blocks that are free now (no preemption for drafts).
-            let mut drafts = 0;
-            if kind == ItemKind::Decode && e.draft_len > 0 {
-                let left_new = (e.req.max_new_tokens - e.generated) as usize;
-                let left_len = self.cfg.max_seq_len.saturating_sub(e.tokens.len());
-                let k = e
-                    .draft_len
-                    .min(*budget - n)
-                    .min(left_new.saturating_sub(1))
-                    .min(left_len.saturating_sub(1));
-                if k > 0 && self.kv.reserve_lookahead(handle, n + k).is_ok() {
-                    drafts = k;
-                }
-            }
             match self.kv.append_pending(handle, &chunk) {
-                Ok(copies) => {
-                    step.copies.extend(copies);
+                Ok(more) => {
+                    ops.extend(more);
+                    if kind == ItemKind::Decode {
+                        // The prompt's reservation is used up.
+                        self.kv.release_spare(handle);
+                    }
+                    // Draft slots after a decode token: within the budget, the
+                    // length limits, the next seal, and blocks that are free
+                    // now (no preemption for drafts).
+                    let e = &self.entries[id];
+                    let mut drafts = 0;
+                    if kind == ItemKind::Decode && e.draft_len > 0 {
+                        let left_new = (e.req.max_new_tokens - e.generated) as usize;
+                        let left_len = self.cfg.max_seq_len.saturating_sub(e.tokens.len());
+                        let k = e
+                            .draft_len
+                            .min(*budget - n)
+                            .min(left_new.saturating_sub(1))
+                            .min(left_len.saturating_sub(1))
+                            .min(self.kv.tokens_until_seal(handle));
+                        if k > 0 && self.kv.reserve_lookahead(handle, k).is_ok() {
+                            drafts = k;
+                        }
+                    }
                     let e = self.entries.get_mut(id).expect("entry");
                     let start = e.computed;
                     e.computed += n;
@@ -649,6 +672,7 @@ impl Scheduler {
                         tokens: chunk,
                         wants_logits,
                         draft_slots: drafts,
+                        ops,
                     });
                     return true;
                 }
@@ -668,6 +692,8 @@ impl Scheduler {
     /// Plans the next engine step at time `now_ms`.
     pub fn schedule(&mut self, now_ms: u64) -> Step {
         let mut step = Step::default();
+        // The last step has run: the open blocks it sealed away can go.
+        self.kv.finish_step();
         for e in self.entries.values_mut() {
             e.admitted_now = false;
             // What the last step planned has been computed: its full blocks
@@ -729,7 +755,7 @@ impl Scheduler {
             if gone {
                 continue;
             }
-            self.schedule_chunk(id, &mut step, &mut budget, kind);
+            self.schedule_chunk(id, &mut step, &mut budget, kind, Vec::new());
         }
 
         // Admissions, best effective class first, FCFS inside a class.
@@ -762,8 +788,8 @@ impl Scheduler {
         }
         let bs = self.kv.config().block_size as usize;
         let root = e.req.keys.root_hash();
-        let hit = self.kv.peek_prefix(root, &e.tokens).len();
-        let end = (hit + 1) * bs;
+        let hit = self.kv.peek_prefix(root, &e.tokens);
+        let end = (hit / bs + 1) * bs;
         // Only a full block before the prompt's last token can be reused.
         if end >= e.tokens.len() {
             return false;
@@ -798,10 +824,11 @@ impl Scheduler {
         loop {
             let e = &self.entries[id];
             let needed = match e.state {
-                State::Swapped => (e.computed + 1).div_ceil(self.kv.config().block_size as usize),
+                State::Swapped => self.kv.blocks_for_sequence(e.computed + 1),
                 _ => self.kv.blocks_needed_for_prompt(&e.req.keys, &e.tokens, 1),
             };
-            if needed <= self.kv.pool().num_free() {
+            let free = self.kv.free_blocks();
+            if needed.fits(free) {
                 break;
             }
             // Only a strictly higher *base* class may preempt: aging orders
@@ -810,7 +837,12 @@ impl Scheduler {
             // And only when preempting would make it fit: evicting sequences
             // for an admission that still fails would just throw work away.
             let my_class = class(e.req.priority);
-            if self.kv.pool().num_free() + self.reclaimable_below(my_class) < needed {
+            let r = self.reclaimable_below(my_class);
+            let could = BlockCount {
+                open: free.open + r.open,
+                sealed: free.sealed + r.sealed,
+            };
+            if !needed.fits(could) {
                 return false;
             }
             match self.victim() {
@@ -834,11 +866,11 @@ impl Scheduler {
             e.state = State::Running;
             self.swapped_tokens -= held;
             let tokens = e.tokens[..held].to_vec();
-            let copies = self
+            // The runtime restores the bytes; the ops only say where they go.
+            let ops = self
                 .kv
                 .append_pending(handle, &tokens)
                 .expect("blocks checked above");
-            step.copies.extend(copies);
             step.items.push(StepItem {
                 id: id.clone(),
                 handle,
@@ -847,19 +879,18 @@ impl Scheduler {
                 tokens: Vec::new(),
                 wants_logits: false,
                 draft_slots: 0,
+                ops,
             });
             return true;
         }
         e.state = State::Running;
-        let cached = self.kv.match_prefix(handle, &e.tokens);
+        let (cached, ops) = self.kv.match_prefix(handle, &e.tokens);
         e.computed = cached;
         e.computed_before = cached;
         // Hold the blocks for the whole prompt (and the first generated token)
         // now, so chunks admitted later in this step cannot take them.
         let rest = e.tokens.len() - cached + 1;
-        self.kv
-            .reserve_lookahead(handle, rest)
-            .expect("blocks checked above");
+        self.kv.reserve(handle, rest).expect("blocks checked above");
         let first = !e.admitted_once;
         e.admitted_once = true;
         let reported = if first { cached } else { 0 };
@@ -870,6 +901,7 @@ impl Scheduler {
             ItemKind::Prefill {
                 cached_tokens: reported,
             },
+            ops,
         )
     }
 

@@ -2,7 +2,9 @@
 
 use proptest::prelude::*;
 use siliceo_core::TokenId;
-use siliceo_kv_paging::{CacheKeys, KvCacheManager, KvConfig, NotEnoughBlocks, SeqHandle};
+use siliceo_kv_paging::{
+    BlockCount, BlockOp, CacheKeys, KvCacheManager, KvConfig, NotEnoughBlocks, Sealing, SeqHandle,
+};
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -42,12 +44,27 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn run(ops: Vec<Op>, num_blocks: u32, block_size: u32) -> Result<(), TestCaseError> {
-    let mut kv = KvCacheManager::new(KvConfig {
-        num_blocks,
-        block_size,
+/// Sizes of a property run: open blocks, block size, and with sealing the
+/// sealed blocks and tail.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    open: u32,
+    bs: u32,
+    sealing: Option<Sealing>,
+    partial: bool,
+}
+
+fn run(ops: Vec<Op>, shape: Shape) -> Result<(), TestCaseError> {
+    let cfg = KvConfig {
+        num_blocks: shape.open,
+        block_size: shape.bs,
         prefix_caching: true,
-    });
+        sealing: shape.sealing,
+        cache_partial: shape.partial,
+    };
+    let total = shape.open as usize + shape.sealing.map_or(0, |s| s.blocks as usize);
+    let bs = shape.bs as usize;
+    let mut kv = KvCacheManager::new(cfg);
     let keys = CacheKeys::new("m", "f16");
     let salted = keys.clone().with_salt("tenant");
     let mut live: Vec<SeqHandle> = Vec::new();
@@ -58,17 +75,32 @@ fn run(ops: Vec<Op>, num_blocks: u32, block_size: u32) -> Result<(), TestCaseErr
                 let prompt: Vec<TokenId> = prompt.into_iter().map(TokenId).collect();
                 let k = if salt { &salted } else { &keys };
                 let need = kv.blocks_needed_for_prompt(k, &prompt, 0);
+                // Admission's count is an upper bound: what fits, runs.
+                let fits = need.fits(kv.free_blocks());
+                let peek = kv.peek_prefix(k.root_hash(), &prompt);
                 let h = kv.new_sequence(k);
-                let cached = kv.match_prefix(h, &prompt);
-                prop_assert!(cached < prompt.len() && cached.is_multiple_of(block_size as usize));
+                let (cached, ops) = kv.match_prefix(h, &prompt);
+                prop_assert!(cached < prompt.len());
+                prop_assert!(cached <= peek);
+                if !shape.partial {
+                    prop_assert!(cached.is_multiple_of(bs));
+                }
+                // Seals at admission are of blocks the prefix's length seals.
+                for op in &ops {
+                    let BlockOp::Seal(seal) = op else {
+                        prop_assert!(false, "a prefix match copies nothing");
+                        continue;
+                    };
+                    prop_assert!(seal.at_len <= cached && seal.encode && seal.src.is_some());
+                }
                 match kv.append(h, &prompt[cached..]) {
                     Ok(_) => {
-                        prop_assert!(need <= num_blocks as usize);
                         prop_assert_eq!(kv.tokens(h), &prompt[..]);
                         live.push(h);
                     }
                     Err(NotEnoughBlocks { needed, free }) => {
-                        prop_assert!(needed > free);
+                        prop_assert!(!fits, "{need:?} fitted, yet the append ran short");
+                        prop_assert!(needed > 0 && free <= total);
                         kv.free(h);
                     }
                 }
@@ -79,18 +111,39 @@ fn run(ops: Vec<Op>, num_blocks: u32, block_size: u32) -> Result<(), TestCaseErr
                 let new: Vec<TokenId> = (0..n).map(|i| TokenId(100 + counter + i as u32)).collect();
                 counter += n as u32;
                 let free_before = kv.pool().num_free();
+                let sealed_before = kv.sealed_blocks(h);
+                let table_before = kv.block_table(h).len();
                 match kv.append(h, &new) {
-                    Ok(copies) => {
+                    Ok(ops) => {
                         prop_assert_eq!(kv.num_tokens(h), before + n);
-                        for c in copies {
-                            prop_assert!(kv.block_table(h).contains(&c.dst));
-                            prop_assert!(c.tokens > 0 && c.tokens < block_size as usize);
+                        let mut seals = 0;
+                        for op in &ops {
+                            match *op {
+                                BlockOp::Copy(c) => {
+                                    // The copy is in the table, or sealed away by this append.
+                                    let sealed_away = ops.iter().any(
+                                        |o| matches!(o, BlockOp::Seal(s) if s.src == Some(c.dst)),
+                                    );
+                                    prop_assert!(kv.block_table(h).contains(&c.dst) || sealed_away);
+                                    prop_assert!(c.tokens > 0 && c.tokens < bs);
+                                }
+                                BlockOp::Seal(s) => {
+                                    prop_assert_eq!(s.index, sealed_before + seals);
+                                    prop_assert_eq!(kv.block_table(h)[s.index], s.dst);
+                                    prop_assert!(s.at_len > before && s.at_len <= before + n);
+                                    // A block new to the table has no open source.
+                                    let filled_here = s.index >= table_before;
+                                    prop_assert_eq!(s.src.is_none(), filled_here);
+                                    seals += 1;
+                                }
+                            }
                         }
+                        prop_assert_eq!(kv.sealed_blocks(h), sealed_before + seals);
                     }
                     Err(e) => {
                         prop_assert_eq!(kv.num_tokens(h), before);
                         prop_assert_eq!(kv.pool().num_free(), free_before);
-                        prop_assert!(e.needed > e.free);
+                        prop_assert!(e.needed > 0);
                     }
                 }
             }
@@ -102,14 +155,21 @@ fn run(ops: Vec<Op>, num_blocks: u32, block_size: u32) -> Result<(), TestCaseErr
             }
             Op::Reserve { seq, n } if !live.is_empty() => {
                 let h = live[seq % live.len()];
+                let n = n.min(kv.tokens_until_seal(h));
                 let _ = kv.reserve_lookahead(h, n);
             }
             Op::Truncate { seq, keep } if !live.is_empty() => {
                 let h = live[seq % live.len()];
-                let want = keep.min(kv.num_tokens(h));
-                if kv.truncate(h, keep).is_ok() {
-                    prop_assert_eq!(kv.num_tokens(h), want);
-                }
+                // Never below the last seal.
+                let sealed = kv.sealed_blocks(h);
+                let floor = if sealed == 0 {
+                    0
+                } else {
+                    cfg.seal_len(sealed - 1)
+                };
+                let want = keep.max(floor).min(kv.num_tokens(h));
+                kv.truncate(h, want);
+                prop_assert_eq!(kv.num_tokens(h), want);
             }
             Op::Free { seq } if !live.is_empty() => {
                 let h = live.swap_remove(seq % live.len());
@@ -118,30 +178,60 @@ fn run(ops: Vec<Op>, num_blocks: u32, block_size: u32) -> Result<(), TestCaseErr
             _ => {}
         }
         kv.check().map_err(TestCaseError::fail)?;
+        // A step has run: the open sources of its seals go.
+        kv.finish_step();
+        kv.check().map_err(TestCaseError::fail)?;
         let s = kv.stats();
-        prop_assert_eq!(s.free_blocks + s.used_blocks, num_blocks as usize);
+        prop_assert_eq!(s.free_blocks + s.used_blocks, total);
     }
     for h in live.drain(..) {
         kv.free(h);
     }
     kv.check().map_err(TestCaseError::fail)?;
     // Everything is free again; cached blocks may remain, unreferenced.
-    prop_assert_eq!(kv.pool().num_free(), num_blocks as usize);
+    prop_assert_eq!(kv.pool().num_free(), total);
     prop_assert_eq!(kv.pool().num_used(), 0);
     Ok(())
 }
 
+const PLAIN: Shape = Shape {
+    open: 24,
+    bs: 4,
+    sealing: None,
+    partial: false,
+};
+
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(400))]
+    #![proptest_config(ProptestConfig::with_cases(300))]
 
     #[test]
     fn no_block_lost_or_double_owned(ops in prop::collection::vec(op(), 1..80)) {
-        run(ops, 24, 4)?;
+        run(ops, PLAIN)?;
     }
 
     #[test]
     fn tight_pool(ops in prop::collection::vec(op(), 1..60)) {
-        run(ops, 6, 4)?;
+        run(ops, Shape { open: 6, ..PLAIN })?;
+    }
+
+    #[test]
+    fn partial_blocks_shared_and_copied(ops in prop::collection::vec(op(), 1..80)) {
+        run(ops, Shape { partial: true, ..PLAIN })?;
+    }
+
+    #[test]
+    fn sealed_at_once(ops in prop::collection::vec(op(), 1..80)) {
+        run(ops, Shape { open: 8, sealing: Some(Sealing { blocks: 20, tail_tokens: 0 }), partial: true, ..PLAIN })?;
+    }
+
+    #[test]
+    fn sealed_behind_a_tail(ops in prop::collection::vec(op(), 1..80)) {
+        run(ops, Shape { open: 12, sealing: Some(Sealing { blocks: 16, tail_tokens: 6 }), partial: true, ..PLAIN })?;
+    }
+
+    #[test]
+    fn sealed_tight(ops in prop::collection::vec(op(), 1..60)) {
+        run(ops, Shape { open: 4, sealing: Some(Sealing { blocks: 5, tail_tokens: 3 }), partial: true, ..PLAIN })?;
     }
 }
 
@@ -153,7 +243,7 @@ fn manager(num_blocks: u32, block_size: u32) -> KvCacheManager {
     KvCacheManager::new(KvConfig {
         num_blocks,
         block_size,
-        prefix_caching: true,
+        ..KvConfig::default()
     })
 }
 
@@ -177,7 +267,7 @@ fn lru_evicts_least_recently_freed_and_chain_tails_first() {
     assert!(kv.block_table(b).contains(&a_blocks[1]));
     // A's head is still cached: a new request with A's prompt gets 2 tokens.
     let c = kv.new_sequence(&keys);
-    assert_eq!(kv.match_prefix(c, &toks(0..4)), 2);
+    assert_eq!(kv.match_prefix(c, &toks(0..4)).0, 2);
     kv.check().unwrap();
 }
 
@@ -189,9 +279,9 @@ fn last_prompt_token_is_always_recomputed() {
     kv.append(a, &toks(0..8)).unwrap();
     let b = kv.new_sequence(&keys);
     // The whole 8-token prompt is cached, but only 4 tokens are handed out.
-    assert_eq!(kv.match_prefix(b, &toks(0..8)), 4);
+    assert_eq!(kv.match_prefix(b, &toks(0..8)).0, 4);
     let c = kv.new_sequence(&keys);
-    assert_eq!(kv.match_prefix(c, &toks(0..9)), 8);
+    assert_eq!(kv.match_prefix(c, &toks(0..9)).0, 8);
 }
 
 #[test]
@@ -206,11 +296,11 @@ fn salts_and_models_never_share() {
         CacheKeys::new("m", "q8_0").with_salt("alice"),
     ] {
         let h = kv.new_sequence(&keys);
-        assert_eq!(kv.match_prefix(h, &toks(0..9)), 0, "{keys:?}");
+        assert_eq!(kv.match_prefix(h, &toks(0..9)).0, 0, "{keys:?}");
         kv.free(h);
     }
     let h = kv.new_sequence(&CacheKeys::new("m", "f16").with_salt("alice"));
-    assert_eq!(kv.match_prefix(h, &toks(0..9)), 8);
+    assert_eq!(kv.match_prefix(h, &toks(0..9)).0, 8);
 }
 
 #[test]
@@ -222,14 +312,18 @@ fn fork_shares_then_copies_the_partial_block_on_write() {
     assert_eq!(kv.block_table(a), kv.block_table(b));
     assert_eq!(kv.stats().used_blocks, 2);
     let shared_partial = kv.block_table(a)[1];
-    let copies = kv.append(b, &toks(50..51)).unwrap();
-    assert_eq!(copies.len(), 1);
-    assert_eq!((copies[0].src, copies[0].tokens), (shared_partial, 2));
+    let ops = kv.append(b, &toks(50..51)).unwrap();
+    let [BlockOp::Copy(copy)] = ops[..] else {
+        panic!("one copy expected, got {ops:?}")
+    };
+    assert_eq!((copy.src, copy.tokens), (shared_partial, 2));
     assert_ne!(kv.block_table(b)[1], shared_partial);
     // The full first block stays shared.
     assert_eq!(kv.block_table(a)[0], kv.block_table(b)[0]);
     assert_eq!(kv.pool().ref_count(kv.block_table(a)[0]), 2);
-    // The original writes in place now that it owns its partial block alone.
+    // After the step that copied it, the original owns its partial block
+    // alone and writes in place.
+    kv.finish_step();
     assert!(kv.append(a, &toks(60..61)).unwrap().is_empty());
     kv.check().unwrap();
 }
@@ -243,7 +337,7 @@ fn lookahead_is_reserved_but_never_cached() {
     kv.reserve_lookahead(a, 6).unwrap();
     assert_eq!(kv.block_table(a).len(), 3);
     // Drafted tokens are not in the table; rejection gives the slots back.
-    kv.truncate(a, 3).unwrap();
+    kv.truncate(a, 3);
     assert_eq!(kv.block_table(a).len(), 1);
     assert_eq!(kv.pool().num_cached(), 0);
     // Verified tokens go in through append and then are cached.
@@ -263,44 +357,41 @@ fn admission_counts_cached_blocks_without_taking_them() {
     let a = kv.new_sequence(&keys);
     kv.append(a, &toks(0..12)).unwrap();
     // While A holds its blocks, a request sharing 8 tokens needs only 1 more block.
-    assert_eq!(kv.blocks_needed_for_prompt(&keys, &toks(0..12), 0), 1);
-    assert_eq!(kv.blocks_needed_for_prompt(&keys, &toks(50..62), 0), 3);
+    let open = |n| BlockCount { open: n, sealed: 0 };
+    assert_eq!(kv.blocks_needed_for_prompt(&keys, &toks(0..12), 0), open(1));
+    assert_eq!(
+        kv.blocks_needed_for_prompt(&keys, &toks(50..62), 0),
+        open(3)
+    );
     kv.free(a);
     // Freed but cached: taking them still costs free blocks.
-    assert_eq!(kv.blocks_needed_for_prompt(&keys, &toks(0..12), 0), 3);
+    assert_eq!(kv.blocks_needed_for_prompt(&keys, &toks(0..12), 0), open(3));
     kv.check().unwrap();
 }
 
 #[test]
 fn pending_blocks_are_not_matched_until_committed() {
-    let mut kv = KvCacheManager::new(KvConfig {
-        num_blocks: 8,
-        block_size: 4,
-        prefix_caching: true,
-    });
+    let mut kv = manager(8, 4);
     let keys = CacheKeys::new("m", "f16");
     let prompt = toks(0..9);
     let a = kv.new_sequence(&keys);
     kv.append_pending(a, &prompt).unwrap();
-    assert!(
-        kv.peek_prefix(keys.root_hash(), &prompt).is_empty(),
+    assert_eq!(
+        kv.peek_prefix(keys.root_hash(), &prompt),
+        0,
         "planned tokens must not be matched before their KV exists"
     );
     // Commit only what was computed: the first block.
     kv.commit(a, 5);
-    assert_eq!(kv.peek_prefix(keys.root_hash(), &prompt).len(), 1);
+    assert_eq!(kv.peek_prefix(keys.root_hash(), &prompt), 4);
     kv.commit(a, 9);
-    assert_eq!(kv.peek_prefix(keys.root_hash(), &prompt).len(), 2);
+    assert_eq!(kv.peek_prefix(keys.root_hash(), &prompt), 8);
     kv.check().unwrap();
 }
 
 #[test]
 fn eviction_log_names_reused_cached_blocks_and_uncache_forgets() {
-    let mut kv = KvCacheManager::new(KvConfig {
-        num_blocks: 4,
-        block_size: 2,
-        prefix_caching: true,
-    });
+    let mut kv = manager(4, 2);
     kv.set_eviction_log(true);
     let keys = CacheKeys::new("m", "f16");
     let a = kv.new_sequence(&keys);
@@ -313,14 +404,124 @@ fn eviction_log_names_reused_cached_blocks_and_uncache_forgets() {
     assert!(kv.uncache(table[1]));
     assert!(!kv.uncache(table[1]));
     assert_eq!(kv.stats().cached_unreferenced_blocks, 1);
-    assert_eq!(
-        kv.peek_prefix(keys.root_hash(), &toks(0..5)),
-        vec![table[0]]
-    );
+    assert_eq!(kv.peek_prefix(keys.root_hash(), &toks(0..5)), 2);
     // Taking all four blocks evicts the one still cached, and the log says so.
     let b = kv.new_sequence(&keys);
     kv.append(b, &toks(100..108)).unwrap();
     assert_eq!(kv.take_evicted(), vec![table[0]]);
     assert!(kv.take_evicted().is_empty());
+    kv.check().unwrap();
+}
+
+#[test]
+fn a_warm_prefix_sees_the_forms_a_cold_one_did() {
+    // Blocks of 4, a tail of 3: at length L, (L − 3) / 4 blocks are sealed.
+    let cfg = KvConfig {
+        num_blocks: 8,
+        block_size: 4,
+        prefix_caching: true,
+        sealing: Some(Sealing {
+            blocks: 8,
+            tail_tokens: 3,
+        }),
+        cache_partial: true,
+    };
+    let mut kv = KvCacheManager::new(cfg);
+    let keys = CacheKeys::new("m", "k5v4+tail3");
+    let a = kv.new_sequence(&keys);
+    // 10 tokens: block 0 is filled and sealed by the same append (no open
+    // source), block 1 stays open, block 2 holds 2 tokens.
+    let ops = kv.append(a, &toks(0..10)).unwrap();
+    let [BlockOp::Seal(seal)] = ops[..] else {
+        panic!("one seal expected, got {ops:?}")
+    };
+    assert_eq!(
+        (seal.index, seal.src, seal.at_len, seal.encode),
+        (0, None, 7, true)
+    );
+    kv.finish_step();
+    let table_a = kv.block_table(a).to_vec();
+    assert_eq!(kv.sealed_blocks(a), 1);
+    assert!(kv.is_sealed_block(table_a[0]) && !kv.is_sealed_block(table_a[1]));
+
+    // B shares all 10 (its 11th token is recomputed): block 0 sealed, block 1
+    // open, and two rows of A's partial block — as a cold B would have them.
+    let prompt: Vec<TokenId> = toks(0..10).into_iter().chain(toks(50..52)).collect();
+    let b = kv.new_sequence(&keys);
+    let (cached, ops) = kv.match_prefix(b, &prompt);
+    assert_eq!(cached, 10);
+    assert!(ops.is_empty());
+    assert_eq!(kv.block_table(b), &table_a[..]);
+    // Appending 2 tokens seals block 1 (length 11 = 2·4 + 3) from A's open
+    // block, and copies the shared partial block before writing it.
+    let ops = kv.append(b, &prompt[10..]).unwrap();
+    let [BlockOp::Copy(copy), BlockOp::Seal(seal)] = ops[..] else {
+        panic!("a copy and a seal expected, got {ops:?}")
+    };
+    assert_eq!((copy.src, copy.tokens), (table_a[2], 2));
+    assert_eq!(
+        (seal.index, seal.src, seal.at_len),
+        (1, Some(table_a[1]), 11)
+    );
+    assert!(seal.encode);
+    // A's open block 1 stays referenced by B's step until it ends.
+    assert_eq!(kv.pool().ref_count(table_a[1]), 2);
+    kv.check().unwrap();
+    kv.finish_step();
+    assert_eq!(kv.pool().ref_count(table_a[1]), 1);
+    kv.check().unwrap();
+
+    // A third request whose prefix ends where block 1 is sealed finds B's
+    // sealed form; one whose prefix keeps block 1 open finds A's open one.
+    let c = kv.new_sequence(&keys);
+    let long: Vec<TokenId> = prompt.iter().copied().chain(toks(90..91)).collect();
+    assert_eq!(kv.match_prefix(c, &long).0, 12);
+    assert_eq!(kv.block_table(c)[1], seal.dst);
+    let d = kv.new_sequence(&keys);
+    assert_eq!(kv.match_prefix(d, &toks(0..9)).0, 8);
+    assert_eq!(kv.block_table(d)[1], table_a[1]);
+    kv.check().unwrap();
+}
+
+#[test]
+fn a_prefix_without_its_open_tail_ends_before_it() {
+    let cfg = KvConfig {
+        num_blocks: 8,
+        block_size: 4,
+        prefix_caching: true,
+        sealing: Some(Sealing {
+            blocks: 8,
+            tail_tokens: 4,
+        }),
+        cache_partial: false,
+    };
+    let mut kv = KvCacheManager::new(cfg);
+    let keys = CacheKeys::new("m", "f");
+    let a = kv.new_sequence(&keys);
+    // 16 tokens in one append: blocks 0..=2 are filled and sealed at once, so
+    // only their sealed forms are cached.
+    kv.append(a, &toks(0..16)).unwrap();
+    kv.finish_step();
+    assert_eq!(kv.sealed_blocks(a), 3);
+    // A prompt of 13 tokens shares 12 tokens of blocks, but at length 12
+    // block 2 is in the open tail and only its sealed form exists; at 8
+    // block 1 would need its open form, at 4 block 0: nothing is reusable.
+    let b = kv.new_sequence(&keys);
+    assert_eq!(kv.match_prefix(b, &toks(0..13)).0, 0);
+    kv.free(b);
+    kv.free(a);
+    // Built 4 tokens at a time, each block is committed open before it is
+    // sealed, so both forms are cached and the whole prefix is reusable.
+    let a = kv.new_sequence(&CacheKeys::new("m", "g"));
+    for i in 0..4 {
+        kv.append(a, &toks(i * 4..i * 4 + 4)).unwrap();
+        kv.finish_step();
+    }
+    let table_a = kv.block_table(a).to_vec();
+    let b = kv.new_sequence(&CacheKeys::new("m", "g"));
+    assert_eq!(kv.match_prefix(b, &toks(0..13)).0, 12);
+    assert_eq!(kv.sealed_blocks(b), 2);
+    assert_eq!(&kv.block_table(b)[..2], &table_a[..2]);
+    assert!(!kv.is_sealed_block(kv.block_table(b)[2]));
     kv.check().unwrap();
 }

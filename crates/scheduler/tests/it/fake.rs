@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use siliceo_core::{RequestId, TokenId};
-use siliceo_kv_paging::BlockId;
+use siliceo_kv_paging::{BlockId, BlockOp};
 use siliceo_scheduler::{ItemKind, PreemptMode, Preempted, Request, Scheduler, Step};
 
 pub fn prompt(id: &str, len: usize) -> Vec<TokenId> {
@@ -99,25 +99,68 @@ impl FakeEngine {
                     .remove(&item.id)
                     .expect("swapped KV to restore");
                 assert_eq!(s.kv().num_tokens(item.handle), kv.len());
+                // The runtime restores the saved rows into the new blocks.
+                let table = s.kv().block_table(item.handle);
+                for (i, rows) in kv.chunks(bs).enumerate() {
+                    self.blocks.insert(table[i], rows.to_vec());
+                }
                 self.kv.insert(item.id.clone(), kv);
                 continue;
             }
             let kv = self.kv.entry(item.id.clone()).or_default();
+            let fresh = kv.is_empty();
+            let seq_tokens = s.kv().tokens(item.handle);
+            // Block work first, as a real store does it: copies, then seals of
+            // cached forms must find their rows already there.
+            for op in &item.ops {
+                match *op {
+                    BlockOp::Copy(c) => {
+                        let rows = self.blocks.get(&c.src).unwrap_or_else(|| {
+                            panic!(
+                                "{}: copy {c:?} of a block never written (item at {}, kind {:?}, table {:?})",
+                                item.id,
+                                item.start_pos,
+                                item.kind,
+                                s.kv().block_table(item.handle)
+                            )
+                        });
+                        assert!(rows.len() >= c.tokens, "copy of rows never written");
+                        let rows = rows[..c.tokens].to_vec();
+                        self.blocks.insert(c.dst, rows);
+                    }
+                    BlockOp::Seal(seal) if !seal.encode => {
+                        let want = &seq_tokens[seal.index * bs..(seal.index + 1) * bs];
+                        assert_eq!(
+                            self.blocks.get(&seal.dst).map(Vec::as_slice),
+                            Some(want),
+                            "{}: a cached sealed block that does not hold block {}",
+                            item.id,
+                            seal.index
+                        );
+                    }
+                    BlockOp::Seal(_) => {}
+                }
+            }
             if let ItemKind::Prefill { cached_tokens } = item.kind
-                && kv.is_empty()
+                && fresh
                 && item.start_pos > 0
             {
-                // Prefix served from the cache: the runtime copies those cells.
+                // Prefix served from the cache: its blocks must hold its rows.
                 assert!(cached_tokens == 0 || cached_tokens == item.start_pos);
-                let want = &s.kv().tokens(item.handle)[..item.start_pos];
+                let want = &seq_tokens[..item.start_pos];
                 let table = s.kv().block_table(item.handle);
                 for (i, chunk) in want.chunks(bs).enumerate() {
-                    assert_eq!(
-                        self.blocks.get(&table[i]).map(Vec::as_slice),
-                        Some(chunk),
-                        "{}: prefix hit on block {:?} whose KV was never computed",
+                    // A block this step seals is read from its open source.
+                    let src = item.ops.iter().find_map(|op| match op {
+                        BlockOp::Seal(seal) if seal.index == i => seal.src,
+                        _ => None,
+                    });
+                    let b = src.unwrap_or(table[i]);
+                    let have = self.blocks.get(&b).map(Vec::as_slice);
+                    assert!(
+                        have.is_some_and(|h| h.starts_with(chunk)),
+                        "{}: prefix hit on block {b:?} holding {have:?}, not {chunk:?}",
                         item.id,
-                        table[i]
                     );
                 }
                 kv.extend_from_slice(want);
@@ -131,9 +174,21 @@ impl FakeEngine {
                 kv.len()
             );
             kv.extend_from_slice(&item.tokens);
+            // The step writes rows from `start_pos` on, into the blocks the
+            // table has for them now (sealed ones hold the whole block), and
+            // quantizes what it seals.
             let table = s.kv().block_table(item.handle);
-            for (i, chunk) in kv.chunks_exact(bs).enumerate() {
-                self.blocks.insert(table[i], chunk.to_vec());
+            for i in item.start_pos / bs..kv.len().div_ceil(bs) {
+                let end = kv.len().min((i + 1) * bs);
+                self.blocks.insert(table[i], kv[i * bs..end].to_vec());
+            }
+            for op in &item.ops {
+                if let BlockOp::Seal(seal) = op
+                    && seal.encode
+                {
+                    let rows = kv[seal.index * bs..(seal.index + 1) * bs].to_vec();
+                    self.blocks.insert(seal.dst, rows);
+                }
             }
             if item.wants_logits && item.draft_slots > 0 {
                 // Draft the true continuation for half the slots, then a wrong
@@ -162,6 +217,12 @@ impl FakeEngine {
                         _ => break t,
                     }
                 };
+                // Drafted tokens' rows were written by the step too.
+                let table = s.kv().block_table(item.handle);
+                for i in item.start_pos / bs..kv.len().div_ceil(bs) {
+                    let end = kv.len().min((i + 1) * bs);
+                    self.blocks.insert(table[i], kv[i * bs..end].to_vec());
+                }
                 self.drafted += draft.len();
                 self.accepted += accepted.len();
                 spec.push((item.id.clone(), accepted, next));

@@ -5,7 +5,7 @@ mod fake;
 
 use proptest::prelude::*;
 use siliceo_core::{Priority, RequestId, TokenId};
-use siliceo_kv_paging::{CacheKeys, KvConfig};
+use siliceo_kv_paging::{CacheKeys, KvConfig, Sealing};
 use siliceo_scheduler::{
     FinishCause, ItemKind, PreemptMode, Rejected, Request, Scheduler, SchedulerConfig,
 };
@@ -26,7 +26,7 @@ fn sched(cfg: SchedulerConfig, blocks: u32) -> Scheduler {
         KvConfig {
             num_blocks: blocks,
             block_size: 16,
-            prefix_caching: true,
+            ..KvConfig::default()
         },
     )
 }
@@ -410,6 +410,96 @@ proptest! {
         prop_assert_eq!(s.kv().pool().num_used(), 0);
         prop_assert_eq!(s.kv().num_sequences(), 0);
         prop_assert_eq!(s.stats().swapped_tokens, 0);
+    }
+}
+
+/// KV configurations a workload must not care about: plain blocks, partial
+/// blocks cached, blocks sealed when full, sealed behind a 20-token tail.
+fn kv_shapes() -> impl Strategy<Value = KvConfig> {
+    let base = KvConfig {
+        num_blocks: 10,
+        block_size: 16,
+        prefix_caching: true,
+        sealing: None,
+        cache_partial: false,
+    };
+    prop::sample::select(vec![
+        base,
+        KvConfig {
+            cache_partial: true,
+            ..base
+        },
+        KvConfig {
+            num_blocks: 8,
+            sealing: Some(Sealing {
+                blocks: 8,
+                tail_tokens: 0,
+            }),
+            cache_partial: true,
+            ..base
+        },
+        KvConfig {
+            num_blocks: 12,
+            sealing: Some(Sealing {
+                blocks: 6,
+                tail_tokens: 20,
+            }),
+            cache_partial: true,
+            ..base
+        },
+    ])
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(150))]
+
+    /// Random workloads whose prompts share prefixes of random lengths, on
+    /// every KV shape: outputs are the solo outputs, cached and sealed blocks
+    /// hold what they claim (the fake engine checks every hit and every
+    /// cached seal), and nothing leaks.
+    #[test]
+    fn shared_prefixes_on_every_kv_shape(
+        arrivals in prop::collection::vec(arrival(), 1..20),
+        shared in prop::collection::vec(0usize..90, 20),
+        kv in kv_shapes(),
+        drafts in 0usize..4,
+    ) {
+        let cfg = SchedulerConfig { max_batch_tokens: 40, max_running_seqs: 5, aging_ms: 20, recompute_below_tokens: 32, ..SchedulerConfig::default() };
+        let mut s = Scheduler::new(cfg, kv);
+        let mut e = FakeEngine::default();
+        let base = prompt("base", 120);
+        let reqs: Vec<Request> = arrivals.iter().enumerate().map(|(i, a)| {
+            let own = prompt(&format!("r{i}"), a.len);
+            let n = shared[i].min(a.len);
+            let p: Vec<TokenId> = base[..n].iter().chain(&own[n..]).copied().collect();
+            Request::new(RequestId::from(format!("r{i}").as_str()), p, a.n_gen, keys(), Priority::Normal, u64::from(a.at_step))
+        }).collect();
+        let mut step_no = 0u64;
+        loop {
+            for (r, a) in reqs.iter().zip(&arrivals) {
+                if u64::from(a.at_step) == step_no {
+                    prop_assert!(s.add(r.clone()).is_ok());
+                    s.set_draft_len(&r.id, drafts);
+                }
+            }
+            let step = s.schedule(step_no);
+            for item in &step.items {
+                prop_assert!(item.draft_slots <= drafts);
+            }
+            e.apply(&mut s, &step);
+            s.check().map_err(TestCaseError::fail)?;
+            step_no += 1;
+            if step_no > 30 && s.is_idle() {
+                break;
+            }
+            prop_assert!(step_no < 5000, "no progress");
+        }
+        for r in &reqs {
+            prop_assert_eq!(e.output(&r.id), solo(r));
+        }
+        let _ = s.schedule(step_no);
+        prop_assert_eq!(s.kv().pool().num_used(), 0);
+        prop_assert_eq!(s.kv().num_sequences(), 0);
     }
 }
 
