@@ -121,11 +121,11 @@ pub struct Batch {
 }
 
 #[derive(Debug, Clone)]
-struct BatchToken {
-    token: TokenId,
-    pos: u32,
-    seqs: Vec<i32>,
-    logits: bool,
+pub(crate) struct BatchToken {
+    pub(crate) token: TokenId,
+    pub(crate) pos: u32,
+    pub(crate) seqs: Vec<i32>,
+    pub(crate) logits: bool,
 }
 
 impl Batch {
@@ -170,6 +170,10 @@ impl Batch {
             last = Some(self.push(t, start + i as u32, seq, i + 1 == n));
         }
         last
+    }
+
+    pub(crate) fn tokens(&self) -> impl Iterator<Item = &BatchToken> {
+        self.tokens.iter()
     }
 
     /// Tokens in the batch.

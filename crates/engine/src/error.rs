@@ -145,6 +145,20 @@ pub enum EngineError {
     /// Shadow attention (our KV formats inside llama.cpp's forward pass) failed.
     #[error("shadow attention: {0}")]
     Shadow(String),
+    /// Grafted attention (our store and kernel in llama.cpp's forward pass,
+    /// serving) failed in a step.
+    #[error("grafted attention: {0}")]
+    Graft(String),
+    /// The model's attention is of a kind grafted serving does not compute.
+    #[error(
+        "{model}: grafted attention does not support {reason}; serve it with --kv-backend llama"
+    )]
+    Unsupported {
+        /// The model's name.
+        model: String,
+        /// What it has.
+        reason: String,
+    },
     /// A sampling parameter is invalid.
     #[error(transparent)]
     Params(#[from] siliceo_core::Error),
@@ -176,6 +190,8 @@ impl EngineError {
             EngineError::Tokenize(_) => "tokenize",
             EngineError::Embed(_) => "embed",
             EngineError::Shadow(_) => "shadow",
+            EngineError::Graft(_) => "graft",
+            EngineError::Unsupported { .. } => "unsupported_model",
             EngineError::Params(e) => e.error_kind(),
             EngineError::IncompatibleVocab(_) => "incompatible_vocab",
         }

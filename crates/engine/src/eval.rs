@@ -17,13 +17,13 @@
 //! flash attention (needed for a quantized V), so its row includes that.
 //!
 //! Formats are llama.cpp's own KV types ([`KvConfig`], run by llama.cpp) or
-//! siliceo's ([`ShadowFormat`], `ours:…`, run through shadow attention: our
+//! siliceo's ([`KvFormat`], `ours:…`, run through shadow attention: our
 //! store and CPU kernel inside llama.cpp's forward pass, see `shadow.rs`).
 
 use siliceo_core::{KvType, ModelGeometry, SeqId, TokenId};
 
 use crate::shadow::{RawModel, ShadowContext, ShadowMode};
-use crate::{Batch, Context, ContextOptions, EngineError, FlashAttention, Model, ShadowFormat};
+use crate::{Batch, Context, ContextOptions, EngineError, FlashAttention, KvFormat, Model};
 
 /// One K/V format pair to measure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,7 +75,7 @@ pub enum EvalFormat {
     /// llama.cpp's own K/V types, run by llama.cpp.
     Llama(KvConfig),
     /// siliceo's formats (`ours:…`), run through shadow attention.
-    Ours(ShadowFormat),
+    Ours(KvFormat),
     /// `floor`: the reference with every attention output changed by a
     /// relative 1e-6 (alternating signs) — the KL divergence that *any*
     /// harmless change of the computation shows on this model, because
@@ -89,13 +89,13 @@ pub enum EvalFormat {
 pub const FLOOR_JITTER: f32 = 1e-6;
 
 impl EvalFormat {
-    /// `ours:…` (see [`ShadowFormat::parse`]) or anything [`KvConfig::parse`] takes.
+    /// `ours:…` (see [`KvFormat::parse`]) or anything [`KvConfig::parse`] takes.
     pub fn parse(s: &str) -> Result<EvalFormat, EngineError> {
         if s.trim() == "floor" {
             return Ok(EvalFormat::Floor);
         }
         match s.trim().strip_prefix("ours:") {
-            Some(rest) => Ok(EvalFormat::Ours(ShadowFormat::parse(rest)?)),
+            Some(rest) => Ok(EvalFormat::Ours(KvFormat::parse(rest)?)),
             None => Ok(EvalFormat::Llama(KvConfig::parse(s)?)),
         }
     }
@@ -104,7 +104,7 @@ impl EvalFormat {
     pub fn name(&self) -> String {
         match self {
             EvalFormat::Llama(c) => c.name(),
-            EvalFormat::Ours(f) => f.name(),
+            EvalFormat::Ours(f) => format!("ours:{}", f.name()),
             EvalFormat::Floor => format!("floor (reference ± {FLOOR_JITTER:e})"),
         }
     }

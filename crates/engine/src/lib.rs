@@ -41,7 +41,9 @@ mod detok;
 mod embed;
 mod error;
 pub mod eval;
+mod format;
 mod generate;
+mod graft;
 mod model;
 mod reference;
 mod shadow;
@@ -51,9 +53,14 @@ pub use context::{Batch, Context, ContextOptions, FlashAttention, SeqSnapshot};
 pub use detok::{Detokenizer, TokenText, Utf8Stream};
 pub use embed::{Embedder, EmbedderOptions, Embeddings, Pooling, cosine, l2_normalize};
 pub use error::EngineError;
+pub use format::KvFormat;
 pub use generate::{Generation, generate};
+pub use graft::{
+    GraftOptions, GraftQuery, GraftStep, GraftedContext, MAX_SEQS_PER_STEP, RowCopy, SavedBlocks,
+    StoreBlock,
+};
 pub use model::{ChatMessage, Model, ModelOptions};
 pub use reference::GreedyTrace;
-pub use shadow::ShadowFormat;
+pub use siliceo_kernels_turing::{KvLayout, SeqKv};
 
 pub(crate) use backend::backend;

@@ -3,6 +3,7 @@
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
 
 use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::{LlamaChatMessage, LlamaModel};
@@ -16,6 +17,13 @@ use crate::{EngineError, backend};
 pub struct ModelOptions {
     /// Layers to offload to the GPU (0 = CPU only; ignored without a GPU backend).
     pub gpu_layers: u32,
+    /// Batch-invariant weight products: no repacked weights
+    /// (`use_extra_bufts = false`) and no tiled K-quant products
+    /// (`GGML_CPU_TILED_MM=0`), whose results depend on how many rows a batch
+    /// has. Costs speed on K-quant models (docs/BENCHMARKS.md). The tiled
+    /// switch is read once per process, at its first matrix product: set it
+    /// for the first model a process runs.
+    pub deterministic: bool,
 }
 
 /// One chat message (`role` is `system`, `user` or `assistant`).
@@ -100,13 +108,17 @@ impl Model {
         }
         check_gguf_header(path)?;
         let backend = backend()?;
-        let params = LlamaModelParams::default().with_n_gpu_layers(opts.gpu_layers);
-        let inner = LlamaModel::load_from_file(backend, path, &params).map_err(|source| {
-            EngineError::ModelLoad {
-                path: path.to_owned(),
-                source,
-            }
-        })?;
+        let inner = if opts.deterministic {
+            load_without_repacking(path, opts.gpu_layers)?
+        } else {
+            let params = LlamaModelParams::default().with_n_gpu_layers(opts.gpu_layers);
+            LlamaModel::load_from_file(backend, path, &params).map_err(|source| {
+                EngineError::ModelLoad {
+                    path: path.to_owned(),
+                    source,
+                }
+            })?
+        };
         let architecture = inner
             .meta_val_str("general.architecture")
             .unwrap_or_else(|_| "unknown".into());
@@ -290,4 +302,111 @@ impl Model {
     pub(crate) fn llama(&self) -> &LlamaModel {
         &self.inner
     }
+
+    /// The `llama_model` behind the safe wrapper, for the raw contexts
+    /// (shadow and grafted attention) `llama-cpp-2` cannot build.
+    pub(crate) fn raw(&self) -> NonNull<llama_cpp_sys_2::llama_model> {
+        const _: () = assert!(
+            std::mem::size_of::<LlamaModel>()
+                == std::mem::size_of::<NonNull<llama_cpp_sys_2::llama_model>>()
+        );
+        // SAFETY: llama-cpp-2 =0.1.160 (pinned) declares `LlamaModel` as
+        // `#[repr(transparent)]` over `Ptr<llama_model>`, itself
+        // `#[repr(transparent)]` over `NonNull<llama_model>`; the copy is a
+        // pointer the wrapper keeps owning.
+        unsafe { std::mem::transmute_copy(&self.inner) }
+    }
+
+    /// Refuses a model whose attention grafted serving cannot compute: it
+    /// must be plain causal softmax attention over one KV cache per layer,
+    /// without ALiBi, logit soft-capping, sliding windows or attention sinks
+    /// (also checked per op at run time), with equal K and V head sizes.
+    pub fn check_graftable(&self) -> Result<(), EngineError> {
+        let refuse = |why: String| {
+            Err(EngineError::Unsupported {
+                model: self.name.clone(),
+                reason: why,
+            })
+        };
+        let raw = self.raw().as_ptr();
+        // SAFETY: plain queries of a loaded model.
+        let (recurrent, hybrid, encoder, swa) = unsafe {
+            (
+                llama_cpp_sys_2::llama_model_is_recurrent(raw),
+                llama_cpp_sys_2::llama_model_is_hybrid(raw),
+                llama_cpp_sys_2::llama_model_has_encoder(raw),
+                llama_cpp_sys_2::llama_model_n_swa(raw),
+            )
+        };
+        if recurrent || hybrid {
+            return refuse("recurrent or hybrid memory (no KV cache to graft)".into());
+        }
+        if encoder {
+            return refuse("an encoder with cross-attention".into());
+        }
+        if swa > 0 {
+            return refuse(format!(
+                "sliding-window attention (window {swa}); the kernel attends to the whole context"
+            ));
+        }
+        let g = self.geometry;
+        if g.head_dim_k != g.head_dim_v {
+            return refuse(format!(
+                "K and V heads of different sizes ({} and {}), as in MLA",
+                g.head_dim_k, g.head_dim_v
+            ));
+        }
+        let arch = &self.architecture;
+        let meta_f = |key: &str| {
+            self.meta(&format!("{arch}.{key}"))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+        };
+        if meta_f("attention.kv_lora_rank").is_some_and(|r| r > 0.0) {
+            return refuse("multi-head latent attention (MLA)".into());
+        }
+        if meta_f("attention.max_alibi_bias").is_some_and(|b| b > 0.0) {
+            return refuse("ALiBi position biases".into());
+        }
+        if meta_f("attn_logit_softcapping").is_some_and(|c| c > 0.0) {
+            return refuse("attention logit soft-capping".into());
+        }
+        let scaling = self.meta(&format!("{arch}.rope.scaling.type"));
+        if scaling.as_deref().is_some_and(|t| t.contains("longrope")) || arch == "phi3" {
+            return refuse(
+                "LongRoPE, whose factors depend on the context size llama.cpp is given".into(),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Loads `path` through the raw API with weight repacking off (llama-cpp-2
+/// does not expose `use_extra_bufts`), and turns tiled K-quant products off.
+fn load_without_repacking(path: &Path, gpu_layers: u32) -> Result<LlamaModel, EngineError> {
+    let c = std::ffi::CString::new(path.to_string_lossy().as_bytes()).map_err(|_| {
+        EngineError::InvalidOption {
+            field: "model",
+            reason: "path holds a NUL byte".into(),
+        }
+    })?;
+    if std::env::var_os("GGML_CPU_TILED_MM").is_none() {
+        // SAFETY: set before llama.cpp's first matrix product reads it (once,
+        // under a call_once); no other thread of ours reads the environment
+        // while a model loads.
+        unsafe { std::env::set_var("GGML_CPU_TILED_MM", "0") };
+    }
+    // SAFETY: plain C calls with llama.cpp's default parameters.
+    let ptr = unsafe {
+        let mut p = llama_cpp_sys_2::llama_model_default_params();
+        p.n_gpu_layers = gpu_layers as i32;
+        p.use_extra_bufts = false;
+        llama_cpp_sys_2::llama_model_load_from_file(c.as_ptr(), p)
+    };
+    let ptr = NonNull::new(ptr).ok_or_else(|| EngineError::ModelLoad {
+        path: path.to_owned(),
+        source: llama_cpp_2::LlamaModelLoadError::NullResult,
+    })?;
+    // SAFETY: the layout argument of `Model::raw`, the other way: the wrapper
+    // takes ownership and frees the model on drop (llama_model_free).
+    Ok(unsafe { std::mem::transmute::<NonNull<llama_cpp_sys_2::llama_model>, LlamaModel>(ptr) })
 }

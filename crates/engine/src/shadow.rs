@@ -37,106 +37,15 @@ use llama_cpp_sys_2 as sys;
 use siliceo_core::TokenId;
 use siliceo_kernels_turing::{AttnParams, Codec, KvLayout, KvStore, SeqKv, SeqQuery};
 
+use crate::KvFormat;
+
 use crate::{EngineError, Model};
-
-/// One of siliceo's KV formats for the shadow path: K and V codecs, an F16
-/// tail of recent tokens, an optional Hadamard rotation of K.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ShadowFormat {
-    /// K codec spec (`f16`, `kv8`, `kv8/G`, `kv8/head`, `k5`, `v4/G`).
-    pub k: String,
-    /// V codec spec.
-    pub v: String,
-    /// Hadamard-rotate K per head.
-    pub rotate_k: bool,
-    /// Recent tokens kept in F16 beyond the current block.
-    pub tail_tokens: usize,
-}
-
-impl ShadowFormat {
-    /// Parses what follows `ours:` — a preset (`f16`, `kv8`, `k5v4`) or
-    /// `K:V` codecs (`k5:kv8`, `kv8/head:v4/16`), then modifiers `+rot` and
-    /// `+tailN`, e.g. `k5v4+rot+tail128`.
-    pub fn parse(s: &str) -> Result<ShadowFormat, EngineError> {
-        let bad = |reason: String| EngineError::InvalidOption {
-            field: "configs",
-            reason,
-        };
-        let mut parts = s.trim().split('+');
-        let codecs = parts.next().unwrap_or_default();
-        let (k, v) = match codecs {
-            "f16" => ("f16", "f16"),
-            "kv8" => ("kv8", "kv8"),
-            "k5v4" => ("k5", "v4"),
-            other => other.split_once(':').ok_or_else(|| {
-                bad(format!(
-                    "unknown format `ours:{other}` (ours:f16, ours:kv8, ours:k5v4 or ours:K:V \
-                     with codecs f16, kv8[/G|/head], k5, v4[/G])"
-                ))
-            })?,
-        };
-        // Validate the codec names now (the head dimension only matters for `/head`).
-        for c in [k, v] {
-            Codec::parse(c, 64).map_err(|e| bad(format!("ours:{codecs}: {e}")))?;
-        }
-        let mut f = ShadowFormat {
-            k: k.to_string(),
-            v: v.to_string(),
-            rotate_k: false,
-            tail_tokens: 0,
-        };
-        for m in parts {
-            if m == "rot" {
-                f.rotate_k = true;
-            } else if let Some(n) = m.strip_prefix("tail") {
-                f.tail_tokens = n
-                    .parse()
-                    .map_err(|_| bad(format!("`+{m}`: expected +tailN with N tokens")))?;
-            } else {
-                return Err(bad(format!(
-                    "unknown modifier `+{m}` in `ours:{s}` (+rot, +tailN)"
-                )));
-            }
-        }
-        Ok(f)
-    }
-
-    /// The store layout for a model with `kv_heads` heads of `head_dim`.
-    pub fn layout(&self, kv_heads: usize, head_dim: usize) -> Result<KvLayout, EngineError> {
-        let err = |e: siliceo_kernels_turing::KernelError| EngineError::InvalidOption {
-            field: "configs",
-            reason: e.to_string(),
-        };
-        let mut l = KvLayout::new(
-            kv_heads,
-            head_dim,
-            Codec::parse(&self.k, head_dim).map_err(err)?,
-            Codec::parse(&self.v, head_dim).map_err(err)?,
-        );
-        l.rotate_k = self.rotate_k;
-        l.tail_tokens = self.tail_tokens;
-        l.check().map_err(err)?;
-        Ok(l)
-    }
-
-    /// `ours:` and the layout's name, e.g. `ours:k5:v4/32+rot+tail128`.
-    pub fn name(&self) -> String {
-        let mut s = format!("ours:{}:{}", self.k, self.v);
-        if self.rotate_k {
-            s.push_str("+rot");
-        }
-        if self.tail_tokens > 0 {
-            s.push_str(&format!("+tail{}", self.tail_tokens));
-        }
-        s
-    }
-}
 
 /// What a shadow context does to llama.cpp's attention.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum ShadowMode {
     /// Replace it with our kernel over a store in this format.
-    Replace(ShadowFormat),
+    Replace(KvFormat),
     /// Keep it, times (1 ± `rel`) in alternating elements: what a harmless
     /// change of the computation costs downstream (the noise floor). `exact`:
     /// on f32 K/V without flash attention, else f16 K/V with it.
@@ -456,7 +365,7 @@ unsafe extern "C" fn eval_callback(t: *mut sys::ggml_tensor, ask: bool, ud: *mut
 }
 
 /// A llama.cpp context whose attention is computed by siliceo's kernel over a
-/// store in one [`ShadowFormat`].
+/// store in one [`KvFormat`].
 pub(crate) struct ShadowContext<'m> {
     ctx: NonNull<sys::llama_context>,
     batch: sys::llama_batch,
@@ -689,25 +598,5 @@ mod tests {
         assert_eq!(parse_name(b"Qcur_clamped-3"), None);
         assert_eq!(parse_name(b"attn_norm-3"), None);
         assert_eq!(parse_name(b"Kcur"), None);
-        let f = ShadowFormat::parse("k5v4+rot+tail128").unwrap();
-        assert_eq!(
-            (f.k.as_str(), f.v.as_str(), f.rotate_k, f.tail_tokens),
-            ("k5", "v4", true, 128)
-        );
-        assert_eq!(f.name(), "ours:k5:v4+rot+tail128");
-        let f = ShadowFormat::parse("k5:kv8/16").unwrap();
-        assert_eq!(f.layout(2, 64).unwrap().v, Codec::Kv8 { group: 16 });
-        for bad in ["k4v4", "k5v4+tail", "k5v4+fast", "q4:v4"] {
-            assert!(
-                matches!(
-                    ShadowFormat::parse(bad),
-                    Err(EngineError::InvalidOption { .. })
-                ),
-                "{bad}"
-            );
-        }
-        // Rotation needs a power-of-two head dimension.
-        let f = ShadowFormat::parse("kv8+rot").unwrap();
-        assert!(f.layout(2, 96).is_err());
     }
 }

@@ -6,6 +6,7 @@ mod decode;
 mod draft;
 mod embed;
 mod eval;
+mod graft;
 mod text;
 
 use std::path::PathBuf;

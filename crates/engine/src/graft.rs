@@ -1,0 +1,753 @@
+//! Grafted attention: llama.cpp computes everything but attention; siliceo's
+//! paged store (one [`KvPages`] per layer, in a [`KvFormat`]) and CPU kernel
+//! own the KV.
+//!
+//! How: a raw llama.cpp context with flash attention, an f16 KV cache of one
+//! step's size and an evaluation callback that asks only for each layer's
+//! `kqv_out-{il}` (a view of the `FLASH_ATTN_EXT` output). When that node is
+//! computed, its op's inputs are still intact: Q, and K/V in the f16 cache at
+//! the batch's cells (cells `0..n` in batch order: the cache is cleared after
+//! every decode, so a batch always starts at cell 0). The callback writes each
+//! token's K/V into the rows [`GraftStep::writes`] names, copies and seals
+//! blocks as the step says, runs the paged-attention kernel for every query
+//! run of [`GraftStep::queries`] over the blocks it names, and overwrites
+//! `kqv_out`: every later op (output projection, FFN, later layers, logits)
+//! runs on our attention. After the decode llama.cpp's memory is cleared, so
+//! its attention only ever spans one step's tokens and its own KV holds at
+//! most one step; a sequence with no cells may continue at any position, so
+//! positions are passed as they are, far beyond this context's `n_ctx`.
+//!
+//! The block ids of a [`GraftStep`] are the store's: tail (F16) blocks and
+//! sealed blocks, each indexing its pool in every layer. Who decides them —
+//! one allocator for all layers — is the caller (the runtime, through
+//! kv-paging). A failed decode leaves the rows it wrote in blocks the caller
+//! frees; shared blocks are never written.
+
+use std::ffi::{CStr, c_void};
+use std::ops::Range;
+use std::ptr::NonNull;
+
+use llama_cpp_sys_2 as sys;
+use siliceo_kernels_turing::{AttnParams, KvLayout, KvPages, SeqKv, SeqQuery};
+
+use crate::{Batch, EngineError, KvFormat, Model};
+
+/// Copy rows `0..rows` of tail block `src` into tail block `dst`
+/// (copy-on-write of a shared partial block).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowCopy {
+    /// Tail block to copy from.
+    pub src: u32,
+    /// Tail block to copy to.
+    pub dst: u32,
+    /// Token rows to copy.
+    pub rows: usize,
+}
+
+/// One query run: consecutive batch tokens of one sequence (the last
+/// `tokens.len()` tokens of `kv`, causal), and the blocks they see.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GraftQuery {
+    /// Batch indices (contiguous).
+    pub tokens: Range<usize>,
+    /// The sequence's blocks as these queries see them (sealed, then tail)
+    /// and its length after the last of them.
+    pub kv: SeqKv,
+}
+
+/// What one decode does to the store, beside llama.cpp's batch. Per layer,
+/// in this order: `copies`, `writes`, `seals`, then attention for `queries`.
+/// A query run sees rows that later runs of the same step write only where
+/// its own `kv` reaches them, so one attention call serves every run.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GraftStep {
+    /// Copies of tail rows, first.
+    pub copies: Vec<RowCopy>,
+    /// Where each batch token's K and V go: (tail block, row), in batch order.
+    pub writes: Vec<(u32, u16)>,
+    /// Tail blocks quantized into sealed blocks: (tail, sealed), after the writes.
+    pub seals: Vec<(u32, u32)>,
+    /// Every batch token's attention, exactly once.
+    pub queries: Vec<GraftQuery>,
+}
+
+impl GraftStep {
+    /// Empties the step, keeping its allocations.
+    pub fn clear(&mut self) {
+        self.copies.clear();
+        self.writes.clear();
+        self.seals.clear();
+        self.queries.clear();
+    }
+}
+
+/// How to build a [`GraftedContext`].
+#[derive(Debug, Clone)]
+pub struct GraftOptions {
+    /// The KV format of the store.
+    pub format: KvFormat,
+    /// Sealed blocks per layer.
+    pub sealed_blocks: usize,
+    /// Tail (F16) blocks per layer.
+    pub tail_blocks: usize,
+    /// Most tokens per decode.
+    pub n_batch: u32,
+    /// Most sequences per decode (at most [`MAX_SEQS_PER_STEP`] and
+    /// `n_batch`; llama.cpp keeps a logits row per sequence id).
+    pub max_seqs: u32,
+    /// llama.cpp's threads (`None` = all cores).
+    pub threads: Option<u32>,
+    /// The attention kernel's threads, the calling thread included (`None` =
+    /// llama.cpp's count).
+    pub kernel_threads: Option<usize>,
+}
+
+/// Saved rows of some blocks of every layer (swap-out), in the order asked.
+#[derive(Debug, Clone)]
+pub struct SavedBlocks {
+    /// Which pool each block came from (`true` = sealed).
+    kinds: Vec<bool>,
+    bytes: Vec<u8>,
+}
+
+impl SavedBlocks {
+    /// Bytes held in host memory.
+    pub fn byte_len(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+/// A block of the store: which pool, which index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreBlock {
+    /// A sealed block.
+    Sealed(u32),
+    /// A tail (F16) block.
+    Tail(u32),
+}
+
+/// What the callback works on (boxed: llama.cpp holds a pointer to it).
+struct State {
+    layers: Vec<KvPages>,
+    n_head: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    params: AttnParams,
+    step: GraftStep,
+    /// Batch tokens of the decode in flight.
+    n_tokens: usize,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    out: Vec<f32>,
+    /// Layers handled in the decode in flight.
+    layers_done: usize,
+    error: Option<String>,
+}
+
+/// Copies tokens `0..n` of a `[d, tokens, heads, 1]` view (any strides; f32 or
+/// f16) into `dst` as `[token][head][d]` f32.
+///
+/// # Safety
+/// `t` must be a computed tensor in host memory holding at least `n` tokens.
+unsafe fn gather(
+    t: &sys::ggml_tensor,
+    n: usize,
+    heads: usize,
+    d: usize,
+    dst: &mut Vec<f32>,
+) -> Result<(), String> {
+    if t.buffer.is_null() || unsafe { !sys::ggml_backend_buffer_is_host(t.buffer) } {
+        return Err("an attention input is not in host memory".into());
+    }
+    if t.ne[0] as usize != d || t.ne[2] as usize != heads || (t.ne[1] as usize) < n || t.ne[3] != 1
+    {
+        return Err(format!(
+            "an attention input has shape {:?}, expected [{d}, ≥{n}, {heads}, 1]",
+            t.ne
+        ));
+    }
+    let f16 = match t.type_ {
+        sys::GGML_TYPE_F32 => false,
+        sys::GGML_TYPE_F16 => true,
+        other => {
+            return Err(format!(
+                "an attention input has type {other}, not f32 or f16"
+            ));
+        }
+    };
+    let nb = t.nb;
+    dst.clear();
+    dst.reserve(n * heads * d);
+    let base = t.data as *const u8;
+    for tok in 0..n {
+        for h in 0..heads {
+            let row = tok * nb[1] + h * nb[2];
+            for i in 0..d {
+                // SAFETY: in bounds of the tensor by its shape and strides.
+                let x = unsafe {
+                    let p = base.add(row + i * nb[0]);
+                    if f16 {
+                        half::f16::from_bits((p as *const u16).read_unaligned()).to_f32()
+                    } else {
+                        (p as *const f32).read_unaligned()
+                    }
+                };
+                dst.push(x);
+            }
+        }
+    }
+    Ok(())
+}
+
+impl State {
+    /// Handles `kqv_out-{il}`.
+    ///
+    /// # Safety
+    /// `t` is the tensor llama.cpp passes to the callback (computed).
+    unsafe fn on_layer(&mut self, t: &mut sys::ggml_tensor, il: usize) -> Result<(), String> {
+        let (nh, kvh, d, n) = (self.n_head, self.kv_heads, self.head_dim, self.n_tokens);
+        if il >= self.layers.len() {
+            return Err(format!("layer {il} beyond the model's layers"));
+        }
+        if t.type_ != sys::GGML_TYPE_F32
+            || t.ne[0] as usize != nh * d
+            || t.ne[1] as usize != n
+            || t.ne[2] != 1
+            || t.ne[3] != 1
+            || t.nb[0] != 4
+            || t.nb[1] != nh * d * 4
+        {
+            return Err(format!(
+                "kqv_out-{il}: shape {:?} strides {:?}, expected contiguous f32 [{}, {n}]",
+                t.ne,
+                t.nb,
+                nh * d
+            ));
+        }
+        if t.buffer.is_null() || unsafe { !sys::ggml_backend_buffer_is_host(t.buffer) } {
+            return Err(format!(
+                "kqv_out-{il} is not in host memory (GPU layers need the CUDA path)"
+            ));
+        }
+        // SAFETY: a node's sources live as long as the graph.
+        let fa = unsafe { t.src[0].as_ref() };
+        let Some(fa) = fa.filter(|f| f.op == sys::GGML_OP_FLASH_ATTN_EXT) else {
+            return Err(format!("kqv_out-{il} is not flash attention's output"));
+        };
+        let p = |i: usize| f32::from_bits(fa.op_params[i] as u32);
+        let (scale, max_bias, softcap) = (p(0), p(1), p(2));
+        if max_bias != 0.0 || softcap != 0.0 || fa.op_params[4] != 0 {
+            return Err(format!(
+                "layer {il}: ALiBi ({max_bias}), logit soft-capping ({softcap}) or top-k \
+                 attention ({}) is not supported",
+                fa.op_params[4]
+            ));
+        }
+        if !fa.src[4].is_null() {
+            return Err(format!("layer {il}: attention sinks are not supported"));
+        }
+        // SAFETY: Q, K and V of the op, computed before it and not yet freed.
+        let (q, k, v) = unsafe { (&*fa.src[0], &*fa.src[1], &*fa.src[2]) };
+        // A layer reusing another layer's cache would be stored twice.
+        // SAFETY: a view's source tensor lives as long as the context.
+        if let Some(cache) = unsafe { k.view_src.as_ref() } {
+            // SAFETY: ggml names are NUL-terminated within the array.
+            let name = unsafe { CStr::from_ptr(cache.name.as_ptr()) }.to_bytes();
+            let own = format!("cache_k_l{il}");
+            if name.starts_with(b"cache_k_l") && name != own.as_bytes() {
+                return Err(format!(
+                    "layer {il} attends over another layer's cache ({})",
+                    String::from_utf8_lossy(name)
+                ));
+            }
+        }
+        unsafe {
+            gather(q, n, nh, d, &mut self.q)?;
+            gather(k, n, kvh, d, &mut self.k)?;
+            gather(v, n, kvh, d, &mut self.v)?;
+        }
+        let pages = &mut self.layers[il];
+        for c in &self.step.copies {
+            pages.copy_tail_rows(c.src, c.dst, c.rows);
+        }
+        let row = kvh * d;
+        for (i, &(block, r)) in self.step.writes.iter().enumerate() {
+            pages.write_token(
+                block,
+                usize::from(r),
+                &self.k[i * row..(i + 1) * row],
+                &self.v[i * row..(i + 1) * row],
+            );
+        }
+        for &(src, dst) in &self.step.seals {
+            pages.seal(src, dst);
+        }
+        let qrow = nh * d;
+        let queries: Vec<SeqQuery<'_>> = self
+            .step
+            .queries
+            .iter()
+            .map(|g| SeqQuery {
+                kv: &g.kv,
+                q: &self.q[g.tokens.start * qrow..g.tokens.end * qrow],
+                n_q: g.tokens.len(),
+            })
+            .collect();
+        // The runs are in batch order and cover it (checked before the decode).
+        self.out.resize(n * qrow, 0.0);
+        siliceo_kernels_turing::paged_attention(
+            pages,
+            nh,
+            scale,
+            &queries,
+            &mut self.out,
+            &self.params,
+        )
+        .map_err(|e| format!("layer {il}: {e}"))?;
+        // SAFETY: checked contiguous f32 of n × nh·d values in host memory.
+        let dst = unsafe { std::slice::from_raw_parts_mut(t.data as *mut f32, n * qrow) };
+        dst.copy_from_slice(&self.out);
+        self.layers_done += 1;
+        Ok(())
+    }
+}
+
+fn parse_layer(name: &[u8]) -> Option<usize> {
+    let rest = name.strip_prefix(b"kqv_out-")?;
+    std::str::from_utf8(rest).ok()?.parse().ok()
+}
+
+unsafe extern "C" fn eval_callback(t: *mut sys::ggml_tensor, ask: bool, ud: *mut c_void) -> bool {
+    // SAFETY: llama.cpp passes a live tensor and our user data.
+    let t = unsafe { &mut *t };
+    // SAFETY: ggml names are NUL-terminated within the array.
+    let name = unsafe { CStr::from_ptr(t.name.as_ptr()) }.to_bytes();
+    let Some(il) = parse_layer(name) else {
+        return !ask;
+    };
+    if ask {
+        return true;
+    }
+    // SAFETY: the State outlives the context (GraftedContext owns both).
+    let state = unsafe { &mut *(ud as *mut State) };
+    if state.error.is_some() {
+        return true;
+    }
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe {
+        state.on_layer(t, il)
+    }));
+    match r {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => state.error = Some(e),
+        Err(_) => state.error = Some(format!("panic in grafted attention (layer {il})")),
+    }
+    // Always true: false only skips the rest of a split, not the graph; the
+    // error is reported after the decode.
+    true
+}
+
+/// A llama.cpp context whose attention — and KV — are siliceo's.
+pub struct GraftedContext<'m> {
+    model: &'m Model,
+    ctx: NonNull<sys::llama_context>,
+    batch: sys::llama_batch,
+    n_batch: usize,
+    state: Box<State>,
+    layout: KvLayout,
+    n_vocab: usize,
+    /// For each index of the last decoded batch: did it request logits.
+    logits_mask: Vec<bool>,
+    /// Request sequence ids of the batch being built → dense llama.cpp ids.
+    seq_ids: Vec<(u32, i32)>,
+    max_seqs: usize,
+}
+
+impl std::fmt::Debug for GraftedContext<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GraftedContext")
+            .field("model", &self.model.name())
+            .field("layout", &self.layout.name())
+            .field("n_batch", &self.n_batch)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The most sequences one decode may carry (llama.cpp's sequence ids).
+pub const MAX_SEQS_PER_STEP: usize = 256;
+
+impl<'m> GraftedContext<'m> {
+    /// A context over `model` with a store of `opts.sealed_blocks` sealed and
+    /// `opts.tail_blocks` tail blocks per layer.
+    pub fn new(model: &'m Model, opts: &GraftOptions) -> Result<GraftedContext<'m>, EngineError> {
+        model.check_graftable()?;
+        let g = model.geometry();
+        let (kv_heads, d) = (g.n_head_kv as usize, g.head_dim_k as usize);
+        if kv_heads == 0 || g.n_head as usize % kv_heads != 0 {
+            return Err(EngineError::Unsupported {
+                model: model.name().to_string(),
+                reason: format!("{} query heads over {kv_heads} KV heads", g.n_head),
+            });
+        }
+        let layout = opts.format.layout(kv_heads, d)?;
+        if opts.n_batch == 0 {
+            return Err(EngineError::InvalidOption {
+                field: "n_batch",
+                reason: "must be at least 1".into(),
+            });
+        }
+        let max_seqs = opts
+            .max_seqs
+            .clamp(1, (MAX_SEQS_PER_STEP as u32).min(opts.n_batch));
+        let layers = (0..g.n_layer)
+            .map(|_| KvPages::new(layout, opts.sealed_blocks, opts.tail_blocks))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| EngineError::InvalidOption {
+                field: "kv",
+                reason: e.to_string(),
+            })?;
+        let threads = opts.threads.unwrap_or_else(crate::context::default_threads);
+        let mut state = Box::new(State {
+            layers,
+            n_head: g.n_head as usize,
+            kv_heads,
+            head_dim: d,
+            params: AttnParams {
+                threads: opts.kernel_threads.unwrap_or(threads as usize).max(1),
+                ..AttnParams::default()
+            },
+            step: GraftStep::default(),
+            n_tokens: 0,
+            q: Vec::new(),
+            k: Vec::new(),
+            v: Vec::new(),
+            out: Vec::new(),
+            layers_done: 0,
+            error: None,
+        });
+        // llama.cpp's own cache: one step, padded as llama.cpp pads it.
+        let n_ctx = opts.n_batch.div_ceil(256) * 256;
+        // SAFETY: plain C calls; the callback's user data is the boxed State,
+        // which lives (at a fixed address) as long as the context.
+        let ctx = unsafe {
+            let mut p = sys::llama_context_default_params();
+            p.n_ctx = n_ctx;
+            p.n_batch = opts.n_batch;
+            p.n_ubatch = opts.n_batch;
+            p.n_seq_max = max_seqs;
+            p.n_threads = threads as i32;
+            p.n_threads_batch = threads as i32;
+            p.flash_attn_type = sys::LLAMA_FLASH_ATTN_TYPE_ENABLED;
+            p.type_k = sys::GGML_TYPE_F16;
+            p.type_v = sys::GGML_TYPE_F16;
+            p.kv_unified = true;
+            p.cb_eval = Some(eval_callback);
+            p.cb_eval_user_data = &mut *state as *mut State as *mut c_void;
+            sys::llama_init_from_model(model.raw().as_ptr(), p)
+        };
+        let ctx = NonNull::new(ctx).ok_or_else(|| EngineError::InvalidOption {
+            field: "kv",
+            reason: format!("llama.cpp refused a grafted context of {n_ctx} cells (see the log)"),
+        })?;
+        // SAFETY: a batch of n_batch tokens with one sequence id each.
+        let batch = unsafe { sys::llama_batch_init(opts.n_batch as i32, 0, 1) };
+        Ok(GraftedContext {
+            model,
+            ctx,
+            batch,
+            n_batch: opts.n_batch as usize,
+            state,
+            layout,
+            n_vocab: g.n_vocab as usize,
+            logits_mask: Vec::new(),
+            seq_ids: Vec::new(),
+            max_seqs: max_seqs as usize,
+        })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &'m Model {
+        self.model
+    }
+
+    /// The store's layout (codecs, tail, rotation, block size).
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// Most tokens per decode.
+    pub fn n_batch(&self) -> usize {
+        self.n_batch
+    }
+
+    /// (sealed, tail) blocks per layer.
+    pub fn capacity(&self) -> (usize, usize) {
+        self.state.layers[0].capacity()
+    }
+
+    /// Bytes the store holds, all layers.
+    pub fn store_bytes(&self) -> usize {
+        self.state.layers.iter().map(KvPages::byte_len).sum()
+    }
+
+    /// One layer's bytes, to read a sequence back (tests, quality checks).
+    pub fn layer(&self, il: usize) -> &KvPages {
+        &self.state.layers[il]
+    }
+
+    /// Cells llama.cpp's own KV cache holds right now (0 between decodes).
+    pub fn llama_cells(&self) -> u32 {
+        // SAFETY: a live context; its sequence ids are 0..max_seqs.
+        unsafe {
+            let mem = sys::llama_get_memory(self.ctx.as_ptr());
+            (0..self.max_seqs as i32)
+                .map(|s| {
+                    let (lo, hi) = (
+                        sys::llama_memory_seq_pos_min(mem, s),
+                        sys::llama_memory_seq_pos_max(mem, s),
+                    );
+                    if lo >= 0 && hi >= lo {
+                        (hi - lo + 1) as u32
+                    } else {
+                        0
+                    }
+                })
+                .sum()
+        }
+    }
+
+    /// The attention kernel's thread count.
+    pub fn set_kernel_threads(&mut self, threads: usize) {
+        self.state.params.threads = threads.max(1);
+    }
+
+    fn check_step(&self, batch: &Batch, step: &GraftStep) -> Result<(), EngineError> {
+        let bad = |why: String| Err(EngineError::Graft(why));
+        let (sealed, tail) = self.capacity();
+        if step.writes.len() != batch.len() {
+            return bad(format!(
+                "{} writes for a batch of {} tokens",
+                step.writes.len(),
+                batch.len()
+            ));
+        }
+        let t = self.layout.block_tokens;
+        for &(b, r) in &step.writes {
+            if b as usize >= tail || usize::from(r) >= t {
+                return bad(format!("write to tail block {b} row {r} outside the store"));
+            }
+        }
+        for c in &step.copies {
+            if c.src as usize >= tail || c.dst as usize >= tail || c.rows > t {
+                return bad(format!("copy {c:?} outside the store"));
+            }
+        }
+        for &(s, d) in &step.seals {
+            if s as usize >= tail || d as usize >= sealed {
+                return bad(format!("seal of tail {s} into {d} outside the store"));
+            }
+        }
+        let mut next = 0;
+        for q in &step.queries {
+            if q.tokens.start != next || q.tokens.is_empty() {
+                return bad(format!(
+                    "query runs must cover the batch in order; {:?} after {next}",
+                    q.tokens
+                ));
+            }
+            next = q.tokens.end;
+            if q.kv.sealed.iter().any(|&b| b as usize >= sealed)
+                || q.kv.tail.iter().any(|&b| b as usize >= tail)
+            {
+                return bad(format!(
+                    "query run {:?} names blocks outside the store",
+                    q.tokens
+                ));
+            }
+        }
+        if next != batch.len() {
+            return bad(format!(
+                "query runs cover {next} of {} batch tokens",
+                batch.len()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Runs the model over `batch` with attention (and KV) as `step` says.
+    /// Positions may be anywhere; every token belongs to one sequence, and a
+    /// sequence's tokens are consecutive in positions and in the batch; at
+    /// most [`GraftOptions::max_seqs`] sequences.
+    pub fn decode(&mut self, batch: &Batch, step: GraftStep) -> Result<(), EngineError> {
+        self.logits_mask.clear();
+        if batch.is_empty() {
+            return Ok(());
+        }
+        if batch.len() > self.n_batch {
+            return Err(EngineError::BatchTooLarge {
+                tokens: batch.len(),
+                n_batch: self.n_batch as u32,
+            });
+        }
+        self.check_step(batch, &step)?;
+        let n_vocab = self.model.geometry().n_vocab;
+        self.seq_ids.clear();
+        let b = &mut self.batch;
+        for (i, t) in batch.tokens().enumerate() {
+            if t.token.0 >= n_vocab {
+                return Err(EngineError::InvalidToken {
+                    token: t.token.0,
+                    n_vocab,
+                });
+            }
+            let [seq] = t.seqs[..] else {
+                return Err(EngineError::Graft(format!(
+                    "batch token {i} belongs to {} sequences; grafted steps take one",
+                    t.seqs.len()
+                )));
+            };
+            let id = match self.seq_ids.iter().find(|(s, _)| *s as i32 == seq) {
+                Some(&(_, id)) => id,
+                None => {
+                    if self.seq_ids.len() == self.max_seqs {
+                        return Err(EngineError::Graft(format!(
+                            "more than {} sequences in one step",
+                            self.max_seqs
+                        )));
+                    }
+                    let id = self.seq_ids.len() as i32;
+                    self.seq_ids.push((seq as u32, id));
+                    id
+                }
+            };
+            // SAFETY: the arrays hold n_batch entries (llama_batch_init).
+            unsafe {
+                *b.token.add(i) = t.token.0 as i32;
+                *b.pos.add(i) = t.pos as i32;
+                *b.n_seq_id.add(i) = 1;
+                *(*b.seq_id.add(i)).add(0) = id;
+                *b.logits.add(i) = i8::from(t.logits);
+            }
+            self.logits_mask.push(t.logits);
+        }
+        b.n_tokens = batch.len() as i32;
+        self.state.step = step;
+        self.state.n_tokens = batch.len();
+        self.state.layers_done = 0;
+        self.state.error = None;
+        // SAFETY: a live context and a filled batch.
+        let rc = unsafe { sys::llama_decode(self.ctx.as_ptr(), self.batch) };
+        // llama.cpp keeps nothing between steps.
+        // SAFETY: a live context.
+        unsafe { sys::llama_memory_clear(sys::llama_get_memory(self.ctx.as_ptr()), false) };
+        let error = self.state.error.take();
+        let done = self.state.layers_done;
+        if error.is_some() || rc != 0 || done != self.state.layers.len() {
+            self.logits_mask.clear();
+        }
+        if let Some(e) = error {
+            return Err(EngineError::Graft(e));
+        }
+        if rc != 0 {
+            return Err(EngineError::Graft(format!("llama_decode returned {rc}")));
+        }
+        if done != self.state.layers.len() {
+            return Err(EngineError::Graft(format!(
+                "{done} of {} layers went through the kernel: this model's graph does not \
+                 name every layer's attention kqv_out",
+                self.state.layers.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Logits for batch index `index` of the last decode; the token there
+    /// must have asked for them.
+    pub fn logits(&self, index: usize) -> Result<&[f32], EngineError> {
+        if !self.logits_mask.get(index).copied().unwrap_or(false) {
+            return Err(EngineError::NoLogits { index });
+        }
+        // SAFETY: llama.cpp returns n_vocab floats for an output token.
+        Ok(unsafe {
+            std::slice::from_raw_parts(
+                sys::llama_get_logits_ith(self.ctx.as_ptr(), index as i32),
+                self.n_vocab,
+            )
+        })
+    }
+
+    /// Copies `blocks` of every layer into host memory (a swapped-out sequence).
+    pub fn save_blocks(&self, blocks: &[StoreBlock]) -> SavedBlocks {
+        let mut bytes = Vec::new();
+        for pages in &self.state.layers {
+            for &b in blocks {
+                bytes.extend_from_slice(match b {
+                    StoreBlock::Sealed(i) => pages.sealed_block(i),
+                    StoreBlock::Tail(i) => pages.tail_block(i),
+                });
+            }
+        }
+        SavedBlocks {
+            kinds: blocks
+                .iter()
+                .map(|b| matches!(b, StoreBlock::Sealed(_)))
+                .collect(),
+            bytes,
+        }
+    }
+
+    /// Writes saved blocks back, into `blocks` (same count and pools as saved).
+    pub fn restore_blocks(
+        &mut self,
+        saved: &SavedBlocks,
+        blocks: &[StoreBlock],
+    ) -> Result<(), EngineError> {
+        let kinds: Vec<bool> = blocks
+            .iter()
+            .map(|b| matches!(b, StoreBlock::Sealed(_)))
+            .collect();
+        if kinds != saved.kinds {
+            return Err(EngineError::Graft(format!(
+                "restoring {} blocks into {} of other pools",
+                saved.kinds.len(),
+                blocks.len()
+            )));
+        }
+        let mut at = 0;
+        for pages in &mut self.state.layers {
+            for &b in blocks {
+                let dst = match b {
+                    StoreBlock::Sealed(i) => pages.sealed_block_mut(i),
+                    StoreBlock::Tail(i) => pages.tail_block_mut(i),
+                };
+                dst.copy_from_slice(&saved.bytes[at..at + dst.len()]);
+                at += dst.len();
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for GraftedContext<'_> {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, freed once, before the State box.
+        unsafe {
+            sys::llama_batch_free(self.batch);
+            sys::llama_free(self.ctx.as_ptr());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_kqv_out_is_asked_for() {
+        assert_eq!(parse_layer(b"kqv_out-0"), Some(0));
+        assert_eq!(parse_layer(b"kqv_out-31"), Some(31));
+        assert_eq!(parse_layer(b"kqv_out"), None);
+        assert_eq!(parse_layer(b"Qcur-3"), None);
+        assert_eq!(parse_layer(b"kqv_out-x"), None);
+    }
+}
