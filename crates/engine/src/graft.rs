@@ -86,6 +86,8 @@ impl GraftStep {
 pub struct GraftOptions {
     /// The KV format of the store.
     pub format: KvFormat,
+    /// Tokens per block (even; 64 in serving).
+    pub block_tokens: usize,
     /// Sealed blocks per layer.
     pub sealed_blocks: usize,
     /// Tail (F16) blocks per layer.
@@ -383,13 +385,18 @@ impl<'m> GraftedContext<'m> {
         model.check_graftable()?;
         let g = model.geometry();
         let (kv_heads, d) = (g.n_head_kv as usize, g.head_dim_k as usize);
-        if kv_heads == 0 || g.n_head as usize % kv_heads != 0 {
+        if kv_heads == 0 || !(g.n_head as usize).is_multiple_of(kv_heads) {
             return Err(EngineError::Unsupported {
                 model: model.name().to_string(),
                 reason: format!("{} query heads over {kv_heads} KV heads", g.n_head),
             });
         }
-        let layout = opts.format.layout(kv_heads, d)?;
+        let mut layout = opts.format.layout(kv_heads, d)?;
+        layout.block_tokens = opts.block_tokens;
+        layout.check().map_err(|e| EngineError::InvalidOption {
+            field: "block_size",
+            reason: e.to_string(),
+        })?;
         if opts.n_batch == 0 {
             return Err(EngineError::InvalidOption {
                 field: "n_batch",

@@ -101,6 +101,12 @@ impl KvLayout {
         self.v.check(self.block_tokens, self.head_dim)
     }
 
+    /// Whether sealed blocks hold F16 K and V, the tail's own bytes: sealing
+    /// would only copy, so a store of this layout need never seal.
+    pub fn full_precision(&self) -> bool {
+        self.k == Codec::F16 && self.v == Codec::F16
+    }
+
     /// Bytes of one K segment (one head of one sealed block).
     pub fn k_segment_bytes(&self) -> usize {
         self.k.segment_bytes(self.block_tokens, self.head_dim)

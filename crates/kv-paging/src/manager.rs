@@ -784,6 +784,11 @@ impl KvCacheManager {
         }
         while s.offered < full {
             let i = s.offered;
+            // A block sealed by tokens past `upto` (planned, not computed) is
+            // not quantized yet: neither form may be offered.
+            if i < s.sealed && self.config.seal_len(i) > upto {
+                break;
+            }
             let parent = if i == 0 { s.root } else { s.hashes[i - 1] };
             let chunk = &s.tokens[i * bs..(i + 1) * bs];
             let b = s.blocks[i];

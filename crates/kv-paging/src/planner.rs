@@ -355,6 +355,131 @@ pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
     })
 }
 
+/// How big to make a paged store of our own formats (grafted serving).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum StoreSize {
+    /// As many sealed blocks as fit in this many bytes (all layers, every
+    /// pool included).
+    Budget(u64),
+    /// Room for this many tokens of context in sealed blocks (or in open
+    /// blocks, for a format that never seals), shared by all sequences.
+    Tokens(u64),
+}
+
+/// What a paged store is made of: per-layer block sizes (from the store's
+/// layout) and the serving limits that size its open pool.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct StoreInput {
+    /// Layers (each holds every block).
+    pub layers: u32,
+    /// Bytes of one open (full-precision) block of one layer.
+    pub open_block_bytes: u64,
+    /// Bytes of one sealed block of one layer.
+    pub sealed_block_bytes: u64,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Newest tokens kept open beyond the partial block.
+    pub tail_tokens: u32,
+    /// Whether full blocks are sealed (a full-precision format never is).
+    pub seals: bool,
+    /// Most sequences running at once.
+    pub max_running: u32,
+    /// Most tokens one step computes.
+    pub max_batch_tokens: u32,
+    /// The size asked for.
+    pub size: StoreSize,
+}
+
+/// The store a [`StoreInput`] gives: block counts per pool and the bytes
+/// they take, which is what the store allocates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct StorePlan {
+    /// Open blocks kv-paging allocates (tails, partial blocks, copies, and
+    /// room to cache partial blocks).
+    pub open_blocks: u32,
+    /// Sealed blocks (0 for a format that never seals).
+    pub sealed_blocks: u32,
+    /// Open blocks beside those, as per-step scratch for blocks filled and
+    /// sealed within one step.
+    pub scratch_blocks: u32,
+    /// Bytes of all pools, all layers.
+    pub bytes: u64,
+    /// Tokens of context the blocks hold (sealed blocks, or open blocks for
+    /// a format that never seals).
+    pub tokens: u64,
+}
+
+/// Sizes a store of our formats. The open pool is sized for the running
+/// sequences — each holds its open tail (`tail_tokens` plus the partial
+/// block), one block set aside for a copy-on-write, and one more so partial
+/// blocks stay cached — and the rest goes to sealed blocks. A format that
+/// never seals keeps everything in open blocks.
+pub fn plan_store(input: &StoreInput) -> Result<StorePlan, PlanError> {
+    let bad = |field, reason: String| Err(PlanError::Invalid { field, reason });
+    if input.block_size == 0 || input.layers == 0 || input.open_block_bytes == 0 {
+        return bad(
+            "block_size",
+            "blocks, layers and block bytes must be positive".into(),
+        );
+    }
+    if input.seals && input.sealed_block_bytes == 0 {
+        return bad("sealed_block_bytes", "must be positive".into());
+    }
+    let bs = u64::from(input.block_size);
+    let layers = u64::from(input.layers);
+    let open_b = input.open_block_bytes * layers;
+    let sealed_b = input.sealed_block_bytes * layers;
+    let running = u64::from(input.max_running.max(1));
+    let blocks_of = |tokens: u64| tokens.div_ceil(bs);
+    let (open, sealed, scratch) = if input.seals {
+        let window = (u64::from(input.tail_tokens) + bs).div_ceil(bs);
+        let open = running * (window + 2);
+        let scratch = blocks_of(u64::from(input.max_batch_tokens)) + 1;
+        let sealed = match input.size {
+            StoreSize::Tokens(t) => blocks_of(t),
+            StoreSize::Budget(b) => {
+                let fixed = (open + scratch) * open_b;
+                b.saturating_sub(fixed) / sealed_b
+            }
+        };
+        (open, sealed, scratch)
+    } else {
+        let open = match input.size {
+            StoreSize::Tokens(t) => blocks_of(t) + running,
+            StoreSize::Budget(b) => b / open_b,
+        };
+        (open, 0, 0)
+    };
+    let context_blocks = if input.seals {
+        sealed
+    } else {
+        open.saturating_sub(running)
+    };
+    if context_blocks == 0 {
+        return Err(PlanError::NoRoomForKv {
+            kv_bytes: match input.size {
+                StoreSize::Budget(b) => b,
+                StoreSize::Tokens(t) => t,
+            },
+            block_bytes: if input.seals { sealed_b } else { open_b },
+        });
+    }
+    let too_many = |n: u64| n > u64::from(u32::MAX) / 2;
+    if too_many(open + sealed + scratch) {
+        return bad(
+            "size",
+            format!("{} blocks are too many", open + sealed + scratch),
+        );
+    }
+    Ok(StorePlan {
+        open_blocks: open as u32,
+        sealed_blocks: sealed as u32,
+        scratch_blocks: scratch as u32,
+        bytes: (open + scratch) * open_b + sealed * sealed_b,
+        tokens: context_blocks * bs,
+    })
+}
+
 /// Parses a size such as `8GiB`, `2.5GB`, `512MiB`, `1000000` (bytes).
 /// Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB,
 /// GB, TB) powers of 1000.
@@ -525,5 +650,64 @@ mod tests {
         assert_eq!(KvFormat::Kv8.bits_per_element(128), Some(8.5));
         assert_eq!(KvFormat::Kv8.bits_per_element(80), None);
         assert_eq!(KvFormat::V4.row_bytes(48), None);
+    }
+
+    #[test]
+    fn a_store_of_our_formats_splits_open_and_sealed_pools() {
+        let input = StoreInput {
+            layers: 30,
+            open_block_bytes: 3 * 2 * 64 * 64 * 2,
+            sealed_block_bytes: 3 * 2 * (64 * 64 + 64 * 2 * 2),
+            block_size: 64,
+            tail_tokens: 0,
+            seals: true,
+            max_running: 4,
+            max_batch_tokens: 256,
+            size: StoreSize::Tokens(4096),
+        };
+        let p = plan_store(&input).unwrap();
+        // Each running sequence: its partial block, a copy, a cached partial.
+        assert_eq!(
+            (p.open_blocks, p.sealed_blocks, p.scratch_blocks),
+            (12, 64, 5)
+        );
+        assert_eq!(p.tokens, 4096);
+        let open_b = input.open_block_bytes * 30;
+        let sealed_b = input.sealed_block_bytes * 30;
+        assert_eq!(p.bytes, 17 * open_b + 64 * sealed_b);
+        // A budget: what is left after the open pools goes to sealed blocks.
+        let b = plan_store(&StoreInput {
+            size: StoreSize::Budget(p.bytes + sealed_b - 1),
+            ..input
+        })
+        .unwrap();
+        assert_eq!(b.sealed_blocks, 64);
+        assert!(b.bytes < p.bytes + sealed_b);
+        // A 1,024-token tail: 17 open blocks per sequence.
+        let t = plan_store(&StoreInput {
+            tail_tokens: 1024,
+            ..input
+        })
+        .unwrap();
+        assert_eq!(t.open_blocks, 4 * 19);
+        // F16 never seals: all open, plus one block per running sequence.
+        let f = plan_store(&StoreInput {
+            seals: false,
+            ..input
+        })
+        .unwrap();
+        assert_eq!(
+            (f.open_blocks, f.sealed_blocks, f.scratch_blocks),
+            (68, 0, 0)
+        );
+        assert_eq!(f.tokens, 4096);
+        // Too small a budget is refused.
+        assert!(matches!(
+            plan_store(&StoreInput {
+                size: StoreSize::Budget(1 << 20),
+                ..input
+            }),
+            Err(PlanError::NoRoomForKv { .. })
+        ));
     }
 }

@@ -39,13 +39,15 @@
 
 pub mod embeddings;
 mod engine_loop;
-mod holders;
 mod types;
 
 pub use types::{
-    Event, GenerateRequest, Input, RequestStream, RuntimeConfig, RuntimeError, RuntimeInfo,
-    RuntimeStats, SpeculativeConfig, Usage,
+    Event, GenerateRequest, Input, KvBackend, RequestStream, RuntimeConfig, RuntimeError,
+    RuntimeInfo, RuntimeStats, SpeculativeConfig, Usage,
 };
+
+pub use engine_loop::store_plan;
+pub use siliceo_kv_paging::planner::{StorePlan, StoreSize};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;

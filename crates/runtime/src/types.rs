@@ -2,7 +2,8 @@ use std::path::PathBuf;
 
 use crossbeam_channel::Sender;
 use siliceo_core::{FinishReason, Priority, RequestId, SamplingParams, TokenId};
-use siliceo_engine::{ChatMessage, ContextOptions, ModelOptions};
+use siliceo_engine::{ChatMessage, ContextOptions, KvFormat, ModelOptions};
+use siliceo_kv_paging::planner::{StorePlan, StoreSize};
 use siliceo_scheduler::SchedulerConfig;
 
 use crate::Command;
@@ -14,7 +15,13 @@ pub struct RuntimeConfig {
     pub model_path: PathBuf,
     /// Model loading options.
     pub model: ModelOptions,
-    /// Context options; `n_seq_max` is set to the scheduler's `max_running_seqs`.
+    /// Where KV lives: siliceo's store in one of its formats (the default),
+    /// or llama.cpp's own cache.
+    pub kv: KvBackend,
+    /// Context options: `n_batch` and threads for both backends; `n_ctx`
+    /// (the KV tokens when no store size is given) and, for llama.cpp's own
+    /// cache, its K/V types. `n_seq_max` is set from the scheduler's
+    /// `max_running_seqs`.
     pub context: ContextOptions,
     /// Scheduling limits; `max_batch_tokens` is clamped to the context's `n_batch`.
     pub scheduler: SchedulerConfig,
@@ -25,20 +32,51 @@ pub struct RuntimeConfig {
     pub prefix_caching: bool,
     /// Speculative decoding for requests that ask for it (`None`: off).
     pub speculative: Option<SpeculativeConfig>,
-    /// llama.cpp sequence ids set aside to keep cached blocks alive after the
-    /// requests that computed them end. Each holds at most one cached block per
+    /// With llama.cpp's own cache: sequence ids set aside to keep cached
+    /// blocks alive after the requests that computed them end. Each holds at most one cached block per
     /// block position, so this bounds how many different cached prefixes can
     /// share a position; a block that finds no holder is dropped from the cache.
     pub prefix_holders: u32,
 }
 
+/// Where a runtime keeps KV.
+#[derive(Debug, Clone, PartialEq)]
+pub enum KvBackend {
+    /// Siliceo's paged store and attention kernel (grafted attention): KV in
+    /// `format`, one pool of blocks for all requests, sized by `size`
+    /// (`None`: the context's `n_ctx` tokens).
+    Ours {
+        /// The KV format.
+        format: KvFormat,
+        /// The store's size.
+        size: Option<StoreSize>,
+        /// The attention kernel's threads (`None`: llama.cpp's count).
+        kernel_threads: Option<usize>,
+    },
+    /// llama.cpp's own unified KV cache (the context's `type_k`/`type_v`),
+    /// for comparison.
+    Llama,
+}
+
+impl Default for KvBackend {
+    fn default() -> Self {
+        KvBackend::Ours {
+            format: KvFormat::default(),
+            size: None,
+            kernel_threads: None,
+        }
+    }
+}
+
 impl RuntimeConfig {
-    /// Defaults for `model_path`: 4096-token context, 8 running sequences,
-    /// 256-token steps, 64-token blocks, prefix caching with 16 holder sequences.
+    /// Defaults for `model_path`: our store in the default format (KV8),
+    /// 4096 tokens of KV, 8 running sequences, 256-token steps, 64-token
+    /// blocks, prefix caching.
     pub fn new(model_path: impl Into<PathBuf>) -> Self {
         RuntimeConfig {
             model_path: model_path.into(),
             model: ModelOptions::default(),
+            kv: KvBackend::default(),
             context: ContextOptions {
                 n_ctx: 4096,
                 n_batch: 256,
@@ -248,15 +286,22 @@ pub struct RuntimeInfo {
     pub architecture: String,
     /// Its geometry.
     pub geometry: siliceo_core::ModelGeometry,
-    /// KV cells of the context (the longest sequence).
+    /// The longest sequence (prompt plus generation) in tokens.
     pub n_ctx: u32,
-    /// K cache type.
+    /// llama.cpp's K cache type (with our store: its one-step f16 cache).
     pub type_k: siliceo_core::KvType,
-    /// V cache type.
+    /// llama.cpp's V cache type.
     pub type_v: siliceo_core::KvType,
+    /// `ours` (siliceo's store, grafted attention) or `llama` (llama.cpp's cache).
+    pub kv_backend: &'static str,
+    /// The KV format: ours (`kv8:kv8`, `k5:v4+tail64`, …) or llama.cpp's
+    /// `K/V` types.
+    pub kv_format: String,
+    /// Our store's pools and bytes (`None` on llama.cpp's cache).
+    pub store: Option<StorePlan>,
     /// Tokens per KV block.
     pub block_size: u32,
-    /// KV blocks the scheduler manages.
+    /// KV blocks the scheduler manages (open and sealed).
     pub kv_blocks: u32,
     /// Most requests running at once.
     pub max_running_seqs: u32,
@@ -280,6 +325,12 @@ pub struct RuntimeStats {
     pub kv_free_blocks: usize,
     /// Unreferenced blocks still holding a cached prefix.
     pub kv_cached_blocks: usize,
+    /// Bytes of our store's blocks referenced now (0 on llama.cpp's cache).
+    pub kv_used_bytes: u64,
+    /// Referenced blocks that several requests share (prefix hits, forks).
+    pub kv_shared_blocks: usize,
+    /// Referenced sealed (quantized) blocks, a part of `kv_used_blocks`.
+    pub kv_used_sealed_blocks: usize,
     /// Prompt tokens served from the prefix cache so far.
     pub prefix_hit_tokens: u64,
     /// Prompt tokens computed because the cache did not have them.

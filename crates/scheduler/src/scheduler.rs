@@ -159,6 +159,10 @@ pub struct Preempted {
     /// still cached hold KV other requests may reuse: a runtime keeps their
     /// cells before dropping the sequence.
     pub blocks: Vec<BlockId>,
+    /// The block work of its share of this step, undone: the table already
+    /// has its seals, so a block sealed there is still read (and saved) from
+    /// the seal's source at `tokens`.
+    pub ops: Vec<BlockOp>,
 }
 
 /// Why the scheduler ended a request on its own.
@@ -572,8 +576,10 @@ impl Scheduler {
 
     fn preempt(&mut self, id: &RequestId, step: &mut Step, budget: &mut usize) {
         // Undo its share of this step, if it had one.
+        let mut ops = Vec::new();
         if let Some(pos) = step.items.iter().position(|i| &i.id == id) {
             let item = step.items.remove(pos);
+            ops = item.ops;
             *budget += item.tokens.len() + item.draft_slots;
             let e = self.entries.get_mut(id).expect("running entry");
             e.computed -= item.tokens.len();
@@ -609,6 +615,7 @@ impl Scheduler {
             mode,
             tokens: held,
             blocks,
+            ops,
         });
     }
 

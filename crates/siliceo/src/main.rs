@@ -9,21 +9,19 @@
 //! `models/SmolLM2-135M-Instruct.Q4_1.gguf`); `cargo xtask fetch-model` fetches it.
 
 mod eval_kv;
+mod kv_opts;
 mod plan;
 mod serve;
 
 use std::io::Write;
-use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Result, bail};
 use clap::{Args, Parser, Subcommand};
-use siliceo_core::{KvType, SamplingParams, SeqId};
-use siliceo_engine::{
-    ChatMessage, Context, ContextOptions, EngineError, FlashAttention, Model, ModelOptions,
-    generate,
-};
+use siliceo_core::{KvType, SamplingParams};
+use siliceo_engine::{ChatMessage, EngineError, Model, ModelOptions};
+use siliceo_runtime::{Event, GenerateRequest, Input, Runtime, RuntimeConfig, RuntimeError};
 
 const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
@@ -118,16 +116,22 @@ struct GenerateArgs {
     /// Threads (default: all cores).
     #[arg(long)]
     threads: Option<u32>,
-    /// KV preset: f16, kv8 (q8_0/q8_0) or k5v4 (q5_1/q4_1); --kv-k/--kv-v
-    /// override a half [default: f16].
+    /// KV format: ours (f16, kv8, k5v4, K:V codecs, +rot, +tailN) [default:
+    /// kv8]; with --kv-backend llama, llama.cpp's presets f16, kv8, k5v4.
     #[arg(long)]
     kv: Option<String>,
-    /// K cache type (f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl).
+    /// Where KV lives: ours or llama [default: ours].
     #[arg(long)]
-    kv_k: Option<KvType>,
-    /// V cache type; a quantized V turns flash attention on.
+    kv_backend: Option<String>,
+    /// llama.cpp's K cache type (with --kv-backend llama).
     #[arg(long)]
-    kv_v: Option<KvType>,
+    kv_k: Option<String>,
+    /// llama.cpp's V cache type (with --kv-backend llama).
+    #[arg(long)]
+    kv_v: Option<String>,
+    /// Batch-invariant weight products (no repacking, no tiled K-quant products).
+    #[arg(long)]
+    deterministic: bool,
 }
 
 #[derive(Args, Debug)]
@@ -159,6 +163,7 @@ fn load(arg: &ModelArg) -> Result<Model> {
         &path,
         &ModelOptions {
             gpu_layers: arg.gpu_layers,
+            ..ModelOptions::default()
         },
     ) {
         Ok(m) => Ok(m),
@@ -171,7 +176,6 @@ fn load(arg: &ModelArg) -> Result<Model> {
 }
 
 fn cmd_generate(a: GenerateArgs) -> Result<()> {
-    let model = load(&a.model)?;
     let params = SamplingParams {
         temperature: a.temperature,
         top_k: a.top_k,
@@ -189,55 +193,101 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     if a.prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    let text = if a.chat {
+    let path = a.model.model.clone().unwrap_or_else(default_model);
+    if !path.is_file() {
+        if a.model.model.is_none() {
+            bail!(
+                "the default model is not there ({})\nfetch it with: cargo xtask fetch-model",
+                path.display()
+            );
+        }
+        bail!("--model: no such file: {}", path.display());
+    }
+    let (backend, type_k, type_v) = kv_opts::kv_backend(
+        &kv_opts::KvFlags {
+            kv: a.kv.as_deref(),
+            backend: a.kv_backend.as_deref(),
+            kv_k: a.kv_k.as_deref(),
+            kv_v: a.kv_v.as_deref(),
+            ..kv_opts::KvFlags::default()
+        },
+        &path,
+    )?;
+    let input = if a.chat {
         let mut msgs = Vec::new();
         if let Some(s) = a.system {
             msgs.push(ChatMessage::new("system", s));
         }
         msgs.push(ChatMessage::new("user", a.prompt));
-        model.apply_chat_template(&msgs, true)?
+        Input::Chat(msgs)
     } else {
-        a.prompt
+        Input::Prompt(a.prompt)
     };
-    let tokens = model.tokenize(&text, true)?;
-    let preset = serve::kv_preset(a.kv.as_deref())?;
-    let (type_k, type_v) = (a.kv_k.unwrap_or(preset.k), a.kv_v.unwrap_or(preset.v));
-    let mut ctx = Context::new(
-        &model,
-        ContextOptions {
-            n_ctx: a.ctx,
-            n_seq_max: 1,
-            n_threads: a.threads,
-            n_threads_batch: a.threads,
-            type_k,
-            type_v,
-            flash_attention: FlashAttention::Auto,
-            ..ContextOptions::default()
-        },
-    )?;
-    let mut stdout = std::io::stdout().lock();
-    let out = generate(&mut ctx, SeqId(0), &tokens, &params, |piece, _| {
-        // A closed pipe (e.g. `| head`) ends the generation quietly.
-        if stdout
-            .write_all(piece.as_bytes())
-            .and_then(|_| stdout.flush())
-            .is_err()
-        {
-            ControlFlow::Break(())
-        } else {
-            ControlFlow::Continue(())
+    // One request through the serving runtime: the same path as `serve`.
+    let mut rc = RuntimeConfig::new(&path);
+    rc.kv = backend;
+    rc.model = ModelOptions {
+        gpu_layers: a.model.gpu_layers,
+        deterministic: a.deterministic,
+    };
+    rc.context.n_ctx = a.ctx;
+    rc.context.type_k = type_k;
+    rc.context.type_v = type_v;
+    rc.context.n_threads = a.threads;
+    rc.context.n_threads_batch = a.threads;
+    rc.context.n_batch = 512;
+    rc.context.n_ubatch = 512;
+    rc.scheduler.max_batch_tokens = 512;
+    rc.scheduler.max_running_seqs = 1;
+    rc.prefix_caching = false;
+    rc.context.validate()?;
+    let rt = Runtime::start(rc).map_err(|e| match e {
+        RuntimeError::Start(m) if m.contains("not found") && a.model.model.is_none() => {
+            anyhow::anyhow!("{m}\nfetch it with: cargo xtask fetch-model")
         }
+        e => anyhow::anyhow!("{e}"),
     })?;
-    let _ = writeln!(stdout);
-    eprintln!(
-        "[{} prompt tokens in {:.0} ms ({:.1} tok/s) · {} generated at {:.1} tok/s · finish: {}]",
-        out.prompt_tokens,
-        out.prefill_time.as_secs_f64() * 1000.0,
-        out.prompt_tokens as f64 / out.prefill_time.as_secs_f64().max(1e-9),
-        out.tokens.len(),
-        out.decode_tokens_per_second(),
-        out.finish_reason
-    );
+    let kv = kv_opts::describe(rt.info());
+    let mut req = GenerateRequest::new(input);
+    req.sampling = params;
+    let mut stream = rt.submit(req)?;
+    let mut stdout = std::io::stdout().lock();
+    while let Some(event) = stream.blocking_next() {
+        match event {
+            Event::Text { text, .. } => {
+                // A closed pipe (e.g. `| head`) ends the generation quietly.
+                if stdout
+                    .write_all(text.as_bytes())
+                    .and_then(|_| stdout.flush())
+                    .is_err()
+                {
+                    break;
+                }
+            }
+            Event::Done {
+                finish_reason,
+                usage,
+                error,
+            } => {
+                let _ = writeln!(stdout);
+                if let Some(e) = error {
+                    bail!("{e}");
+                }
+                let prefill_s = (usage.ttft_ms.saturating_sub(usage.queue_ms)) as f64 / 1000.0;
+                let decode_s = usage.decode_ms as f64 / 1000.0;
+                eprintln!(
+                    "[{} prompt tokens in {:.0} ms ({:.1} tok/s) · {} generated at {:.1} tok/s · finish: {} · KV {kv}]",
+                    usage.prompt_tokens,
+                    prefill_s * 1000.0,
+                    f64::from(usage.prompt_tokens) / prefill_s.max(1e-9),
+                    usage.completion_tokens,
+                    f64::from(usage.completion_tokens.saturating_sub(1)) / decode_s.max(1e-9),
+                    finish_reason
+                );
+                break;
+            }
+        }
+    }
     Ok(())
 }
 

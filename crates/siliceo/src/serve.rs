@@ -8,8 +8,8 @@
 //! model = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 //! listen = "127.0.0.1:50051"
 //! context = 8192
-//! kv_k = "q8_0"
-//! kv_v = "q8_0"
+//! kv = "k5v4+tail64"
+//! kv_budget = "1GiB"
 //! max_running = 16
 //! ```
 
@@ -21,7 +21,6 @@ use std::time::Duration;
 use anyhow::{Context as _, Result, bail};
 use clap::Args;
 use serde::Deserialize;
-use siliceo_core::KvType;
 use siliceo_runtime::{Runtime, RuntimeConfig};
 use siliceo_server::ServerConfig;
 
@@ -45,20 +44,41 @@ pub struct ServeArgs {
     /// Prometheus metrics address, e.g. 127.0.0.1:9090 [default: off].
     #[arg(long)]
     metrics_listen: Option<SocketAddr>,
-    /// Context (KV cells) shared by all running requests [default: 8192].
+    /// KV tokens shared by all running requests (the longest sequence), when
+    /// --kv-budget is not given [default: 8192].
     #[arg(long)]
     context: Option<u32>,
-    /// KV format preset: f16, kv8 (q8_0/q8_0) or k5v4 (q5_1/q4_1); --kv-k and
-    /// --kv-v override its halves. `siliceo eval-kv` measures what each costs
-    /// (docs/KV_QUALITY.md) [default: f16].
+    /// KV format. Ours (the default backend): f16, kv8, k5v4 or K:V codecs
+    /// (kv8[/G], k5, v4[/G], f16), then +rot (Hadamard-rotated K) and +tailN
+    /// (the newest N tokens kept in f16) [default: kv8]. With --kv-backend
+    /// llama: llama.cpp's presets f16, kv8 (q8_0/q8_0), k5v4 (q5_1/q4_1).
+    /// `siliceo eval-kv` measures what each costs (docs/KV_QUALITY.md).
     #[arg(long)]
     kv: Option<String>,
-    /// K cache type: f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl [default: f16].
+    /// Where KV lives: ours (siliceo's paged store and kernel) or llama
+    /// (llama.cpp's own cache, for comparison) [default: ours].
+    #[arg(long)]
+    kv_backend: Option<String>,
+    /// Our store's size in bytes, all layers (e.g. 2GiB); without it the store
+    /// holds --context tokens.
+    #[arg(long)]
+    kv_budget: Option<String>,
+    /// llama.cpp's K cache type (with --kv-backend llama): f16, bf16, q8_0,
+    /// q5_1, q5_0, q4_1, q4_0, iq4_nl.
     #[arg(long)]
     kv_k: Option<String>,
-    /// V cache type; a quantized V turns flash attention on [default: f16].
+    /// llama.cpp's V cache type (with --kv-backend llama); a quantized V turns
+    /// flash attention on.
     #[arg(long)]
     kv_v: Option<String>,
+    /// Batch-invariant weight products too (no repacked weights, no tiled
+    /// K-quant products): the same request gives the same tokens alone or in
+    /// any batch on K-quant models as well, at a cost in speed.
+    #[arg(long)]
+    deterministic: bool,
+    /// Threads of our attention kernel [default: --threads].
+    #[arg(long)]
+    kernel_threads: Option<usize>,
     /// Tokens per KV block [default: 64].
     #[arg(long)]
     block_size: Option<u32>,
@@ -123,8 +143,12 @@ impl ServeArgs {
             metrics_listen: self.metrics_listen.or(file.metrics_listen),
             context: self.context.or(file.context),
             kv: self.kv.or(file.kv),
+            kv_backend: self.kv_backend.or(file.kv_backend),
+            kv_budget: self.kv_budget.or(file.kv_budget),
             kv_k: self.kv_k.or(file.kv_k),
             kv_v: self.kv_v.or(file.kv_v),
+            deterministic: self.deterministic || file.deterministic,
+            kernel_threads: self.kernel_threads.or(file.kernel_threads),
             block_size: self.block_size.or(file.block_size),
             max_running: self.max_running.or(file.max_running),
             max_waiting: self.max_waiting.or(file.max_waiting),
@@ -142,58 +166,6 @@ impl ServeArgs {
             embedding_model: self.embedding_model.or(file.embedding_model),
         }
     }
-}
-
-fn kv_type(s: Option<&str>, flag: &str, preset: KvType) -> Result<KvType> {
-    match s {
-        None => Ok(preset),
-        Some(s) => s.parse().with_context(|| format!("--{flag}")),
-    }
-}
-
-/// The K/V types of a `--kv` preset (f16/f16 without one).
-pub(crate) fn kv_preset(kv: Option<&str>) -> Result<siliceo_engine::eval::KvConfig> {
-    match kv {
-        Some(p) => siliceo_engine::eval::KvConfig::parse(p)
-            .map_err(|e| anyhow::anyhow!("--kv {p}: {e} (presets: f16, kv8, k5v4)")),
-        None => Ok(siliceo_engine::eval::KvConfig {
-            k: KvType::F16,
-            v: KvType::F16,
-        }),
-    }
-}
-
-/// K and V types from `--kv` and `--kv-k`/`--kv-v`, checked against the
-/// model's KV rows from its GGUF header before the model is loaded.
-fn kv_types(a: &ServeArgs, model: &std::path::Path) -> Result<(KvType, KvType)> {
-    let preset = kv_preset(a.kv.as_deref())?;
-    let k = kv_type(a.kv_k.as_deref(), "kv-k", preset.k)?;
-    let v = kv_type(a.kv_v.as_deref(), "kv-v", preset.v)?;
-    let header = crate::plan::read_header(model)?;
-    let g = header
-        .geometry()
-        .with_context(|| format!("reading the geometry of {}", model.display()))?;
-    let arch = header.str("general.architecture").unwrap_or_default();
-    if arch.starts_with("qwen2") && k.bits_per_element() < 8.0 {
-        eprintln!(
-            "warning: --kv-k {k} on a {arch} model: llama.cpp's K types below 8 bits break \
-             Qwen2-family models (measured on Qwen2.5-Coder-1.5B: perplexity ×100 and more, \
-             docs/KV_QUALITY.md); use --kv kv8, or --kv-k q8_0 --kv-v q4_0"
-        );
-    }
-    for (flag, t, row) in [
-        ("kv-k", k, g.n_head_kv * g.head_dim_k),
-        ("kv-v", v, g.n_head_kv * g.head_dim_v),
-    ] {
-        if t.row_bytes(u64::from(row)).is_none() {
-            bail!(
-                "--{flag} {t}: this model's KV rows have {row} elements, not a multiple of {t}'s {}-element blocks; \
-                 llama.cpp cannot store them (try q8_0 for 32-element rows, or f16)",
-                t.block_elems()
-            );
-        }
-    }
-    Ok((k, v))
 }
 
 /// The runtime and server configuration `a` describes.
@@ -231,8 +203,20 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig)> {
         }
         bail!("--model: no such file: {}", model.display());
     }
-    let (type_k, type_v) = kv_types(&a, &model)?;
+    let (backend, type_k, type_v) = crate::kv_opts::kv_backend(
+        &crate::kv_opts::KvFlags {
+            kv: a.kv.as_deref(),
+            backend: a.kv_backend.as_deref(),
+            kv_k: a.kv_k.as_deref(),
+            kv_v: a.kv_v.as_deref(),
+            budget: a.kv_budget.as_deref(),
+            kernel_threads: a.kernel_threads,
+        },
+        &model,
+    )?;
     let mut rc = RuntimeConfig::new(model);
+    rc.kv = backend;
+    rc.model.deterministic = a.deterministic;
     rc.context.n_ctx = a.context.unwrap_or(8192);
     rc.context.type_k = type_k;
     rc.context.type_v = type_v;
@@ -337,11 +321,10 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
         let info = rt.info();
         // One line when ready: scripts and tests wait for it.
         println!(
-            "siliceo: ready on {addr} · model {} · context {} · KV {}/{} · blocks of {} · prefix cache {}{}{}{}",
+            "siliceo: ready on {addr} · model {} · context {} · KV {} · blocks of {} · prefix cache {}{}{}{}",
             info.model_name,
             info.n_ctx,
-            info.type_k,
-            info.type_v,
+            crate::kv_opts::describe(info),
             info.block_size,
             if info.prefix_caching { "on" } else { "off" },
             if sc.api_key.is_some() {

@@ -139,7 +139,7 @@ fn errors_are_clear_and_exit_nonzero() {
     check(
         &["generate", "--prompt", "hi", "--model", "/nonexistent.gguf"],
         None,
-        "model file not found",
+        "no such file: /nonexistent.gguf",
     );
     check(
         &["generate", "--prompt", "hi"],
@@ -153,9 +153,27 @@ fn errors_are_clear_and_exit_nonzero() {
         "invalid `top_p`",
     );
     check(
-        &["generate", "--prompt", "hi", "--kv-k", "q3"],
+        &[
+            "generate",
+            "--prompt",
+            "hi",
+            "--kv-backend",
+            "llama",
+            "--kv-k",
+            "q3",
+        ],
         None,
         "unknown KV cache type",
+    );
+    check(
+        &["generate", "--prompt", "hi", "--kv-k", "q8_0"],
+        None,
+        "use them with --kv-backend llama",
+    );
+    check(
+        &["generate", "--prompt", "hi", "--kv", "k5v4+tail"],
+        None,
+        "+tailN",
     );
     check(
         &["generate", "--prompt", "hi", "--kv", "kv9"],
@@ -275,7 +293,7 @@ fn serve_answers_grpc_and_exits_cleanly_on_sigterm() {
     // The file sets the context; the flag sets the address (flags win).
     std::fs::write(
         &cfg,
-        "context = 1024\nlisten = \"127.0.0.1:1\"\nmax_running = 4\nkv = \"k5v4\"\n",
+        "context = 1024\nlisten = \"127.0.0.1:1\"\nmax_running = 4\nkv = \"k5v4\"\nkv_backend = \"llama\"\n",
     )
     .unwrap();
     // The preset comes from the file; --kv-v overrides its V half.
@@ -288,7 +306,7 @@ fn serve_answers_grpc_and_exits_cleanly_on_sigterm() {
         "q8_0",
     ]);
     assert!(ready.contains("context 1024"), "{ready}");
-    assert!(ready.contains("KV q5_1/q8_0"), "{ready}");
+    assert!(ready.contains("KV llama.cpp q5_1/q8_0"), "{ready}");
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

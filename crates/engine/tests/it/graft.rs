@@ -60,6 +60,7 @@ fn context(format: &str, blocks: usize, n_batch: u32) -> (GraftedContext<'static
         model(),
         &GraftOptions {
             format,
+            block_tokens: 64,
             sealed_blocks: blocks,
             tail_blocks: blocks,
             n_batch,

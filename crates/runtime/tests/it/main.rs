@@ -5,7 +5,9 @@ use std::path::PathBuf;
 
 use siliceo_core::{FinishReason, Priority, SamplingParams, TokenId};
 use siliceo_engine::{GreedyTrace, Model, ModelOptions};
-use siliceo_runtime::{Event, GenerateRequest, Input, Runtime, RuntimeConfig, RuntimeError};
+use siliceo_runtime::{
+    Event, GenerateRequest, Input, KvBackend, Runtime, RuntimeConfig, RuntimeError,
+};
 
 fn model_path() -> PathBuf {
     std::env::var_os("SILICEO_MODEL")
@@ -297,6 +299,16 @@ fn usage_of(done: &Event) -> siliceo_runtime::Usage {
 
 #[test]
 fn prefix_cache_hits_keep_greedy_outputs() {
+    prefix_cache_hits(KvBackend::default());
+}
+
+#[test]
+fn prefix_cache_hits_keep_greedy_outputs_on_llama_cpp_cells() {
+    prefix_cache_hits(KvBackend::Llama);
+}
+
+fn prefix_cache_hits(backend: KvBackend) {
+    let ours = backend != KvBackend::Llama;
     let n = 16;
     let questions = [
         " Question: do you sell paint?",
@@ -307,7 +319,9 @@ fn prefix_cache_hits_keep_greedy_outputs() {
     let prompts: Vec<String> = questions.iter().map(|q| format!("{SYSTEM}{q}")).collect();
     let refs: Vec<&str> = prompts.iter().map(String::as_str).collect();
     let expected = alone(&refs, n);
-    let rt = Runtime::start(RuntimeConfig::new(model_path())).unwrap();
+    let mut cfg = RuntimeConfig::new(model_path());
+    cfg.kv = backend;
+    let rt = Runtime::start(cfg).unwrap();
     let prompt_len = rt
         .submit(request(&prompts[0], n, Priority::Normal))
         .unwrap()
@@ -320,16 +334,28 @@ fn prefix_cache_hits_keep_greedy_outputs() {
     );
     assert_same_or_near_tie(&prompt_len.1, &expected[0], "cold");
     rt.check_kv().unwrap();
-    assert!(rt.stats().unwrap().held_blocks > 0, "its blocks outlive it");
+    let s = rt.stats().unwrap();
+    if ours {
+        assert!(s.kv_cached_blocks > 0, "its blocks outlive it: {s:?}");
+    } else {
+        assert!(s.held_blocks > 0, "its blocks outlive it: {s:?}");
+    }
 
-    // The same prompt again, alone: served from the cache.
+    // The same prompt again, alone: served from the cache — on our store all
+    // of it but the last token (the partial last block is cached too), and
+    // the same output bit for bit.
     let (_, tokens, done) = rt
         .submit(request(&prompts[0], n, Priority::Normal))
         .unwrap()
         .blocking_collect();
     let warm = usage_of(&done);
-    let full_blocks = (cold.prompt_tokens - 1) / 64 * 64;
-    assert_eq!(warm.cached_prompt_tokens, full_blocks);
+    if ours {
+        assert_eq!(warm.cached_prompt_tokens, cold.prompt_tokens - 1);
+        assert_eq!(tokens, prompt_len.1, "a warm prefix changed the output");
+    } else {
+        let full_blocks = (cold.prompt_tokens - 1) / 64 * 64;
+        assert_eq!(warm.cached_prompt_tokens, full_blocks);
+    }
     assert_same_or_near_tie(&tokens, &expected[0], "warm, same prompt");
 
     // All four at once: each reuses the shared blocks.
@@ -356,6 +382,7 @@ fn prefix_cache_hits_keep_greedy_outputs() {
 fn cached_blocks_give_way_and_llama_has_the_cells_the_blocks_promise() {
     // 512 cells in 16-token blocks: 31 blocks for requests and cache.
     let mut cfg = RuntimeConfig::new(model_path());
+    cfg.kv = KvBackend::Llama;
     cfg.context.n_ctx = 512;
     cfg.block_size = 16;
     let rt = Runtime::start(cfg).unwrap();
@@ -388,6 +415,57 @@ fn cached_blocks_give_way_and_llama_has_the_cells_the_blocks_promise() {
         "{after:?}"
     );
     assert_clean(&rt);
+}
+
+#[test]
+fn cached_blocks_give_way_on_our_store_and_its_bytes_are_reused() {
+    // 512 tokens of sealed 16-token blocks: 32 for requests and cache.
+    let mut cfg = RuntimeConfig::new(model_path());
+    cfg.context.n_ctx = 512;
+    cfg.block_size = 16;
+    let rt = Runtime::start(cfg).unwrap();
+    let info = rt.info().clone();
+    let store = info.store.expect("our store");
+    assert_eq!(store.sealed_blocks, 32);
+    for p in PROMPTS {
+        let (_, _, done) = rt
+            .submit(request(&p.repeat(6), 8, Priority::Normal))
+            .unwrap()
+            .blocking_collect();
+        usage_of(&done);
+        rt.check_kv().unwrap();
+    }
+    let before = rt.stats().unwrap();
+    assert!(before.kv_cached_blocks > 10, "{before:?}");
+    assert_eq!(before.kv_used_bytes, 0, "{before:?}");
+    // A request that needs nearly every sealed block evicts cached ones; its
+    // output is the same as on a fresh runtime.
+    let long = "Counting sheep, one after another, slowly. ".repeat(45);
+    let (_, tokens, done) = rt
+        .submit(request(&long, 40, Priority::Normal))
+        .unwrap()
+        .blocking_collect();
+    let u = usage_of(&done);
+    assert!(u.prompt_tokens > 400, "{u:?}");
+    let after = rt.stats().unwrap();
+    assert!(
+        after.prefix_evictions > before.prefix_evictions,
+        "{after:?}"
+    );
+    assert_clean(&rt);
+    drop(rt);
+    let mut cfg = RuntimeConfig::new(model_path());
+    cfg.context.n_ctx = 512;
+    cfg.block_size = 16;
+    let fresh = Runtime::start(cfg).unwrap();
+    let (_, alone, _) = fresh
+        .submit(request(&long, 40, Priority::Normal))
+        .unwrap()
+        .blocking_collect();
+    assert_eq!(
+        tokens, alone,
+        "evicted blocks' old bytes leaked into a request"
+    );
 }
 
 #[test]
@@ -599,7 +677,9 @@ fn ngram_token_trees_keep_greedy_outputs_and_free_their_branch_sequences() {
     ];
     let n = 24;
     let expected = alone(&prompts, n);
+    // Token trees need llama.cpp's sequence ids over shared cells.
     let mut cfg = RuntimeConfig::new(model_path());
+    cfg.kv = KvBackend::Llama;
     cfg.speculative = Some(siliceo_runtime::SpeculativeConfig {
         tree_width: 3,
         cost_switch_off: false,
@@ -637,6 +717,10 @@ fn qwen_pair(prompts: &[&str], n: u32, tree_width: usize) -> (Runtime, Vec<Greed
     let expected = alone_on(&target, prompts, n);
     let mut cfg = RuntimeConfig::new(&target);
     cfg.context.n_ctx = 1024;
+    if tree_width > 1 {
+        // Token trees need llama.cpp's sequence ids over shared cells.
+        cfg.kv = KvBackend::Llama;
+    }
     cfg.speculative = Some(siliceo_runtime::SpeculativeConfig {
         draft_model: Some(qwen("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")),
         tree_width,

@@ -1,0 +1,171 @@
+//! The loop: commands from the API between steps, panics caught at the
+//! step boundary, statistics.
+
+use std::time::Instant;
+
+use crossbeam_channel::Receiver;
+use siliceo_core::{FinishReason, RequestId, SeqId};
+use siliceo_scheduler::Scheduler;
+
+use super::Engine;
+use super::output::done;
+use crate::{Command, RuntimeError, RuntimeStats, Usage};
+
+impl Engine<'_> {
+    pub(super) fn serve(&mut self, rx: &Receiver<Command>) {
+        loop {
+            // Wait when idle; otherwise take what has arrived and step.
+            let first = if self.sched.is_idle() {
+                match rx.recv() {
+                    Ok(c) => Some(c),
+                    Err(_) => return self.shutdown(),
+                }
+            } else {
+                None
+            };
+            for cmd in first.into_iter().chain(rx.try_iter()) {
+                match cmd {
+                    Command::Submit(req, id, tx) => {
+                        // A panic while admitting fails that request only.
+                        let etx = tx.clone();
+                        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            self.submit(*req, id.clone(), tx)
+                        }));
+                        if r.is_err() {
+                            tracing::error!(request = %id, "panic while admitting a request");
+                            self.live.remove(&id);
+                            self.sched.cancel(&id);
+                            done(
+                                &etx,
+                                FinishReason::Error,
+                                Usage::default(),
+                                Some(RuntimeError::Engine(
+                                    "internal error while admitting the request".into(),
+                                )),
+                            );
+                        }
+                    }
+                    Command::Cancel(id, reply) => {
+                        let known = self.live.contains_key(&id);
+                        self.end(&id, FinishReason::Cancelled, None);
+                        if let Some(r) = reply {
+                            let _ = r.send(known);
+                        }
+                    }
+                    Command::Tokenize(text, special, tx) => {
+                        let r = self.model.tokenize(&text, special).map_err(|e| {
+                            RuntimeError::InvalidRequest {
+                                field: "text",
+                                reason: e.to_string(),
+                            }
+                        });
+                        let _ = tx.send(r);
+                    }
+                    Command::Detokenize(tokens, tx) => {
+                        let r = match tokens.iter().find(|t| !self.model.is_valid_token(**t)) {
+                            Some(bad) => Err(RuntimeError::InvalidRequest {
+                                field: "ids",
+                                reason: format!(
+                                    "token id {bad} is outside the vocabulary of {}",
+                                    self.model.geometry().n_vocab
+                                ),
+                            }),
+                            None => Ok(self.model.detokenize(&tokens, false)),
+                        };
+                        let _ = tx.send(r);
+                    }
+                    Command::Stats(tx) => {
+                        let _ = tx.send(self.stats());
+                    }
+                    Command::CheckKv(tx) => {
+                        let _ = tx.send(self.check_kv());
+                    }
+                    Command::CancelAll => self.shutdown(),
+                    Command::Shutdown => return self.shutdown(),
+                }
+            }
+            if !self.sched.is_idle() {
+                let t = Instant::now();
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.step()));
+                if r.is_err() {
+                    self.recover_from_panic();
+                }
+                self.steps += 1;
+                self.step_us += t.elapsed().as_micros() as u64;
+            }
+        }
+    }
+
+    /// After a panic inside a step nothing about its half-done state can be
+    /// trusted: every request in flight ends with an error, the KV cache is
+    /// cleared and the scheduler starts afresh. The engine keeps serving.
+    pub(super) fn recover_from_panic(&mut self) {
+        self.panics += 1;
+        tracing::error!(
+            in_flight = self.live.len(),
+            "a step panicked; failing the requests in flight and resetting the KV cache"
+        );
+        let err = RuntimeError::Engine("internal error; the request was aborted".into());
+        for (_, mut live) in self.live.drain() {
+            live.seq = None;
+            done(
+                &live.tx,
+                FinishReason::Error,
+                live.usage(),
+                Some(err.clone()),
+            );
+        }
+        self.clear_kv();
+        if let Some(d) = self.draft.as_mut() {
+            d.ctx.clear();
+        }
+        self.sched = Scheduler::new(*self.sched.config(), self.sched.kv().config());
+        self.free_seqs = (0..self.max_running).rev().map(SeqId).collect();
+        self.batch.clear();
+    }
+
+    /// Ends every request in flight as cancelled.
+    pub(super) fn shutdown(&mut self) {
+        let ids: Vec<RequestId> = self.live.keys().cloned().collect();
+        for id in ids {
+            self.end(&id, FinishReason::Cancelled, None);
+        }
+    }
+
+    pub(super) fn stats(&self) -> RuntimeStats {
+        let s = self.sched.stats();
+        let kv = self.sched.kv().stats();
+        let llama_cells = self.llama_cells();
+        let kv_used_bytes = match &self.kv {
+            super::kv::Kv::Graft(g) => {
+                let (sealed_b, open_b) = g.block_bytes();
+                let open_used = (kv.used_blocks - kv.used_sealed_blocks) as u64;
+                open_used * open_b + kv.used_sealed_blocks as u64 * sealed_b
+            }
+            super::kv::Kv::Llama(_) => 0,
+        };
+        RuntimeStats {
+            kv_used_bytes,
+            kv_shared_blocks: kv.shared_blocks,
+            kv_used_sealed_blocks: kv.used_sealed_blocks,
+            waiting: s.waiting,
+            running: s.running,
+            kv_used_blocks: kv.used_blocks,
+            kv_free_blocks: kv.free_blocks,
+            kv_cached_blocks: kv.cached_unreferenced_blocks,
+            prefix_hit_tokens: kv.hit_tokens,
+            prefix_miss_tokens: kv.miss_tokens,
+            prefix_evictions: kv.evictions,
+            seq_ids_in_use: self.max_running as usize - self.free_seqs.len(),
+            held_blocks: self.held_blocks(),
+            llama_cells,
+            preemptions: s.preemptions,
+            steps: self.steps,
+            step_us: self.step_us,
+            decode_us: self.decode_us,
+            panics: self.panics,
+            tree_verifications: self.tree_verifications,
+            spec_cost_pauses: self.spec_cost_pauses,
+        }
+    }
+}

@@ -1,0 +1,136 @@
+//! The engine thread: one step loop over the model, in modules named for
+//! their concerns:
+//!
+//! - `startup`: loading the model(s), building the KV store or context and
+//!   the scheduler, the `ready` answer;
+//! - `commands`: the loop — commands from the API between steps, panics
+//!   caught at the step boundary, statistics;
+//! - `admission`: validating, tokenizing and queueing a request;
+//! - `kv`: where KV lives — siliceo's paged store through grafted attention
+//!   (`graft`), or llama.cpp's cells kept alive by holder sequences
+//!   (`holders`) — and what retiring, evicting, swapping and checking mean
+//!   for each;
+//! - `step`: one engine step — the scheduler's plan turned into a batch,
+//!   one decode, and what a failure ends;
+//! - `speculative`: drafting (n-gram, draft model, token trees) and
+//!   verifying drafted tokens;
+//! - `output`: sampling, streaming, and ending requests.
+
+mod admission;
+mod commands;
+mod graft;
+mod holders;
+mod kv;
+mod output;
+mod speculative;
+mod startup;
+mod step;
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use siliceo_core::{RequestId, Sampler, SeqId, TokenId};
+use siliceo_engine::{Batch, Model, TokenText};
+use siliceo_kv_paging::CacheKeys;
+use siliceo_scheduler::Scheduler;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::{Event, Usage};
+
+pub(crate) use startup::run;
+pub use startup::store_plan;
+
+use kv::{Kv, Saved};
+use speculative::{DraftModel, Spec};
+
+/// Logits a step wants read back for one request: the decode (or last
+/// prefill) token's, then one per drafted token.
+struct Want {
+    id: RequestId,
+    idx: Vec<usize>,
+    drafts: Vec<TokenId>,
+    /// Position of the token whose logits come first.
+    pos: usize,
+    /// Drafted branches verified as a token tree (`drafts` is then their
+    /// concatenation and `idx[1..]` their nodes' logits, in the same order).
+    tree: Option<TreeWant>,
+}
+
+/// A token tree in the batch: branch 0 runs in the request's own sequence,
+/// branch b > 0 in a temporary sequence id holding a copy of its context.
+struct TreeWant {
+    branches: Vec<Vec<TokenId>>,
+    temps: Vec<SeqId>,
+}
+
+/// A running or waiting request, as the engine thread keeps it.
+struct Live<'m> {
+    tx: UnboundedSender<Event>,
+    spec: Option<Spec>,
+    draft_tokens: u32,
+    accepted_draft_tokens: u32,
+    speculative_steps: u32,
+    sampler: Sampler,
+    text: TokenText<'m>,
+    /// Its sequence id while it runs (the draft model's cells, a grafted
+    /// step's sequence, llama.cpp's cells).
+    seq: Option<SeqId>,
+    /// Its KV while swapped out.
+    snapshot: Option<Saved>,
+    prompt_tokens: u32,
+    cached_prompt_tokens: u32,
+    completion_tokens: u32,
+    submitted: Instant,
+    first_scheduled: Option<Instant>,
+    first_token: Option<Instant>,
+}
+
+impl Live<'_> {
+    fn usage(&self) -> Usage {
+        let ms = |a: Instant, b: Instant| b.saturating_duration_since(a).as_millis() as u64;
+        let now = Instant::now();
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            cached_prompt_tokens: self.cached_prompt_tokens,
+            completion_tokens: self.completion_tokens,
+            queue_ms: self.first_scheduled.map_or(0, |t| ms(self.submitted, t)),
+            ttft_ms: self.first_token.map_or(0, |t| ms(self.submitted, t)),
+            decode_ms: self.first_token.map_or(0, |t| ms(t, now)),
+            draft_tokens: self.draft_tokens,
+            accepted_draft_tokens: self.accepted_draft_tokens,
+            speculative_steps: self.speculative_steps,
+        }
+    }
+}
+
+struct Engine<'m> {
+    model: &'m Model,
+    kv: Kv<'m>,
+    sched: Scheduler,
+    keys: CacheKeys,
+    live: HashMap<RequestId, Live<'m>>,
+    /// Request sequence ids not in use (`0..max_running`).
+    free_seqs: Vec<SeqId>,
+    max_running: u32,
+    /// Longest prompt plus generation, in tokens.
+    max_seq_len: usize,
+    block_size: u32,
+    speculative: Option<crate::SpeculativeConfig>,
+    draft: Option<DraftModel<'m>>,
+    epoch: Instant,
+    batch: Batch,
+    steps: u64,
+    step_us: u64,
+    decode_us: u64,
+    panics: u64,
+    tree_verifications: u64,
+    spec_cost_pauses: u64,
+    /// Whether earlier requests found the draft model losing (draft model only).
+    draft_memory: siliceo_speculative::DraftCostMemory,
+}
+
+impl Engine<'_> {
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+}

@@ -1,0 +1,192 @@
+//! Sampling, streaming and ending requests.
+
+use std::time::Instant;
+
+use siliceo_core::{FinishReason, RequestId, TokenId};
+use siliceo_speculative::verify_sampled;
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::kv::Kv;
+use super::{Engine, Want};
+use crate::{Event, RuntimeError, Usage};
+
+pub(super) fn done(
+    tx: &UnboundedSender<Event>,
+    finish_reason: FinishReason,
+    usage: Usage,
+    error: Option<RuntimeError>,
+) {
+    let _ = tx.send(Event::Done {
+        finish_reason,
+        usage,
+        error,
+    });
+}
+
+/// Logits of batch index `ix` (borrowing only the KV, not the whole engine).
+fn kv_logits<'a>(kv: &'a Kv<'_>, ix: usize) -> Result<&'a [f32], siliceo_engine::EngineError> {
+    match kv {
+        Kv::Llama(l) => l.ctx.logits(ix),
+        Kv::Graft(g) => g.ctx.logits(ix),
+    }
+}
+
+impl Engine<'_> {
+    /// Ends a request: frees its blocks, cells and id, sends `Done`.
+    pub(super) fn end(
+        &mut self,
+        id: &RequestId,
+        reason: FinishReason,
+        error: Option<RuntimeError>,
+    ) {
+        self.close(id, reason, error, false);
+    }
+
+    /// [`end`](Self::end); with `abort`, the blocks of the step that failed are
+    /// not offered to the prefix cache.
+    pub(super) fn close(
+        &mut self,
+        id: &RequestId,
+        reason: FinishReason,
+        error: Option<RuntimeError>,
+        abort: bool,
+    ) {
+        let blocks = self
+            .sched
+            .handle(id)
+            .map(|h| self.sched.kv().block_table(h).to_vec())
+            .unwrap_or_default();
+        if abort {
+            self.sched.abort(id);
+        } else {
+            self.sched.finish(id);
+        }
+        if let Some(seq) = self.live.get_mut(id).and_then(|l| l.seq.take()) {
+            self.retire(seq, &blocks);
+        }
+        if let Some(mut live) = self.live.remove(id) {
+            if let (Some(spec), Some(_)) = (&live.spec, &self.draft) {
+                self.draft_memory.finish(&spec.len);
+            }
+            if reason != FinishReason::Stop && reason != FinishReason::Error {
+                // Release text held back for a possible stop string or a split character.
+                let tail = live.text.finish();
+                if !tail.is_empty() {
+                    let _ = live.tx.send(Event::Text {
+                        text: tail,
+                        token: None,
+                    });
+                }
+            }
+            done(&live.tx, reason, live.usage(), error);
+        }
+    }
+
+    /// Samples the next token of a request (verifying its drafted tokens
+    /// first, if any), streams what it produced, and reports it.
+    pub(super) fn sample(&mut self, w: &Want) {
+        let id = &w.id;
+        if w.tree.is_some() {
+            return self.sample_tree(w);
+        }
+        let Some(live) = self.live.get_mut(id) else {
+            return;
+        };
+        let greedy = live.sampler.params().is_greedy();
+        let mut accepted: Vec<TokenId> = Vec::new();
+        let mut next = None;
+        for (i, &ix) in w.idx.iter().enumerate() {
+            let Ok(logits) = kv_logits(&self.kv, ix) else {
+                let err = RuntimeError::Engine("missing logits".into());
+                return self.end(id, FinishReason::Error, Some(err));
+            };
+            let Some(&d) = w.drafts.get(i) else {
+                next = Some(live.sampler.sample(logits));
+                break;
+            };
+            // Verify drafted token d against the target at this position.
+            let p = live.sampler.distribution(logits);
+            let v = if greedy {
+                siliceo_speculative::verify_greedy(&[d], &[p[0].0, p[0].0])
+            } else {
+                let q = [(d, 1.0f32)];
+                let sampler = &mut live.sampler;
+                verify_sampled(&[d], &[&q], &[&p, &p], &mut || sampler.uniform())
+            };
+            if v.accepted == 1 {
+                live.sampler.accept(d);
+                accepted.push(d);
+            } else {
+                next = Some(v.next);
+                break;
+            }
+        }
+        let Some(next) = next else {
+            return;
+        };
+        // Rejected drafts' cells go at once.
+        if accepted.len() < w.drafts.len()
+            && let Some(seq) = live.seq
+        {
+            let from = (w.pos + 1 + accepted.len()) as u32;
+            if let Err(err) = self.drop_after(seq, from) {
+                return self.end(id, FinishReason::Error, Some(err));
+            }
+        }
+        self.emit(w, accepted, next);
+    }
+
+    /// Streams and reports what a step produced for one request: accepted
+    /// drafted tokens (KV already fixed up, already given to the sampler) and
+    /// the target's next token.
+    pub(super) fn emit(&mut self, w: &Want, accepted: Vec<TokenId>, next: TokenId) {
+        let id = &w.id;
+        let Some(live) = self.live.get_mut(id) else {
+            return;
+        };
+        live.draft_tokens += w.drafts.len() as u32;
+        live.speculative_steps += u32::from(!w.drafts.is_empty());
+        live.accepted_draft_tokens += accepted.len() as u32;
+        if let Some(spec) = live.spec.as_mut() {
+            if !w.drafts.is_empty() {
+                spec.len.update(w.drafts.len(), accepted.len());
+            }
+            spec.last = Some((!w.drafts.is_empty(), accepted.len() + 1));
+            // The draft model's KV keeps the history and the accepted drafts.
+            let keep = spec.history.len() + accepted.len();
+            if spec.draft_len > keep {
+                if let (Some(d), Some(seq)) = (self.draft.as_mut(), live.seq) {
+                    let _ = d.ctx.seq_rm(seq, Some(keep as u32), None);
+                }
+                spec.draft_len = keep;
+            }
+            spec.history.extend_from_slice(&accepted);
+            spec.history.push(next);
+        }
+        live.sampler.accept(next);
+        live.first_token.get_or_insert_with(Instant::now);
+        for &token in accepted.iter().chain(std::iter::once(&next)) {
+            live.completion_tokens += 1;
+            let (text, stopped) = live.text.push(token);
+            let closed = live
+                .tx
+                .send(Event::Text {
+                    text,
+                    token: Some(token),
+                })
+                .is_err();
+            if stopped {
+                return self.end(id, FinishReason::Stop, None);
+            }
+            if closed {
+                return self.end(id, FinishReason::Cancelled, None);
+            }
+        }
+        if let Some(f) = self.sched.on_tokens(id, &accepted, next) {
+            if let Some(seq) = self.live.get_mut(id).and_then(|l| l.seq.take()) {
+                self.retire(seq, &f.blocks);
+            }
+            self.end(id, FinishReason::Length, None);
+        }
+    }
+}

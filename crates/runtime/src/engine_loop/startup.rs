@@ -1,0 +1,252 @@
+//! Start-up: the model, where its KV lives, the draft model, the scheduler.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use crossbeam_channel::{Receiver, Sender};
+use siliceo_core::SeqId;
+use siliceo_engine::{
+    Batch, Context, ContextOptions, GraftOptions, GraftedContext, KvFormat, Model,
+};
+use siliceo_kv_paging::planner::{StoreInput, StorePlan, StoreSize, plan_store};
+use siliceo_kv_paging::{CacheKeys, KvConfig, Sealing};
+use siliceo_scheduler::Scheduler;
+
+use super::Engine;
+use super::holders::Holders;
+use super::kv::{GraftKv, Kv, LlamaKv};
+use super::speculative::DraftModel;
+use crate::{Command, KvBackend, RuntimeConfig, RuntimeError, RuntimeInfo};
+
+/// The store a configuration of ours asks for: its format and the block
+/// counts and bytes [`plan_store`] gives (what the store then allocates).
+pub fn store_plan(
+    model: &Model,
+    format: &KvFormat,
+    size: StoreSize,
+    block_size: u32,
+    max_running: u32,
+    max_batch_tokens: u32,
+) -> Result<(StoreInput, StorePlan), RuntimeError> {
+    let g = model.geometry();
+    let mut layout = format
+        .layout(g.n_head_kv as usize, g.head_dim_k as usize)
+        .map_err(|e| RuntimeError::Start(e.to_string()))?;
+    layout.block_tokens = block_size as usize;
+    layout
+        .check()
+        .map_err(|e| RuntimeError::Start(format!("--block-size {block_size}: {e}")))?;
+    let f16 = layout.full_precision();
+    let input = StoreInput {
+        layers: g.n_layer,
+        open_block_bytes: layout.tail_block_bytes() as u64,
+        sealed_block_bytes: layout.block_bytes() as u64,
+        block_size,
+        tail_tokens: layout.tail_tokens as u32,
+        seals: !f16,
+        max_running,
+        max_batch_tokens,
+        size,
+    };
+    let plan = plan_store(&input).map_err(|e| RuntimeError::Start(format!("KV store: {e}")))?;
+    Ok((input, plan))
+}
+
+pub(crate) fn run(
+    cfg: RuntimeConfig,
+    rx: Receiver<Command>,
+    ready: Sender<Result<RuntimeInfo, RuntimeError>>,
+) {
+    let model = match Model::load(&cfg.model_path, &cfg.model) {
+        Ok(m) => m,
+        Err(e) => {
+            let _ = ready.send(Err(RuntimeError::Start(e.to_string())));
+            return;
+        }
+    };
+    // The draft model, when configured: same vocabulary as the target.
+    let draft_path = cfg
+        .speculative
+        .as_ref()
+        .and_then(|c| c.draft_model.as_ref());
+    let draft = match draft_path {
+        None => None,
+        Some(path) => match Model::load(path, &cfg.model).and_then(|d| {
+            model.check_draft_compatible(&d)?;
+            Ok(d)
+        }) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                let _ = ready.send(Err(RuntimeError::Start(format!(
+                    "draft model {}: {e}",
+                    path.display()
+                ))));
+                return;
+            }
+        },
+    };
+    match Engine::start(&model, draft.as_ref(), &cfg) {
+        Ok((mut engine, info)) => {
+            tracing::info!(
+                kv = %info.kv_format,
+                max_seq_len = engine.max_seq_len,
+                blocks = info.kv_blocks,
+                block_size = engine.block_size,
+                "engine ready"
+            );
+            let _ = ready.send(Ok(info));
+            engine.serve(&rx);
+        }
+        Err(e) => {
+            let _ = ready.send(Err(e));
+        }
+    }
+}
+
+impl<'m> Engine<'m> {
+    /// Builds the engine over a loaded model.
+    fn start(
+        model: &'m Model,
+        draft: Option<&'m Model>,
+        cfg: &RuntimeConfig,
+    ) -> Result<(Engine<'m>, RuntimeInfo), RuntimeError> {
+        let start = |e: siliceo_engine::EngineError| RuntimeError::Start(e.to_string());
+        // llama.cpp allows 256 sequence ids (holders take some on its own cache).
+        let max_running = cfg.scheduler.max_running_seqs.clamp(1, 256) as u32;
+        let bs = cfg.block_size.max(1);
+        let n_batch = cfg.context.n_batch.max(1);
+        let max_batch_tokens = (cfg.scheduler.max_batch_tokens as u32).clamp(1, n_batch);
+        let (kv, kv_config, max_seq_len, kv_format, store) = match &cfg.kv {
+            KvBackend::Llama => {
+                let n_holders = if cfg.prefix_caching {
+                    cfg.prefix_holders.min(256 - max_running)
+                } else {
+                    0
+                };
+                let mut opts = cfg.context.clone();
+                opts.n_seq_max = max_running + n_holders;
+                let ctx = Context::new(model, opts).map_err(start)?;
+                let n_ctx = ctx.n_ctx();
+                // Blocks cover the context's cells, less one block of slack
+                // for where llama.cpp places a batch.
+                let num_blocks = (n_ctx / bs).saturating_sub(1).max(1);
+                let kv_config = KvConfig {
+                    num_blocks,
+                    block_size: bs,
+                    prefix_caching: n_holders > 0,
+                    sealing: None,
+                    cache_partial: false,
+                };
+                let format = format!("{}/{}", cfg.context.type_k, cfg.context.type_v);
+                let kv = Kv::Llama(LlamaKv {
+                    ctx,
+                    holders: Holders::new(max_running, n_holders),
+                });
+                (kv, kv_config, n_ctx as usize, format, None)
+            }
+            KvBackend::Ours {
+                format,
+                size,
+                kernel_threads,
+            } => {
+                let size = size.unwrap_or(StoreSize::Tokens(u64::from(cfg.context.n_ctx)));
+                let (input, plan) =
+                    store_plan(model, format, size, bs, max_running, max_batch_tokens)?;
+                let ctx = GraftedContext::new(
+                    model,
+                    &GraftOptions {
+                        format: format.clone(),
+                        block_tokens: bs as usize,
+                        sealed_blocks: plan.sealed_blocks as usize,
+                        tail_blocks: (plan.open_blocks + plan.scratch_blocks) as usize,
+                        n_batch,
+                        max_seqs: max_running,
+                        threads: cfg.context.n_threads,
+                        kernel_threads: *kernel_threads,
+                    },
+                )
+                .map_err(start)?;
+                let kv_config = KvConfig {
+                    num_blocks: plan.open_blocks,
+                    block_size: bs,
+                    prefix_caching: cfg.prefix_caching,
+                    sealing: input.seals.then_some(Sealing {
+                        blocks: plan.sealed_blocks,
+                        tail_tokens: input.tail_tokens,
+                    }),
+                    cache_partial: cfg.prefix_caching,
+                };
+                let kv = Kv::Graft(GraftKv::new(ctx, plan, &kv_config));
+                (
+                    kv,
+                    kv_config,
+                    plan.tokens as usize,
+                    format.name(),
+                    Some(plan),
+                )
+            }
+        };
+        let max_seq_len = max_seq_len.min(cfg.scheduler.max_seq_len);
+        // The draft model's own context, a sequence per running request.
+        let draft = match draft {
+            None => None,
+            Some(d) => {
+                let dopts = ContextOptions {
+                    n_ctx: (max_seq_len as u32).next_multiple_of(256),
+                    n_seq_max: max_running,
+                    ..cfg.context.clone()
+                };
+                let ctx = Context::new(d, dopts)
+                    .map_err(|e| RuntimeError::Start(format!("draft context: {e}")))?;
+                Some(DraftModel { ctx })
+            }
+        };
+        let mut sched_cfg = cfg.scheduler;
+        sched_cfg.max_batch_tokens = max_batch_tokens as usize;
+        sched_cfg.max_seq_len = max_seq_len;
+        sched_cfg.max_running_seqs = max_running as usize;
+        let sched = Scheduler::new(sched_cfg, kv_config);
+        let info = RuntimeInfo {
+            model_name: model.name().to_string(),
+            architecture: model.architecture().to_string(),
+            geometry: model.geometry(),
+            n_ctx: max_seq_len as u32,
+            type_k: cfg.context.type_k,
+            type_v: cfg.context.type_v,
+            kv_backend: match cfg.kv {
+                KvBackend::Llama => "llama",
+                KvBackend::Ours { .. } => "ours",
+            },
+            kv_format: kv_format.clone(),
+            store,
+            block_size: bs,
+            kv_blocks: sched.kv().capacity().total() as u32,
+            max_running_seqs: max_running,
+            prefix_caching: kv_config.prefix_caching,
+            speculative: cfg.speculative.clone(),
+        };
+        let engine = Engine {
+            model,
+            kv,
+            free_seqs: (0..max_running).rev().map(SeqId).collect(),
+            max_running,
+            max_seq_len,
+            block_size: bs,
+            speculative: cfg.speculative.clone(),
+            draft,
+            sched,
+            keys: CacheKeys::new(model.path().display().to_string(), kv_format),
+            live: HashMap::new(),
+            epoch: Instant::now(),
+            batch: Batch::new(),
+            steps: 0,
+            step_us: 0,
+            decode_us: 0,
+            panics: 0,
+            tree_verifications: 0,
+            spec_cost_pauses: 0,
+            draft_memory: siliceo_speculative::DraftCostMemory::default(),
+        };
+        Ok((engine, info))
+    }
+}

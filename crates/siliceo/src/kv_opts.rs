@@ -1,0 +1,126 @@
+//! The KV flags `serve` and `generate` share: where KV lives and in what
+//! format, and how big our store is.
+
+use std::path::Path;
+
+use anyhow::{Context as _, Result, bail};
+use siliceo_core::KvType;
+use siliceo_engine::KvFormat;
+use siliceo_runtime::{KvBackend, StoreSize};
+
+/// The KV flags as given (all optional).
+#[derive(Debug, Default, Clone)]
+pub struct KvFlags<'a> {
+    /// `--kv`.
+    pub kv: Option<&'a str>,
+    /// `--kv-backend`.
+    pub backend: Option<&'a str>,
+    /// `--kv-k`.
+    pub kv_k: Option<&'a str>,
+    /// `--kv-v`.
+    pub kv_v: Option<&'a str>,
+    /// `--kv-budget`.
+    pub budget: Option<&'a str>,
+    /// `--kernel-threads`.
+    pub kernel_threads: Option<usize>,
+}
+
+/// The backend and llama.cpp's K/V types the flags describe, checked
+/// against the model's KV rows (from its GGUF header, before it loads).
+pub fn kv_backend(f: &KvFlags<'_>, model: &Path) -> Result<(KvBackend, KvType, KvType)> {
+    match f.backend.unwrap_or("ours") {
+        "ours" => {
+            if f.kv_k.is_some() || f.kv_v.is_some() {
+                bail!(
+                    "--kv-k and --kv-v pick llama.cpp's cache types: use them with \
+                     --kv-backend llama (our formats: --kv f16|kv8|k5v4[+rot][+tailN])"
+                );
+            }
+            let format = match f.kv {
+                Some(s) => KvFormat::parse(s).map_err(|e| anyhow::anyhow!("--kv {s}: {e}"))?,
+                None => KvFormat::default(),
+            };
+            let size = f
+                .budget
+                .map(|b| {
+                    siliceo_kv_paging::planner::parse_bytes(b)
+                        .map(StoreSize::Budget)
+                        .map_err(|e| anyhow::anyhow!("--kv-budget {b}: {e}"))
+                })
+                .transpose()?;
+            let backend = KvBackend::Ours {
+                format,
+                size,
+                kernel_threads: f.kernel_threads,
+            };
+            Ok((backend, KvType::F16, KvType::F16))
+        }
+        "llama" => {
+            if f.budget.is_some() {
+                bail!("--kv-budget sizes our store; llama.cpp's cache is sized by --context");
+            }
+            let (k, v) = llama_types(f, model)?;
+            Ok((KvBackend::Llama, k, v))
+        }
+        other => bail!("--kv-backend {other}: expected ours or llama"),
+    }
+}
+
+fn kv_type(s: Option<&str>, flag: &str, preset: KvType) -> Result<KvType> {
+    match s {
+        None => Ok(preset),
+        Some(s) => s.parse().with_context(|| format!("--{flag}")),
+    }
+}
+
+/// K and V types from a llama.cpp `--kv` preset and `--kv-k`/`--kv-v`.
+fn llama_types(f: &KvFlags<'_>, model: &Path) -> Result<(KvType, KvType)> {
+    let preset = match f.kv {
+        Some(p) => siliceo_engine::eval::KvConfig::parse(p)
+            .map_err(|e| anyhow::anyhow!("--kv {p}: {e} (llama.cpp presets: f16, kv8, k5v4)"))?,
+        None => siliceo_engine::eval::KvConfig {
+            k: KvType::F16,
+            v: KvType::F16,
+        },
+    };
+    let k = kv_type(f.kv_k, "kv-k", preset.k)?;
+    let v = kv_type(f.kv_v, "kv-v", preset.v)?;
+    let header = crate::plan::read_header(model)?;
+    let g = header
+        .geometry()
+        .with_context(|| format!("reading the geometry of {}", model.display()))?;
+    let arch = header.str("general.architecture").unwrap_or_default();
+    if arch.starts_with("qwen2") && k.bits_per_element() < 8.0 {
+        eprintln!(
+            "warning: --kv-k {k} on a {arch} model: llama.cpp's K types below 8 bits break \
+             Qwen2-family models (measured on Qwen2.5-Coder-1.5B: perplexity ×100 and more, \
+             docs/KV_QUALITY.md); use our --kv k5v4 (the default backend), or --kv-k q8_0"
+        );
+    }
+    for (flag, t, row) in [
+        ("kv-k", k, g.n_head_kv * g.head_dim_k),
+        ("kv-v", v, g.n_head_kv * g.head_dim_v),
+    ] {
+        if t.row_bytes(u64::from(row)).is_none() {
+            bail!(
+                "--{flag} {t}: this model's KV rows have {row} elements, not a multiple of {t}'s {}-element blocks; \
+                 llama.cpp cannot store them (try q8_0 for 32-element rows, or f16)",
+                t.block_elems()
+            );
+        }
+    }
+    Ok((k, v))
+}
+
+/// How the ready line and `generate`'s summary name the KV.
+pub fn describe(info: &siliceo_runtime::RuntimeInfo) -> String {
+    match &info.store {
+        Some(s) => format!(
+            "ours {} ({:.0} MiB, {} tokens)",
+            info.kv_format,
+            s.bytes as f64 / (1u64 << 20) as f64,
+            s.tokens
+        ),
+        None => format!("llama.cpp {}", info.kv_format),
+    }
+}
