@@ -23,7 +23,10 @@
 use siliceo_core::{KvType, ModelGeometry, SeqId, TokenId};
 
 use crate::shadow::{RawModel, ShadowContext, ShadowMode};
-use crate::{Batch, Context, ContextOptions, EngineError, FlashAttention, KvFormat, Model};
+use crate::{
+    Batch, BlockPlacer, Context, ContextOptions, EngineError, FlashAttention, GraftOptions,
+    GraftStep, GraftedContext, KvFormat, Model, SeqKv,
+};
 
 /// One K/V format pair to measure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,6 +79,11 @@ pub enum EvalFormat {
     Llama(KvConfig),
     /// siliceo's formats (`ours:…`), run through shadow attention.
     Ours(KvFormat),
+    /// siliceo's formats through the serving path (`serve:…`): grafted
+    /// attention, llama.cpp's memory cleared every step, our store the only
+    /// KV — the same numbers as `ours:` with `--shadow-chunk 1`, measured on
+    /// what requests run through.
+    Served(KvFormat),
     /// `floor`: the reference with every attention output changed by a
     /// relative 1e-6 (alternating signs) — the KL divergence that *any*
     /// harmless change of the computation shows on this model, because
@@ -94,6 +102,9 @@ impl EvalFormat {
         if s.trim() == "floor" {
             return Ok(EvalFormat::Floor);
         }
+        if let Some(rest) = s.trim().strip_prefix("serve:") {
+            return Ok(EvalFormat::Served(KvFormat::parse(rest)?));
+        }
         match s.trim().strip_prefix("ours:") {
             Some(rest) => Ok(EvalFormat::Ours(KvFormat::parse(rest)?)),
             None => Ok(EvalFormat::Llama(KvConfig::parse(s)?)),
@@ -105,6 +116,7 @@ impl EvalFormat {
         match self {
             EvalFormat::Llama(c) => c.name(),
             EvalFormat::Ours(f) => format!("ours:{}", f.name()),
+            EvalFormat::Served(f) => format!("serve:{}", f.name()),
             EvalFormat::Floor => format!("floor (reference ± {FLOOR_JITTER:e})"),
         }
     }
@@ -116,7 +128,7 @@ impl EvalFormat {
         Ok(match self {
             EvalFormat::Llama(c) => (c.k.bits_per_element() + c.v.bits_per_element()) / 2.0,
             EvalFormat::Floor => 32.0,
-            EvalFormat::Ours(f) => f
+            EvalFormat::Ours(f) | EvalFormat::Served(f) => f
                 .layout(g.n_head_kv as usize, g.head_dim_k as usize)?
                 .bits_per_element(),
         })
@@ -127,7 +139,7 @@ impl EvalFormat {
         Ok(match self {
             EvalFormat::Llama(c) => g.kv_bytes_per_token(c.k, c.v),
             EvalFormat::Floor => g.kv_bytes_per_token(KvType::F32, KvType::F32),
-            EvalFormat::Ours(f) => {
+            EvalFormat::Ours(f) | EvalFormat::Served(f) => {
                 let l = f.layout(g.n_head_kv as usize, g.head_dim_k as usize)?;
                 (l.bytes_per_token() * f64::from(g.n_layer)).round() as u64
             }
@@ -255,6 +267,7 @@ fn argmax(x: &[f32]) -> usize {
 enum Runner<'m> {
     Llama(Context<'m>, Batch),
     Shadow(ShadowContext<'m>),
+    Graft(Box<GraftedContext<'m>>, BlockPlacer, SeqKv, Batch),
 }
 
 impl Runner<'_> {
@@ -276,6 +289,10 @@ impl Runner<'_> {
                 ctx.clear();
                 ctx.n_batch()
             }
+            Runner::Graft(ctx, placer, seq, _) => {
+                placer.release(seq);
+                ctx.n_batch()
+            }
         };
         for (c, part) in win.chunks(chunk).enumerate() {
             let pos0 = c * chunk;
@@ -288,11 +305,23 @@ impl Runner<'_> {
                     ctx.decode(batch)?;
                 }
                 Runner::Shadow(ctx) => ctx.decode(part, pos0, |i| wanted(pos0 + i))?,
+                Runner::Graft(ctx, placer, seq, batch) => {
+                    batch.clear();
+                    for (i, &t) in part.iter().enumerate() {
+                        batch.push(t, (pos0 + i) as u32, SeqId(0), wanted(pos0 + i));
+                    }
+                    let mut step = GraftStep::default();
+                    placer.append(seq, part.len(), 0, &mut step)?;
+                    let r = ctx.decode(batch, step);
+                    placer.end_step();
+                    r?;
+                }
             }
             for i in (0..part.len()).filter(|&i| wanted(pos0 + i)) {
                 let logits = match self {
                     Runner::Llama(ctx, _) => ctx.logits(i)?,
                     Runner::Shadow(ctx) => ctx.logits(i),
+                    Runner::Graft(ctx, ..) => ctx.logits(i)?,
                 };
                 scored(pos0 + i, logits);
             }
@@ -367,7 +396,10 @@ pub fn eval_kv(
     // llama.cpp rounds n_ctx up to a multiple of 256.
     let n_ctx = window.next_multiple_of(256);
     let n_batch = window.min(512);
-    let raw = if configs.iter().any(|c| !matches!(c, EvalFormat::Llama(_))) {
+    let raw = if configs
+        .iter()
+        .any(|c| matches!(c, EvalFormat::Ours(_) | EvalFormat::Floor))
+    {
         Some(RawModel::load(model.path())?)
     } else {
         None
@@ -397,6 +429,26 @@ pub fn eval_kv(
                 )?,
                 Batch::new(),
             ),
+            EvalFormat::Served(f) => {
+                // One window at a time: its blocks, plus a step's worth of
+                // tail blocks sealed away and not yet free.
+                let blocks = (opts.window + 64).div_ceil(64) + (n_batch as usize).div_ceil(64) + 1;
+                let ctx = GraftedContext::new(
+                    model,
+                    &GraftOptions {
+                        format: f.clone(),
+                        block_tokens: 64,
+                        sealed_blocks: blocks,
+                        tail_blocks: blocks,
+                        n_batch,
+                        max_seqs: 1,
+                        threads: opts.n_threads,
+                        kernel_threads: None,
+                    },
+                )?;
+                let placer = BlockPlacer::new(ctx.layout(), blocks, blocks);
+                Runner::Graft(Box::new(ctx), placer, SeqKv::default(), Batch::new())
+            }
             EvalFormat::Ours(_) | EvalFormat::Floor => {
                 let raw = raw
                     .as_ref()
@@ -491,7 +543,7 @@ pub fn eval_kv(
                 kv_bytes_per_token: sizes[ci].1,
                 attn_error: match &runners[ci] {
                     Runner::Shadow(s) => s.divergence(),
-                    Runner::Llama(..) => None,
+                    Runner::Llama(..) | Runner::Graft(..) => None,
                 },
             }
         })

@@ -349,6 +349,106 @@ unsafe extern "C" fn eval_callback(t: *mut sys::ggml_tensor, ask: bool, ud: *mut
     true
 }
 
+/// Block placement without sharing, for callers that drive a
+/// [`GraftedContext`] without kv-paging (the quality harness, tests): free
+/// lists of both pools, and per append the writes, seals and query runs
+/// with the serving path's semantics — a query at position `p` sees the
+/// store at `p + 1` tokens (a full block is sealed once `tail_tokens` more
+/// follow it), however many tokens a step carries; a sealed-away tail block
+/// is free again only after the step ([`BlockPlacer::end_step`]).
+#[derive(Debug, Clone)]
+pub struct BlockPlacer {
+    t: usize,
+    tail_tokens: usize,
+    seals: bool,
+    free_tail: Vec<u32>,
+    free_sealed: Vec<u32>,
+    released: Vec<u32>,
+}
+
+impl BlockPlacer {
+    /// Placement over `sealed` sealed and `tail` tail blocks of `layout`
+    /// (a full-precision layout never seals).
+    pub fn new(layout: &KvLayout, sealed: usize, tail: usize) -> BlockPlacer {
+        BlockPlacer {
+            t: layout.block_tokens,
+            tail_tokens: layout.tail_tokens,
+            seals: !layout.full_precision(),
+            free_tail: (0..tail as u32).rev().collect(),
+            free_sealed: (0..sealed as u32).rev().collect(),
+            released: Vec::new(),
+        }
+    }
+
+    /// Appends `n` tokens to `seq`, at batch indices `first..first + n`:
+    /// their writes, the seals they cause and their query runs go into `g`.
+    pub fn append(
+        &mut self,
+        seq: &mut SeqKv,
+        n: usize,
+        first: usize,
+        g: &mut GraftStep,
+    ) -> Result<(), EngineError> {
+        let full = |what: &str| EngineError::Graft(format!("the store has no free {what} block"));
+        let t = self.t;
+        let start = seq.len;
+        let mut run = start;
+        let view = |seq: &SeqKv, len: usize| {
+            let blocks = len.div_ceil(t);
+            let tail = blocks.saturating_sub(seq.sealed.len());
+            SeqKv {
+                sealed: seq.sealed[..blocks.min(seq.sealed.len())].to_vec(),
+                tail: seq.tail[..tail].to_vec(),
+                len,
+            }
+        };
+        for _ in 0..n {
+            let p = seq.len;
+            let off = p - seq.sealed.len() * t;
+            if off / t == seq.tail.len() {
+                seq.tail
+                    .push(self.free_tail.pop().ok_or_else(|| full("tail"))?);
+            }
+            g.writes.push((seq.tail[off / t], (off % t) as u16));
+            seq.len += 1;
+            if self.seals && seq.len - seq.sealed.len() * t >= self.tail_tokens + t {
+                // Queries before this token see the block open.
+                if p > run {
+                    g.queries.push(GraftQuery {
+                        tokens: first + (run - start)..first + (p - start),
+                        kv: view(seq, p),
+                    });
+                    run = p;
+                }
+                let dst = self.free_sealed.pop().ok_or_else(|| full("sealed"))?;
+                let src = seq.tail.remove(0);
+                g.seals.push((src, dst));
+                seq.sealed.push(dst);
+                self.released.push(src);
+            }
+        }
+        if seq.len > run {
+            g.queries.push(GraftQuery {
+                tokens: first + (run - start)..first + (seq.len - start),
+                kv: view(seq, seq.len),
+            });
+        }
+        Ok(())
+    }
+
+    /// After the step's decode: the tail blocks it sealed away are free.
+    pub fn end_step(&mut self) {
+        self.free_tail.append(&mut self.released);
+    }
+
+    /// Frees `seq`'s blocks and empties it.
+    pub fn release(&mut self, seq: &mut SeqKv) {
+        self.free_sealed.append(&mut seq.sealed);
+        self.free_tail.append(&mut seq.tail);
+        seq.len = 0;
+    }
+}
+
 /// A llama.cpp context whose attention — and KV — are siliceo's.
 pub struct GraftedContext<'m> {
     model: &'m Model,

@@ -56,8 +56,8 @@ pub use error::EngineError;
 pub use format::KvFormat;
 pub use generate::{Generation, generate};
 pub use graft::{
-    GraftOptions, GraftQuery, GraftStep, GraftedContext, MAX_SEQS_PER_STEP, RowCopy, SavedBlocks,
-    StoreBlock,
+    BlockPlacer, GraftOptions, GraftQuery, GraftStep, GraftedContext, MAX_SEQS_PER_STEP, RowCopy,
+    SavedBlocks, StoreBlock,
 };
 pub use model::{ChatMessage, Model, ModelOptions};
 pub use reference::GreedyTrace;

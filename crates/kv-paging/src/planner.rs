@@ -189,6 +189,18 @@ pub enum PlanError {
         /// Bytes per block.
         block_bytes: u64,
     },
+    /// The open blocks the running sequences need do not fit the budget.
+    #[error(
+        "the open (full-precision) blocks of {running} running sequences take {open_bytes} B, more than the {budget} B budget: raise the budget or lower the running sequences"
+    )]
+    OpenPoolDoesNotFit {
+        /// Bytes of the open pool and scratch.
+        open_bytes: u64,
+        /// The budget.
+        budget: u64,
+        /// Running sequences it is sized for.
+        running: u32,
+    },
     /// A format does not divide the model's head dimension.
     #[error("{format} cannot store rows of {dim} elements")]
     FormatDoesNotFit {
@@ -407,6 +419,23 @@ pub struct StorePlan {
     /// Tokens of context the blocks hold (sealed blocks, or open blocks for
     /// a format that never seals).
     pub tokens: u64,
+    /// Bytes of one open block, all layers.
+    pub open_block_bytes: u64,
+    /// Bytes of one sealed block, all layers (0 for a format that never seals).
+    pub sealed_block_bytes: u64,
+}
+
+impl StorePlan {
+    /// KV bytes per token of context: a sealed block's (an open block's for a
+    /// format that never seals) over its tokens.
+    pub fn bytes_per_token(&self, block_size: u32) -> f64 {
+        let b = if self.sealed_blocks > 0 {
+            self.sealed_block_bytes
+        } else {
+            self.open_block_bytes
+        };
+        b as f64 / f64::from(block_size.max(1))
+    }
 }
 
 /// Sizes a store of our formats. The open pool is sized for the running
@@ -439,7 +468,14 @@ pub fn plan_store(input: &StoreInput) -> Result<StorePlan, PlanError> {
             StoreSize::Tokens(t) => blocks_of(t),
             StoreSize::Budget(b) => {
                 let fixed = (open + scratch) * open_b;
-                b.saturating_sub(fixed) / sealed_b
+                if fixed >= b {
+                    return Err(PlanError::OpenPoolDoesNotFit {
+                        open_bytes: fixed,
+                        budget: b,
+                        running: input.max_running,
+                    });
+                }
+                (b - fixed) / sealed_b
             }
         };
         (open, sealed, scratch)
@@ -477,6 +513,8 @@ pub fn plan_store(input: &StoreInput) -> Result<StorePlan, PlanError> {
         scratch_blocks: scratch as u32,
         bytes: (open + scratch) * open_b + sealed * sealed_b,
         tokens: context_blocks * bs,
+        open_block_bytes: open_b,
+        sealed_block_bytes: if input.seals { sealed_b } else { 0 },
     })
 }
 
@@ -705,6 +743,15 @@ mod tests {
         assert!(matches!(
             plan_store(&StoreInput {
                 size: StoreSize::Budget(1 << 20),
+                ..input
+            }),
+            Err(PlanError::OpenPoolDoesNotFit { .. })
+        ));
+        // Room for the open pools but not one sealed block.
+        let open_only = 17 * open_b + sealed_b - 1;
+        assert!(matches!(
+            plan_store(&StoreInput {
+                size: StoreSize::Budget(open_only),
                 ..input
             }),
             Err(PlanError::NoRoomForKv { .. })

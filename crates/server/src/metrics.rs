@@ -211,6 +211,25 @@ impl Metrics {
                 "Unreferenced KV blocks holding a cached prefix.",
                 s.kv_cached_blocks as u64,
             );
+            gauge(
+                &mut out,
+                "siliceo_kv_blocks_shared",
+                "KV blocks several requests reference (prefix hits share them).",
+                s.kv_shared_blocks as u64,
+            );
+            let info = rt.info();
+            let _ = writeln!(
+                out,
+                "# HELP siliceo_kv_bytes_used Bytes of KV blocks referenced, by backend and format (our store only; 0 on llama.cpp's cache).\n# TYPE siliceo_kv_bytes_used gauge\nsiliceo_kv_bytes_used{{backend=\"{}\",format=\"{}\"}} {}",
+                info.kv_backend, info.kv_format, s.kv_used_bytes
+            );
+            if let Some(store) = &info.store {
+                let _ = writeln!(
+                    out,
+                    "# HELP siliceo_kv_bytes_total Bytes of our KV store, by format.\n# TYPE siliceo_kv_bytes_total gauge\nsiliceo_kv_bytes_total{{format=\"{}\"}} {}",
+                    info.kv_format, store.bytes
+                );
+            }
             let looked = s.prefix_hit_tokens + s.prefix_miss_tokens;
             let rate = if looked == 0 {
                 0.0

@@ -403,6 +403,20 @@ impl pb::inference_server::Inference for InferenceService {
         let i = self.rt.info();
         let g = i.geometry;
         let emb = self.embeddings.as_deref().map(EmbeddingService::info);
+        // Our codecs ("kv8:kv8+tail64" → kv8, kv8) or llama.cpp's types.
+        let (kv_k, kv_v, kv_bytes_per_token) = match &i.store {
+            Some(store) => {
+                let codecs = i.kv_format.split('+').next().unwrap_or_default();
+                let (k, v) = codecs.split_once(':').unwrap_or((codecs, codecs));
+                let per_token = store.bytes_per_token(i.block_size).round() as u64;
+                (k.to_string(), v.to_string(), per_token)
+            }
+            None => (
+                i.type_k.to_string(),
+                i.type_v.to_string(),
+                g.kv_bytes_per_token(i.type_k, i.type_v),
+            ),
+        };
         Ok(Response::new(pb::ModelInfo {
             embedding_model: emb.map(|e| e.model_name.clone()).unwrap_or_default(),
             embedding_dim: emb.map_or(0, |e| e.dim as u32),
@@ -416,11 +430,14 @@ impl pb::inference_server::Inference for InferenceService {
             n_vocab: g.n_vocab,
             context_tokens: i.n_ctx,
             train_context: g.n_ctx_train,
-            kv_type_k: i.type_k.to_string(),
-            kv_type_v: i.type_v.to_string(),
+            kv_type_k: kv_k,
+            kv_type_v: kv_v,
             block_size: i.block_size,
             kv_blocks: u64::from(i.kv_blocks),
-            kv_bytes_per_token: g.kv_bytes_per_token(i.type_k, i.type_v),
+            kv_bytes_per_token,
+            kv_backend: i.kv_backend.to_string(),
+            kv_format: i.kv_format.clone(),
+            kv_store_bytes: i.store.map_or(0, |s| s.bytes),
             max_running_seqs: i.max_running_seqs,
             prefix_caching: i.prefix_caching,
             speculative: i
@@ -449,6 +466,8 @@ impl pb::inference_server::Inference for InferenceService {
                 running: s.running as u64,
                 waiting: s.waiting as u64,
                 seq_ids_in_use: s.seq_ids_in_use as u64,
+                used_bytes: s.kv_used_bytes,
+                shared_blocks: s.kv_shared_blocks as u64,
             }),
         }))
     }

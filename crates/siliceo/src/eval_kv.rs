@@ -31,7 +31,9 @@ pub struct EvalKvArgs {
     /// siliceo's own formats through shadow attention: `ours:f16`, `ours:kv8`,
     /// `ours:k5v4`, `ours:K:V` (codecs f16, kv8[/G|/head], k5, v4[/G]) with
     /// `+rot` (Hadamard-rotated K) and `+tailN` (N recent tokens in F16), e.g.
-    /// `ours:k5v4+rot+tail128`. The llama.cpp f16 reference always runs.
+    /// `ours:k5v4+rot+tail128`; or the same formats through the serving path
+    /// (grafted attention): `serve:kv8`, `serve:k5v4+tail64`, …
+    /// The llama.cpp f16 reference always runs.
     #[arg(long, default_value = "q8_0/q8_0,k5v4,q5_0/q5_0,q4_0/q4_0")]
     configs: String,
     /// What KL and top-1 agreement compare against: `exact` (f32 K/V, llama.cpp's
@@ -119,7 +121,7 @@ fn json(r: &EvalReport, model: &str, text: &str, o: &EvalOptions) -> serde_json:
         "configs": r.rows.iter().enumerate().map(|(i, row)| {
             let (k, v, rotate_k, tail_tokens, shadow) = match &row.config {
                 EvalFormat::Llama(c) => (c.k.name().to_string(), c.v.name().to_string(), false, 0, false),
-                EvalFormat::Ours(f) => (f.k.clone(), f.v.clone(), f.rotate_k, f.tail_tokens, true),
+                EvalFormat::Ours(f) | EvalFormat::Served(f) => (f.k.clone(), f.v.clone(), f.rotate_k, f.tail_tokens, true),
                 EvalFormat::Floor => (String::new(), String::new(), false, 0, false),
             };
             serde_json::json!({

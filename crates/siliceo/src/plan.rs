@@ -18,9 +18,23 @@ pub struct PlanArgs {
     /// (optional: heads=, head_dim_v=, context=).
     #[arg(long)]
     geometry: Option<String>,
-    /// Memory budget, e.g. 8GiB, 16GB, 2.5GB.
+    /// Memory budget, e.g. 8GiB, 16GB, 2.5GB (the VRAM plan; not with --kv).
+    #[arg(long, required_unless_present = "kv")]
+    budget: Option<String>,
+    /// Plan our KV store instead, as `siliceo serve` sizes it for the same
+    /// flags: its format (f16, kv8, k5v4, K:V, +rot, +tailN), with --kv-budget
+    /// or --context (KV tokens), --max-running, --batch-tokens, --block-size.
     #[arg(long)]
-    budget: String,
+    kv: Option<String>,
+    /// With --kv: the store's bytes, all layers (as `serve --kv-budget`).
+    #[arg(long, requires = "kv")]
+    kv_budget: Option<String>,
+    /// With --kv: most requests running at once [default: 16, as serve].
+    #[arg(long, requires = "kv")]
+    max_running: Option<u32>,
+    /// With --kv: tokens per engine step [default: 512, as serve].
+    #[arg(long, requires = "kv")]
+    batch_tokens: Option<u32>,
     /// K format: f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl, kv8, k5.
     #[arg(long, default_value = "f16")]
     kv_k: String,
@@ -42,7 +56,9 @@ pub struct PlanArgs {
     /// Sequences whose tails are reserved.
     #[arg(long, default_value_t = 1)]
     sequences: u32,
-    /// Context per sequence for the "sequences that fit" figure (default: trained context).
+    /// Context per sequence for the "sequences that fit" figure (default:
+    /// trained context); with --kv, the store's KV tokens (as `serve
+    /// --context`, default 8192).
     #[arg(long)]
     context: Option<u64>,
     /// A draft model sharing the budget (GGUF).
@@ -168,6 +184,10 @@ pub fn cmd_plan(a: PlanArgs) -> Result<()> {
     };
     let (geometry, weights, name) =
         model_source(&source, &a.geometry)?.context("give --model or --geometry")?;
+    if let Some(kv) = &a.kv {
+        return plan_store_cmd(&a, kv, &geometry, &name);
+    }
+    let budget = a.budget.as_deref().context("--budget is required")?;
     let draft = model_source(&a.draft_model, &a.draft_geometry)?;
     let k = KvFormat::parse(&a.kv_k)?;
     let v = KvFormat::parse(&a.kv_v)?;
@@ -185,7 +205,7 @@ pub fn cmd_plan(a: PlanArgs) -> Result<()> {
             k,
             v,
         }),
-        ..PlanInput::new(geometry, weights, parse_bytes(&a.budget)?)
+        ..PlanInput::new(geometry, weights, parse_bytes(budget)?)
     };
     let p: Plan = plan(&input)?;
     let context = a.context.unwrap_or(if geometry.n_ctx_train > 0 {
@@ -279,5 +299,53 @@ pub fn cmd_plan(a: PlanArgs) -> Result<()> {
         p.max_context_one_sequence, p.n_ctx_train
     );
     println!("sequences          {seqs} at {context} tokens each");
+    Ok(())
+}
+
+/// `plan --kv`: our KV store as `serve` sizes it for the same flags.
+fn plan_store_cmd(a: &PlanArgs, kv: &str, g: &ModelGeometry, name: &str) -> Result<()> {
+    let format =
+        siliceo_engine::KvFormat::parse(kv).map_err(|e| anyhow::anyhow!("--kv {kv}: {e}"))?;
+    let size = match &a.kv_budget {
+        Some(b) => siliceo_runtime::StoreSize::Budget(parse_bytes(b)?),
+        None => siliceo_runtime::StoreSize::Tokens(a.context.unwrap_or(8192)),
+    };
+    let max_running = a.max_running.unwrap_or(16).clamp(1, 240);
+    let batch = a.batch_tokens.unwrap_or(512).max(1);
+    let (input, p) =
+        siliceo_runtime::store_plan(g, &format, size, a.block_size, max_running, batch)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    if a.json {
+        let mut out = serde_json::to_value(p)?;
+        out["model"] = serde_json::json!(name);
+        out["format"] = serde_json::json!(format.name());
+        out["input"] = serde_json::to_value(input)?;
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!(
+        "model              {name}: {} layers, {} KV heads × head dim {}",
+        g.n_layer, g.n_head_kv, g.head_dim_k
+    );
+    println!("format             {}", format.name());
+    println!(
+        "sealed blocks      {} × {} = {}",
+        p.sealed_blocks,
+        gib(p.sealed_block_bytes as f64),
+        gib((u64::from(p.sealed_blocks) * p.sealed_block_bytes) as f64)
+    );
+    println!(
+        "open blocks        {} (tails, partial blocks, copies for {max_running} running) + {} scratch × {} = {}",
+        p.open_blocks,
+        p.scratch_blocks,
+        gib(p.open_block_bytes as f64),
+        gib((u64::from(p.open_blocks + p.scratch_blocks) * p.open_block_bytes) as f64)
+    );
+    println!("store              {} ({} B)", gib(p.bytes as f64), p.bytes);
+    println!(
+        "context            {} tokens, {:.0} B per token",
+        p.tokens,
+        p.bytes_per_token(a.block_size)
+    );
     Ok(())
 }

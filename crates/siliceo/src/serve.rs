@@ -230,6 +230,8 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig)> {
     rc.context.n_ubatch = batch as u32;
     rc.scheduler.max_batch_tokens = batch;
     rc.scheduler.max_running_seqs = a.max_running.unwrap_or(16).clamp(1, 240);
+    // The KV (our store's tokens, llama.cpp's cells) bounds a sequence.
+    rc.scheduler.max_seq_len = usize::MAX;
     if let Some(w) = a.max_waiting {
         rc.scheduler.max_waiting = w;
     }

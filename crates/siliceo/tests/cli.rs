@@ -354,11 +354,67 @@ fn serve_answers_grpc_and_exits_cleanly_on_sigterm() {
 }
 
 #[test]
+fn the_store_serve_allocates_is_what_plan_says() {
+    for flags in [
+        &["--kv", "kv8", "--context", "4096", "--max-running", "4"][..],
+        &[
+            "--kv",
+            "k5v4+tail64",
+            "--kv-budget",
+            "160MiB",
+            "--batch-tokens",
+            "256",
+        ][..],
+        &["--kv", "f16", "--context", "2048"][..],
+    ] {
+        let mut plan_args = vec!["plan", "--json"];
+        plan_args.extend_from_slice(flags);
+        let out = siliceo(&plan_args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let bytes = plan["bytes"].as_u64().unwrap();
+        let mut serve_args = vec!["--listen", "127.0.0.1:0"];
+        serve_args.extend_from_slice(flags);
+        let (mut child, addr, ready) = start_server(&serve_args);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let info = rt.block_on(async {
+            use siliceo_server::pb;
+            let mut c = pb::inference_client::InferenceClient::connect(format!("http://{addr}"))
+                .await
+                .unwrap();
+            c.get_model_info(pb::GetModelInfoRequest {})
+                .await
+                .unwrap()
+                .into_inner()
+        });
+        assert_eq!(info.kv_backend, "ours", "{ready}");
+        assert_eq!(info.kv_store_bytes, bytes, "{flags:?}: {ready}");
+        assert_eq!(
+            u64::from(info.context_tokens),
+            plan["tokens"].as_u64().unwrap()
+        );
+        assert_eq!(info.kv_format, plan["format"].as_str().unwrap());
+        drop(rt);
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
+#[test]
 fn serve_refuses_what_it_cannot_do_with_a_clear_error() {
     let listen = ["--listen", "127.0.0.1:0"];
     for (flags, needle) in [
         (&["--draft-model", "x.gguf"][..], "--draft-model"),
-        (&["--kv-k", "q9_9"][..], "--kv-k"),
+        (&["--kv-backend", "llama", "--kv-k", "q9_9"][..], "--kv-k"),
+        (&["--kv-k", "q8_0"][..], "--kv-backend llama"),
+        (&["--kv-backend", "cells"][..], "expected ours or llama"),
+        (
+            &["--kv-budget", "1KiB"][..],
+            "raise the budget or lower the running",
+        ),
         (&["--kv", "kv9"][..], "--kv kv9"),
     ] {
         let args: Vec<&str> = std::iter::once("serve")

@@ -194,3 +194,39 @@ fn shadow_attention_reproduces_llama_cpp_and_measures_our_formats() {
         Err(EngineError::InvalidOption { .. })
     ));
 }
+
+#[test]
+fn the_serving_path_scores_what_shadow_attention_scores() {
+    // Windows of 160 tokens seal blocks (64-token blocks, tails of 0 and 32)
+    // and are prefilled in one step: the serving path cuts its queries where
+    // seals take effect, shadow attention decodes-as-it-goes (chunk 1). The
+    // two compute the same attention on the same bytes.
+    let model = crate::model();
+    let tokens = model.tokenize(&TEXT.repeat(3), true).unwrap();
+    let mut o = opts(&[
+        "ours:kv8",
+        "serve:kv8",
+        "ours:k5v4+tail32",
+        "serve:k5v4+tail32",
+        "ours:f16",
+        "serve:f16",
+    ]);
+    o.window = 160;
+    o.stride = 160;
+    o.max_windows = 2;
+    o.shadow_chunk = 1;
+    let r = eval_kv(model, &tokens, &o, |_, _| {}).unwrap();
+    for pair in r.rows[1..].chunks(2) {
+        let (shadow, served) = (&pair[0], &pair[1]);
+        assert_eq!(
+            served.config.name().strip_prefix("serve:"),
+            shadow.config.name().strip_prefix("ours:")
+        );
+        assert_eq!(
+            (served.perplexity, served.kl_mean, served.top1_agreement),
+            (shadow.perplexity, shadow.kl_mean, shadow.top1_agreement),
+            "{}",
+            served.config.name()
+        );
+    }
+}

@@ -18,17 +18,18 @@ use super::kv::{GraftKv, Kv, LlamaKv};
 use super::speculative::DraftModel;
 use crate::{Command, KvBackend, RuntimeConfig, RuntimeError, RuntimeInfo};
 
-/// The store a configuration of ours asks for: its format and the block
-/// counts and bytes [`plan_store`] gives (what the store then allocates).
+/// The store a configuration of ours asks for, for a model of geometry `g`:
+/// the planner's input and the block counts and bytes [`plan_store`] gives —
+/// what the store then allocates (checked at start-up), and what
+/// `siliceo plan --kv` prints.
 pub fn store_plan(
-    model: &Model,
+    g: &siliceo_core::ModelGeometry,
     format: &KvFormat,
     size: StoreSize,
     block_size: u32,
     max_running: u32,
     max_batch_tokens: u32,
 ) -> Result<(StoreInput, StorePlan), RuntimeError> {
-    let g = model.geometry();
     let mut layout = format
         .layout(g.n_head_kv as usize, g.head_dim_k as usize)
         .map_err(|e| RuntimeError::Start(e.to_string()))?;
@@ -150,8 +151,14 @@ impl<'m> Engine<'m> {
                 kernel_threads,
             } => {
                 let size = size.unwrap_or(StoreSize::Tokens(u64::from(cfg.context.n_ctx)));
-                let (input, plan) =
-                    store_plan(model, format, size, bs, max_running, max_batch_tokens)?;
+                let (input, plan) = store_plan(
+                    &model.geometry(),
+                    format,
+                    size,
+                    bs,
+                    max_running,
+                    max_batch_tokens,
+                )?;
                 let ctx = GraftedContext::new(
                     model,
                     &GraftOptions {
@@ -166,6 +173,13 @@ impl<'m> Engine<'m> {
                     },
                 )
                 .map_err(start)?;
+                if ctx.store_bytes() as u64 != plan.bytes {
+                    return Err(RuntimeError::Start(format!(
+                        "the store allocated {} bytes, the plan says {}",
+                        ctx.store_bytes(),
+                        plan.bytes
+                    )));
+                }
                 let kv_config = KvConfig {
                     num_blocks: plan.open_blocks,
                     block_size: bs,
