@@ -9,6 +9,9 @@
 //! by 16 requests at once), with the cache on and off. Every figure is the
 //! median of `--reps` runs made in this one process.
 
+mod graft;
+mod peer;
+
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -925,7 +928,7 @@ fn embed(model_path: PathBuf, reps: usize) -> Result<()> {
     Ok(())
 }
 
-const USAGE: &str = "usage: siliceo-bench engine|serve|prefix|spec|grpc|embed [--model PATH] [--reps N] [--json] [--threads N] [--quiet-consumer]";
+const USAGE: &str = "usage: siliceo-bench engine|serve|prefix|spec|grpc|embed|graft|peer [--model PATH] [--reps N] [--json] [--threads N] [--quiet-consumer] [--quick] [--llama-server PATH]";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -940,6 +943,8 @@ fn main() -> Result<()> {
     let mut quiet = false;
     let mut threads = None;
     let mut what = "engine";
+    let mut quick = false;
+    let mut llama_server: Option<PathBuf> = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -954,12 +959,40 @@ fn main() -> Result<()> {
             "spec" => what = "spec",
             "grpc" => what = "grpc",
             "embed" => what = "embed",
+            "graft" => what = "graft",
+            "peer" => what = "peer",
+            "--llama-server" => llama_server = it.next().map(PathBuf::from),
+            "--quick" => quick = true,
             "-h" | "--help" => {
                 println!("{USAGE}");
                 return Ok(());
             }
             other => bail!("unknown argument `{other}`; {USAGE}"),
         }
+    }
+    if what == "peer" {
+        let Some(bin) = llama_server else {
+            bail!("peer needs --llama-server PATH (cargo xtask bench peer builds one)");
+        };
+        return peer::peer(&peer::PeerBench {
+            model,
+            llama_server: bin,
+            reps: reps.max(1),
+            threads: threads.unwrap_or(2),
+        });
+    }
+    if what == "graft" {
+        let mut models = vec![model.clone()];
+        let qwen = model.with_file_name("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
+        if qwen.is_file() && !quick {
+            models.push(qwen);
+        }
+        return graft::graft(&graft::GraftBench {
+            models,
+            reps: reps.max(1),
+            threads: threads.unwrap_or(2),
+            quick,
+        });
     }
     if what == "serve" {
         serve(model, reps.max(1), quiet, threads)

