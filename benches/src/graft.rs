@@ -216,7 +216,7 @@ pub fn graft(b: &GraftBench) -> Result<()> {
         println!("|---:|---|---:|---:|---:|---:|");
         for &ctx in &contexts {
             for kv in &configs {
-                let row = run_config(path, &model, kv, ctx, &streams, b.reps, b.threads, false)?;
+                let row = run_config(b, path, &model, kv, ctx, &streams, false)?;
                 println!(
                     "| {ctx} | {} | {:.0} | {:.1} | {:.1} | {:.1} |",
                     kv.label, row.prefill_tps, row.decode[0], row.decode[1], row.decode[2]
