@@ -130,6 +130,12 @@ impl GraftKv<'_> {
                         kv_view.tail.push(open(i)?);
                     }
                 }
+                // Test-only: a view one token longer than its blocks, which
+                // the kernel refuses in the middle of the forward pass.
+                #[cfg(feature = "fault-injection")]
+                if item.id.0.starts_with("siliceo-fault-attention") {
+                    kv_view.len += t;
+                }
                 let first = run.batch.start + (a - start);
                 g.queries.push(GraftQuery {
                     tokens: first..first + (b - a),

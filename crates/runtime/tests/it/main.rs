@@ -468,6 +468,39 @@ fn cached_blocks_give_way_on_our_store_and_its_bytes_are_reused() {
     );
 }
 
+/// Our kernel fails in the middle of llama.cpp's forward pass (a fault
+/// injected into one request's view of its blocks): the step's requests end
+/// with an error, their blocks are freed, nothing computed in that step is
+/// cached, and the engine keeps serving correctly.
+#[test]
+fn attention_failing_inside_a_decode_frees_the_step_and_keeps_serving() {
+    let rt = Runtime::start(RuntimeConfig::new(model_path())).unwrap();
+    let want = alone(&PROMPTS[2..3], 12);
+    let mut bad = request(&format!("{SYSTEM}{}", PROMPTS[1]), 8, Priority::Normal);
+    bad.id = Some(siliceo_core::RequestId::from("siliceo-fault-attention-1"));
+    let (_, _, done) = rt.submit(bad).unwrap().blocking_collect();
+    match &done {
+        Event::Done {
+            finish_reason: FinishReason::Error,
+            error: Some(RuntimeError::Engine(m)),
+            ..
+        } => assert!(m.contains("grafted attention"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    let s = rt.stats().unwrap();
+    assert_eq!(
+        (s.kv_used_blocks, s.kv_cached_blocks, s.llama_cells),
+        (0, 0, 0),
+        "{s:?}"
+    );
+    let (_, tokens, _) = rt
+        .submit(request(PROMPTS[2], 12, Priority::Normal))
+        .unwrap()
+        .blocking_collect();
+    assert_same_or_near_tie(&tokens, &want[0], "after the failure");
+    assert_clean(&rt);
+}
+
 #[test]
 fn a_panicking_step_fails_its_requests_and_the_engine_keeps_serving() {
     let rt = Runtime::start(RuntimeConfig::new(model_path())).unwrap();
