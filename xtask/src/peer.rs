@@ -86,6 +86,8 @@ pub fn llama_server() -> Result<PathBuf> {
                 "-DLLAMA_BUILD_TESTS=OFF",
                 "-DLLAMA_BUILD_EXAMPLES=OFF",
                 "-DLLAMA_BUILD_SERVER=ON",
+                // One binary that runs wherever the cache directory is.
+                "-DBUILD_SHARED_LIBS=OFF",
             ]),
     )
     .context("configuring llama.cpp")?;

@@ -95,7 +95,7 @@ pub struct GraftOptions {
     /// Most tokens per decode.
     pub n_batch: u32,
     /// Most sequences per decode (at most [`MAX_SEQS_PER_STEP`] and
-    /// `n_batch`; llama.cpp keeps a logits row per sequence id).
+    /// `n_batch`).
     pub max_seqs: u32,
     /// llama.cpp's threads (`None` = all cores).
     pub threads: Option<u32>,
@@ -320,12 +320,22 @@ fn parse_layer(name: &[u8]) -> Option<usize> {
     std::str::from_utf8(rest).ok()?.parse().ok()
 }
 
+/// A node's name, read only as far as `kqv_out-` decides (the callback is
+/// asked about every node of every graph).
+fn node_name(t: &sys::ggml_tensor) -> Option<&[u8]> {
+    // SAFETY: ggml's name is a NUL-terminated `char` array inside the tensor.
+    let raw: &[u8] = unsafe { &*(&t.name as *const [std::ffi::c_char] as *const [u8]) };
+    if !raw.starts_with(b"kqv_out-") {
+        return None;
+    }
+    let end = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
+    Some(&raw[..end])
+}
+
 unsafe extern "C" fn eval_callback(t: *mut sys::ggml_tensor, ask: bool, ud: *mut c_void) -> bool {
     // SAFETY: llama.cpp passes a live tensor and our user data.
     let t = unsafe { &mut *t };
-    // SAFETY: ggml names are NUL-terminated within the array.
-    let name = unsafe { CStr::from_ptr(t.name.as_ptr()) }.to_bytes();
-    let Some(il) = parse_layer(name) else {
+    let Some(il) = node_name(t).and_then(parse_layer) else {
         return !ask;
     };
     if ask {
@@ -460,9 +470,10 @@ pub struct GraftedContext<'m> {
     n_vocab: usize,
     /// For each index of the last decoded batch: did it request logits.
     logits_mask: Vec<bool>,
-    /// Request sequence ids of the batch being built → dense llama.cpp ids.
-    seq_ids: Vec<(u32, i32)>,
-    max_seqs: usize,
+    /// The batch's runs of one sequence's consecutive tokens.
+    runs: Vec<Range<usize>>,
+    /// llama.cpp sequence ids of the context.
+    n_ids: usize,
 }
 
 impl std::fmt::Debug for GraftedContext<'_> {
@@ -503,8 +514,12 @@ impl<'m> GraftedContext<'m> {
                 reason: "must be at least 1".into(),
             });
         }
-        let max_seqs = opts
+        // Sequence ids for llama.cpp: at least the sequences of a step, and
+        // enough to cut prefill chunks into short pieces (see `decode`);
+        // llama.cpp keeps a logits row per id.
+        let n_ids = opts
             .max_seqs
+            .max(64)
             .clamp(1, (MAX_SEQS_PER_STEP as u32).min(opts.n_batch));
         let layers = (0..g.n_layer)
             .map(|_| KvPages::new(layout, opts.sealed_blocks, opts.tail_blocks))
@@ -521,6 +536,10 @@ impl<'m> GraftedContext<'m> {
             head_dim: d,
             params: AttnParams {
                 threads: opts.kernel_threads.unwrap_or(threads as usize).max(1),
+                // On llama.cpp's own (idle, spinning) OpenMP threads, which
+                // wake in a microsecond or two: worth it for less work.
+                runner: Some(crate::omp::run),
+                min_work_per_thread: 1 << 16,
                 ..AttnParams::default()
             },
             step: GraftStep::default(),
@@ -541,7 +560,7 @@ impl<'m> GraftedContext<'m> {
             p.n_ctx = n_ctx;
             p.n_batch = opts.n_batch;
             p.n_ubatch = opts.n_batch;
-            p.n_seq_max = max_seqs;
+            p.n_seq_max = n_ids;
             p.n_threads = threads as i32;
             p.n_threads_batch = threads as i32;
             p.flash_attn_type = sys::LLAMA_FLASH_ATTN_TYPE_ENABLED;
@@ -567,8 +586,8 @@ impl<'m> GraftedContext<'m> {
             layout,
             n_vocab: g.n_vocab as usize,
             logits_mask: Vec::new(),
-            seq_ids: Vec::new(),
-            max_seqs: max_seqs as usize,
+            runs: Vec::new(),
+            n_ids: n_ids as usize,
         })
     }
 
@@ -604,10 +623,10 @@ impl<'m> GraftedContext<'m> {
 
     /// Cells llama.cpp's own KV cache holds right now (0 between decodes).
     pub fn llama_cells(&self) -> u32 {
-        // SAFETY: a live context; its sequence ids are 0..max_seqs.
+        // SAFETY: a live context; its sequence ids are 0..n_ids.
         unsafe {
             let mem = sys::llama_get_memory(self.ctx.as_ptr());
-            (0..self.max_seqs as i32)
+            (0..self.n_ids as i32)
                 .map(|s| {
                     let (lo, hi) = (
                         sys::llama_memory_seq_pos_min(mem, s),
@@ -684,7 +703,7 @@ impl<'m> GraftedContext<'m> {
     /// Runs the model over `batch` with attention (and KV) as `step` says.
     /// Positions may be anywhere; every token belongs to one sequence, and a
     /// sequence's tokens are consecutive in positions and in the batch; at
-    /// most [`GraftOptions::max_seqs`] sequences.
+    /// most [`GraftOptions::max_seqs`] sequences (runs of consecutive tokens).
     pub fn decode(&mut self, batch: &Batch, step: GraftStep) -> Result<(), EngineError> {
         self.logits_mask.clear();
         if batch.is_empty() {
@@ -698,8 +717,9 @@ impl<'m> GraftedContext<'m> {
         }
         self.check_step(batch, &step)?;
         let n_vocab = self.model.geometry().n_vocab;
-        self.seq_ids.clear();
-        let b = &mut self.batch;
+        // Runs of consecutive tokens of one sequence (the batch's order).
+        self.runs.clear();
+        let mut last: Option<(i32, u32)> = None;
         for (i, t) in batch.tokens().enumerate() {
             if t.token.0 >= n_vocab {
                 return Err(EngineError::InvalidToken {
@@ -713,29 +733,46 @@ impl<'m> GraftedContext<'m> {
                     t.seqs.len()
                 )));
             };
-            let id = match self.seq_ids.iter().find(|(s, _)| *s as i32 == seq) {
-                Some(&(_, id)) => id,
-                None => {
-                    if self.seq_ids.len() == self.max_seqs {
-                        return Err(EngineError::Graft(format!(
-                            "more than {} sequences in one step",
-                            self.max_seqs
-                        )));
-                    }
-                    let id = self.seq_ids.len() as i32;
-                    self.seq_ids.push((seq as u32, id));
-                    id
+            match last {
+                Some((s, p)) if s == seq && p + 1 == t.pos => {
+                    self.runs.last_mut().expect("a run").end = i + 1;
                 }
-            };
-            // SAFETY: the arrays hold n_batch entries (llama_batch_init).
-            unsafe {
-                *b.token.add(i) = t.token.0 as i32;
-                *b.pos.add(i) = t.pos as i32;
-                *b.n_seq_id.add(i) = 1;
-                *(*b.seq_id.add(i)).add(0) = id;
-                *b.logits.add(i) = i8::from(t.logits);
+                _ => self.runs.push(i..i + 1),
             }
-            self.logits_mask.push(t.logits);
+            last = Some((seq, t.pos));
+        }
+        if self.runs.len() > self.n_ids {
+            return Err(EngineError::Graft(format!(
+                "{} runs of sequences in one step, at most {}",
+                self.runs.len(),
+                self.n_ids
+            )));
+        }
+        // llama.cpp's own attention runs too and is overwritten: spread each
+        // run over several of its sequence ids (consecutive pieces) so that
+        // each query's causal mask holds a few tokens, not the whole chunk.
+        let (n, spare) = (batch.len(), self.n_ids - self.runs.len());
+        let b = &mut self.batch;
+        let mut id = 0i32;
+        let mut toks = batch.tokens();
+        for run in &self.runs {
+            let len = run.len();
+            let pieces = 1 + len * spare / n;
+            for k in 0..pieces {
+                for i in run.start + k * len / pieces..run.start + (k + 1) * len / pieces {
+                    let t = toks.next().expect("as many tokens as runs cover");
+                    // SAFETY: the arrays hold n_batch entries (llama_batch_init).
+                    unsafe {
+                        *b.token.add(i) = t.token.0 as i32;
+                        *b.pos.add(i) = t.pos as i32;
+                        *b.n_seq_id.add(i) = 1;
+                        *(*b.seq_id.add(i)).add(0) = id;
+                        *b.logits.add(i) = i8::from(t.logits);
+                    }
+                    self.logits_mask.push(t.logits);
+                }
+                id += 1;
+            }
         }
         b.n_tokens = batch.len() as i32;
         self.state.step = step;

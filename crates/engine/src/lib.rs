@@ -45,6 +45,7 @@ mod format;
 mod generate;
 mod graft;
 mod model;
+mod omp;
 mod reference;
 mod shadow;
 

@@ -213,6 +213,7 @@ fn main() {
                                 partition_blocks,
                                 sub_tile,
                                 prefetch_ahead,
+                                ..AttnParams::default()
                             };
                             let qs = [SeqQuery {
                                 kv: &seq,
@@ -337,6 +338,7 @@ fn paired(o: &Opts) {
                         partition_blocks: o.partition[0],
                         sub_tile: o.sub[0],
                         prefetch_ahead,
+                        ..AttnParams::default()
                     };
                     let qs = [SeqQuery {
                         kv: seq,

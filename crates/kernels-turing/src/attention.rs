@@ -33,7 +33,7 @@ use crate::simd::{self, Rows};
 use crate::store::{KvLayout, KvPages, SeqKv};
 
 /// Tuning knobs of the CPU kernel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 pub struct AttnParams {
     /// Threads, the caller's included (1 = run on the caller's thread only).
     /// The others come from a pool started on first use and kept between
@@ -53,7 +53,23 @@ pub struct AttnParams {
     /// 14.2 → 10.9 ms, two threads 42 → 67 % of the read bandwidth
     /// (docs/BENCHMARKS.md, session 15).
     pub prefetch_ahead: usize,
+    /// Who runs the work on `threads` threads: `None` = the kernel's own
+    /// worker pool. A caller inside a program with a thread team of its own
+    /// (llama.cpp's OpenMP threads, idle between the graph splits our
+    /// attention runs in) passes a runner that uses that team, so the kernel
+    /// and the program share the cores instead of fighting over them.
+    pub runner: Option<Runner>,
+    /// Query–key products × channels below which a call takes one thread
+    /// more (see [`MIN_WORK_PER_THREAD`], the default for the kernel's own
+    /// pool; a runner whose threads are already awake can take less).
+    pub min_work_per_thread: usize,
 }
+
+/// Runs `job(0)`, `job(1)`, … `job(threads − 1)`, each at most once and
+/// `job(0)` on the calling thread, and returns when all have returned. The
+/// job shares its work out itself, so an index that never runs loses
+/// nothing. A job that panics on any thread must panic the caller.
+pub type Runner = fn(threads: usize, job: &(dyn Fn(usize) + Sync));
 
 impl Default for AttnParams {
     fn default() -> Self {
@@ -62,6 +78,8 @@ impl Default for AttnParams {
             partition_blocks: 32,
             sub_tile: 64,
             prefetch_ahead: 2,
+            runner: None,
+            min_work_per_thread: MIN_WORK_PER_THREAD,
         }
     }
 }
@@ -70,7 +88,7 @@ impl Default for AttnParams {
 /// (2²¹: decode over 512 tokens with 32 heads of 128). Measured with two
 /// threads: F16 decode at 256 tokens ran 0.064 ms on one thread and 0.071
 /// on two; at 1k two were 1.5× faster (docs/BENCHMARKS.md, session 16).
-const MIN_WORK_PER_THREAD: usize = 1 << 21;
+pub const MIN_WORK_PER_THREAD: usize = 1 << 21;
 
 /// One sequence's queries: the last `n_q` tokens of `kv` (already appended).
 #[derive(Debug, Clone, Copy)]
@@ -167,7 +185,7 @@ pub fn paged_attention(
     let work: usize = seqs.iter().map(|s| s.n_q * s.kv.len * n_heads * d).sum();
     let threads = params
         .threads
-        .clamp(1, work.div_ceil(MIN_WORK_PER_THREAD).max(1));
+        .clamp(1, work.div_ceil(params.min_work_per_thread.max(1)).max(1));
     let spans: usize = seqs
         .iter()
         .map(|s| s.kv.blocks().div_ceil(part))
@@ -225,7 +243,8 @@ pub fn paged_attention(
     let max_q = seqs.iter().map(|s| s.n_q).max().unwrap_or(0);
     let slots: Vec<OnceLock<Partial>> = items.iter().map(|_| OnceLock::new()).collect();
     let next = AtomicUsize::new(0);
-    crate::pool::run(threads, &|_| {
+    let run = params.runner.unwrap_or(crate::pool::run);
+    run(threads, &|_| {
         SCRATCH.with(|cell| {
             let mut scratch = cell.take();
             scratch.fit(l, n_heads, max_q, sub);

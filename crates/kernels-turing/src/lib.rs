@@ -64,7 +64,7 @@ mod pool;
 mod simd;
 pub mod store;
 
-pub use attention::{AttnParams, SeqQuery, naive_attention, paged_attention};
+pub use attention::{AttnParams, Runner, SeqQuery, naive_attention, paged_attention};
 pub use codec::Codec;
 pub use store::{AppendStep, BlockPools, KvLayout, KvPages, KvStore, SeqKv};
 

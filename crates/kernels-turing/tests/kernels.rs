@@ -303,6 +303,7 @@ fn check_layout(layout: KvLayout, seed: u64) -> f32 {
                 partition_blocks,
                 sub_tile,
                 prefetch_ahead: [0, 1, 3][threads % 3],
+                ..AttnParams::default()
             },
         )
         .unwrap();
