@@ -176,6 +176,11 @@ pub struct GraftBench {
     pub threads: u32,
     /// Fewer contexts and configurations.
     pub quick: bool,
+    /// Only these contexts (all when empty).
+    pub contexts: Vec<usize>,
+    /// Only the configurations whose label contains one of these (all when
+    /// empty), to finish a partial run.
+    pub only: Vec<String>,
 }
 
 /// Runs the comparison and prints markdown tables.
@@ -184,11 +189,14 @@ pub fn graft(b: &GraftBench) -> Result<()> {
     for path in &b.models {
         let model = Model::load(path, &ModelOptions::default())?;
         let small = model.geometry().n_embd < 1024;
-        let contexts: Vec<usize> = match (b.quick, small) {
+        let mut contexts: Vec<usize> = match (b.quick, small) {
             (true, _) => vec![512, 4096],
             (false, true) => vec![512, 4096, 16384],
             (false, false) => vec![512, 4096],
         };
+        if !b.contexts.is_empty() {
+            contexts.clone_from(&b.contexts);
+        }
         let mut configs = vec![
             llama(KvType::F16, KvType::F16),
             llama(KvType::Q8_0, KvType::Q8_0),
@@ -199,6 +207,9 @@ pub fn graft(b: &GraftBench) -> Result<()> {
         ];
         if !b.quick {
             configs.push(ours("kv8", Some(1)));
+        }
+        if !b.only.is_empty() {
+            configs.retain(|kv| b.only.iter().any(|o| kv.label.contains(o.as_str())));
         }
         // K-quant models: batch-invariant products cost speed; measured too.
         let k_quant = !small;
@@ -222,7 +233,7 @@ pub fn graft(b: &GraftBench) -> Result<()> {
                     kv.label, row.prefill_tps, row.decode[0], row.decode[1], row.decode[2]
                 );
             }
-            if k_quant && ctx == contexts[0] {
+            if k_quant && ctx == contexts[0] && b.only.is_empty() {
                 let kv = ours("kv8", None);
                 let row = run_config(b, path, &model, &kv, ctx, &streams, true)?;
                 println!(

@@ -15,7 +15,7 @@ mod peer;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Result, bail};
+use anyhow::{Context as _, Result, bail};
 use siliceo_core::{SeqId, TokenId, sampler::argmax};
 use siliceo_engine::{Batch, Context, ContextOptions, Model, ModelOptions};
 
@@ -928,7 +928,7 @@ fn embed(model_path: PathBuf, reps: usize) -> Result<()> {
     Ok(())
 }
 
-const USAGE: &str = "usage: siliceo-bench engine|serve|prefix|spec|grpc|embed|graft|peer [--model PATH] [--reps N] [--json] [--threads N] [--quiet-consumer] [--quick] [--llama-server PATH]";
+const USAGE: &str = "usage: siliceo-bench engine|serve|prefix|spec|grpc|embed|graft|peer [--model PATH] [--reps N] [--json] [--threads N] [--quiet-consumer] [--quick] [--no-qwen] [--llama-server PATH] [--contexts 512,4096] [--only LABEL]";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -945,6 +945,9 @@ fn main() -> Result<()> {
     let mut what = "engine";
     let mut quick = false;
     let mut llama_server: Option<PathBuf> = None;
+    let mut qwen = true;
+    let mut contexts: Vec<usize> = Vec::new();
+    let mut only: Vec<String> = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -963,6 +966,18 @@ fn main() -> Result<()> {
             "peer" => what = "peer",
             "--llama-server" => llama_server = it.next().map(PathBuf::from),
             "--quick" => quick = true,
+            "--no-qwen" => qwen = false,
+            "--contexts" => {
+                let list = it.next().map(String::as_str).unwrap_or_default();
+                contexts = list
+                    .split(',')
+                    .map(|c| c.trim().parse())
+                    .collect::<Result<_, _>>()
+                    .with_context(|| {
+                        format!("--contexts `{list}`: a comma-separated list of token counts")
+                    })?;
+            }
+            "--only" => only.extend(it.next().cloned()),
             "-h" | "--help" => {
                 println!("{USAGE}");
                 return Ok(());
@@ -983,15 +998,17 @@ fn main() -> Result<()> {
     }
     if what == "graft" {
         let mut models = vec![model.clone()];
-        let qwen = model.with_file_name("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
-        if qwen.is_file() && !quick {
-            models.push(qwen);
+        let qwen_path = model.with_file_name("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
+        if qwen_path.is_file() && qwen && !quick {
+            models.push(qwen_path);
         }
         return graft::graft(&graft::GraftBench {
             models,
             reps: reps.max(1),
             threads: threads.unwrap_or(2),
             quick,
+            contexts,
+            only,
         });
     }
     if what == "serve" {

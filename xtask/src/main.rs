@@ -162,32 +162,66 @@ pub(crate) fn run(cmd: &mut Command) -> Result<()> {
 }
 
 fn test(rest: &[String]) -> Result<()> {
-    deps::ensure_build_deps()?;
+    let mut phases = Phases::default();
+    let result = test_phases(rest, &mut phases);
+    // Where a cold run spends its time, printed whether it passed or not.
+    phases.report(result.is_ok());
+    result
+}
+
+fn test_phases(rest: &[String], phases: &mut Phases) -> Result<()> {
+    phases.run("system packages", deps::ensure_build_deps)?;
     // The default model, and the speculative pair the draft tests load.
-    models::fetch(&models::models_dir(), true)?;
+    phases.run("models", || models::fetch(&models::models_dir(), true))?;
     // The embedding model (converted to GGUF) the embedding tests load.
-    embed::fetch(&models::models_dir())?;
-    let started = std::time::Instant::now();
-    eprintln!("xtask test: cargo test --workspace");
-    run(cargo().args(["test", "--workspace"]).args(rest))?;
+    phases.run("embedding model", || embed::fetch(&models::models_dir()))?;
+    phases.run("cargo test --workspace", || {
+        run(cargo().args(["test", "--workspace"]).args(rest))
+    })?;
     // The CUDA kernels must compile (nvcc from PyPI where there is none), the
     // `cuda` feature must build and fail cleanly with no driver or GPU, and
     // the kernels' source must agree with the CPU kernel when emulated on
     // the CPU (`cuda-emu`).
-    eprintln!("xtask test: kernels (nvcc)");
-    kernels::build()?;
-    eprintln!("xtask test: kernels-turing with the cuda and cuda-emu features");
-    run(cargo().args([
-        "test",
-        "-p",
-        "siliceo-kernels-turing",
-        "--features",
-        "cuda,cuda-emu",
-    ]))?;
-    eprintln!("xtask test: check-layers");
-    layers::check_layers(&workspace_root())?;
-    eprintln!("xtask test: all passed in {:.0?}", started.elapsed());
-    Ok(())
+    phases.run("kernels (nvcc)", || kernels::build().map(drop))?;
+    phases.run("kernels-turing --features cuda,cuda-emu", || {
+        run(cargo().args([
+            "test",
+            "-p",
+            "siliceo-kernels-turing",
+            "--features",
+            "cuda,cuda-emu",
+        ]))
+    })?;
+    phases.run("check-layers", || layers::check_layers(&workspace_root()))
+}
+
+/// The phases of a long task, each announced as it starts and timed.
+#[derive(Default)]
+struct Phases {
+    done: Vec<(&'static str, std::time::Duration)>,
+    started: Option<std::time::Instant>,
+}
+
+impl Phases {
+    fn run<T>(&mut self, name: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let start = std::time::Instant::now();
+        self.started.get_or_insert(start);
+        eprintln!("xtask test: {name}");
+        let out = f();
+        self.done.push((name, start.elapsed()));
+        out
+    }
+
+    fn report(&self, ok: bool) {
+        let Some(started) = self.started else { return };
+        eprintln!();
+        eprintln!("xtask test: time by phase");
+        for (name, took) in &self.done {
+            eprintln!("  {:>7.1}s  {name}", took.as_secs_f64());
+        }
+        let verdict = if ok { "all passed" } else { "FAILED" };
+        eprintln!("xtask test: {verdict} in {:.0?}", started.elapsed());
+    }
 }
 
 /// The CUDA kernels against the CPU kernel on this machine's GPU (fails where

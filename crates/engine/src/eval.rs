@@ -22,7 +22,7 @@
 
 use siliceo_core::{KvType, ModelGeometry, SeqId, TokenId};
 
-use crate::shadow::{RawModel, ShadowContext, ShadowMode};
+use crate::shadow::{ShadowContext, ShadowMode};
 use crate::{
     Batch, BlockPlacer, Context, ContextOptions, EngineError, FlashAttention, GraftOptions,
     GraftStep, GraftedContext, KvFormat, Model, SeqKv,
@@ -396,14 +396,6 @@ pub fn eval_kv(
     // llama.cpp rounds n_ctx up to a multiple of 256.
     let n_ctx = window.next_multiple_of(256);
     let n_batch = window.min(512);
-    let raw = if configs
-        .iter()
-        .any(|c| matches!(c, EvalFormat::Ours(_) | EvalFormat::Floor))
-    {
-        Some(RawModel::load(model.path())?)
-    } else {
-        None
-    };
     let mut runners = Vec::with_capacity(configs.len());
     for (ci, c) in configs.iter().enumerate() {
         let exact = ci == 0 && opts.reference == Reference::Exact;
@@ -450,9 +442,6 @@ pub fn eval_kv(
                 Runner::Graft(Box::new(ctx), placer, SeqKv::default(), Batch::new())
             }
             EvalFormat::Ours(_) | EvalFormat::Floor => {
-                let raw = raw
-                    .as_ref()
-                    .ok_or_else(|| EngineError::Shadow("the raw model was not loaded".into()))?;
                 let mode = match c {
                     EvalFormat::Ours(f) => ShadowMode::Replace(f.clone()),
                     _ => ShadowMode::Jitter {
@@ -461,7 +450,6 @@ pub fn eval_kv(
                     },
                 };
                 Runner::Shadow(ShadowContext::new(
-                    raw,
                     model,
                     &mode,
                     n_ctx,

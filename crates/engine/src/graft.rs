@@ -25,11 +25,11 @@
 
 use std::ffi::{CStr, c_void};
 use std::ops::Range;
-use std::ptr::NonNull;
 
 use llama_cpp_sys_2 as sys;
 use siliceo_kernels_turing::{AttnParams, KvLayout, KvPages, SeqKv, SeqQuery};
 
+use crate::raw::RawContext;
 use crate::{Batch, EngineError, KvFormat, Model};
 
 /// Copy rows `0..rows` of tail block `src` into tail block `dst`
@@ -462,12 +462,10 @@ impl BlockPlacer {
 /// A llama.cpp context whose attention — and KV — are siliceo's.
 pub struct GraftedContext<'m> {
     model: &'m Model,
-    ctx: NonNull<sys::llama_context>,
-    batch: sys::llama_batch,
-    n_batch: usize,
+    // Dropped before the State its callback uses.
+    raw: RawContext<'m>,
     state: Box<State>,
     layout: KvLayout,
-    n_vocab: usize,
     /// For each index of the last decoded batch: did it request logits.
     logits_mask: Vec<bool>,
     /// The batch's runs of one sequence's consecutive tokens.
@@ -555,7 +553,7 @@ impl<'m> GraftedContext<'m> {
         let n_ctx = opts.n_batch.div_ceil(256) * 256;
         // SAFETY: plain C calls; the callback's user data is the boxed State,
         // which lives (at a fixed address) as long as the context.
-        let ctx = unsafe {
+        let raw = unsafe {
             let mut p = sys::llama_context_default_params();
             p.n_ctx = n_ctx;
             p.n_batch = opts.n_batch;
@@ -569,22 +567,13 @@ impl<'m> GraftedContext<'m> {
             p.kv_unified = true;
             p.cb_eval = Some(eval_callback);
             p.cb_eval_user_data = &mut *state as *mut State as *mut c_void;
-            sys::llama_init_from_model(model.raw().as_ptr(), p)
+            RawContext::new(model, p, "grafted")?
         };
-        let ctx = NonNull::new(ctx).ok_or_else(|| EngineError::InvalidOption {
-            field: "kv",
-            reason: format!("llama.cpp refused a grafted context of {n_ctx} cells (see the log)"),
-        })?;
-        // SAFETY: a batch of n_batch tokens with one sequence id each.
-        let batch = unsafe { sys::llama_batch_init(opts.n_batch as i32, 0, 1) };
         Ok(GraftedContext {
             model,
-            ctx,
-            batch,
-            n_batch: opts.n_batch as usize,
+            raw,
             state,
             layout,
-            n_vocab: g.n_vocab as usize,
             logits_mask: Vec::new(),
             runs: Vec::new(),
             n_ids: n_ids as usize,
@@ -603,7 +592,7 @@ impl<'m> GraftedContext<'m> {
 
     /// Most tokens per decode.
     pub fn n_batch(&self) -> usize {
-        self.n_batch
+        self.raw.n_batch()
     }
 
     /// (sealed, tail) blocks per layer.
@@ -625,7 +614,7 @@ impl<'m> GraftedContext<'m> {
     pub fn llama_cells(&self) -> u32 {
         // SAFETY: a live context; its sequence ids are 0..n_ids.
         unsafe {
-            let mem = sys::llama_get_memory(self.ctx.as_ptr());
+            let mem = sys::llama_get_memory(self.raw.ptr());
             (0..self.n_ids as i32)
                 .map(|s| {
                     let (lo, hi) = (
@@ -709,10 +698,10 @@ impl<'m> GraftedContext<'m> {
         if batch.is_empty() {
             return Ok(());
         }
-        if batch.len() > self.n_batch {
+        if batch.len() > self.raw.n_batch() {
             return Err(EngineError::BatchTooLarge {
                 tokens: batch.len(),
-                n_batch: self.n_batch as u32,
+                n_batch: self.raw.n_batch() as u32,
             });
         }
         self.check_step(batch, &step)?;
@@ -752,7 +741,7 @@ impl<'m> GraftedContext<'m> {
         // run over several of its sequence ids (consecutive pieces) so that
         // each query's causal mask holds a few tokens, not the whole chunk.
         let (n, spare) = (batch.len(), self.n_ids - self.runs.len());
-        let b = &mut self.batch;
+        let b = &mut self.raw.batch;
         let mut id = 0i32;
         let mut toks = batch.tokens();
         for run in &self.runs {
@@ -774,16 +763,14 @@ impl<'m> GraftedContext<'m> {
                 id += 1;
             }
         }
-        b.n_tokens = batch.len() as i32;
+        self.raw.batch.n_tokens = batch.len() as i32;
         self.state.step = step;
         self.state.n_tokens = batch.len();
         self.state.layers_done = 0;
         self.state.error = None;
-        // SAFETY: a live context and a filled batch.
-        let rc = unsafe { sys::llama_decode(self.ctx.as_ptr(), self.batch) };
+        let rc = self.raw.decode();
         // llama.cpp keeps nothing between steps.
-        // SAFETY: a live context.
-        unsafe { sys::llama_memory_clear(sys::llama_get_memory(self.ctx.as_ptr()), false) };
+        self.raw.clear_memory(false);
         let error = self.state.error.take();
         let done = self.state.layers_done;
         if error.is_some() || rc != 0 || done != self.state.layers.len() {
@@ -811,13 +798,7 @@ impl<'m> GraftedContext<'m> {
         if !self.logits_mask.get(index).copied().unwrap_or(false) {
             return Err(EngineError::NoLogits { index });
         }
-        // SAFETY: llama.cpp returns n_vocab floats for an output token.
-        Ok(unsafe {
-            std::slice::from_raw_parts(
-                sys::llama_get_logits_ith(self.ctx.as_ptr(), index as i32),
-                self.n_vocab,
-            )
-        })
+        Ok(self.raw.logits(index))
     }
 
     /// Copies `blocks` of every layer into host memory (a swapped-out sequence).
@@ -869,16 +850,6 @@ impl<'m> GraftedContext<'m> {
             }
         }
         Ok(())
-    }
-}
-
-impl Drop for GraftedContext<'_> {
-    fn drop(&mut self) {
-        // SAFETY: created in `new`, freed once, before the State box.
-        unsafe {
-            sys::llama_batch_free(self.batch);
-            sys::llama_free(self.ctx.as_ptr());
-        }
     }
 }
 

@@ -46,6 +46,7 @@ mod generate;
 mod graft;
 mod model;
 mod omp;
+mod raw;
 mod reference;
 mod shadow;
 

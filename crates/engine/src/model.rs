@@ -370,8 +370,14 @@ impl Model {
         if meta_f("attn_logit_softcapping").is_some_and(|c| c > 0.0) {
             return refuse("attention logit soft-capping".into());
         }
+        // LongRoPE (Phi-3's long-context variants): llama.cpp picks the long
+        // or short rope factors by the context size it is given.
         let scaling = self.meta(&format!("{arch}.rope.scaling.type"));
-        if scaling.as_deref().is_some_and(|t| t.contains("longrope")) || arch == "phi3" {
+        let long_factors = arch == "phi3"
+            && self
+                .meta(&format!("{arch}.rope.scaling.original_context_length"))
+                .is_some();
+        if scaling.as_deref().is_some_and(|t| t.contains("longrope")) || long_factors {
             return refuse(
                 "LongRoPE, whose factors depend on the context size llama.cpp is given".into(),
             );

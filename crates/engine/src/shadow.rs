@@ -29,9 +29,7 @@
 //! refused), the attention op is flash attention without ALiBi or soft-capping
 //! (its scale is read from the op), and the tensors are f32 in host memory.
 
-use std::ffi::{CStr, CString, c_void};
-use std::path::Path;
-use std::ptr::NonNull;
+use std::ffi::{CStr, c_void};
 
 use llama_cpp_sys_2 as sys;
 use siliceo_core::TokenId;
@@ -39,6 +37,7 @@ use siliceo_kernels_turing::{AttnParams, Codec, KvLayout, KvStore, SeqKv, SeqQue
 
 use crate::KvFormat;
 
+use crate::raw::RawContext;
 use crate::{EngineError, Model};
 
 /// What a shadow context does to llama.cpp's attention.
@@ -55,45 +54,6 @@ pub(crate) enum ShadowMode {
         /// The exact reference's configuration.
         exact: bool,
     },
-}
-
-/// A llama.cpp model loaded through the raw API (CPU only), for shadow contexts.
-pub(crate) struct RawModel {
-    ptr: NonNull<sys::llama_model>,
-}
-
-impl RawModel {
-    pub(crate) fn load(path: &Path) -> Result<RawModel, EngineError> {
-        crate::backend()?;
-        let c = CString::new(path.to_string_lossy().as_bytes()).map_err(|_| {
-            EngineError::InvalidOption {
-                field: "model",
-                reason: "path holds a NUL byte".into(),
-            }
-        })?;
-        // SAFETY: plain C calls; the params struct is llama.cpp's default.
-        let ptr = unsafe {
-            let mut p = sys::llama_model_default_params();
-            p.n_gpu_layers = 0;
-            sys::llama_model_load_from_file(c.as_ptr(), p)
-        };
-        NonNull::new(ptr)
-            .map(|ptr| RawModel { ptr })
-            .ok_or_else(|| {
-                EngineError::Shadow(format!(
-                    "llama.cpp's raw loader refused {} (see the log)",
-                    path.display()
-                ))
-            })
-    }
-}
-
-impl Drop for RawModel {
-    fn drop(&mut self) {
-        // SAFETY: created by llama_model_load_from_file, freed once; every
-        // context made from it is dropped first (they borrow it).
-        unsafe { sys::llama_model_free(self.ptr.as_ptr()) }
-    }
 }
 
 /// Which captured tensor a graph node is.
@@ -367,20 +327,16 @@ unsafe extern "C" fn eval_callback(t: *mut sys::ggml_tensor, ask: bool, ud: *mut
 /// A llama.cpp context whose attention is computed by siliceo's kernel over a
 /// store in one [`KvFormat`].
 pub(crate) struct ShadowContext<'m> {
-    ctx: NonNull<sys::llama_context>,
-    batch: sys::llama_batch,
-    n_batch: usize,
+    // Dropped before the State its callback uses.
+    raw: RawContext<'m>,
     state: Box<State>,
-    n_vocab: usize,
-    _model: &'m RawModel,
 }
 
 impl<'m> ShadowContext<'m> {
-    /// A context of `n_ctx` tokens (one sequence) over `raw` (the same file as
-    /// `model`), with the format's store sized for `n_ctx`.
+    /// A context of `n_ctx` tokens (one sequence) over `model`, with the
+    /// format's store sized for `n_ctx`.
     pub(crate) fn new(
-        raw: &'m RawModel,
-        model: &Model,
+        model: &'m Model,
         mode: &ShadowMode,
         n_ctx: u32,
         n_batch: u32,
@@ -455,7 +411,7 @@ impl<'m> ShadowContext<'m> {
         });
         // SAFETY: plain C calls; the callback's user data is the boxed State,
         // which lives (at a fixed address) as long as the context.
-        let ctx = unsafe {
+        let raw = unsafe {
             let mut p = sys::llama_context_default_params();
             p.n_ctx = n_ctx;
             p.n_batch = n_batch;
@@ -475,28 +431,14 @@ impl<'m> ShadowContext<'m> {
             }
             p.cb_eval = Some(eval_callback);
             p.cb_eval_user_data = &mut *state as *mut State as *mut c_void;
-            sys::llama_init_from_model(raw.ptr.as_ptr(), p)
+            RawContext::new(model, p, "shadow")?
         };
-        let ctx = NonNull::new(ctx).ok_or_else(|| EngineError::InvalidOption {
-            field: "configs",
-            reason: format!("llama.cpp refused a shadow context of {n_ctx} tokens"),
-        })?;
-        // SAFETY: a batch of n_batch tokens with one sequence id each.
-        let batch = unsafe { sys::llama_batch_init(n_batch as i32, 0, 1) };
-        Ok(ShadowContext {
-            ctx,
-            batch,
-            n_batch: n_batch as usize,
-            state,
-            n_vocab: g.n_vocab as usize,
-            _model: raw,
-        })
+        Ok(ShadowContext { raw, state })
     }
 
     /// Empties llama.cpp's cache and every layer's store.
     pub(crate) fn clear(&mut self) {
-        // SAFETY: a live context.
-        unsafe { sys::llama_memory_clear(sys::llama_get_memory(self.ctx.as_ptr()), true) };
+        self.raw.clear_memory(true);
         for l in &mut self.state.layers {
             l.store.release(&mut l.seq);
             l.tokens = 0;
@@ -506,7 +448,7 @@ impl<'m> ShadowContext<'m> {
 
     /// Most tokens per [`ShadowContext::decode`].
     pub(crate) fn n_batch(&self) -> usize {
-        self.n_batch
+        self.raw.n_batch()
     }
 
     /// Decodes `tokens` at positions `pos0..` of sequence 0; `want(i)` says
@@ -517,13 +459,13 @@ impl<'m> ShadowContext<'m> {
         pos0: usize,
         want: impl Fn(usize) -> bool,
     ) -> Result<(), EngineError> {
-        if tokens.len() > self.n_batch {
+        if tokens.len() > self.raw.n_batch() {
             return Err(EngineError::BatchTooLarge {
                 tokens: tokens.len(),
-                n_batch: self.n_batch as u32,
+                n_batch: self.raw.n_batch() as u32,
             });
         }
-        let b = &mut self.batch;
+        let b = &mut self.raw.batch;
         // SAFETY: the arrays hold n_batch entries (llama_batch_init).
         unsafe {
             for (i, t) in tokens.iter().enumerate() {
@@ -535,8 +477,7 @@ impl<'m> ShadowContext<'m> {
             }
         }
         b.n_tokens = tokens.len() as i32;
-        // SAFETY: a live context and a filled batch.
-        let rc = unsafe { sys::llama_decode(self.ctx.as_ptr(), self.batch) };
+        let rc = self.raw.decode();
         if let Some(e) = self.state.error.take() {
             return Err(EngineError::Shadow(e));
         }
@@ -566,24 +507,7 @@ impl<'m> ShadowContext<'m> {
 
     /// The logits of batch token `i` of the last decode (it must have asked for them).
     pub(crate) fn logits(&self, i: usize) -> &[f32] {
-        // SAFETY: llama.cpp returns n_vocab floats for an output token (it
-        // aborts on an index without logits; callers only ask for those).
-        unsafe {
-            std::slice::from_raw_parts(
-                sys::llama_get_logits_ith(self.ctx.as_ptr(), i as i32),
-                self.n_vocab,
-            )
-        }
-    }
-}
-
-impl Drop for ShadowContext<'_> {
-    fn drop(&mut self) {
-        // SAFETY: created in `new`, freed once, before the State box.
-        unsafe {
-            sys::llama_batch_free(self.batch);
-            sys::llama_free(self.ctx.as_ptr());
-        }
+        self.raw.logits(i)
     }
 }
 

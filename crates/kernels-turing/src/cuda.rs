@@ -27,10 +27,17 @@ fn cuda_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> KernelError +
     move |e| KernelError::Cuda(format!("{what}: {e:?}"))
 }
 
-/// Where `cargo xtask kernels` leaves the compiled kernels.
+/// Where `cargo xtask kernels` leaves the compiled kernels:
+/// `SILICEO_KERNELS_DIR`, else the checkout cargo runs us from (it sets
+/// `CARGO_MANIFEST_DIR` for tests and `cargo run` of a package under
+/// `crates/`), else the one we were built in.
 pub fn default_kernels_dir() -> PathBuf {
-    std::env::var_os("SILICEO_KERNELS_DIR")
-        .map(PathBuf::from)
+    if let Some(dir) = std::env::var_os("SILICEO_KERNELS_DIR") {
+        return PathBuf::from(dir);
+    }
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(|m| Path::new(&m).join("../../kernels/build"))
+        .filter(|d| d.is_dir())
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../kernels/build"))
 }
 

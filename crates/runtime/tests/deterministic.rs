@@ -8,9 +8,16 @@ use std::path::PathBuf;
 use siliceo_core::{Priority, SamplingParams, TokenId};
 use siliceo_runtime::{Event, GenerateRequest, Input, Runtime, RuntimeConfig};
 
+/// This package's folder in the checkout the tests run in: cargo sets it when
+/// it runs a test. A test binary built in another checkout that shares the
+/// target directory must not read that checkout's models.
+pub fn manifest_dir() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+}
+
 fn qwen() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
+    let p = manifest_dir().join("../../models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
     assert!(
         p.is_file(),
         "{} is missing: run `cargo xtask fetch-model --spec`",

@@ -8,12 +8,18 @@ use std::time::Duration;
 
 use siliceo_runtime::{EmbeddingConfig, EmbeddingService, Pooling, RerankMethod, RuntimeError};
 
+/// This package's folder in the checkout the tests run in: cargo sets it when
+/// it runs a test. A test binary built in another checkout that shares the
+/// target directory must not read that checkout's models.
+pub fn manifest_dir() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+}
+
 fn embed_model() -> PathBuf {
     std::env::var_os("SILICEO_EMBED_MODEL")
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/all-MiniLM-L6-v2.f16.gguf")
-        })
+        .unwrap_or_else(|| manifest_dir().join("../../models/all-MiniLM-L6-v2.f16.gguf"))
 }
 
 fn service() -> EmbeddingService {
@@ -147,8 +153,7 @@ async fn a_panic_fails_its_round_and_the_service_goes_on() {
 fn a_missing_or_non_embedding_model_fails_to_start() {
     let e = EmbeddingService::start(EmbeddingConfig::new("/nonexistent/model.gguf")).unwrap_err();
     assert!(matches!(e, RuntimeError::Start(_)), "{e:?}");
-    let generation = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let generation = manifest_dir().join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
     let e = EmbeddingService::start(EmbeddingConfig::new(generation)).unwrap_err();
     assert!(
         matches!(&e, RuntimeError::Start(m) if m.contains("not an embedding model")),
@@ -162,8 +167,7 @@ fn a_missing_or_non_embedding_model_fails_to_start() {
 /// document, best first, top_n.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_pooling_model_reranks_as_a_cross_encoder() {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models/all-MiniLM-L6-v2.rank-head.test.gguf");
+    let path = manifest_dir().join("../../models/all-MiniLM-L6-v2.rank-head.test.gguf");
     let svc = EmbeddingService::start(EmbeddingConfig::new(path)).unwrap();
     assert_eq!(svc.info().pooling, Pooling::Rank);
     assert_eq!(svc.info().dim, 1);

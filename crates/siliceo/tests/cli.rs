@@ -1,13 +1,26 @@
 //! The `siliceo` binary end to end, on the real default model.
 
+use std::path::PathBuf;
 use std::process::{Command, Output};
 
+/// The checkout the tests run in (cargo sets `CARGO_MANIFEST_DIR` when it runs
+/// a test), where the binary finds `models/`: a test binary built in another
+/// checkout sharing the target directory must not use that one's models.
+fn workspace_root() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+        .join("../..")
+}
+
+/// The `siliceo` binary, run from the workspace root.
+fn siliceo_cmd() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_siliceo"));
+    cmd.current_dir(workspace_root()).env_remove("RUST_LOG");
+    cmd
+}
+
 fn siliceo(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_siliceo"))
-        .args(args)
-        .env_remove("RUST_LOG")
-        .output()
-        .expect("run siliceo")
+    siliceo_cmd().args(args).output().expect("run siliceo")
 }
 
 fn text(b: &[u8]) -> String {
@@ -16,8 +29,8 @@ fn text(b: &[u8]) -> String {
 
 /// Runs `siliceo args` (with `env` set) and checks it fails with `needle` on stderr.
 fn check(args: &[&str], env: Option<(&str, &str)>, needle: &str) {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_siliceo"));
-    cmd.args(args).env_remove("RUST_LOG");
+    let mut cmd = siliceo_cmd();
+    cmd.args(args);
     if let Some((k, v)) = env {
         cmd.env(k, v);
     }
@@ -186,9 +199,9 @@ fn errors_are_clear_and_exit_nonzero() {
         None,
         "does not fit the context",
     );
-    let readme = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+    let manifest = workspace_root().join("crates/siliceo/Cargo.toml");
     check(
-        &["model-info", "--model", readme],
+        &["model-info", "--model", manifest.to_str().unwrap()],
         None,
         "is not a GGUF model",
     );
@@ -264,10 +277,9 @@ fn plan_table_and_refusal() {
 /// the child and the address it serves on.
 fn start_server(args: &[&str]) -> (std::process::Child, String, String) {
     use std::io::BufRead;
-    let mut child = Command::new(env!("CARGO_BIN_EXE_siliceo"))
+    let mut child = siliceo_cmd()
         .arg("serve")
         .args(args)
-        .env_remove("RUST_LOG")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -436,9 +448,8 @@ fn a_closed_pipe_ends_output_quietly() {
     // (it closes at once; `plan` first reads the model's GGUF header). The
     // writer must end by SIGPIPE like any Unix tool, not panic.
     use std::os::unix::process::ExitStatusExt;
-    let mut child = Command::new(env!("CARGO_BIN_EXE_siliceo"))
+    let mut child = siliceo_cmd()
         .args(["plan", "--budget", "8GiB"])
-        .env_remove("RUST_LOG")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()

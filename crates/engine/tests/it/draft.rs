@@ -1,14 +1,10 @@
 //! Draft/target vocabulary compatibility, on the real speculative pair
 //! (Qwen2.5-Coder 0.5B and 1.5B; `cargo xtask fetch-model --spec`).
 
-use std::path::PathBuf;
-
 use siliceo_engine::{EngineError, Model, ModelOptions};
 
 fn spec_model(file: &str) -> Model {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models")
-        .join(file);
+    let path = crate::manifest_dir().join("../../models").join(file);
     Model::load(&path, &ModelOptions::default()).unwrap_or_else(|e| {
         panic!(
             "cannot load {} ({e}); run `cargo xtask fetch-model --spec` first",

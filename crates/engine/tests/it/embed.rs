@@ -14,9 +14,7 @@ use siliceo_engine::{
 pub fn embed_model_path() -> PathBuf {
     std::env::var_os("SILICEO_EMBED_MODEL")
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/all-MiniLM-L6-v2.f16.gguf")
-        })
+        .unwrap_or_else(|| crate::manifest_dir().join("../../models/all-MiniLM-L6-v2.f16.gguf"))
 }
 
 fn embed_model() -> &'static Model {
@@ -195,9 +193,7 @@ fn a_generation_model_is_not_an_embedding_model() {
 }
 
 fn variant(file: &str) -> Model {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models")
-        .join(file);
+    let path = crate::manifest_dir().join("../../models").join(file);
     Model::load(&path, &ModelOptions::default()).unwrap_or_else(|e| {
         panic!(
             "cannot load {} ({e}); run `cargo xtask fetch-model --embed`",

@@ -15,13 +15,18 @@ use std::sync::OnceLock;
 use siliceo_core::{Sampler, SamplingParams, SeqId, TokenId};
 use siliceo_engine::{Batch, Context, ContextOptions, Model, ModelOptions};
 
+/// This package's folder in the checkout the tests run in: cargo sets it when
+/// it runs a test. A test binary built in another checkout that shares the
+/// target directory must not read that checkout's models.
+pub fn manifest_dir() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+}
+
 pub fn model_path() -> PathBuf {
     std::env::var_os("SILICEO_MODEL")
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        })
+        .unwrap_or_else(|| manifest_dir().join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf"))
 }
 
 pub fn model() -> &'static Model {

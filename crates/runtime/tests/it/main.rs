@@ -9,13 +9,18 @@ use siliceo_runtime::{
     Event, GenerateRequest, Input, KvBackend, Runtime, RuntimeConfig, RuntimeError,
 };
 
+/// This package's folder in the checkout the tests run in: cargo sets it when
+/// it runs a test. A test binary built in another checkout that shares the
+/// target directory must not read that checkout's models.
+pub fn manifest_dir() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+}
+
 fn model_path() -> PathBuf {
     std::env::var_os("SILICEO_MODEL")
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        })
+        .unwrap_or_else(|| manifest_dir().join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf"))
 }
 
 const PROMPTS: [&str; 8] = [
@@ -764,9 +769,7 @@ fn qwen_pair(prompts: &[&str], n: u32, tree_width: usize) -> (Runtime, Vec<Greed
 }
 
 fn qwen(file: &str) -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models")
-        .join(file);
+    let p = manifest_dir().join("../../models").join(file);
     assert!(
         p.is_file(),
         "{} is missing: run `cargo xtask fetch-model --spec`",

@@ -12,10 +12,7 @@ use crate::{TestServer, collect, prompt_req};
 fn embed_model() -> std::path::PathBuf {
     std::env::var_os("SILICEO_EMBED_MODEL")
         .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../models/all-MiniLM-L6-v2.f16.gguf")
-        })
+        .unwrap_or_else(|| crate::manifest_dir().join("../../models/all-MiniLM-L6-v2.f16.gguf"))
 }
 
 pub async fn server_with_embeddings() -> TestServer {

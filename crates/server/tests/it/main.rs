@@ -18,13 +18,18 @@ use tonic::transport::Channel;
 
 mod embed;
 
+/// This package's folder in the checkout the tests run in: cargo sets it when
+/// it runs a test. A test binary built in another checkout that shares the
+/// target directory must not read that checkout's models.
+pub fn manifest_dir() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+}
+
 fn model_path() -> PathBuf {
     std::env::var_os("SILICEO_MODEL")
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        })
+        .unwrap_or_else(|| manifest_dir().join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf"))
 }
 
 struct TestServer {
@@ -428,7 +433,12 @@ async fn tokenize_detokenize_model_info_and_unimplemented_embeddings() {
     assert_eq!(info.n_vocab, 49152);
     assert_eq!(info.context_tokens, 2048);
     assert_eq!(info.block_size, 64);
-    assert_eq!(info.kv_type_k, "f16");
+    // The default serves through our store in kv8 (grafted attention).
+    assert_eq!(info.kv_backend, "ours");
+    assert_eq!(info.kv_type_k, "kv8");
+    assert_eq!(info.kv_type_v, "kv8");
+    assert!(info.kv_format.starts_with("kv8:kv8"), "{}", info.kv_format);
+    assert!(info.kv_store_bytes > 0);
     assert!(info.prefix_caching);
     assert!(info.kv_bytes_per_token > 0);
     assert_eq!(
