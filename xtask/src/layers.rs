@@ -18,6 +18,7 @@ pub const LAYERS: &[(&str, u32)] = &[
     ("siliceo-engine", 5),
     ("siliceo-runtime", 6),
     ("siliceo-server", 7),
+    ("siliceo-http", 7),
     ("siliceo", 8),
     // The benchmark package sits on top of everything.
     ("siliceo-benches", 9),
@@ -37,6 +38,7 @@ pub const CONFINED: &[(&str, &str)] = &[
     ("prost", "siliceo-server"),
     ("prost-types", "siliceo-server"),
     ("cudarc", "siliceo-kernels-turing"),
+    ("axum", "siliceo-http"),
 ];
 
 /// Pure-logic crates: no async runtime, no I/O frameworks, no llama.cpp.

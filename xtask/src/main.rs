@@ -15,6 +15,7 @@ mod kernels;
 mod layers;
 mod models;
 mod peer;
+mod pytests;
 mod tidy;
 
 use std::path::PathBuf;
@@ -33,6 +34,7 @@ tasks:
                         to GGUF (embeddings); --all: all four
   check-layers          build each crate on its own and check dependencies point down only
   test                  install what is missing, fetch the models, run the whole test suite
+  test-python           the Python client tests alone (openai, grpcio; venv from PyPI)
   serve [-- ARGS]       the gRPC server on the default model (release build; ARGS go to
                         `siliceo serve`, e.g. -- --listen 0.0.0.0:50051 --api-key KEY)
   bench [engine] [--reps N] [--compare-portable]
@@ -110,6 +112,10 @@ fn main() -> Result<()> {
             eprintln!("tidy: ok");
         }
         "test" => test(rest)?,
+        "test-python" => {
+            run(cargo().args(["build", "-p", "siliceo"]))?;
+            pytests::run()?;
+        }
         "kernels" => {
             let files = kernels::build()?;
             eprintln!(
@@ -178,6 +184,9 @@ fn test_phases(rest: &[String], phases: &mut Phases) -> Result<()> {
     phases.run("cargo test --workspace", || {
         run(cargo().args(["test", "--workspace"]).args(rest))
     })?;
+    // The clients users have against the real server: the `openai` package
+    // on the HTTP API, grpcio on gRPC.
+    phases.run("python tests (openai, grpcio)", pytests::run)?;
     // The CUDA kernels must compile (nvcc from PyPI where there is none), the
     // `cuda` feature must build and fail cleanly with no driver or GPU, and
     // the kernels' source must agree with the CPU kernel when emulated on
@@ -247,18 +256,21 @@ fn serve(rest: &[String]) -> Result<()> {
     deps::ensure_build_deps()?;
     models::fetch(&models::models_dir(), false)?;
     let model = models::models_dir().join(models::DEFAULT.file);
-    let mut cmd = cargo();
-    cmd.args([
-        "run",
-        "--release",
-        "--quiet",
-        "-p",
-        "siliceo",
-        "--",
-        "serve",
-        "--model",
-    ])
-    .arg(&model);
+    // Build first, with cargo's progress showing: the first build compiles
+    // llama.cpp for this CPU and takes a while; later ones take seconds.
+    let target = pytests::target_dir();
+    let fresh = !target.join("release/siliceo").is_file();
+    if fresh {
+        eprintln!(
+            "xtask serve: building siliceo in release mode. The first build compiles llama.cpp \
+             for this CPU: about 10–20 minutes on 2 cores, a few on 8 (cargo's progress below)."
+        );
+    }
+    run(cargo().args(["build", "--release", "-p", "siliceo"]))?;
+    let mut cmd = Command::new(target.join("release/siliceo"));
+    cmd.current_dir(workspace_root())
+        .args(["serve", "--model"])
+        .arg(&model);
     cmd.args(rest.iter().skip_while(|a| *a == "--"));
     run(&mut cmd)
 }

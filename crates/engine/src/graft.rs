@@ -479,7 +479,7 @@ impl std::fmt::Debug for GraftedContext<'_> {
         f.debug_struct("GraftedContext")
             .field("model", &self.model.name())
             .field("layout", &self.layout.name())
-            .field("n_batch", &self.n_batch)
+            .field("n_batch", &self.raw.n_batch())
             .finish_non_exhaustive()
     }
 }

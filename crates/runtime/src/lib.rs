@@ -61,11 +61,16 @@ pub use embeddings::{
 pub use siliceo_engine::Pooling;
 pub use siliceo_scheduler::Scheduler;
 
+/// Hears whether a submitted request was queued (its prompt's token count)
+/// or refused.
+pub(crate) type Accepted = tokio::sync::oneshot::Sender<Result<u32, RuntimeError>>;
+
 pub(crate) enum Command {
     Submit(
         Box<GenerateRequest>,
         RequestId,
         tokio::sync::mpsc::UnboundedSender<Event>,
+        Option<Accepted>,
     ),
     Cancel(RequestId, Option<crossbeam_channel::Sender<bool>>),
     Tokenize(
@@ -96,7 +101,7 @@ pub struct Runtime {
 impl std::fmt::Debug for Command {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Command::Submit(_, id, _) => write!(f, "Submit({id})"),
+            Command::Submit(_, id, _, _) => write!(f, "Submit({id})"),
             Command::Cancel(id, _) => write!(f, "Cancel({id})"),
             Command::Tokenize(..) => f.write_str("Tokenize"),
             Command::Detokenize(..) => f.write_str("Detokenize"),
@@ -184,9 +189,40 @@ impl Runtime {
         });
         let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
         self.tx
-            .send(Command::Submit(Box::new(req), id.clone(), etx))
+            .send(Command::Submit(Box::new(req), id.clone(), etx, None))
             .map_err(|_| RuntimeError::Stopped)?;
         Ok(RequestStream::new(id, erx, self.tx.clone()))
+    }
+
+    /// Queues a request and waits until the engine has validated, tokenized
+    /// and queued it (between two steps, not until it runs): a refused
+    /// request is an error here, not a stream. Returns the stream and the
+    /// prompt's length in tokens.
+    pub async fn submit_accepted(
+        &self,
+        req: GenerateRequest,
+    ) -> Result<(RequestStream, u32), RuntimeError> {
+        let id = req.id.clone().unwrap_or_else(|| {
+            RequestId(format!(
+                "req-{}",
+                self.next_id.fetch_add(1, Ordering::Relaxed)
+            ))
+        });
+        let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
+        let (atx, arx) = tokio::sync::oneshot::channel();
+        self.tx
+            .send(Command::Submit(Box::new(req), id.clone(), etx, Some(atx)))
+            .map_err(|_| RuntimeError::Stopped)?;
+        // Made now, so a caller dropped while waiting cancels the request.
+        let stream = RequestStream::new(id, erx, self.tx.clone());
+        match arx.await {
+            Ok(Ok(prompt_tokens)) => Ok((stream, prompt_tokens)),
+            Ok(Err(e)) => Err(e),
+            // Dropped unanswered: admitting it panicked, or the engine stopped.
+            Err(_) => Err(RuntimeError::Engine(
+                "internal error while admitting the request".into(),
+            )),
+        }
     }
 
     /// Cancels a request by id; its KV is free when this returns. Returns

@@ -282,6 +282,8 @@ impl RuntimeError {
 pub struct RuntimeInfo {
     /// The model's name from its metadata.
     pub model_name: String,
+    /// The model's file.
+    pub model_path: PathBuf,
     /// Its architecture (`llama`, `qwen2`, …).
     pub architecture: String,
     /// Its geometry.

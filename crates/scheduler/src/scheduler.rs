@@ -696,6 +696,13 @@ impl Scheduler {
         }
     }
 
+    /// The step last planned has run: releases the blocks it read and sealed
+    /// or copied away. [`schedule`](Self::schedule) does it too; call this
+    /// after each step so an idle engine holds none.
+    pub fn step_done(&mut self) {
+        self.kv.finish_step();
+    }
+
     /// Plans the next engine step at time `now_ms`.
     pub fn schedule(&mut self, now_ms: u64) -> Step {
         let mut step = Step::default();

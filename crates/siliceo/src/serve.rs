@@ -1,4 +1,5 @@
-//! `siliceo serve`: the gRPC server on one model.
+//! `siliceo serve`: the gRPC server and the OpenAI-compatible HTTP API on
+//! one model.
 //!
 //! Settings come from defaults, then an optional TOML file (`--config`), then
 //! flags; a flag wins over the file. Every key of the file has the flag's name
@@ -21,6 +22,7 @@ use std::time::Duration;
 use anyhow::{Context as _, Result, bail};
 use clap::Args;
 use serde::Deserialize;
+use siliceo_http::HttpConfig;
 use siliceo_runtime::{Runtime, RuntimeConfig};
 use siliceo_server::ServerConfig;
 
@@ -38,7 +40,11 @@ pub struct ServeArgs {
     /// gRPC address [default: 127.0.0.1:50051].
     #[arg(long)]
     listen: Option<SocketAddr>,
-    /// Require `authorization: Bearer <key>` (or set SILICEO_API_KEY).
+    /// OpenAI-compatible HTTP API address, or `off` [default: 127.0.0.1:8080].
+    #[arg(long)]
+    http_listen: Option<String>,
+    /// Require `authorization: Bearer <key>` (or set SILICEO_API_KEY), on
+    /// gRPC and HTTP alike.
     #[arg(long)]
     api_key: Option<String>,
     /// Prometheus metrics address, e.g. 127.0.0.1:9090 [default: off].
@@ -139,6 +145,7 @@ impl ServeArgs {
             config: self.config,
             model: self.model.or(file.model),
             listen: self.listen.or(file.listen),
+            http_listen: self.http_listen.or(file.http_listen),
             api_key: self.api_key.or(file.api_key),
             metrics_listen: self.metrics_listen.or(file.metrics_listen),
             context: self.context.or(file.context),
@@ -168,8 +175,8 @@ impl ServeArgs {
     }
 }
 
-/// The runtime and server configuration `a` describes.
-fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig)> {
+/// The runtime, gRPC and HTTP configuration `a` describes.
+fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig, Option<HttpConfig>)> {
     let a = match &a.config {
         Some(path) => {
             let text = std::fs::read_to_string(path)
@@ -271,7 +278,30 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig)> {
         tls,
         embeddings: None,
     };
-    Ok((rc, sc))
+    let http = match a.http_listen.as_deref() {
+        Some("off") => None,
+        other => {
+            if sc.tls.is_some() {
+                bail!(
+                    "TLS covers gRPC only for now: put the HTTP API behind a TLS proxy, \
+                     or pass --http-listen off"
+                );
+            }
+            let listen = match other {
+                None => HttpConfig::default().listen,
+                Some(a) => a.parse().with_context(|| {
+                    format!("--http-listen `{a}`: an address like 127.0.0.1:8080, or `off`")
+                })?,
+            };
+            Some(HttpConfig {
+                listen,
+                api_key: sc.api_key.clone(),
+                max_request_bytes: sc.max_request_bytes,
+                ..HttpConfig::default()
+            })
+        }
+    };
+    Ok((rc, sc, http))
 }
 
 /// Resolves on SIGINT or SIGTERM.
@@ -300,7 +330,7 @@ async fn shutdown_signal() {
 /// Runs `siliceo serve`.
 pub fn cmd_serve(a: ServeArgs) -> Result<()> {
     let embedding_model = a.embedding_model.clone();
-    let (rc, mut sc) = configs(a)?;
+    let (rc, mut sc, mut http) = configs(a)?;
     let model = rc.model_path.clone();
     eprintln!("siliceo: loading {}", model.display());
     let rt = Arc::new(Runtime::start(rc).map_err(|e| anyhow::anyhow!("{e}"))?);
@@ -311,6 +341,9 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
         sc.embeddings = Some(Arc::new(svc));
     }
+    if let Some(h) = &mut http {
+        h.embeddings = sc.embeddings.clone();
+    }
     let tokio = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -320,10 +353,22 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
             .await
             .with_context(|| format!("cannot listen on {}", sc.listen))?;
         let addr = listener.local_addr()?;
+        let http_listener = match &http {
+            Some(h) => Some(
+                tokio::net::TcpListener::bind(h.listen)
+                    .await
+                    .with_context(|| format!("cannot listen on {} (--http-listen)", h.listen))?,
+            ),
+            None => None,
+        };
+        let http_addr = match &http_listener {
+            Some(l) => format!(" · HTTP http://{}", l.local_addr()?),
+            None => String::new(),
+        };
         let info = rt.info();
         // One line when ready: scripts and tests wait for it.
         println!(
-            "siliceo: ready on {addr} · model {} · context {} · KV {} · blocks of {} · prefix cache {}{}{}{}",
+            "siliceo: ready on {addr}{http_addr} · model {} · context {} · KV {} · blocks of {} · prefix cache {}{}{}{}",
             info.model_name,
             info.n_ctx,
             crate::kv_opts::describe(info),
@@ -342,9 +387,33 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
         );
         use std::io::Write as _;
         let _ = std::io::stdout().flush();
-        siliceo_server::serve_on(listener, rt, sc, shutdown_signal())
+        // One signal stops both servers.
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            shutdown_signal().await;
+            let _ = stop_tx.send(true);
+        });
+        let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|s| *s).await;
+        };
+        let http_task = match (http_listener, http) {
+            (Some(l), Some(h)) => Some(tokio::spawn(siliceo_http::serve_on(
+                l,
+                rt.clone(),
+                h,
+                stopped(stop_rx.clone()),
+            ))),
+            _ => None,
+        };
+        siliceo_server::serve_on(listener, rt, sc, stopped(stop_rx))
             .await
-            .map_err(anyhow::Error::from)
+            .map_err(anyhow::Error::from)?;
+        if let Some(t) = http_task {
+            t.await
+                .context("the HTTP server failed")?
+                .context("the HTTP server failed")?;
+        }
+        anyhow::Ok(())
     })?;
     eprintln!("siliceo: stopped");
     Ok(())

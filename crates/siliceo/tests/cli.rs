@@ -280,6 +280,7 @@ fn start_server(args: &[&str]) -> (std::process::Child, String, String) {
     let mut child = siliceo_cmd()
         .arg("serve")
         .args(args)
+        .args(["--http-listen", "127.0.0.1:0"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .spawn()

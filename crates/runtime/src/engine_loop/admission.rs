@@ -11,7 +11,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::output::done;
 use super::speculative::Spec;
 use super::{Engine, Live};
-use crate::{Event, GenerateRequest, Input, RuntimeError, Usage};
+use crate::{Accepted, Event, GenerateRequest, Input, RuntimeError, Usage};
 
 impl Engine<'_> {
     pub(super) fn tokens_of(&self, input: Input) -> Result<Vec<TokenId>, RuntimeError> {
@@ -66,28 +66,59 @@ impl Engine<'_> {
         Ok(tokens)
     }
 
+    /// Admits a request: validated, tokenized and queued, or refused with its
+    /// stream's `Done` event. `accepted` (when given) hears which, at once:
+    /// the prompt's token count, or the error.
     pub(super) fn submit(
         &mut self,
         req: GenerateRequest,
         id: RequestId,
         tx: UnboundedSender<Event>,
+        accepted: Option<Accepted>,
     ) {
+        let mut accepted = accepted;
+        let fail = |e: RuntimeError| {
+            if let Some(a) = accepted.take() {
+                let _ = a.send(Err(e.clone()));
+            }
+            done(&tx, FinishReason::Error, Usage::default(), Some(e));
+        };
+        let Some(prompt_tokens) = self.admit(req, id, &tx, fail) else {
+            return;
+        };
+        if let Some(a) = accepted {
+            let _ = a.send(Ok(prompt_tokens));
+        }
+    }
+
+    /// [`submit`](Self::submit)'s work; `None` after calling `fail`.
+    fn admit(
+        &mut self,
+        req: GenerateRequest,
+        id: RequestId,
+        tx: &UnboundedSender<Event>,
+        fail: impl FnOnce(RuntimeError),
+    ) -> Option<u32> {
         let submitted = Instant::now();
-        let fail = |e: RuntimeError| done(&tx, FinishReason::Error, Usage::default(), Some(e));
         if let Err(siliceo_core::Error::InvalidParameter { field, reason }) =
             req.sampling.validate()
         {
-            return fail(RuntimeError::InvalidRequest { field, reason });
+            fail(RuntimeError::InvalidRequest { field, reason });
+            return None;
         }
         if self.live.contains_key(&id) {
-            return fail(RuntimeError::Rejected {
+            fail(RuntimeError::Rejected {
                 kind: "duplicate_id",
                 reason: format!("request {id} is already running"),
             });
+            return None;
         }
         let tokens = match self.tokens_of(req.input) {
             Ok(t) => t,
-            Err(e) => return fail(e),
+            Err(e) => {
+                fail(e);
+                return None;
+            }
         };
         let now = self.now_ms();
         let keys = match &req.cache_salt {
@@ -106,10 +137,11 @@ impl Engine<'_> {
             sreq = sreq.with_deadline(now + d.as_millis() as u64);
         }
         if let Err(r) = self.sched.add(sreq) {
-            return fail(RuntimeError::Rejected {
+            fail(RuntimeError::Rejected {
                 kind: r.error_kind(),
                 reason: r.to_string(),
             });
+            return None;
         }
         let mut sampler = Sampler::new(&req.sampling);
         for &t in &tokens {
@@ -148,7 +180,7 @@ impl Engine<'_> {
         self.live.insert(
             id,
             Live {
-                tx,
+                tx: tx.clone(),
                 spec,
                 draft_tokens: 0,
                 accepted_draft_tokens: 0,
@@ -165,5 +197,6 @@ impl Engine<'_> {
                 first_token: None,
             },
         );
+        Some(tokens.len() as u32)
     }
 }

@@ -25,11 +25,11 @@ impl Engine<'_> {
             };
             for cmd in first.into_iter().chain(rx.try_iter()) {
                 match cmd {
-                    Command::Submit(req, id, tx) => {
+                    Command::Submit(req, id, tx, accepted) => {
                         // A panic while admitting fails that request only.
                         let etx = tx.clone();
                         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            self.submit(*req, id.clone(), tx)
+                            self.submit(*req, id.clone(), tx, accepted)
                         }));
                         if r.is_err() {
                             tracing::error!(request = %id, "panic while admitting a request");
@@ -89,6 +89,11 @@ impl Engine<'_> {
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.step()));
                 if r.is_err() {
                     self.recover_from_panic();
+                } else {
+                    // The blocks the step read and sealed or copied away go
+                    // now, not at the next step: an engine left idle (its last
+                    // request cancelled) must hold no block.
+                    self.sched.step_done();
                 }
                 self.steps += 1;
                 self.step_us += t.elapsed().as_micros() as u64;

@@ -221,6 +221,7 @@ impl<'m> Engine<'m> {
         sched_cfg.max_running_seqs = max_running as usize;
         let sched = Scheduler::new(sched_cfg, kv_config);
         let info = RuntimeInfo {
+            model_path: cfg.model_path.clone(),
             model_name: model.name().to_string(),
             architecture: model.architecture().to_string(),
             geometry: model.geometry(),

@@ -151,6 +151,7 @@ async fn final_message(s: &mut tonic::Streaming<pb::GenerateResponse>) -> pb::Ge
 
 async fn wait_idle(c: &mut InferenceClient<Channel>) -> pb::KvStats {
     // Bounded polling for a state change, not a timing assertion.
+    let mut last = None;
     for _ in 0..500 {
         let kv = c
             .get_model_info(pb::GetModelInfoRequest {})
@@ -162,9 +163,10 @@ async fn wait_idle(c: &mut InferenceClient<Channel>) -> pb::KvStats {
         if kv.running == 0 && kv.waiting == 0 && kv.used_blocks == 0 {
             return kv;
         }
+        last = Some(kv);
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    panic!("the server never became idle");
+    panic!("the server never became idle: {last:?}");
 }
 
 const PROMPTS: [&str; 16] = [

@@ -1,0 +1,556 @@
+//! The OpenAI-compatible HTTP API of siliceo-infer, on axum.
+//!
+//! - `POST /v1/chat/completions`, `POST /v1/completions`: streamed as
+//!   server-sent events (`data: [DONE]` last) or whole; `n` choices; usage
+//!   with `prompt_tokens_details.cached_tokens` from prefix caching.
+//! - `POST /v1/embeddings`, `POST /v1/rerank` from the embedding model.
+//! - `GET /v1/models`, `GET /v1/models/{id}`, `GET /health`.
+//!
+//! Errors use OpenAI's shape (`{"error": {"message", "type", "param",
+//! "code"}}`) and status: 400 naming the field, 401, 404, 413, 429 with
+//! `Retry-After`, 500, 503. A client that goes away cancels its request: the
+//! response (and with it each choice's [`siliceo_runtime::RequestStream`]) is
+//! dropped, which frees the request's KV at once.
+//!
+//! This crate knows the runtime, never the gRPC server; the binary serves
+//! both on one runtime.
+#![deny(missing_docs)]
+
+mod error;
+mod openai;
+mod stream;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::Next;
+use axum::response::sse::{KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+use siliceo_core::FinishReason;
+use siliceo_runtime::{EmbeddingService, Event, RequestStream, Runtime, Usage};
+
+pub use error::ApiError;
+pub use openai::MAX_N;
+
+use openai::Plan;
+use stream::{ChoiceStream, Kind};
+
+/// How the HTTP API is served.
+#[derive(Debug, Clone)]
+pub struct HttpConfig {
+    /// Address to listen on.
+    pub listen: SocketAddr,
+    /// Require `Authorization: Bearer <key>` on `/v1/*` (`/health` is open).
+    pub api_key: Option<String>,
+    /// Largest request body in bytes; larger ones get 413.
+    pub max_request_bytes: usize,
+    /// The model ids requests may name (the first is the one `/v1/models`
+    /// lists); none: the model's file stem and its metadata name.
+    pub model_ids: Vec<String>,
+    /// Serves `/v1/embeddings` and `/v1/rerank`.
+    pub embeddings: Option<Arc<EmbeddingService>>,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            api_key: None,
+            max_request_bytes: 4 << 20,
+            model_ids: Vec::new(),
+            embeddings: None,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct AppState {
+    rt: Arc<Runtime>,
+    api_key: Option<String>,
+    model_ids: Vec<String>,
+    max_request_bytes: usize,
+    embeddings: Option<Arc<EmbeddingService>>,
+    created: u64,
+}
+
+fn now_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// The model ids a runtime answers to: its file's stem, then its name.
+pub fn default_model_ids(rt: &Runtime) -> Vec<String> {
+    let info = rt.info();
+    let mut ids = Vec::new();
+    if let Some(stem) = info.model_path.file_stem() {
+        ids.push(stem.to_string_lossy().into_owned());
+    }
+    if !info.model_name.is_empty() && !ids.contains(&info.model_name) {
+        ids.push(info.model_name.clone());
+    }
+    if ids.is_empty() {
+        ids.push("siliceo".into());
+    }
+    ids
+}
+
+/// The API's routes over `rt`.
+pub fn router(rt: Arc<Runtime>, cfg: &HttpConfig) -> Router {
+    let model_ids = if cfg.model_ids.is_empty() {
+        default_model_ids(&rt)
+    } else {
+        cfg.model_ids.clone()
+    };
+    let state = Arc::new(AppState {
+        rt,
+        api_key: cfg.api_key.clone(),
+        model_ids,
+        max_request_bytes: cfg.max_request_bytes,
+        embeddings: cfg.embeddings.clone(),
+        created: now_s(),
+    });
+    let v1 = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/embeddings", post(embeddings))
+        .route("/v1/rerank", post(rerank))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            require_key,
+        ));
+    Router::new()
+        .route("/health", get(health))
+        .merge(v1)
+        .fallback(|req: Request| async move { ApiError::no_route(req.uri().path()) })
+        .layer(DefaultBodyLimit::max(cfg.max_request_bytes))
+        .with_state(state)
+}
+
+/// Serves the API on `listener` until `shutdown` resolves; streams in flight
+/// are then cut (the runtime cancels their requests).
+pub async fn serve_on(
+    listener: tokio::net::TcpListener,
+    rt: Arc<Runtime>,
+    cfg: HttpConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let app = router(rt, &cfg);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// Byte strings equal, in time that depends only on their lengths.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn require_key(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if let Some(key) = &s.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        match given {
+            None => {
+                return ApiError::unauthorized("missing `Authorization: Bearer <key>`")
+                    .into_response();
+            }
+            Some(g) if !constant_time_eq(g.as_bytes(), key.as_bytes()) => {
+                return ApiError::unauthorized("wrong API key").into_response();
+            }
+            Some(_) => {}
+        }
+    }
+    next.run(req).await
+}
+
+/// Reads a JSON body: 413 over the limit, 400 when it is not JSON.
+fn body_json(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Value, ApiError> {
+    let body = body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::too_large(limit)
+        } else {
+            ApiError::invalid("body", e.body_text())
+        }
+    })?;
+    serde_json::from_slice(&body)
+        .map_err(|e| ApiError::invalid("body", format!("not valid JSON: {e}")))
+}
+
+/// Reads `T` out of a JSON body, naming the field a bad one got wrong.
+fn field_of<T: DeserializeOwned>(v: &Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path == "." || path.is_empty() {
+            ApiError::invalid("body", format!("not a valid request: {inner}"))
+        } else {
+            ApiError::invalid(path, inner)
+        }
+    })
+}
+
+/// Parses a JSON body into `T`.
+fn parse<T: DeserializeOwned>(
+    body: Result<Bytes, BytesRejection>,
+    limit: usize,
+) -> Result<T, ApiError> {
+    field_of(&body_json(body, limit)?)
+}
+
+async fn health(State(s): State<Arc<AppState>>) -> Response {
+    match s.rt.stats() {
+        Ok(_) => Json(json!({"status": "ok"})).into_response(),
+        Err(e) => ApiError::from_runtime(&e).into_response(),
+    }
+}
+
+fn model_card(s: &AppState, id: &str) -> Value {
+    json!({
+        "id": id,
+        "object": "model",
+        "created": s.created,
+        "owned_by": "siliceo",
+        "max_model_len": s.rt.info().n_ctx,
+    })
+}
+
+async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
+    let mut data = vec![model_card(&s, &s.model_ids[0])];
+    if let Some(e) = &s.embeddings {
+        data.push(json!({
+            "id": e.info().model_name,
+            "object": "model",
+            "created": s.created,
+            "owned_by": "siliceo",
+            "max_model_len": e.info().max_tokens,
+        }));
+    }
+    Json(json!({"object": "list", "data": data}))
+}
+
+async fn model(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    if s.model_ids.contains(&id) {
+        Json(model_card(&s, &id)).into_response()
+    } else {
+        ApiError::model_not_found(&id, &s.model_ids[0]).into_response()
+    }
+}
+
+async fn chat_completions(
+    State(s): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let v = body_json(body, s.max_request_bytes)?;
+    let common: openai::Common = field_of(&v)?;
+    openai::check_model(common.model.as_deref(), &s.model_ids)?;
+    let plan = openai::chat_plan(field_of(&v)?, common)?;
+    generate(&s, plan, Kind::Chat).await
+}
+
+async fn completions(
+    State(s): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let v = body_json(body, s.max_request_bytes)?;
+    let common: openai::Common = field_of(&v)?;
+    openai::check_model(common.model.as_deref(), &s.model_ids)?;
+    let plan = openai::completion_plan(field_of(&v)?, common)?;
+    generate(&s, plan, Kind::Completion).await
+}
+
+/// Submits choice `i` and waits until the engine has queued it, so a
+/// request it refuses is answered with an error status, not a 200 stream.
+async fn start(s: &AppState, plan: &Plan, i: u32) -> Result<RequestStream, ApiError> {
+    let (stream, prompt_tokens) =
+        s.rt.submit_accepted(plan.choice(i))
+            .await
+            .map_err(|e| ApiError::from_runtime(&e))?;
+    // OpenAI and vLLM refuse a prompt plus max_tokens over the context
+    // rather than cut the answer short; dropping the stream cancels it.
+    let n_ctx = s.rt.info().n_ctx;
+    if let Some((field, max)) = plan.max_tokens_asked
+        && u64::from(prompt_tokens) + u64::from(max) > u64::from(n_ctx)
+    {
+        let mut e = ApiError::invalid(
+            field,
+            format!(
+                "the prompt's {prompt_tokens} tokens plus {max} to generate exceed the \
+                 context of {n_ctx} tokens"
+            ),
+        );
+        e.code = Some("context_length_exceeded");
+        return Err(e);
+    }
+    Ok(stream)
+}
+
+async fn generate(s: &AppState, mut plan: Plan, kind: Kind) -> Result<Response, ApiError> {
+    // Without max_tokens, generate until the model stops or the context ends
+    // (as OpenAI and vLLM do).
+    if plan.max_tokens_asked.is_none() {
+        plan.request.sampling.max_tokens = s.rt.info().n_ctx;
+    }
+    let id = format!("{}-{}", kind.id_prefix(), uuid_like());
+    let created = now_s();
+    let model = s.model_ids[0].clone();
+    // Choice 0 first: a refused request fails before any other is queued.
+    let mut started = vec![start(s, &plan, 0).await?];
+    for i in 1..plan.n {
+        started.push(start(s, &plan, i).await?);
+    }
+    if plan.stream {
+        let events = ChoiceStream::new(kind, id, created, model, started, plan.include_usage);
+        return Ok(Sse::new(events)
+            .keep_alive(KeepAlive::default())
+            .into_response());
+    }
+    let mut choices = Vec::with_capacity(started.len());
+    let mut usage_all = Usage::default();
+    for (i, st) in started.into_iter().enumerate() {
+        let (text, finish, usage) = collect(st).await?;
+        if i == 0 {
+            usage_all.prompt_tokens = usage.prompt_tokens;
+            usage_all.cached_prompt_tokens = usage.cached_prompt_tokens;
+        }
+        usage_all.completion_tokens += usage.completion_tokens;
+        choices.push(kind.choice(i, &text, finish));
+    }
+    Ok(Json(json!({
+        "id": id,
+        "object": kind.object(),
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_json(&usage_all),
+    }))
+    .into_response())
+}
+
+/// Reads a choice to its end.
+async fn collect(mut stream: RequestStream) -> Result<(String, FinishReason, Usage), ApiError> {
+    let mut text = String::new();
+    while let Some(e) = stream.next().await {
+        match e {
+            Event::Text { text: t, .. } => text.push_str(&t),
+            Event::Done {
+                finish_reason,
+                usage,
+                error,
+            } => {
+                if let Some(e) = error {
+                    return Err(ApiError::from_runtime(&e));
+                }
+                return Ok((text, finish_reason, usage));
+            }
+        }
+    }
+    Err(ApiError::from_runtime(
+        &siliceo_runtime::RuntimeError::Stopped,
+    ))
+}
+
+/// OpenAI's `usage` object.
+pub(crate) fn usage_json(u: &Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+    })
+}
+
+/// OpenAI's name for a finish reason. A cancelled request (its deadline
+/// passed) ends as `length` would: cut short, not stopped by the model.
+pub(crate) fn finish_name(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Stop => "stop",
+        FinishReason::Length | FinishReason::Cancelled => "length",
+        FinishReason::Error => "error",
+    }
+}
+
+/// A request id unique within this process and across restarts.
+fn uuid_like() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let t = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    format!("{t:x}{n:04x}")
+}
+
+/// `input` of `/v1/embeddings`: one text or several.
+#[derive(Debug, serde::Deserialize)]
+#[serde(untagged)]
+enum EmbedInput {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct EmbedRequest {
+    input: EmbedInput,
+    model: Option<String>,
+    encoding_format: Option<String>,
+    dimensions: Option<u32>,
+    /// Extension: cut inputs longer than the model's context instead of 400.
+    #[serde(default)]
+    truncate: bool,
+}
+
+fn embedder(s: &AppState) -> Result<&EmbeddingService, ApiError> {
+    s.embeddings.as_deref().ok_or_else(|| {
+        ApiError::invalid(
+            "model",
+            "this server has no embedding model; start it with --embedding-model PATH \
+             (`cargo xtask fetch-model --embed` fetches all-MiniLM-L6-v2)",
+        )
+    })
+}
+
+fn check_embed_model(e: &EmbeddingService, asked: Option<&str>) -> Result<(), ApiError> {
+    let name = &e.info().model_name;
+    let stem = e
+        .info()
+        .path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    match asked {
+        None | Some("") => Ok(()),
+        Some(m) if m == name || m == stem => Ok(()),
+        Some(m) => Err(ApiError::model_not_found(m, name)),
+    }
+}
+
+async fn embeddings(
+    State(s): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let r: EmbedRequest = parse(body, s.max_request_bytes)?;
+    let e = embedder(&s)?;
+    check_embed_model(e, r.model.as_deref())?;
+    let base64 = match r.encoding_format.as_deref() {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "encoding_format",
+                format!("`{other}` is not `float` or `base64`"),
+            ));
+        }
+    };
+    if r.dimensions.is_some_and(|d| d as usize != e.info().dim) {
+        return Err(ApiError::invalid(
+            "dimensions",
+            format!("this model gives {} dimensions", e.info().dim),
+        ));
+    }
+    let texts = match r.input {
+        EmbedInput::One(t) => vec![t],
+        EmbedInput::Many(v) => v,
+    };
+    let out = e
+        .embed(texts, true, r.truncate)
+        .await
+        .map_err(|e| ApiError::from_runtime(&rename_inputs(e, "input")))?;
+    let data: Vec<Value> = out
+        .vectors
+        .into_iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let embedding = if base64 {
+                // Little-endian f32s, as OpenAI sends them.
+                use base64::Engine as _;
+                let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+            } else {
+                json!(v)
+            };
+            json!({"object": "embedding", "index": i, "embedding": embedding})
+        })
+        .collect();
+    Ok(Json(json!({
+        "object": "list",
+        "data": data,
+        "model": e.info().model_name,
+        "usage": {"prompt_tokens": out.prompt_tokens, "total_tokens": out.prompt_tokens},
+    })))
+}
+
+/// The runtime names gRPC's fields (`inputs`); OpenAI's is `input`.
+fn rename_inputs(
+    e: siliceo_runtime::RuntimeError,
+    to: &'static str,
+) -> siliceo_runtime::RuntimeError {
+    match e {
+        siliceo_runtime::RuntimeError::InvalidRequest {
+            field: "inputs",
+            reason,
+        } => siliceo_runtime::RuntimeError::InvalidRequest { field: to, reason },
+        other => other,
+    }
+}
+
+#[derive(Debug, serde::Deserialize)]
+struct RerankRequest {
+    query: String,
+    documents: Vec<String>,
+    model: Option<String>,
+    top_n: Option<usize>,
+    #[serde(default)]
+    return_documents: bool,
+    #[serde(default)]
+    truncate: bool,
+}
+
+async fn rerank(
+    State(s): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let r: RerankRequest = parse(body, s.max_request_bytes)?;
+    let e = embedder(&s)?;
+    check_embed_model(e, r.model.as_deref())?;
+    if r.query.trim().is_empty() {
+        return Err(ApiError::invalid("query", "must not be empty"));
+    }
+    let docs = r.return_documents.then(|| r.documents.clone());
+    let out = e
+        .rerank(r.query, r.documents, r.top_n.unwrap_or(0), r.truncate)
+        .await
+        .map_err(|e| ApiError::from_runtime(&e))?;
+    let results: Vec<Value> = out
+        .ranked
+        .into_iter()
+        .map(|(index, score)| {
+            let mut v = json!({"index": index, "relevance_score": score});
+            if let Some(d) = &docs {
+                v["document"] = json!({"text": d[index]});
+            }
+            v
+        })
+        .collect();
+    Ok(Json(json!({
+        "id": format!("rerank-{}", uuid_like()),
+        "model": e.info().model_name,
+        "results": results,
+        "usage": {"prompt_tokens": out.prompt_tokens, "total_tokens": out.prompt_tokens},
+    })))
+}

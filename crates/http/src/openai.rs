@@ -1,0 +1,452 @@
+//! OpenAI's request shapes and their translation into runtime requests.
+//!
+//! Fields are read leniently where OpenAI's clients send them (`stop` as a
+//! string or a list, `content` as a string or text parts), and every value
+//! is checked here or by the runtime, which names the field it refuses.
+//! Fields this server does not implement yet are refused with 400 naming
+//! them, never silently ignored, when they ask for something.
+
+use std::collections::HashMap;
+
+use serde::Deserialize;
+use siliceo_core::{Priority, SamplingParams, TokenId};
+use siliceo_engine::ChatMessage;
+use siliceo_runtime::{GenerateRequest, Input};
+
+use crate::error::ApiError;
+
+/// Most choices one request may ask for.
+pub const MAX_N: u32 = 16;
+
+/// Roles a chat message may carry.
+const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
+
+/// A string or a list of strings (`stop`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany {
+    /// One.
+    One(String),
+    /// Many.
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            OneOrMany::One(s) => vec![s],
+            OneOrMany::Many(v) => v,
+        }
+    }
+}
+
+/// `prompt` of `/v1/completions`: text, or token ids (one prompt only).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// Text.
+    Text(String),
+    /// Token ids.
+    Tokens(Vec<u32>),
+    /// A batch of texts (only one is served per request).
+    Texts(Vec<String>),
+    /// A batch of token lists (only one is served per request).
+    TokenLists(Vec<Vec<u32>>),
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a last chunk with the usage.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// `priority` (an extension): a name or a number (lower is more urgent, as
+/// vLLM reads it).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum PriorityArg {
+    /// `interactive`, `normal` or `batch`.
+    Name(String),
+    /// < 0 interactive, 0 normal, > 0 batch.
+    Number(i64),
+}
+
+/// What both endpoints share: sampling, stopping and the extensions.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Common {
+    /// The model; must be the one served (or absent).
+    pub model: Option<String>,
+    /// Most tokens to generate.
+    pub max_tokens: Option<u32>,
+    /// OpenAI's newer name for `max_tokens` (chat).
+    pub max_completion_tokens: Option<u32>,
+    /// Sampling temperature (OpenAI's default: 1).
+    pub temperature: Option<f32>,
+    /// Nucleus sampling.
+    pub top_p: Option<f32>,
+    /// Choices to generate.
+    pub n: Option<u32>,
+    /// Server-sent events.
+    #[serde(default)]
+    pub stream: bool,
+    /// Streaming options.
+    pub stream_options: Option<StreamOptions>,
+    /// Stop strings.
+    pub stop: Option<OneOrMany>,
+    /// Sampling seed.
+    pub seed: Option<u64>,
+    /// OpenAI's presence penalty.
+    pub presence_penalty: Option<f32>,
+    /// OpenAI's frequency penalty.
+    pub frequency_penalty: Option<f32>,
+    /// Token id → bias (not implemented: refused when non-empty).
+    pub logit_bias: Option<HashMap<String, f32>>,
+    /// Extension: top-k.
+    pub top_k: Option<i64>,
+    /// Extension: min-p.
+    pub min_p: Option<f32>,
+    /// Extension: repetition penalty.
+    pub repetition_penalty: Option<f32>,
+    /// Extension: scheduling class.
+    pub priority: Option<PriorityArg>,
+    /// Extension: keep generating past end-of-sequence.
+    #[serde(default)]
+    pub ignore_eos: bool,
+    /// Extension: the prefix-cache partition (per tenant).
+    pub cache_salt: Option<String>,
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Log-probabilities of this many top tokens (not implemented).
+    pub logprobs: Option<u32>,
+    /// Echo the prompt back (not implemented).
+    #[serde(default)]
+    pub echo: bool,
+    /// Text appended after the completion (not implemented).
+    pub suffix: Option<String>,
+    /// Candidates to rank (not implemented beyond 1).
+    pub best_of: Option<u32>,
+}
+
+/// One part of a message's content.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    /// `text` (the only kind served).
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text.
+    pub text: Option<String>,
+}
+
+/// A message's content: a string, text parts, or absent.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    /// Text.
+    Text(String),
+    /// Parts.
+    Parts(Vec<ContentPart>),
+}
+
+/// One chat message.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Message {
+    /// `system`, `user`, `assistant` or `tool`.
+    pub role: String,
+    /// Its content.
+    pub content: Option<Content>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    /// The conversation.
+    pub messages: Vec<Message>,
+    /// Return log-probabilities (not implemented).
+    #[serde(default)]
+    pub logprobs: bool,
+    /// Top log-probabilities per token (not implemented).
+    pub top_logprobs: Option<u32>,
+    /// Tools (not implemented yet).
+    pub tools: Option<serde_json::Value>,
+    /// Tool choice (not implemented yet).
+    pub tool_choice: Option<serde_json::Value>,
+    /// Response format: `text` only for now.
+    pub response_format: Option<serde_json::Value>,
+}
+
+/// A request translated: what to submit, how many times, and how to answer.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// The runtime request (choice 0; further choices change the seed).
+    pub request: GenerateRequest,
+    /// Choices.
+    pub n: u32,
+    /// Stream as server-sent events.
+    pub stream: bool,
+    /// Send a usage chunk last.
+    pub include_usage: bool,
+    /// `max_tokens` (or `max_completion_tokens`) when the client set it: the
+    /// field's name and value, checked against the context once the prompt's
+    /// length is known.
+    pub max_tokens_asked: Option<(&'static str, u32)>,
+}
+
+impl Plan {
+    /// The request for choice `i`: with a seed, choice `i` samples with
+    /// `seed + i`, so the choices differ yet repeat.
+    pub fn choice(&self, i: u32) -> GenerateRequest {
+        let mut r = self.request.clone();
+        if let Some(s) = r.sampling.seed {
+            r.sampling.seed = Some(s.wrapping_add(u64::from(i)));
+        }
+        r
+    }
+}
+
+/// Checks the model name: absent, or one of `served`.
+pub fn check_model(asked: Option<&str>, served: &[String]) -> Result<(), ApiError> {
+    match asked {
+        None | Some("") => Ok(()),
+        Some(m) if served.iter().any(|s| s == m) => Ok(()),
+        Some(m) => Err(ApiError::model_not_found(m, &served[0])),
+    }
+}
+
+fn plan(common: Common, input: Input) -> Result<Plan, ApiError> {
+    if common.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+        return Err(ApiError::unsupported("logit_bias", "logit_bias"));
+    }
+    let n = common.n.unwrap_or(1);
+    if n == 0 || n > MAX_N {
+        return Err(ApiError::invalid("n", format!("must be in 1..={MAX_N}")));
+    }
+    let d = SamplingParams::greedy();
+    let max_tokens = match (common.max_completion_tokens, common.max_tokens) {
+        (Some(m), _) | (None, Some(m)) => m,
+        (None, None) => d.max_tokens,
+    };
+    let field = if common.max_completion_tokens.is_some() {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    };
+    if max_tokens == 0 {
+        return Err(ApiError::invalid(field, "must be at least 1"));
+    }
+    let top_k = match common.top_k {
+        None | Some(-1) => d.top_k,
+        Some(k) => u32::try_from(k)
+            .map_err(|_| ApiError::invalid("top_k", "must be -1 (off), 0 (off) or positive"))?,
+    };
+    let priority = match common.priority {
+        None => Priority::Normal,
+        Some(PriorityArg::Number(p)) => match p {
+            ..0 => Priority::Interactive,
+            0 => Priority::Normal,
+            _ => Priority::Batch,
+        },
+        Some(PriorityArg::Name(name)) => Priority::ALL
+            .into_iter()
+            .find(|p| p.name() == name)
+            .ok_or_else(|| {
+                ApiError::invalid("priority", "must be interactive, normal, batch or a number")
+            })?,
+    };
+    // OpenAI's range (the runtime allows more).
+    if let Some(t) = common.temperature
+        && !(0.0..=2.0).contains(&t)
+    {
+        return Err(ApiError::invalid(
+            "temperature",
+            format!("must be in [0, 2], got {t}"),
+        ));
+    }
+    let sampling = SamplingParams {
+        // OpenAI samples at temperature 1 unless told otherwise.
+        temperature: common.temperature.unwrap_or(1.0),
+        top_k,
+        top_p: common.top_p.unwrap_or(1.0),
+        min_p: common.min_p.unwrap_or(d.min_p),
+        seed: common.seed,
+        repetition_penalty: common.repetition_penalty.unwrap_or(d.repetition_penalty),
+        presence_penalty: common.presence_penalty.unwrap_or(d.presence_penalty),
+        frequency_penalty: common.frequency_penalty.unwrap_or(d.frequency_penalty),
+        penalty_last_n: d.penalty_last_n,
+        max_tokens,
+        stop: common.stop.map(OneOrMany::into_vec).unwrap_or_default(),
+        stop_token_ids: Vec::new(),
+        ignore_eos: common.ignore_eos,
+    };
+    let mut request = GenerateRequest::new(input);
+    request.sampling = sampling;
+    request.priority = priority;
+    request.cache_salt = common.cache_salt.filter(|s| !s.is_empty());
+    Ok(Plan {
+        request,
+        n,
+        stream: common.stream,
+        include_usage: common.stream_options.is_some_and(|o| o.include_usage),
+        max_tokens_asked: (common.max_completion_tokens.is_some() || common.max_tokens.is_some())
+            .then_some((field, max_tokens)),
+    })
+}
+
+/// Translates `/v1/completions` (`common`: the same body's shared fields).
+pub fn completion_plan(r: CompletionRequest, common: Common) -> Result<Plan, ApiError> {
+    if r.logprobs.is_some_and(|l| l > 0) {
+        return Err(ApiError::unsupported("logprobs", "logprobs"));
+    }
+    if r.echo {
+        return Err(ApiError::unsupported("echo", "echo"));
+    }
+    if r.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::unsupported("suffix", "suffix"));
+    }
+    if r.best_of.is_some_and(|b| b > 1) {
+        return Err(ApiError::unsupported("best_of", "best_of > 1"));
+    }
+    let one = |len: usize| {
+        if len == 1 {
+            Ok(())
+        } else {
+            Err(ApiError::invalid(
+                "prompt",
+                format!("a batch of {len} prompts; send one prompt per request"),
+            ))
+        }
+    };
+    let input = match r.prompt {
+        Prompt::Text(t) => Input::Prompt(t),
+        Prompt::Tokens(ids) => Input::Tokens(ids.into_iter().map(TokenId).collect()),
+        Prompt::Texts(mut v) => {
+            one(v.len())?;
+            Input::Prompt(v.remove(0))
+        }
+        Prompt::TokenLists(mut v) => {
+            one(v.len())?;
+            Input::Tokens(v.remove(0).into_iter().map(TokenId).collect())
+        }
+    };
+    plan(common, input)
+}
+
+/// Translates `/v1/chat/completions` (`common`: the same body's shared fields).
+pub fn chat_plan(r: ChatRequest, common: Common) -> Result<Plan, ApiError> {
+    if r.logprobs || r.top_logprobs.is_some_and(|t| t > 0) {
+        return Err(ApiError::unsupported("logprobs", "logprobs"));
+    }
+    if r.tools.as_ref().is_some_and(|t| !t.is_null()) {
+        return Err(ApiError::unsupported("tools", "tool calling"));
+    }
+    if r.tool_choice
+        .as_ref()
+        .is_some_and(|c| !c.is_null() && c != "none" && c != "auto")
+    {
+        return Err(ApiError::unsupported("tool_choice", "tool calling"));
+    }
+    if let Some(f) = &r.response_format {
+        let kind = f.get("type").and_then(|t| t.as_str()).unwrap_or("");
+        if kind != "text" {
+            return Err(ApiError::unsupported(
+                "response_format",
+                &format!("response_format `{kind}`"),
+            ));
+        }
+    }
+    if r.messages.is_empty() {
+        return Err(ApiError::invalid(
+            "messages",
+            "at least one message is required",
+        ));
+    }
+    let mut msgs = Vec::with_capacity(r.messages.len());
+    for (i, m) in r.messages.into_iter().enumerate() {
+        if !ROLES.contains(&m.role.as_str()) {
+            return Err(ApiError::invalid(
+                format!("messages[{i}].role"),
+                format!("`{}` is not one of {}", m.role, ROLES.join(", ")),
+            ));
+        }
+        let content = match m.content {
+            None => String::new(),
+            Some(Content::Text(t)) => t,
+            Some(Content::Parts(parts)) => {
+                let mut text = String::new();
+                for (j, p) in parts.into_iter().enumerate() {
+                    if p.kind != "text" {
+                        return Err(ApiError::unsupported(
+                            &format!("messages[{i}].content[{j}].type"),
+                            &format!("content of type `{}`", p.kind),
+                        ));
+                    }
+                    text.push_str(p.text.as_deref().unwrap_or_default());
+                }
+                text
+            }
+        };
+        msgs.push(ChatMessage::new(m.role, content));
+    }
+    plan(common, Input::Chat(msgs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(json: serde_json::Value) -> Result<Plan, ApiError> {
+        chat_plan(
+            serde_json::from_value(json.clone()).unwrap(),
+            serde_json::from_value(json).unwrap(),
+        )
+    }
+
+    #[test]
+    fn openai_defaults_and_aliases() {
+        let p = chat(serde_json::json!({
+            "model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 7, "stop": "\n", "stream": true,
+            "stream_options": {"include_usage": true}, "seed": 5, "n": 2
+        }))
+        .unwrap();
+        assert_eq!(p.request.sampling.max_tokens, 7);
+        assert_eq!(p.request.sampling.temperature, 1.0);
+        assert_eq!(p.request.sampling.stop, vec!["\n".to_string()]);
+        assert!(p.stream && p.include_usage);
+        assert_eq!(p.choice(1).sampling.seed, Some(6));
+    }
+
+    #[test]
+    fn unsupported_and_bad_fields_are_named() {
+        let e = chat(serde_json::json!({
+            "messages": [{"role": "user", "content": "hi"}], "logprobs": true
+        }))
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("logprobs"));
+        let e = chat(serde_json::json!({
+            "messages": [{"role": "robot", "content": "hi"}]
+        }))
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].role"));
+        let e = chat(serde_json::json!({
+            "messages": [{"role": "user", "content": "hi"}], "n": 0
+        }))
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("n"));
+        let body = serde_json::json!({"prompt": ["a", "b"]});
+        let e = completion_plan(
+            serde_json::from_value(body.clone()).unwrap(),
+            serde_json::from_value(body).unwrap(),
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("prompt"));
+        assert!(check_model(Some("other"), &["m".into()]).is_err());
+        assert!(check_model(None, &["m".into()]).is_ok());
+    }
+}

@@ -1,0 +1,266 @@
+//! Server-sent events for streamed completions: the choices' runtime events
+//! as OpenAI's chunks, then an optional usage chunk, then `[DONE]`.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use axum::response::sse::Event as SseEvent;
+use serde_json::{Value, json};
+use siliceo_runtime::{Event, RequestStream, Usage};
+use tokio_stream::Stream;
+
+use crate::error::ApiError;
+use crate::{finish_name, usage_json};
+
+/// Which endpoint a response belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completion,
+}
+
+impl Kind {
+    pub(crate) fn id_prefix(self) -> &'static str {
+        match self {
+            Kind::Chat => "chatcmpl",
+            Kind::Completion => "cmpl",
+        }
+    }
+
+    pub(crate) fn object(self) -> &'static str {
+        match self {
+            Kind::Chat => "chat.completion",
+            Kind::Completion => "text_completion",
+        }
+    }
+
+    fn chunk_object(self) -> &'static str {
+        match self {
+            Kind::Chat => "chat.completion.chunk",
+            Kind::Completion => "text_completion",
+        }
+    }
+
+    /// A whole (non-streamed) choice.
+    pub(crate) fn choice(
+        self,
+        index: usize,
+        text: &str,
+        finish: siliceo_core::FinishReason,
+    ) -> Value {
+        match self {
+            Kind::Chat => json!({
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": null,
+                "finish_reason": finish_name(finish),
+            }),
+            Kind::Completion => json!({
+                "index": index,
+                "text": text,
+                "logprobs": null,
+                "finish_reason": finish_name(finish),
+            }),
+        }
+    }
+
+    /// A streamed choice: new text, or the end (`finish`).
+    fn delta(self, index: usize, text: Option<&str>, role: bool, finish: Option<&str>) -> Value {
+        match self {
+            Kind::Chat => {
+                let mut delta = json!({});
+                if role {
+                    delta["role"] = json!("assistant");
+                }
+                if let Some(t) = text {
+                    delta["content"] = json!(t);
+                }
+                json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": finish})
+            }
+            Kind::Completion => json!({
+                "index": index,
+                "text": text.unwrap_or(""),
+                "logprobs": null,
+                "finish_reason": finish,
+            }),
+        }
+    }
+}
+
+struct Choice {
+    stream: RequestStream,
+    /// The role went out (chat's first chunk carries it).
+    announced: bool,
+    done: bool,
+}
+
+/// The SSE body of a streamed request. Dropping it (the client went away)
+/// drops every choice's [`RequestStream`], which cancels them.
+pub(crate) struct ChoiceStream {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    choices: Vec<Choice>,
+    include_usage: bool,
+    usage: Usage,
+    out: VecDeque<SseEvent>,
+    /// `[DONE]` (or an error) went out.
+    finished: bool,
+    /// Round-robin start, so one busy choice cannot starve the others.
+    next: usize,
+}
+
+impl ChoiceStream {
+    pub(crate) fn new(
+        kind: Kind,
+        id: String,
+        created: u64,
+        model: String,
+        choices: Vec<RequestStream>,
+        include_usage: bool,
+    ) -> Self {
+        ChoiceStream {
+            kind,
+            id,
+            created,
+            model,
+            choices: choices
+                .into_iter()
+                .map(|stream| Choice {
+                    stream,
+                    announced: false,
+                    done: false,
+                })
+                .collect(),
+            include_usage,
+            usage: Usage::default(),
+            out: VecDeque::new(),
+            finished: false,
+            next: 0,
+        }
+    }
+
+    fn chunk(&self, choices: Vec<Value>, usage: Option<Value>) -> SseEvent {
+        let mut v = json!({
+            "id": self.id,
+            "object": self.kind.chunk_object(),
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        });
+        if let Some(u) = usage {
+            v["usage"] = u;
+        }
+        SseEvent::default().data(v.to_string())
+    }
+
+    /// Turns choice `i`'s event into chunks. Returns false when the stream
+    /// must end (an engine error went out).
+    fn on_event(&mut self, i: usize, ev: Event) -> bool {
+        let chat = self.kind == Kind::Chat;
+        let announce = chat && !self.choices[i].announced;
+        match ev {
+            Event::Text { text, .. } => {
+                if text.is_empty() && !announce {
+                    return true;
+                }
+                self.choices[i].announced = true;
+                let c = self.kind.delta(i, Some(&text), announce, None);
+                let e = self.chunk(vec![c], None);
+                self.out.push_back(e);
+                true
+            }
+            Event::Done {
+                finish_reason,
+                usage,
+                error,
+            } => {
+                self.choices[i].done = true;
+                if let Some(err) = error {
+                    let body = ApiError::from_runtime(&err).body();
+                    self.out
+                        .push_back(SseEvent::default().data(body.to_string()));
+                    return false;
+                }
+                if i == 0 {
+                    self.usage.prompt_tokens = usage.prompt_tokens;
+                    self.usage.cached_prompt_tokens = usage.cached_prompt_tokens;
+                }
+                self.usage.completion_tokens += usage.completion_tokens;
+                self.choices[i].announced = true;
+                let c = self
+                    .kind
+                    .delta(i, None, announce, Some(finish_name(finish_reason)));
+                let e = self.chunk(vec![c], None);
+                self.out.push_back(e);
+                true
+            }
+        }
+    }
+
+    fn finish(&mut self) {
+        if self.include_usage {
+            let e = self.chunk(Vec::new(), Some(usage_json(&self.usage)));
+            self.out.push_back(e);
+        }
+        self.out.push_back(SseEvent::default().data("[DONE]"));
+        self.finished = true;
+    }
+}
+
+impl Stream for ChoiceStream {
+    type Item = Result<SseEvent, Infallible>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        loop {
+            if let Some(e) = this.out.pop_front() {
+                return Poll::Ready(Some(Ok(e)));
+            }
+            if this.finished {
+                return Poll::Ready(None);
+            }
+            if this.choices.iter().all(|c| c.done) {
+                this.finish();
+                continue;
+            }
+            let n = this.choices.len();
+            let mut progressed = false;
+            for k in 0..n {
+                let i = (this.next + k) % n;
+                if this.choices[i].done {
+                    continue;
+                }
+                let ev = match this.choices[i].stream.poll_next(cx) {
+                    Poll::Ready(e) => e,
+                    Poll::Pending => continue,
+                };
+                progressed = true;
+                this.next = (i + 1) % n;
+                let go_on = match ev {
+                    Some(ev) => this.on_event(i, ev),
+                    None => {
+                        // The engine went away without a last event.
+                        let body =
+                            ApiError::from_runtime(&siliceo_runtime::RuntimeError::Stopped).body();
+                        this.out
+                            .push_back(SseEvent::default().data(body.to_string()));
+                        false
+                    }
+                };
+                if !go_on {
+                    this.finished = true;
+                }
+                break;
+            }
+            if !progressed {
+                return Poll::Pending;
+            }
+        }
+    }
+}

@@ -1,0 +1,127 @@
+"""Starts the real `siliceo serve` (gRPC and HTTP on 127.0.0.1) for the tests.
+
+`SILICEO_BIN` names the binary (`cargo xtask test` passes the one it built);
+the default model comes from `models/` in this checkout.
+"""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+API_KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `siliceo serve` child: its gRPC and HTTP addresses and metrics."""
+
+    def __init__(self, *extra: str):
+        binary = os.environ.get("SILICEO_BIN") or str(
+            ROOT / "target" / "debug" / "siliceo"
+        )
+        self.metrics_port = free_port()
+        args = [
+            binary,
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            f"127.0.0.1:{self.metrics_port}",
+            "--context",
+            "2048",
+            "--threads",
+            "2",
+            *extra,
+        ]
+        self.proc = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.stderr: list[str] = []
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        line = self.proc.stdout.readline()
+        m = re.match(r"siliceo: ready on (\S+) · HTTP (\S+)", line)
+        if not m:
+            self.proc.kill()
+            raise RuntimeError(
+                f"no ready line from {args}: {line!r}\n{''.join(self.stderr)}"
+            )
+        self.grpc = m.group(1)
+        self.http = m.group(2)
+        self.ready_line = line
+
+    def _drain_stderr(self):
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def metrics(self) -> dict[str, float]:
+        text = urllib.request.urlopen(
+            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10
+        ).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+        return out
+
+    def wait_idle(self, timeout: float = 60.0) -> dict[str, float]:
+        """Waits until nothing runs or waits and no KV block is referenced."""
+        deadline = time.time() + timeout
+        while True:
+            m = self.metrics()
+            if (
+                m.get("siliceo_running_sequences") == 0
+                and m.get("siliceo_queue_length") == 0
+                and m.get("siliceo_kv_blocks_used") == 0
+            ):
+                return m
+            if time.time() > deadline:
+                raise AssertionError(f"the server did not go idle: {m}")
+            time.sleep(0.05)
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        assert self.proc.returncode == 0, "".join(self.stderr)
+
+
+@pytest.fixture(scope="session")
+def server():
+    s = Server("--api-key", API_KEY)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def embed_server():
+    model = ROOT / "models" / "all-MiniLM-L6-v2.f16.gguf"
+    if not model.is_file():
+        sys.exit(f"{model} is missing: run `cargo xtask fetch-model --embed`")
+    s = Server("--embedding-model", str(model))
+    yield s
+    s.stop()

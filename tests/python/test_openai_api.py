@@ -1,0 +1,348 @@
+"""The OpenAI-compatible HTTP API through the real `openai` client."""
+
+import json
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from conftest import API_KEY, ROOT, Server
+
+
+def client(server, key=API_KEY, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.http}/v1", api_key=key, max_retries=0, **kw)
+
+
+def model_id(server) -> str:
+    return client(server).models.list().data[0].id
+
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_models_and_health(server):
+    models = client(server).models.list().data
+    assert len(models) == 1
+    assert models[0].id == "SmolLM2-135M-Instruct.Q4_1"
+    assert models[0].max_model_len == 2048
+    # Health needs no key.
+    with urllib.request.urlopen(f"{server.http}/health", timeout=10) as r:
+        assert r.status == 200
+        assert json.load(r) == {"status": "ok"}
+
+
+def test_chat_whole_and_streamed_agree_with_usage(server):
+    c = client(server)
+    whole = c.chat.completions.create(
+        model=model_id(server), messages=QUESTION, max_tokens=24, temperature=0
+    )
+    text = whole.choices[0].message.content
+    assert "Paris" in text, text
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    u = whole.usage
+    assert u.prompt_tokens > 10
+    assert 0 < u.completion_tokens <= 24
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+
+    chunks = list(
+        c.chat.completions.create(
+            model=model_id(server),
+            messages=QUESTION,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(
+        ch.choices[0].delta.content or "" for ch in chunks if ch.choices
+    )
+    assert streamed == text
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason
+    assert all(f is None for f in finishes[:-1])
+    last = chunks[-1]
+    assert last.choices == []
+    assert last.usage.completion_tokens == u.completion_tokens
+    # The same prompt again: its prefix is served from the cache.
+    assert last.usage.prompt_tokens_details.cached_tokens > 0
+    server.wait_idle()
+
+
+def test_completions_whole_streamed_and_stop(server):
+    c = client(server)
+    prompt = "The first three planets from the sun are Mercury,"
+    whole = c.completions.create(
+        model=model_id(server), prompt=prompt, max_tokens=16, temperature=0
+    )
+    assert whole.object == "text_completion"
+    text = whole.choices[0].text
+    assert text.strip(), text
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(
+            model=model_id(server),
+            prompt=prompt,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+        )
+        if ch.choices
+    )
+    assert streamed == text
+    # A stop string cuts the text before it and ends with `stop`.
+    word = text.split()[0]
+    cut = c.completions.create(
+        model=model_id(server), prompt=prompt, max_tokens=16, temperature=0, stop=[word]
+    )
+    assert word not in cut.choices[0].text
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_n_choices_seeded_sampling(server):
+    c = client(server)
+    r = c.chat.completions.create(
+        model=model_id(server),
+        messages=[{"role": "user", "content": "Write a word."}],
+        max_tokens=8,
+        temperature=1.0,
+        seed=7,
+        n=3,
+    )
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert all(ch.message.content is not None for ch in r.choices)
+    # Usage sums the choices' tokens (8 at most each).
+    assert 3 <= r.usage.completion_tokens <= 24
+    again = c.chat.completions.create(
+        model=model_id(server),
+        messages=[{"role": "user", "content": "Write a word."}],
+        max_tokens=8,
+        temperature=1.0,
+        seed=7,
+        n=3,
+    )
+    # Seeded: the same three texts again.
+    assert [ch.message.content for ch in again.choices] == [
+        ch.message.content for ch in r.choices
+    ]
+    # Streamed, each choice's chunks carry its index.
+    seen = {0: "", 1: "", 2: ""}
+    for ch in c.chat.completions.create(
+        model=model_id(server),
+        messages=[{"role": "user", "content": "Write a word."}],
+        max_tokens=8,
+        temperature=1.0,
+        seed=7,
+        n=3,
+        stream=True,
+    ):
+        for choice in ch.choices:
+            seen[choice.index] += choice.delta.content or ""
+    assert [seen[i] for i in range(3)] == [ch.message.content for ch in r.choices]
+    server.wait_idle()
+
+
+def test_errors_are_the_clients_typed_exceptions(server):
+    with pytest.raises(openai.AuthenticationError):
+        client(server, key="wrong").models.list()
+    c = client(server)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.create(model="gpt-4o", messages=QUESTION)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(
+            model=model_id(server), messages=QUESTION, temperature=7
+        )
+    assert e.value.body["param"] == "temperature"
+    # Checked by the runtime, named the same way.
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(
+            model=model_id(server), messages=QUESTION, top_p=1.5
+        )
+    assert e.value.body["param"] == "top_p"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(
+            model=model_id(server), messages=[{"role": "robot", "content": "x"}]
+        )
+    assert e.value.body["param"] == "messages[0].role"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(
+            model=model_id(server), messages=QUESTION, logprobs=True
+        )
+    assert e.value.body["param"] == "logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(
+            model=model_id(server), messages=QUESTION, max_tokens="many"
+        )
+    assert e.value.body["param"] == "max_tokens"
+    # A body over the limit: 413 in OpenAI's shape.
+    with pytest.raises(openai.APIStatusError) as e:
+        c.completions.create(model=model_id(server), prompt="x" * (5 << 20))
+    assert e.value.status_code == 413
+    # An unknown path.
+    with pytest.raises(openai.NotFoundError):
+        c.get("/v1/nothing", cast_to=object)
+    # Still serving.
+    r = c.completions.create(model=model_id(server), prompt="Hi", max_tokens=2)
+    assert r.usage.completion_tokens >= 1
+    server.wait_idle()
+
+
+def test_a_closed_stream_frees_its_kv(server):
+    c = client(server)
+    stream = c.completions.create(
+        model=model_id(server),
+        prompt="Count from one to a thousand: one, two, three,",
+        max_tokens=1000,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    got = 0
+    for ch in stream:
+        got += 1
+        if got == 5:
+            break
+    m = server.metrics()
+    assert m["siliceo_running_sequences"] == 1
+    stream.close()
+    m = server.wait_idle(timeout=30)
+    assert m["siliceo_kv_blocks_used"] == 0
+
+
+def test_a_full_queue_is_429():
+    s = Server("--max-running", "1", "--max-waiting", "1")
+    try:
+        c = client(s, key="unused")
+        streams = []
+        for _ in range(2):
+            streams.append(
+                c.completions.create(
+                    model=model_id(s),
+                    prompt="Once upon a time",
+                    max_tokens=500,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+            )
+        with pytest.raises(openai.RateLimitError) as e:
+            c.completions.create(model=model_id(s), prompt="x", max_tokens=1)
+        assert e.value.response.headers["retry-after"] == "1"
+        for st in streams:
+            st.close()
+        s.wait_idle(timeout=30)
+    finally:
+        s.stop()
+
+
+def test_embeddings_and_rerank(embed_server):
+    c = client(embed_server, key="unused")
+    r = c.embeddings.create(
+        model="all-MiniLM-L6-v2.f16", input=["a cat sits on the mat", "a kitten rests on a rug"]
+    )
+    assert [d.index for d in r.data] == [0, 1]
+    assert len(r.data[0].embedding) == 384
+    norm = sum(x * x for x in r.data[0].embedding)
+    assert abs(norm - 1.0) < 1e-3
+    assert r.usage.prompt_tokens > 0
+    with pytest.raises(openai.BadRequestError) as e:
+        c.embeddings.create(model="all-MiniLM-L6-v2.f16", input=[])
+    assert e.value.body["param"] == "input"
+    ranked = c.post(
+        "/rerank",
+        body={
+            "query": "what do cats do?",
+            "documents": ["stock prices fell", "cats sleep most of the day"],
+        },
+        cast_to=object,
+    )
+    assert ranked["results"][0]["index"] == 1
+
+
+def test_greedy_over_http_equals_grpc(server):
+    """The same greedy request gives the same text on both protocols."""
+    out = Path(tempfile.mkdtemp())
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{ROOT / 'proto'}",
+            f"--python_out={out}",
+            f"--grpc_python_out={out}",
+            "siliceo/v1/inference.proto",
+        ],
+        check=True,
+    )
+    sys.path.insert(0, str(out))
+    import grpc
+    from siliceo.v1 import inference_pb2 as pb
+    from siliceo.v1 import inference_pb2_grpc as pbg
+
+    channel = grpc.insecure_channel(server.grpc)
+    stub = pbg.InferenceStub(channel)
+    meta = [("authorization", f"Bearer {API_KEY}")]
+    c = client(server)
+    for prompt in ["The capital of Italy is", "def fibonacci(n):", "Roses are red,"]:
+        req = pb.GenerateRequest(prompt=prompt, max_tokens=20)
+        grpc_text = "".join(r.text for r in stub.Generate(req, metadata=meta))
+        http = c.completions.create(
+            model=model_id(server), prompt=prompt, max_tokens=20, temperature=0
+        )
+        assert http.choices[0].text == grpc_text, prompt
+    channel.close()
+
+
+def test_max_tokens_over_the_context_is_refused(server):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=model_id(server), prompt="Hello", max_tokens=5000)
+    assert e.value.body["param"] == "max_tokens"
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(
+            model=model_id(server), messages=QUESTION, max_completion_tokens=5000
+        )
+    assert e.value.body["param"] == "max_completion_tokens"
+    server.wait_idle()
+
+
+def readme_curls() -> list[str]:
+    """The curl commands of the README's HTTP section, as written."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## The OpenAI-compatible HTTP API", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    commands, current = [], ""
+    for line in block.splitlines():
+        current += line + "\n"
+        if line.startswith("curl") or current.strip():
+            # A command ends where its quotes balance.
+            if current.count("'") % 2 == 0:
+                commands.append(current.strip())
+                current = ""
+    return [c for c in commands if c.startswith("curl")]
+
+
+def test_the_readme_curl_examples_work(embed_server):
+    commands = readme_curls()
+    assert len(commands) >= 3
+    for cmd in commands:
+        cmd = cmd.replace("http://127.0.0.1:8080", embed_server.http)
+        out = subprocess.run(
+            ["bash", "-c", cmd + " --fail-with-body"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, (cmd, out.stdout, out.stderr)
+        body = out.stdout.strip()
+        if body.startswith("data:"):
+            assert body.endswith("data: [DONE]"), body
+        else:
+            json.loads(body)
