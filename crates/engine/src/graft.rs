@@ -212,26 +212,7 @@ impl State {
         if il >= self.layers.len() {
             return Err(format!("layer {il} beyond the model's layers"));
         }
-        if t.type_ != sys::GGML_TYPE_F32
-            || t.ne[0] as usize != nh * d
-            || t.ne[1] as usize != n
-            || t.ne[2] != 1
-            || t.ne[3] != 1
-            || t.nb[0] != 4
-            || t.nb[1] != nh * d * 4
-        {
-            return Err(format!(
-                "kqv_out-{il}: shape {:?} strides {:?}, expected contiguous f32 [{}, {n}]",
-                t.ne,
-                t.nb,
-                nh * d
-            ));
-        }
-        if t.buffer.is_null() || unsafe { !sys::ggml_backend_buffer_is_host(t.buffer) } {
-            return Err(format!(
-                "kqv_out-{il} is not in host memory (GPU layers need the CUDA path)"
-            ));
-        }
+        crate::raw::check_kqv_out(t, il, nh * d, Some(n))?;
         // SAFETY: a node's sources live as long as the graph.
         let fa = unsafe { t.src[0].as_ref() };
         let Some(fa) = fa.filter(|f| f.op == sys::GGML_OP_FLASH_ATTN_EXT) else {

@@ -93,3 +93,36 @@ impl Drop for RawContext<'_> {
         }
     }
 }
+
+/// Checks that `t`, layer `il`'s `kqv_out`, is a contiguous f32 matrix of
+/// `width` × `tokens` (any token count when `None`) in host memory: the
+/// attention output our kernel overwrites.
+pub(crate) fn check_kqv_out(
+    t: &sys::ggml_tensor,
+    il: usize,
+    width: usize,
+    tokens: Option<usize>,
+) -> Result<(), String> {
+    if t.type_ != sys::GGML_TYPE_F32
+        || t.ne[0] as usize != width
+        || tokens.is_some_and(|n| t.ne[1] as usize != n)
+        || t.ne[2] != 1
+        || t.ne[3] != 1
+        || t.nb[0] != 4
+        || t.nb[1] != width * 4
+    {
+        return Err(format!(
+            "kqv_out-{il}: shape {:?} strides {:?}, expected contiguous f32 [{width}, {}]",
+            t.ne,
+            t.nb,
+            tokens.map_or("tokens".to_string(), |n| n.to_string())
+        ));
+    }
+    // SAFETY: a non-null buffer of a live graph node.
+    if t.buffer.is_null() || unsafe { !sys::ggml_backend_buffer_is_host(t.buffer) } {
+        return Err(format!(
+            "kqv_out-{il} is not in host memory (GPU layers need the CUDA path)"
+        ));
+    }
+    Ok(())
+}

@@ -198,23 +198,7 @@ impl State {
             }
             Node::Out => {
                 let n = t.ne[1] as usize;
-                if t.type_ != sys::GGML_TYPE_F32
-                    || t.ne[0] as usize != nh * d
-                    || t.ne[2] != 1
-                    || t.ne[3] != 1
-                    || t.nb[0] != 4
-                    || t.nb[1] != nh * d * 4
-                {
-                    return Err(format!(
-                        "kqv_out-{il}: shape {:?} strides {:?}, expected contiguous f32 [{}, tokens]",
-                        t.ne,
-                        t.nb,
-                        nh * d
-                    ));
-                }
-                if t.buffer.is_null() || unsafe { !sys::ggml_backend_buffer_is_host(t.buffer) } {
-                    return Err("kqv_out is not in host memory".into());
-                }
+                crate::raw::check_kqv_out(t, il, nh * d, None)?;
                 // kqv_out is a reshape of the flash-attention op: read its scale.
                 let src = t.src[0];
                 // SAFETY: a node's sources live as long as the graph.

@@ -256,22 +256,14 @@ async fn chat_completions(
     State(s): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let v = body_json(body, s.max_request_bytes)?;
-    let common: openai::Common = field_of(&v)?;
-    openai::check_model(common.model.as_deref(), &s.model_ids)?;
-    let plan = openai::chat_plan(field_of(&v)?, common)?;
-    generate(&s, plan, Kind::Chat).await
+    generate(&s, body, Kind::Chat).await
 }
 
 async fn completions(
     State(s): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let v = body_json(body, s.max_request_bytes)?;
-    let common: openai::Common = field_of(&v)?;
-    openai::check_model(common.model.as_deref(), &s.model_ids)?;
-    let plan = openai::completion_plan(field_of(&v)?, common)?;
-    generate(&s, plan, Kind::Completion).await
+    generate(&s, body, Kind::Completion).await
 }
 
 /// Submits choice `i` and waits until the engine has queued it, so a
@@ -300,7 +292,19 @@ async fn start(s: &AppState, plan: &Plan, i: u32) -> Result<RequestStream, ApiEr
     Ok(stream)
 }
 
-async fn generate(s: &AppState, mut plan: Plan, kind: Kind) -> Result<Response, ApiError> {
+/// Serves a chat or text completion request.
+async fn generate(
+    s: &AppState,
+    body: Result<Bytes, BytesRejection>,
+    kind: Kind,
+) -> Result<Response, ApiError> {
+    let v = body_json(body, s.max_request_bytes)?;
+    let common: openai::Common = field_of(&v)?;
+    openai::check_model(common.model.as_deref(), &s.model_ids)?;
+    let mut plan = match kind {
+        Kind::Chat => openai::chat_plan(field_of(&v)?, common)?,
+        Kind::Completion => openai::completion_plan(field_of(&v)?, common)?,
+    };
     // Without max_tokens, generate until the model stops or the context ends
     // (as OpenAI and vLLM do).
     if plan.max_tokens_asked.is_none() {
