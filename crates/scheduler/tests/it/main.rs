@@ -5,7 +5,7 @@ mod fake;
 
 use proptest::prelude::*;
 use siliceo_core::{Priority, RequestId, TokenId};
-use siliceo_kv_paging::{CacheKeys, KvConfig, Sealing};
+use siliceo_kv_paging::{BlockOp, CacheKeys, KvConfig, Sealing};
 use siliceo_scheduler::{
     FinishCause, ItemKind, PreemptMode, Rejected, Request, Scheduler, SchedulerConfig,
 };
@@ -605,4 +605,57 @@ fn speculative_steps_keep_outputs_and_release_rejected_slots() {
         e.drafted
     );
     assert_eq!(s.kv().pool().num_used(), 0, "no reserved slot leaked");
+}
+
+#[test]
+fn an_idle_scheduler_holds_no_block_once_its_last_step_is_done() {
+    // A request whose prompt ends in another's cached partial block copies
+    // it on write; the copied-from block is read by that step and released
+    // when the step is done, even when nothing is scheduled after it (the
+    // request was cancelled and the engine went idle).
+    let mut s = Scheduler::new(
+        SchedulerConfig::default(),
+        KvConfig {
+            num_blocks: 16,
+            block_size: 16,
+            sealing: Some(Sealing {
+                blocks: 16,
+                tail_tokens: 0,
+            }),
+            cache_partial: true,
+            ..KvConfig::default()
+        },
+    );
+    let mut e = FakeEngine::default();
+    // Its cached partial block holds the prompt's last 8 tokens and 4
+    // generated ones; the next request shares only the prompt's.
+    let first = req("first", 40, 5, Priority::Normal, 0);
+    s.add(first.clone()).unwrap();
+    e.run(&mut s, 0, 10_000);
+    assert_eq!(s.kv().pool().num_used(), 0);
+    let mut again = first.clone();
+    again.id = RequestId::from("again");
+    again.prompt.extend(prompt("more", 4));
+    s.add(again).unwrap();
+    let step = s.schedule(0);
+    let copied = step
+        .items
+        .iter()
+        .any(|i| i.ops.iter().any(|op| matches!(op, BlockOp::Copy(_))));
+    assert!(
+        copied,
+        "the cached partial block is copied on write: {step:?}"
+    );
+    e.apply(&mut s, &step);
+    assert!(s.cancel(&RequestId::from("again")));
+    e.forget(&RequestId::from("again"));
+    assert!(s.is_idle());
+    assert_eq!(
+        s.kv().pool().num_used(),
+        1,
+        "the block the step copied from is held until the step is done"
+    );
+    s.step_done();
+    assert_eq!(s.kv().pool().num_used(), 0);
+    s.check().unwrap();
 }
