@@ -265,8 +265,9 @@ def test_embeddings_and_rerank(embed_server):
     assert ranked["results"][0]["index"] == 1
 
 
-def test_greedy_over_http_equals_grpc(server):
-    """The same greedy request gives the same text on both protocols."""
+@pytest.fixture(scope="session")
+def grpc_api(server):
+    """grpcio stubs compiled from our .proto, a stub on `server`, its metadata."""
     out = Path(tempfile.mkdtemp())
     subprocess.run(
         [
@@ -286,8 +287,13 @@ def test_greedy_over_http_equals_grpc(server):
     from siliceo.v1 import inference_pb2_grpc as pbg
 
     channel = grpc.insecure_channel(server.grpc)
-    stub = pbg.InferenceStub(channel)
-    meta = [("authorization", f"Bearer {API_KEY}")]
+    yield pb, pbg.InferenceStub(channel), [("authorization", f"Bearer {API_KEY}")]
+    channel.close()
+
+
+def test_greedy_over_http_equals_grpc(server, grpc_api):
+    """The same greedy request gives the same text on both protocols."""
+    pb, stub, meta = grpc_api
     c = client(server)
     for prompt in ["The capital of Italy is", "def fibonacci(n):", "Roses are red,"]:
         req = pb.GenerateRequest(prompt=prompt, max_tokens=20)
@@ -296,7 +302,30 @@ def test_greedy_over_http_equals_grpc(server):
             model=model_id(server), prompt=prompt, max_tokens=20, temperature=0
         )
         assert http.choices[0].text == grpc_text, prompt
-    channel.close()
+
+
+def test_n_choices_compute_the_prompt_once(server, grpc_api):
+    pb, stub, meta = grpc_api
+
+    def kv():
+        return stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=meta).kv
+
+    # A prompt no earlier test sent, longer than a block.
+    prompt = "Fresh words: " + " ".join(f"w{i}x" for i in range(60))
+    before = kv()
+    r = client(server).completions.create(
+        model=model_id(server), prompt=prompt, max_tokens=4, n=3, seed=1
+    )
+    after = kv()
+    p = r.usage.prompt_tokens
+    assert p > 64
+    hits = after.prefix_hit_tokens - before.prefix_hit_tokens
+    misses = after.prefix_miss_tokens - before.prefix_miss_tokens
+    # Choice 0 computes the prompt; choices 1 and 2 find all of it but the
+    # last token (always recomputed) in the cache.
+    assert hits == 2 * (p - 1), (hits, misses, p)
+    assert misses == p + 2, (hits, misses, p)
+    server.wait_idle()
 
 
 def test_max_tokens_over_the_context_is_refused(server):

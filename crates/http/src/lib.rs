@@ -314,9 +314,19 @@ async fn generate(
     let created = now_s();
     let model = s.model_ids[0].clone();
     // Choice 0 first: a refused request fails before any other is queued.
-    let mut started = vec![start(s, &plan, 0).await?];
-    for i in 1..plan.n {
-        started.push(start(s, &plan, i).await?);
+    let mut first = start(s, &plan, 0).await?;
+    let mut started = Vec::with_capacity(plan.n as usize);
+    if plan.n > 1 {
+        // The other choices start once choice 0 has its first token: its
+        // prompt's KV is then in the prefix cache, so the prompt is computed
+        // once and the others share its blocks.
+        let ev = first.next().await;
+        started.push((first, ev));
+        for i in 1..plan.n {
+            started.push((start(s, &plan, i).await?, None));
+        }
+    } else {
+        started.push((first, None));
     }
     if plan.stream {
         let events = ChoiceStream::new(kind, id, created, model, started, plan.include_usage);
@@ -347,9 +357,15 @@ async fn generate(
 }
 
 /// Reads a choice to its end.
-async fn collect(mut stream: RequestStream) -> Result<(String, FinishReason, Usage), ApiError> {
+async fn collect(
+    (mut stream, first): (RequestStream, Option<Event>),
+) -> Result<(String, FinishReason, Usage), ApiError> {
     let mut text = String::new();
-    while let Some(e) = stream.next().await {
+    let mut next = first;
+    if next.is_none() {
+        next = stream.next().await;
+    }
+    while let Some(e) = next {
         match e {
             Event::Text { text: t, .. } => text.push_str(&t),
             Event::Done {
@@ -363,6 +379,7 @@ async fn collect(mut stream: RequestStream) -> Result<(String, FinishReason, Usa
                 return Ok((text, finish_reason, usage));
             }
         }
+        next = stream.next().await;
     }
     Err(ApiError::from_runtime(
         &siliceo_runtime::RuntimeError::Stopped,

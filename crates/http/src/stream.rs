@@ -93,6 +93,8 @@ impl Kind {
 
 struct Choice {
     stream: RequestStream,
+    /// An event read before the response started.
+    first: Option<Event>,
     /// The role went out (chat's first chunk carries it).
     announced: bool,
     done: bool,
@@ -121,7 +123,7 @@ impl ChoiceStream {
         id: String,
         created: u64,
         model: String,
-        choices: Vec<RequestStream>,
+        choices: Vec<(RequestStream, Option<Event>)>,
         include_usage: bool,
     ) -> Self {
         ChoiceStream {
@@ -131,8 +133,9 @@ impl ChoiceStream {
             model,
             choices: choices
                 .into_iter()
-                .map(|stream| Choice {
+                .map(|(stream, first)| Choice {
                     stream,
+                    first,
                     announced: false,
                     done: false,
                 })
@@ -236,9 +239,12 @@ impl Stream for ChoiceStream {
                 if this.choices[i].done {
                     continue;
                 }
-                let ev = match this.choices[i].stream.poll_next(cx) {
-                    Poll::Ready(e) => e,
-                    Poll::Pending => continue,
+                let ev = match this.choices[i].first.take() {
+                    Some(e) => Some(e),
+                    None => match this.choices[i].stream.poll_next(cx) {
+                        Poll::Ready(e) => e,
+                        Poll::Pending => continue,
+                    },
                 };
                 progressed = true;
                 this.next = (i + 1) % n;
