@@ -107,7 +107,7 @@ def test_completions_whole_streamed_and_stop(server):
 
 def test_n_choices_seeded_sampling(server):
     c = client(server)
-    r = c.chat.completions.create(
+    ask = dict(
         model=model_id(server),
         messages=[{"role": "user", "content": "Write a word."}],
         max_tokens=8,
@@ -115,36 +115,21 @@ def test_n_choices_seeded_sampling(server):
         seed=7,
         n=3,
     )
+    r = c.chat.completions.create(**ask)
     assert [ch.index for ch in r.choices] == [0, 1, 2]
     assert all(ch.message.content is not None for ch in r.choices)
     # Usage sums the choices' tokens (8 at most each).
     assert 3 <= r.usage.completion_tokens <= 24
-    again = c.chat.completions.create(
-        model=model_id(server),
-        messages=[{"role": "user", "content": "Write a word."}],
-        max_tokens=8,
-        temperature=1.0,
-        seed=7,
-        n=3,
-    )
+    texts = [ch.message.content for ch in r.choices]
     # Seeded: the same three texts again.
-    assert [ch.message.content for ch in again.choices] == [
-        ch.message.content for ch in r.choices
-    ]
+    again = c.chat.completions.create(**ask)
+    assert [ch.message.content for ch in again.choices] == texts
     # Streamed, each choice's chunks carry its index.
     seen = {0: "", 1: "", 2: ""}
-    for ch in c.chat.completions.create(
-        model=model_id(server),
-        messages=[{"role": "user", "content": "Write a word."}],
-        max_tokens=8,
-        temperature=1.0,
-        seed=7,
-        n=3,
-        stream=True,
-    ):
+    for ch in c.chat.completions.create(**ask, stream=True):
         for choice in ch.choices:
             seen[choice.index] += choice.delta.content or ""
-    assert [seen[i] for i in range(3)] == [ch.message.content for ch in r.choices]
+    assert [seen[i] for i in range(3)] == texts
     server.wait_idle()
 
 
