@@ -1,6 +1,5 @@
 //! `cargo xtask bench`: release builds of the benchmark binary, run on the real model.
 
-use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
@@ -22,9 +21,7 @@ fn bench_cmd(portable: bool) -> Command {
         // No target-cpu=native: llama-cpp-sys-2 then builds llama.cpp with
         // GGML_NATIVE=OFF (its portable AVX2 default). A separate target
         // directory keeps the two builds of llama.cpp apart.
-        let base = std::env::var_os("CARGO_TARGET_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| crate::workspace_root().join("target"));
+        let base = crate::pytests::target_dir();
         cmd.env("CARGO_ENCODED_RUSTFLAGS", "")
             .env("CARGO_TARGET_DIR", base.join("portable"));
     }

@@ -105,9 +105,7 @@ pub fn enable_ccache() {
     if !have("ccache") {
         return;
     }
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| crate::workspace_root().join("target"));
+    let target = crate::pytests::target_dir();
     // SAFETY: xtask is single-threaded; the variables are read by child processes.
     unsafe {
         std::env::set_var("CMAKE_C_COMPILER_LAUNCHER", "ccache");

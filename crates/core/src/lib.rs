@@ -32,6 +32,12 @@ mod sampling;
 mod stop;
 
 pub use error::Error;
+
+/// Byte strings equal, in time that depends only on their lengths (API keys,
+/// checked by both protocol crates).
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
 pub use geometry::ModelGeometry;
 pub use ids::{RequestId, SeqId, TokenId};
 pub use kv_type::KvType;

@@ -153,11 +153,6 @@ pub async fn serve_on(
         .await
 }
 
-/// Byte strings equal, in time that depends only on their lengths.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 async fn require_key(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &s.api_key {
         let given = req
@@ -170,7 +165,7 @@ async fn require_key(State(s): State<Arc<AppState>>, req: Request, next: Next) -
                 return ApiError::unauthorized("missing `Authorization: Bearer <key>`")
                     .into_response();
             }
-            Some(g) if !constant_time_eq(g.as_bytes(), key.as_bytes()) => {
+            Some(g) if !siliceo_core::constant_time_eq(g.as_bytes(), key.as_bytes()) => {
                 return ApiError::unauthorized("wrong API key").into_response();
             }
             Some(_) => {}
@@ -447,18 +442,14 @@ fn embedder(s: &AppState) -> Result<&EmbeddingService, ApiError> {
 }
 
 fn check_embed_model(e: &EmbeddingService, asked: Option<&str>) -> Result<(), ApiError> {
-    let name = &e.info().model_name;
-    let stem = e
-        .info()
-        .path
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    match asked {
-        None | Some("") => Ok(()),
-        Some(m) if m == name || m == stem => Ok(()),
-        Some(m) => Err(ApiError::model_not_found(m, name)),
-    }
+    let mut served = vec![e.info().model_name.clone()];
+    served.extend(
+        e.info()
+            .path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned()),
+    );
+    openai::check_model(asked, &served)
 }
 
 async fn embeddings(

@@ -177,16 +177,21 @@ impl Runtime {
         rx.recv().map_err(|_| RuntimeError::Stopped)?
     }
 
-    /// Queues a request. Validation errors (empty prompt, too long, bad
-    /// sampling values, unknown tokens, full queue) arrive as the stream's
-    /// `Done` event with an error, never as a panic.
-    pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, RuntimeError> {
-        let id = req.id.clone().unwrap_or_else(|| {
+    /// The request's id, or a new one.
+    fn id_of(&self, req: &GenerateRequest) -> RequestId {
+        req.id.clone().unwrap_or_else(|| {
             RequestId(format!(
                 "req-{}",
                 self.next_id.fetch_add(1, Ordering::Relaxed)
             ))
-        });
+        })
+    }
+
+    /// Queues a request. Validation errors (empty prompt, too long, bad
+    /// sampling values, unknown tokens, full queue) arrive as the stream's
+    /// `Done` event with an error, never as a panic.
+    pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, RuntimeError> {
+        let id = self.id_of(&req);
         let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
         self.tx
             .send(Command::Submit(Box::new(req), id.clone(), etx, None))
@@ -202,12 +207,7 @@ impl Runtime {
         &self,
         req: GenerateRequest,
     ) -> Result<(RequestStream, u32), RuntimeError> {
-        let id = req.id.clone().unwrap_or_else(|| {
-            RequestId(format!(
-                "req-{}",
-                self.next_id.fetch_add(1, Ordering::Relaxed)
-            ))
-        });
+        let id = self.id_of(&req);
         let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
         let (atx, arx) = tokio::sync::oneshot::channel();
         self.tx

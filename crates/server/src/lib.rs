@@ -139,14 +139,6 @@ pub fn status_of(e: &RuntimeError) -> Status {
     }
 }
 
-/// Byte strings equal, in time that depends only on their lengths.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 /// Checks `authorization: Bearer <key>`.
 fn check_key(key: &str, req: &Request<()>) -> Result<(), Status> {
     let given = req
@@ -155,7 +147,7 @@ fn check_key(key: &str, req: &Request<()>) -> Result<(), Status> {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .ok_or_else(|| Status::unauthenticated("missing `authorization: Bearer <key>`"))?;
-    if constant_time_eq(given.as_bytes(), key.as_bytes()) {
+    if siliceo_core::constant_time_eq(given.as_bytes(), key.as_bytes()) {
         Ok(())
     } else {
         Err(Status::unauthenticated("wrong API key"))
@@ -298,10 +290,10 @@ mod tests {
 
     #[test]
     fn constant_time_eq_compares_bytes() {
-        assert!(constant_time_eq(b"secret", b"secret"));
-        assert!(!constant_time_eq(b"secret", b"secreT"));
-        assert!(!constant_time_eq(b"secret", b"secret!"));
-        assert!(constant_time_eq(b"", b""));
+        assert!(siliceo_core::constant_time_eq(b"secret", b"secret"));
+        assert!(!siliceo_core::constant_time_eq(b"secret", b"secreT"));
+        assert!(!siliceo_core::constant_time_eq(b"secret", b"secret!"));
+        assert!(siliceo_core::constant_time_eq(b"", b""));
     }
 
     #[test]
