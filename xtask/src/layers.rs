@@ -15,6 +15,7 @@ pub const LAYERS: &[(&str, u32)] = &[
     ("siliceo-kv-paging", 2),
     ("siliceo-scheduler", 3),
     ("siliceo-speculative", 4),
+    ("siliceo-constrain", 4),
     ("siliceo-engine", 5),
     ("siliceo-runtime", 6),
     ("siliceo-server", 7),
@@ -39,6 +40,8 @@ pub const CONFINED: &[(&str, &str)] = &[
     ("prost-types", "siliceo-server"),
     ("cudarc", "siliceo-kernels-turing"),
     ("axum", "siliceo-http"),
+    ("llguidance", "siliceo-constrain"),
+    ("toktrie", "siliceo-constrain"),
 ];
 
 /// Pure-logic crates: no async runtime, no I/O frameworks, no llama.cpp.

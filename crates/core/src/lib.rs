@@ -23,6 +23,7 @@
 //! ```
 #![deny(missing_docs)]
 
+mod constraint;
 mod error;
 mod geometry;
 mod ids;
@@ -31,6 +32,7 @@ pub mod sampler;
 mod sampling;
 mod stop;
 
+pub use constraint::{Constraint, MAX_CONSTRAINT_BYTES};
 pub use error::Error;
 
 /// Byte strings equal, in time that depends only on their lengths (API keys,

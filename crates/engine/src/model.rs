@@ -294,6 +294,12 @@ impl Model {
         self.inner.vocab().is_eog(LlamaToken(token.0 as i32))
     }
 
+    /// Whether `token` is a control token (`<|im_start|>`, `<|im_end|>`, …):
+    /// markup, never text.
+    pub fn is_control(&self, token: TokenId) -> bool {
+        self.inner.vocab().is_control(LlamaToken(token.0 as i32))
+    }
+
     /// Whether `token` is inside the vocabulary.
     pub fn is_valid_token(&self, token: TokenId) -> bool {
         token.0 < self.geometry.n_vocab

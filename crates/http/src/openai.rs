@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 
 use serde::Deserialize;
-use siliceo_core::{Priority, SamplingParams, TokenId};
+use siliceo_core::{Constraint, Priority, SamplingParams, TokenId};
 use siliceo_engine::ChatMessage;
 use siliceo_runtime::{GenerateRequest, Input};
 
@@ -116,6 +116,13 @@ pub struct Common {
     pub ignore_eos: bool,
     /// Extension: the prefix-cache partition (per tenant).
     pub cache_salt: Option<String>,
+    /// `text`, `json_object` or `json_schema` (both endpoints).
+    pub response_format: Option<serde_json::Value>,
+    /// Extension: the output matches this regex (Rust syntax, anchored).
+    pub regex: Option<String>,
+    /// Extension: the output is derived by this Lark grammar (llguidance's
+    /// dialect, `start` the root rule).
+    pub grammar: Option<String>,
 }
 
 /// `POST /v1/completions`.
@@ -177,8 +184,6 @@ pub struct ChatRequest {
     pub tools: Option<serde_json::Value>,
     /// Tool choice (not implemented yet).
     pub tool_choice: Option<serde_json::Value>,
-    /// Response format: `text` only for now.
-    pub response_format: Option<serde_json::Value>,
 }
 
 /// A request translated: what to submit, how many times, and how to answer.
@@ -227,6 +232,7 @@ fn plan(common: Common, input: Input) -> Result<Plan, ApiError> {
     if n == 0 || n > MAX_N {
         return Err(ApiError::invalid("n", format!("must be in 1..={MAX_N}")));
     }
+    let constraint = constraint_of(&common)?;
     let d = SamplingParams::greedy();
     let max_tokens = match (common.max_completion_tokens, common.max_tokens) {
         (Some(m), _) | (None, Some(m)) => m,
@@ -285,6 +291,10 @@ fn plan(common: Common, input: Input) -> Result<Plan, ApiError> {
         ignore_eos: common.ignore_eos,
     };
     let mut request = GenerateRequest::new(input);
+    if let Some((field, c)) = constraint {
+        request.constraint = Some(c);
+        request.constraint_field = field;
+    }
     request.sampling = sampling;
     request.priority = priority;
     request.cache_salt = common.cache_salt.filter(|s| !s.is_empty());
@@ -296,6 +306,70 @@ fn plan(common: Common, input: Input) -> Result<Plan, ApiError> {
         max_tokens_asked: (common.max_completion_tokens.is_some() || common.max_tokens.is_some())
             .then_some((field, max_tokens)),
     })
+}
+
+/// The constraint a request asks for (`response_format`, or the `regex` and
+/// `grammar` extensions; at most one) and the field it came from.
+fn constraint_of(common: &Common) -> Result<Option<(&'static str, Constraint)>, ApiError> {
+    let mut found: Vec<(&'static str, Constraint)> = Vec::new();
+    if let Some(f) = &common.response_format {
+        let kind = f.get("type").and_then(|t| t.as_str());
+        match kind {
+            Some("text") => {}
+            Some("json_object") => found.push(("response_format", Constraint::JsonObject)),
+            Some("json_schema") => {
+                let spec = f.get("json_schema").ok_or_else(|| {
+                    ApiError::invalid(
+                        "response_format.json_schema",
+                        "required when type is `json_schema`",
+                    )
+                })?;
+                let schema = spec.get("schema").ok_or_else(|| {
+                    ApiError::invalid(
+                        "response_format.json_schema.schema",
+                        "the JSON schema is required",
+                    )
+                })?;
+                let strict = match spec.get("strict") {
+                    None | Some(serde_json::Value::Null) => false,
+                    Some(serde_json::Value::Bool(b)) => *b,
+                    Some(_) => {
+                        return Err(ApiError::invalid(
+                            "response_format.json_schema.strict",
+                            "must be a boolean",
+                        ));
+                    }
+                };
+                found.push((
+                    "response_format.json_schema.schema",
+                    Constraint::JsonSchema {
+                        schema: schema.to_string(),
+                        strict,
+                    },
+                ));
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    "response_format.type",
+                    "must be `text`, `json_object` or `json_schema`",
+                ));
+            }
+        }
+    }
+    if let Some(rx) = &common.regex {
+        found.push(("regex", Constraint::Regex(rx.clone())));
+    }
+    if let Some(g) = &common.grammar {
+        found.push(("grammar", Constraint::Lark(g.clone())));
+    }
+    if found.len() > 1 {
+        let names: Vec<&str> = found.iter().map(|(f, _)| *f).collect();
+        return Err(ApiError::invalid(
+            found[1].0,
+            format!("only one constraint per request (got {})", names.join(" and ")),
+        ));
+    }
+    Ok(found.pop())
 }
 
 /// Translates `/v1/completions` (`common`: the same body's shared fields).
@@ -350,15 +424,6 @@ pub fn chat_plan(r: ChatRequest, common: Common) -> Result<Plan, ApiError> {
         .is_some_and(|c| !c.is_null() && c != "none" && c != "auto")
     {
         return Err(ApiError::unsupported("tool_choice", "tool calling"));
-    }
-    if let Some(f) = &r.response_format {
-        let kind = f.get("type").and_then(|t| t.as_str()).unwrap_or("");
-        if kind != "text" {
-            return Err(ApiError::unsupported(
-                "response_format",
-                &format!("response_format `{kind}`"),
-            ));
-        }
     }
     if r.messages.is_empty() {
         return Err(ApiError::invalid(

@@ -49,10 +49,12 @@ pub use types::{
 pub use engine_loop::store_plan;
 pub use siliceo_kv_paging::planner::{StorePlan, StoreSize};
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::Sender;
+use siliceo_constrain::Grammars;
 use siliceo_core::{ModelGeometry, RequestId, TokenId};
 
 pub use embeddings::{
@@ -65,13 +67,17 @@ pub use siliceo_scheduler::Scheduler;
 /// or refused.
 pub(crate) type Accepted = tokio::sync::oneshot::Sender<Result<u32, RuntimeError>>;
 
+/// A request on its way to the engine thread, its constraint compiled.
+pub(crate) struct Submission {
+    pub(crate) req: GenerateRequest,
+    pub(crate) id: RequestId,
+    pub(crate) tx: tokio::sync::mpsc::UnboundedSender<Event>,
+    pub(crate) accepted: Option<Accepted>,
+    pub(crate) matcher: Option<siliceo_constrain::Matcher>,
+}
+
 pub(crate) enum Command {
-    Submit(
-        Box<GenerateRequest>,
-        RequestId,
-        tokio::sync::mpsc::UnboundedSender<Event>,
-        Option<Accepted>,
-    ),
+    Submit(Box<Submission>),
     Cancel(RequestId, Option<crossbeam_channel::Sender<bool>>),
     Tokenize(
         String,
@@ -95,13 +101,14 @@ pub struct Runtime {
     tx: Sender<Command>,
     thread: Option<JoinHandle<()>>,
     info: RuntimeInfo,
+    grammars: Arc<Grammars>,
     next_id: AtomicU64,
 }
 
 impl std::fmt::Debug for Command {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Command::Submit(_, id, _, _) => write!(f, "Submit({id})"),
+            Command::Submit(s) => write!(f, "Submit({})", s.id),
             Command::Cancel(id, _) => write!(f, "Cancel({id})"),
             Command::Tokenize(..) => f.write_str("Tokenize"),
             Command::Detokenize(..) => f.write_str("Detokenize"),
@@ -123,10 +130,11 @@ impl Runtime {
             .spawn(move || engine_loop::run(cfg, rx, ready_tx))
             .map_err(|e| RuntimeError::Start(e.to_string()))?;
         match ready_rx.recv() {
-            Ok(Ok(info)) => Ok(Runtime {
+            Ok(Ok((info, grammars))) => Ok(Runtime {
                 tx,
                 thread: Some(thread),
                 info,
+                grammars,
                 next_id: AtomicU64::new(1),
             }),
             Ok(Err(e)) => {
@@ -192,9 +200,16 @@ impl Runtime {
     /// `Done` event with an error, never as a panic.
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, RuntimeError> {
         let id = self.id_of(&req);
+        let matcher = self.compile(&req)?;
         let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
         self.tx
-            .send(Command::Submit(Box::new(req), id.clone(), etx, None))
+            .send(Command::Submit(Box::new(Submission {
+                req,
+                id: id.clone(),
+                tx: etx,
+                accepted: None,
+                matcher,
+            })))
             .map_err(|_| RuntimeError::Stopped)?;
         Ok(RequestStream::new(id, erx, self.tx.clone()))
     }
@@ -208,10 +223,17 @@ impl Runtime {
         req: GenerateRequest,
     ) -> Result<(RequestStream, u32), RuntimeError> {
         let id = self.id_of(&req);
+        let matcher = self.compile(&req)?;
         let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
         let (atx, arx) = tokio::sync::oneshot::channel();
         self.tx
-            .send(Command::Submit(Box::new(req), id.clone(), etx, Some(atx)))
+            .send(Command::Submit(Box::new(Submission {
+                req,
+                id: id.clone(),
+                tx: etx,
+                accepted: Some(atx),
+                matcher,
+            })))
             .map_err(|_| RuntimeError::Stopped)?;
         // Made now, so a caller dropped while waiting cancels the request.
         let stream = RequestStream::new(id, erx, self.tx.clone());
@@ -222,6 +244,29 @@ impl Runtime {
             Err(_) => Err(RuntimeError::Engine(
                 "internal error while admitting the request".into(),
             )),
+        }
+    }
+
+    /// Compiles a request's constraint on the caller's thread (the engine
+    /// thread only follows it). An invalid one names the request's
+    /// `constraint_field`.
+    fn compile(
+        &self,
+        req: &GenerateRequest,
+    ) -> Result<Option<siliceo_constrain::Matcher>, RuntimeError> {
+        let Some(c) = &req.constraint else {
+            return Ok(None);
+        };
+        let field = req.constraint_field;
+        let invalid = |reason: String| RuntimeError::InvalidRequest { field, reason };
+        c.validate(field).map_err(|e| match e {
+            siliceo_core::Error::InvalidParameter { reason, .. } => invalid(reason),
+            other => invalid(other.to_string()),
+        })?;
+        match self.grammars.compile(c) {
+            Ok(m) => Ok(Some(m)),
+            Err(siliceo_constrain::ConstraintError::Invalid(reason)) => Err(invalid(reason)),
+            Err(e) => Err(RuntimeError::Engine(e.to_string())),
         }
     }
 

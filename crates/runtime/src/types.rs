@@ -32,6 +32,10 @@ pub struct RuntimeConfig {
     pub prefix_caching: bool,
     /// Speculative decoding for requests that ask for it (`None`: off).
     pub speculative: Option<SpeculativeConfig>,
+    /// Compute constrained requests' token masks on a helper thread while
+    /// llama.cpp decodes the step (default); `false` computes them after the
+    /// decode, spread over the machine's cores.
+    pub constraint_overlap: bool,
     /// With llama.cpp's own cache: sequence ids set aside to keep cached
     /// blocks alive after the requests that computed them end. Each holds at most one cached block per
     /// block position, so this bounds how many different cached prefixes can
@@ -92,6 +96,7 @@ impl RuntimeConfig {
             prefix_caching: true,
             prefix_holders: 16,
             speculative: None,
+            constraint_overlap: true,
         }
     }
 }
@@ -169,6 +174,13 @@ pub struct GenerateRequest {
     /// Prefix-cache partition: only requests with the same salt share cached
     /// KV (per tenant, say). `None` shares with every other unsalted request.
     pub cache_salt: Option<String>,
+    /// Output the decoder is held to (a JSON schema, a regex, a grammar).
+    /// Compiled when submitted; an invalid one is refused naming
+    /// `constraint_field`.
+    pub constraint: Option<siliceo_core::Constraint>,
+    /// The request field the constraint came from, for error messages
+    /// (`response_format`, `constraint.regex`, …).
+    pub constraint_field: &'static str,
 }
 
 impl GenerateRequest {
@@ -182,6 +194,8 @@ impl GenerateRequest {
             deadline: None,
             speculative: false,
             cache_salt: None,
+            constraint: None,
+            constraint_field: "constraint",
         }
     }
 }
@@ -362,6 +376,13 @@ pub struct RuntimeStats {
     /// Times a request's drafting paused because its drafting steps cost more
     /// per produced token than its plain steps (see `cost_switch_off`).
     pub spec_cost_pauses: u64,
+    /// Constraint masks computed so far (one per constrained token position).
+    pub constraint_masks: u64,
+    /// Time spent computing them, in µs (summed over threads: masks computed
+    /// beside `decode` overlap it).
+    pub constraint_mask_us: u64,
+    /// Of those, masks computed on a helper thread while `decode` ran.
+    pub constraint_masks_overlapped: u64,
 }
 
 /// The events of one request. Dropping it cancels the request.

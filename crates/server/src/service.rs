@@ -6,7 +6,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use prost::Message;
-use siliceo_core::{FinishReason, Priority, RequestId, SamplingParams, TokenId};
+use siliceo_core::{Constraint, FinishReason, Priority, RequestId, SamplingParams, TokenId};
 use siliceo_engine::ChatMessage;
 use siliceo_runtime::{
     EmbeddingService, Event, GenerateRequest, Input, RequestStream, Runtime, RuntimeError, Usage,
@@ -148,7 +148,39 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
         deadline: (r.deadline_ms > 0).then(|| Duration::from_millis(u64::from(r.deadline_ms))),
         speculative: r.speculative,
         cache_salt: (!r.cache_salt.is_empty()).then_some(r.cache_salt),
+        constraint_field: constraint_field(r.constraint.as_ref()),
+        constraint: constraint_of(r.constraint)?,
     })
+}
+
+/// The field a constraint came from, as INVALID_ARGUMENT names it.
+fn constraint_field(c: Option<&pb::Constraint>) -> &'static str {
+    use pb::constraint::Kind;
+    match c.and_then(|c| c.kind.as_ref()) {
+        Some(Kind::JsonSchema(_)) => "constraint.json_schema",
+        Some(Kind::Regex(_)) => "constraint.regex",
+        Some(Kind::Lark(_)) => "constraint.lark",
+        Some(Kind::JsonObject(_)) => "constraint.json_object",
+        None => "constraint",
+    }
+}
+
+fn constraint_of(c: Option<pb::Constraint>) -> Result<Option<Constraint>, Status> {
+    use pb::constraint::Kind;
+    let Some(c) = c else {
+        return Ok(None);
+    };
+    Ok(Some(match c.kind {
+        None => return Err(invalid("constraint", "one of json_schema, regex, lark or json_object is required")),
+        Some(Kind::JsonSchema(s)) => Constraint::JsonSchema {
+            schema: s.schema,
+            strict: s.strict,
+        },
+        Some(Kind::Regex(r)) => Constraint::Regex(r),
+        Some(Kind::Lark(g)) => Constraint::Lark(g),
+        Some(Kind::JsonObject(true)) => Constraint::JsonObject,
+        Some(Kind::JsonObject(false)) => return Ok(None),
+    }))
 }
 
 fn usage_pb(u: &Usage) -> pb::Usage {

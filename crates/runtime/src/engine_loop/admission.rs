@@ -10,8 +10,8 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::output::done;
 use super::speculative::Spec;
-use super::{Engine, Live};
-use crate::{Accepted, Event, GenerateRequest, Input, RuntimeError, Usage};
+use super::{Constrained, Engine, Live};
+use crate::{Event, GenerateRequest, Input, RuntimeError, Submission, Usage};
 
 impl Engine<'_> {
     pub(super) fn tokens_of(&self, input: Input) -> Result<Vec<TokenId>, RuntimeError> {
@@ -69,13 +69,14 @@ impl Engine<'_> {
     /// Admits a request: validated, tokenized and queued, or refused with its
     /// stream's `Done` event. `accepted` (when given) hears which, at once:
     /// the prompt's token count, or the error.
-    pub(super) fn submit(
-        &mut self,
-        req: GenerateRequest,
-        id: RequestId,
-        tx: UnboundedSender<Event>,
-        accepted: Option<Accepted>,
-    ) {
+    pub(super) fn submit(&mut self, sub: Submission) {
+        let Submission {
+            req,
+            id,
+            tx,
+            accepted,
+            matcher,
+        } = sub;
         let mut accepted = accepted;
         let fail = |e: RuntimeError| {
             if let Some(a) = accepted.take() {
@@ -83,7 +84,7 @@ impl Engine<'_> {
             }
             done(&tx, FinishReason::Error, Usage::default(), Some(e));
         };
-        let Some(prompt_tokens) = self.admit(req, id, &tx, fail) else {
+        let Some(prompt_tokens) = self.admit(req, id, matcher, &tx, fail) else {
             return;
         };
         if let Some(a) = accepted {
@@ -96,6 +97,7 @@ impl Engine<'_> {
         &mut self,
         req: GenerateRequest,
         id: RequestId,
+        matcher: Option<siliceo_constrain::Matcher>,
         tx: &UnboundedSender<Event>,
         fail: impl FnOnce(RuntimeError),
     ) -> Option<u32> {
@@ -186,6 +188,7 @@ impl Engine<'_> {
                 accepted_draft_tokens: 0,
                 speculative_steps: 0,
                 sampler,
+                constraint: matcher.map(Constrained::new),
                 text: TokenText::new(self.model, &req.sampling),
                 seq: None,
                 snapshot: None,

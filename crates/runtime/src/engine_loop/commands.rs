@@ -25,11 +25,12 @@ impl Engine<'_> {
             };
             for cmd in first.into_iter().chain(rx.try_iter()) {
                 match cmd {
-                    Command::Submit(req, id, tx, accepted) => {
+                    Command::Submit(sub) => {
                         // A panic while admitting fails that request only.
-                        let etx = tx.clone();
+                        let etx = sub.tx.clone();
+                        let id = sub.id.clone();
                         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            self.submit(*req, id.clone(), tx, accepted)
+                            self.submit(*sub)
                         }));
                         if r.is_err() {
                             tracing::error!(request = %id, "panic while admitting a request");
@@ -171,6 +172,9 @@ impl Engine<'_> {
             panics: self.panics,
             tree_verifications: self.tree_verifications,
             spec_cost_pauses: self.spec_cost_pauses,
+            constraint_masks: self.mask_stats.masks,
+            constraint_mask_us: self.mask_stats.us,
+            constraint_masks_overlapped: self.mask_stats.overlapped,
         }
     }
 }

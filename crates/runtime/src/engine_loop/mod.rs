@@ -14,10 +14,13 @@
 //!   one decode, and what a failure ends;
 //! - `speculative`: drafting (n-gram, draft model, token trees) and
 //!   verifying drafted tokens;
+//! - `constrained`: token masks of constrained requests, computed beside
+//!   decode;
 //! - `output`: sampling, streaming, and ending requests.
 
 mod admission;
 mod commands;
+mod constrained;
 mod graft;
 mod holders;
 mod kv;
@@ -41,6 +44,7 @@ pub(crate) use startup::run;
 pub use startup::store_plan;
 
 use kv::{Kv, Saved};
+use constrained::{Constrained, MaskStats};
 use speculative::{DraftModel, Spec};
 
 /// Logits a step wants read back for one request: the decode (or last
@@ -71,6 +75,9 @@ struct Live<'m> {
     accepted_draft_tokens: u32,
     speculative_steps: u32,
     sampler: Sampler,
+    /// Its constraint's matcher (`None`: unconstrained; taken out while its
+    /// next mask is computed beside a decode).
+    constraint: Option<Constrained>,
     text: TokenText<'m>,
     /// Its sequence id while it runs (the draft model's cells, a grafted
     /// step's sequence, llama.cpp's cells).
@@ -125,6 +132,9 @@ struct Engine<'m> {
     panics: u64,
     tree_verifications: u64,
     spec_cost_pauses: u64,
+    /// Compute constrained requests' masks beside `decode` (else after it).
+    constraint_overlap: bool,
+    mask_stats: MaskStats,
     /// Whether earlier requests found the draft model losing (draft model only).
     draft_memory: siliceo_speculative::DraftCostMemory,
 }

@@ -96,10 +96,20 @@ impl Engine<'_> {
         let mut accepted: Vec<TokenId> = Vec::new();
         let mut next = None;
         for (i, &ix) in w.idx.iter().enumerate() {
-            let Ok(logits) = kv_logits(&self.kv, ix) else {
+            let Ok(mut logits) = kv_logits(&self.kv, ix) else {
                 let err = RuntimeError::Engine("missing logits".into());
                 return self.end(id, FinishReason::Error, Some(err));
             };
+            // A constrained request samples from its masked logits.
+            if let Some(c) = live.constraint.as_mut() {
+                match c.next_mask(&mut self.mask_stats) {
+                    Ok(mask) => logits = c.masked(logits, &mask),
+                    Err(e) => {
+                        let err = RuntimeError::Engine(format!("constraint: {e}"));
+                        return self.end(id, FinishReason::Error, Some(err));
+                    }
+                }
+            }
             let Some(&d) = w.drafts.get(i) else {
                 next = Some(live.sampler.sample(logits));
                 break;
@@ -114,6 +124,12 @@ impl Engine<'_> {
                 verify_sampled(&[d], &[&q], &[&p, &p], &mut || sampler.uniform())
             };
             if v.accepted == 1 {
+                if let Some(c) = live.constraint.as_mut()
+                    && let Err(e) = c.accept(d)
+                {
+                    let err = RuntimeError::Engine(format!("constraint: {e}"));
+                    return self.end(id, FinishReason::Error, Some(err));
+                }
                 live.sampler.accept(d);
                 accepted.push(d);
             } else {
@@ -124,6 +140,12 @@ impl Engine<'_> {
         let Some(next) = next else {
             return;
         };
+        if let Some(c) = live.constraint.as_mut()
+            && let Err(e) = c.accept(next)
+        {
+            let err = RuntimeError::Engine(format!("constraint: {e}"));
+            return self.end(id, FinishReason::Error, Some(err));
+        }
         // Rejected drafts' cells go at once.
         if accepted.len() < w.drafts.len()
             && let Some(seq) = live.seq
@@ -181,6 +203,15 @@ impl Engine<'_> {
             if closed {
                 return self.end(id, FinishReason::Cancelled, None);
             }
+        }
+        // A complete constrained output ends here even when its
+        // end-of-generation token is ignored.
+        if live
+            .constraint
+            .as_ref()
+            .is_some_and(|c| c.matcher.is_finished())
+        {
+            return self.end(id, FinishReason::Stop, None);
         }
         if let Some(f) = self.sched.on_tokens(id, &accepted, next) {
             if let Some(seq) = self.live.get_mut(id).and_then(|l| l.seq.take()) {

@@ -45,10 +45,13 @@ impl Engine<'_> {
         }
         // A token tree of branches, for greedy requests without penalties,
         // when sequence ids are free for branches (llama.cpp's cells only).
-        let trees = matches!(self.kv, Kv::Llama(_));
+        // Constrained requests draft chains only, cut where the constraint
+        // would refuse them.
+        let constrained = live.constraint.is_some();
+        let trees = matches!(self.kv, Kv::Llama(_)) && !constrained;
         let width = self.speculative.as_ref().map_or(1, |c| c.tree_width);
         let params = live.sampler.params();
-        let plain_greedy = params.is_greedy() && !params.has_penalties();
+        let plain_greedy = params.is_greedy() && !params.has_penalties() && !constrained;
         let spec = self
             .live
             .get_mut(&item.id)
@@ -130,6 +133,14 @@ impl Engine<'_> {
             }),
             None => spec.drafter.propose(&spec.history, item.draft_slots),
         };
+        if let Some(c) = self
+            .live
+            .get_mut(&item.id)
+            .and_then(|l| l.constraint.as_mut())
+        {
+            let keep = c.matcher.valid_prefix(&w.drafts);
+            w.drafts.truncate(keep);
+        }
         for (k, &d) in w.drafts.iter().enumerate() {
             let p = (w.pos + 1 + k) as u32;
             w.idx.push(self.batch.push(d, p, seq, true));

@@ -1,10 +1,12 @@
 //! Start-up: the model, where its KV lives, the draft model, the scheduler.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
-use siliceo_core::SeqId;
+use siliceo_constrain::{Grammars, Vocabulary};
+use siliceo_core::{SeqId, TokenId};
 use siliceo_engine::{
     Batch, Context, ContextOptions, GraftOptions, GraftedContext, KvFormat, Model,
 };
@@ -12,7 +14,7 @@ use siliceo_kv_paging::planner::{StoreInput, StorePlan, StoreSize, plan_store};
 use siliceo_kv_paging::{CacheKeys, KvConfig, Sealing};
 use siliceo_scheduler::Scheduler;
 
-use super::Engine;
+use super::{Engine, MaskStats};
 use super::holders::Holders;
 use super::kv::{GraftKv, Kv, LlamaKv};
 use super::speculative::DraftModel;
@@ -56,7 +58,7 @@ pub fn store_plan(
 pub(crate) fn run(
     cfg: RuntimeConfig,
     rx: Receiver<Command>,
-    ready: Sender<Result<RuntimeInfo, RuntimeError>>,
+    ready: Sender<Result<(RuntimeInfo, Arc<Grammars>), RuntimeError>>,
 ) {
     let model = match Model::load(&cfg.model_path, &cfg.model) {
         Ok(m) => m,
@@ -95,12 +97,24 @@ pub(crate) fn run(
                 block_size = engine.block_size,
                 "engine ready"
             );
-            let _ = ready.send(Ok(info));
+            let grammars = Arc::new(Grammars::new(vocabulary(&model)));
+            let _ = ready.send(Ok((info, grammars)));
             engine.serve(&rx);
         }
         Err(e) => {
             let _ = ready.send(Err(e));
         }
+    }
+}
+
+/// The model's vocabulary as the grammar compiler needs it.
+fn vocabulary(model: &Model) -> Vocabulary {
+    let n = model.geometry().n_vocab;
+    let ids = (0..n).map(TokenId);
+    Vocabulary {
+        tokens: ids.clone().map(|t| model.token_bytes(t, true)).collect(),
+        special: ids.clone().map(|t| model.is_control(t)).collect(),
+        end_of_generation: ids.filter(|&t| model.is_eog(t)).collect(),
     }
 }
 
@@ -260,6 +274,8 @@ impl<'m> Engine<'m> {
             panics: 0,
             tree_verifications: 0,
             spec_cost_pauses: 0,
+            constraint_overlap: cfg.constraint_overlap,
+            mask_stats: MaskStats::default(),
             draft_memory: siliceo_speculative::DraftCostMemory::default(),
         };
         Ok((engine, info))

@@ -151,9 +151,14 @@ impl Engine<'_> {
         if self.batch.is_empty() {
             return;
         }
-        let t = Instant::now();
-        let decoded = self.decode(&step.items, &runs);
-        self.decode_us += t.elapsed().as_micros() as u64;
+        // Constrained requests' next masks are computed beside the decode.
+        let pending = self.take_matchers(&want);
+        let decoded = self.decode_with_masks(pending, |e| {
+            let t = Instant::now();
+            let decoded = e.decode(&step.items, &runs);
+            e.decode_us += t.elapsed().as_micros() as u64;
+            decoded
+        });
         if let Err(e) = decoded {
             tracing::error!(error = %e, tokens = self.batch.len(), "decode failed; failing the step's requests");
             for w in &want {

@@ -9,6 +9,8 @@ use siliceo_runtime::{
     Event, GenerateRequest, Input, KvBackend, Runtime, RuntimeConfig, RuntimeError,
 };
 
+mod constrained;
+
 /// This package's folder in the checkout the tests run in: cargo sets it when
 /// it runs a test. A test binary built in another checkout that shares the
 /// target directory must not read that checkout's models.
