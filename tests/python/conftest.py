@@ -9,11 +9,13 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
+import openai
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,3 +127,34 @@ def embed_server():
     s = Server("--embedding-model", str(model))
     yield s
     s.stop()
+
+
+def client(server, key=API_KEY, **kw) -> openai.OpenAI:
+    """The `openai` client on `server`'s HTTP API (no retries: errors show)."""
+    return openai.OpenAI(base_url=f"{server.http}/v1", api_key=key, max_retries=0, **kw)
+
+
+@pytest.fixture(scope="session")
+def grpc_api(server):
+    """grpcio stubs compiled from our .proto, a stub on `server`, its metadata."""
+    out = Path(tempfile.mkdtemp())
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{ROOT / 'proto'}",
+            f"--python_out={out}",
+            f"--grpc_python_out={out}",
+            "siliceo/v1/inference.proto",
+        ],
+        check=True,
+    )
+    sys.path.insert(0, str(out))
+    import grpc
+    from siliceo.v1 import inference_pb2 as pb
+    from siliceo.v1 import inference_pb2_grpc as pbg
+
+    channel = grpc.insecure_channel(server.grpc)
+    yield pb, pbg.InferenceStub(channel), [("authorization", f"Bearer {API_KEY}")]
+    channel.close()

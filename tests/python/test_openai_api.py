@@ -2,19 +2,12 @@
 
 import json
 import subprocess
-import sys
-import tempfile
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
 
-from conftest import API_KEY, ROOT, Server
-
-
-def client(server, key=API_KEY, **kw) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.http}/v1", api_key=key, max_retries=0, **kw)
+from conftest import API_KEY, ROOT, Server, client
 
 
 def model_id(server) -> str:
@@ -248,32 +241,6 @@ def test_embeddings_and_rerank(embed_server):
         cast_to=object,
     )
     assert ranked["results"][0]["index"] == 1
-
-
-@pytest.fixture(scope="session")
-def grpc_api(server):
-    """grpcio stubs compiled from our .proto, a stub on `server`, its metadata."""
-    out = Path(tempfile.mkdtemp())
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "grpc_tools.protoc",
-            f"-I{ROOT / 'proto'}",
-            f"--python_out={out}",
-            f"--grpc_python_out={out}",
-            "siliceo/v1/inference.proto",
-        ],
-        check=True,
-    )
-    sys.path.insert(0, str(out))
-    import grpc
-    from siliceo.v1 import inference_pb2 as pb
-    from siliceo.v1 import inference_pb2_grpc as pbg
-
-    channel = grpc.insecure_channel(server.grpc)
-    yield pb, pbg.InferenceStub(channel), [("authorization", f"Bearer {API_KEY}")]
-    channel.close()
 
 
 def test_greedy_over_http_equals_grpc(server, grpc_api):

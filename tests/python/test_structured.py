@@ -1,0 +1,273 @@
+"""Structured output through the real `openai` client (and grpcio): every
+sampled output validates against its JSON schema, checked by `jsonschema`.
+
+Numbers carry `multipleOf` (a precision, as a price has cents): a plain
+`number` lets a sampled model write digits until `max_tokens`, which no
+constraint can stop without changing what the schema means.
+
+`SILICEO_SCHEMA_RUNS` sets the generations per schema on SmolLM2 (default
+50); `SILICEO_SCHEMA_RUNS_QWEN` on Qwen2.5-Coder-1.5B (default 10 here, as a
+1.5B model on CI's two cores costs about a second per output token batch;
+`cargo xtask test-python` with SILICEO_SCHEMA_RUNS_QWEN=50 runs the full
+count).
+"""
+
+import json
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from decimal import Decimal
+
+import grpc
+import jsonschema
+import openai
+import pytest
+
+from conftest import ROOT, Server, client
+
+SCHEMAS = {
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "address": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 24},
+                    "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                },
+                "required": ["city", "zip"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["name", "age", "address"],
+        "additionalProperties": False,
+    },
+    "sentiment": {
+        "type": "object",
+        "properties": {
+            "sentiment": {"enum": ["positive", "negative", "neutral"]},
+            "confidence": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.01},
+        },
+        "required": ["sentiment", "confidence"],
+        "additionalProperties": False,
+    },
+    "palette": {
+        "type": "object",
+        "properties": {
+            "colors": {
+                "type": "array",
+                "items": {"enum": ["red", "green", "blue", "yellow", "black"]},
+                "minItems": 2,
+                "maxItems": 4,
+            },
+            "scores": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": 10},
+                "minItems": 1,
+                "maxItems": 5,
+            },
+        },
+        "required": ["colors", "scores"],
+        "additionalProperties": False,
+    },
+    "product": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 1, "maximum": 9999},
+            "title": {"type": "string", "maxLength": 30},
+            "in_stock": {"type": "boolean"},
+            "price": {"type": "number", "minimum": 0, "maximum": 1000, "multipleOf": 0.01},
+        },
+        "required": ["id", "title", "in_stock"],
+        "additionalProperties": False,
+    },
+    "place": {
+        "type": "object",
+        "properties": {
+            "latitude": {"type": "number", "minimum": -90, "maximum": 90, "multipleOf": 0.0001},
+            "longitude": {"type": "number", "minimum": -180, "maximum": 180, "multipleOf": 0.0001},
+            "elevation_m": {"type": "integer", "minimum": -500, "maximum": 9000},
+        },
+        "required": ["latitude", "longitude", "elevation_m"],
+        "additionalProperties": False,
+    },
+}
+
+PROMPTS = {
+    "person": "Invent a person and give their name, age and address as JSON.",
+    "sentiment": "Classify the sentiment of: 'The delivery was late but the food was great.'",
+    "palette": "Pick a few colours for a logo and score them, as JSON.",
+    "product": "Describe a product of a hardware shop as JSON.",
+    "place": "Give the coordinates and elevation of a mountain village as JSON.",
+}
+
+
+def validate(text: str, schema: dict):
+    """`jsonschema` on decimals: with floats, 19.99 is not a multiple of 0.01."""
+    exact = json.loads(json.dumps(schema), parse_float=Decimal)
+    jsonschema.validate(json.loads(text, parse_float=Decimal), exact)
+
+
+def response_format(name: str) -> dict:
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True},
+    }
+
+
+def generate_all(server, runs: int, max_tokens: int) -> list[str]:
+    """`runs` sampled generations per schema, 8 at a time; returns failures."""
+    c = client(server, timeout=600)
+    model = c.models.list().data[0].id
+    jobs = [(name, i) for name in SCHEMAS for i in range(runs)]
+
+    def one(job):
+        name, i = job
+        r = c.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": PROMPTS[name]}],
+            response_format=response_format(name),
+            temperature=0.8,
+            seed=1000 + i,
+            max_tokens=max_tokens,
+        )
+        choice = r.choices[0]
+        text = choice.message.content
+        try:
+            validate(text, SCHEMAS[name])
+        except (ValueError, jsonschema.ValidationError) as e:
+            return f"{name}#{i} ({choice.finish_reason}): {text!r}: {e}"
+        if choice.finish_reason != "stop":
+            return f"{name}#{i} finished with {choice.finish_reason}: {text!r}"
+        return None
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, jobs))
+    failures = [r for r in results if r]
+    print(f"{len(jobs) - len(failures)} of {len(jobs)} outputs validate")
+    return failures
+
+
+def test_sampled_outputs_validate_on_smollm2(server):
+    runs = int(os.environ.get("SILICEO_SCHEMA_RUNS", "50"))
+    assert generate_all(server, runs, 300) == []
+    server.wait_idle()
+
+
+@pytest.fixture(scope="module")
+def qwen_server():
+    model = ROOT / "models" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    if not model.is_file():
+        pytest.fail(f"{model} is missing: run `cargo xtask fetch-model --spec`")
+    s = Server("--model", str(model))
+    yield s
+    s.stop()
+
+
+def test_sampled_outputs_validate_on_qwen(qwen_server):
+    runs = int(os.environ.get("SILICEO_SCHEMA_RUNS_QWEN", "10"))
+    assert generate_all(qwen_server, runs, 300) == []
+    qwen_server.wait_idle()
+
+
+def test_json_object_streamed_regex_and_grammar(server):
+    c = client(server)
+    model = c.models.list().data[0].id
+    chunks = c.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Describe a cat as JSON."}],
+        response_format={"type": "json_object"},
+        stream=True,
+        max_tokens=300,
+        temperature=0.7,
+        seed=3,
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert isinstance(json.loads(text), dict), text
+
+    date = c.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "When did Apollo 11 land on the Moon?"}],
+        extra_body={"regex": r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"},
+        temperature=1.0,
+        seed=1,
+        max_tokens=20,
+    ).choices[0]
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", date.message.content), date
+    assert date.finish_reason == "stop"
+
+    lark = 'start: ("yes" | "no") ", because " /[a-z ]{1,30}/ "."'
+    answer = c.completions.create(
+        model=model,
+        prompt="Q: Is the sea salty?\nA:",
+        extra_body={"grammar": lark},
+        temperature=0.8,
+        seed=2,
+        max_tokens=40,
+    ).choices[0]
+    assert re.fullmatch(r"(yes|no), because [a-z ]{1,30}\.", answer.text), answer
+    assert answer.finish_reason == "stop"
+    server.wait_idle()
+
+
+def test_bad_constraints_are_400_naming_the_field(server):
+    c = client(server)
+    msgs = [{"role": "user", "content": "hi"}]
+    cases = [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}, "strict": True},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"extra_body": {"regex": "([a-z"}}, "regex"),
+        ({"extra_body": {"grammar": "root ::= \"a\""}}, "grammar"),
+        ({"extra_body": {"regex": "a", "grammar": 'start: "a"'}}, "grammar"),
+    ]
+    for kw, param in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="", messages=msgs, max_tokens=5, **kw)
+        assert e.value.status_code == 400
+        assert e.value.body["param"] == param, (kw, e.value.body)
+    # An unsupported keyword without strict is ignored, and the server serves on.
+    r = c.chat.completions.create(
+        model="",
+        messages=msgs,
+        max_tokens=30,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "array", "items": {"enum": [1, 2]}, "maxItems": 3, "uniqueItems": True}},
+        },
+    )
+    assert isinstance(json.loads(r.choices[0].message.content), list)
+    server.wait_idle()
+
+
+def test_grpc_constraints(server, grpc_api):
+    pb, stub, meta = grpc_api
+    schema = json.dumps(SCHEMAS["sentiment"])
+    req = pb.GenerateRequest(
+        chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=PROMPTS["sentiment"])]),
+        max_tokens=100,
+        constraint=pb.Constraint(json_schema=pb.JsonSchema(schema=schema, strict=True)),
+    )
+    text = "".join(r.text for r in stub.Generate(req, metadata=meta))
+    validate(text, SCHEMAS["sentiment"])
+    bad = pb.GenerateRequest(prompt="hi", constraint=pb.Constraint(regex="(unclosed"))
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(bad, metadata=meta))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "constraint.regex" in e.value.details()
+    server.wait_idle()
