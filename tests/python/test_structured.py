@@ -271,3 +271,121 @@ def test_grpc_constraints(server, grpc_api):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "constraint.regex" in e.value.details()
     server.wait_idle()
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 40},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "convert_currency",
+            "description": "Convert an amount of money from one currency to another",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "amount": {"type": "number", "multipleOf": 0.01},
+                    "from": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                    "to": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                },
+                "required": ["amount", "from", "to"],
+            },
+        },
+    },
+]
+
+
+def schema_of(name: str) -> dict:
+    return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+
+
+def test_tool_calls_on_qwen(qwen_server):
+    c = client(qwen_server, timeout=600)
+    ask = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+    r = c.chat.completions.create(model="", messages=ask, tools=TOOLS, temperature=0, max_tokens=80)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    validate(call.function.arguments, schema_of("get_weather"))
+    assert "paris" in args["city"].lower()
+
+    # `required` forces a call even where none is needed, with valid arguments.
+    hello = [{"role": "user", "content": "Say hello to me."}]
+    for i in range(3):
+        r = c.chat.completions.create(
+            model="", messages=hello, tools=TOOLS, tool_choice="required",
+            temperature=0.7, seed=i, max_tokens=120,
+        )
+        calls = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and calls, r
+        for tc in calls:
+            validate(tc.function.arguments, schema_of(tc.function.name))
+
+    # A named function, streamed: the call arrives as tool_calls deltas.
+    chunks = c.chat.completions.create(
+        model="",
+        messages=[{"role": "user", "content": "I have 20 euros. How many dollars is that?"}],
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "convert_currency"}},
+        parallel_tool_calls=False,
+        stream=True,
+        temperature=0,
+        max_tokens=80,
+    )
+    deltas, finish = [], None
+    for ch in chunks:
+        for cc in ch.choices:
+            deltas.extend(cc.delta.tool_calls or [])
+            finish = cc.finish_reason or finish
+    assert finish == "tool_calls" and len(deltas) == 1, deltas
+    assert deltas[0].function.name == "convert_currency"
+    validate(deltas[0].function.arguments, schema_of("convert_currency"))
+
+    # The answer goes back through the template as a tool message (tools
+    # not offered again: this small coder model would call it once more).
+    follow = ask + [
+        {"role": "assistant", "tool_calls": [{"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees celsius and sunny"},
+    ]
+    r = c.chat.completions.create(
+        model="", messages=follow, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=40
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert "18" in r.choices[0].message.content, r.choices[0].message.content
+    qwen_server.wait_idle()
+
+
+def test_tools_on_a_model_without_a_tool_syntax_are_400(server):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(
+            model="", messages=[{"role": "user", "content": "hi"}], tools=TOOLS, max_tokens=5
+        )
+    assert e.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(
+            model="", messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "nope"}}, max_tokens=5,
+        )
+    assert e.value.body["param"] == "tool_choice"
+    # tool_choice none: no tools offered, a plain answer.
+    r = c.chat.completions.create(
+        model="", messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+        tool_choice="none", max_tokens=5,
+    )
+    assert r.choices[0].message.tool_calls is None

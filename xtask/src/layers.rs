@@ -16,6 +16,7 @@ pub const LAYERS: &[(&str, u32)] = &[
     ("siliceo-scheduler", 3),
     ("siliceo-speculative", 4),
     ("siliceo-constrain", 4),
+    ("siliceo-chat", 4),
     ("siliceo-engine", 5),
     ("siliceo-runtime", 6),
     ("siliceo-server", 7),
@@ -42,6 +43,8 @@ pub const CONFINED: &[(&str, &str)] = &[
     ("axum", "siliceo-http"),
     ("llguidance", "siliceo-constrain"),
     ("toktrie", "siliceo-constrain"),
+    ("minijinja", "siliceo-chat"),
+    ("minijinja-contrib", "siliceo-chat"),
 ];
 
 /// Pure-logic crates: no async runtime, no I/O frameworks, no llama.cpp.

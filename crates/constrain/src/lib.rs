@@ -33,9 +33,9 @@
 use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use llguidance::ParserFactory;
 use llguidance::api::{StopReason, TopLevelGrammar};
 use llguidance::toktrie::{self, SimpleVob, TokEnv, TokRxInfo, TokTrie};
-use llguidance::ParserFactory;
 use siliceo_core::{Constraint, TokenId};
 
 /// JSON-schema features llguidance enforces, as the docs and error messages
@@ -178,10 +178,7 @@ impl Grammars {
         if let Some(e) = inner.get_error() {
             return Err(ConstraintError::Invalid(first_line(&e)));
         }
-        Ok(Matcher {
-            inner,
-            accepted: 0,
-        })
+        Ok(Matcher { inner, accepted: 0 })
     }
 }
 

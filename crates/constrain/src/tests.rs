@@ -47,7 +47,10 @@ fn walk(m: &mut Matcher, rng: &mut Rng, p_end: f64, limit: usize) -> Vec<TokenId
             .map(TokenId)
             .filter(|&t| mask.allows(t))
             .collect();
-        assert!(!allowed.contains(&IM_START), "a control token is never text");
+        assert!(
+            !allowed.contains(&IM_START),
+            "a control token is never text"
+        );
         let tok = if mask.allows(EOS) && (allowed.len() == 1 || rng.next_f64() < p_end) {
             EOS
         } else {
@@ -70,14 +73,20 @@ fn a_regex_constraint_only_lets_matching_text_through() {
     let mut rng = Rng::new(7);
     for _ in 0..20 {
         let mut m = g
-            .compile(&Constraint::Regex(r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]".into()))
+            .compile(&Constraint::Regex(
+                r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]".into(),
+            ))
             .unwrap();
         let out = text(&walk(&mut m, &mut rng, 1.0, 50));
         let b = out.as_bytes();
         assert_eq!(b.len(), 10, "{out}");
         assert!(out.starts_with("19") || out.starts_with("20"), "{out}");
         assert_eq!((b[4], b[7]), (b'-', b'-'), "{out}");
-        assert!(out[5..7].parse::<u32>().is_ok_and(|m| (1..=12).contains(&m)));
+        assert!(
+            out[5..7]
+                .parse::<u32>()
+                .is_ok_and(|m| (1..=12).contains(&m))
+        );
     }
 }
 
@@ -103,9 +112,14 @@ fn a_json_schema_walk_always_parses_and_validates() {
     for _ in 0..30 {
         let mut m = g.compile(&c).unwrap();
         let out = text(&walk(&mut m, &mut rng, 0.5, 400));
-        let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{out}: {e}"));
+        let v: serde_json::Value =
+            serde_json::from_str(&out).unwrap_or_else(|e| panic!("{out}: {e}"));
         let o = v.as_object().unwrap();
-        assert!(o.keys().all(|k| ["name", "age", "tags", "ok"].contains(&k.as_str())), "{out}");
+        assert!(
+            o.keys()
+                .all(|k| ["name", "age", "tags", "ok"].contains(&k.as_str())),
+            "{out}"
+        );
         assert!(o["name"].as_str().unwrap().chars().count() <= 6, "{out}");
         assert!((0..=120).contains(&o["age"].as_i64().unwrap()), "{out}");
         let tags = o["tags"].as_array().unwrap();
@@ -169,6 +183,8 @@ fn a_mask_sets_disallowed_logits_to_minus_infinity() {
     assert_eq!(mask.count(), 1);
     let mut logits = vec![1.0f32; g.vocab_size() + 3];
     mask.apply(&mut logits);
-    let finite: Vec<usize> = (0..logits.len()).filter(|&i| logits[i].is_finite()).collect();
+    let finite: Vec<usize> = (0..logits.len())
+        .filter(|&i| logits[i].is_finite())
+        .collect();
     assert_eq!(finite, vec![b'a' as usize]);
 }

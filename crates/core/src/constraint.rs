@@ -83,7 +83,10 @@ mod tests {
     fn oversized_and_empty_constraints_are_refused_naming_the_field() {
         let big = Constraint::Regex("a".repeat(MAX_CONSTRAINT_BYTES + 1));
         let err = big.validate("regex").unwrap_err();
-        assert!(matches!(err, Error::InvalidParameter { field: "regex", .. }));
+        assert!(matches!(
+            err,
+            Error::InvalidParameter { field: "regex", .. }
+        ));
         let empty = Constraint::Lark("  \n".into());
         assert!(empty.validate("grammar").is_err());
         assert!(Constraint::JsonObject.validate("response_format").is_ok());

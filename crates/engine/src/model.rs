@@ -199,6 +199,20 @@ impl Model {
             .and_then(|t| t.to_string().ok())
     }
 
+    /// The text of the BOS and EOS tokens (for chat templates that print
+    /// them), and whether tokenizing adds a BOS.
+    pub fn bos_eos(&self) -> (String, String, bool) {
+        let vocab = self.inner.vocab();
+        let text = |t: LlamaToken| {
+            if t.0 < 0 {
+                String::new()
+            } else {
+                String::from_utf8_lossy(&self.token_bytes(TokenId(t.0 as u32), true)).into_owned()
+            }
+        };
+        (text(vocab.bos()), text(vocab.eos()), vocab.should_add_bos())
+    }
+
     /// Renders `messages` with the model's chat template; `add_assistant`
     /// leaves the assistant's turn open for generation.
     pub fn apply_chat_template(

@@ -305,6 +305,29 @@ async fn generate(
     if plan.max_tokens_asked.is_none() {
         plan.request.sampling.max_tokens = s.rt.info().n_ctx;
     }
+    // Tools: the model's syntax parses calls out of its answers, and a
+    // required or named call is forced by a grammar with the tools' schemas.
+    let tools = match &plan.tools {
+        None => None,
+        Some(tp) => {
+            let syntax = s
+                .rt
+                .chat_template()
+                .and_then(|t| t.tool_syntax())
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "tools",
+                        "the model's chat template has no tool-call syntax siliceo knows \
+                         (`<tool_call>` as Qwen2.5 and Hermes write it, or Mistral's `[TOOL_CALLS]`)",
+                    )
+                })?;
+            if let Some(c) = syntax.constraint(&plan.request.tools, &tp.choice, tp.parallel) {
+                plan.request.constraint = Some(c);
+                plan.request.constraint_field = "tools";
+            }
+            Some(syntax)
+        }
+    };
     let id = format!("{}-{}", kind.id_prefix(), uuid_like());
     let created = now_s();
     let model = s.model_ids[0].clone();
@@ -324,7 +347,8 @@ async fn generate(
         started.push((first, None));
     }
     if plan.stream {
-        let events = ChoiceStream::new(kind, id, created, model, started, plan.include_usage);
+        let events =
+            ChoiceStream::new(kind, id, created, model, started, plan.include_usage, tools);
         return Ok(Sse::new(events)
             .keep_alive(KeepAlive::default())
             .into_response());
@@ -338,7 +362,7 @@ async fn generate(
             usage_all.cached_prompt_tokens = usage.cached_prompt_tokens;
         }
         usage_all.completion_tokens += usage.completion_tokens;
-        choices.push(kind.choice(i, &text, finish));
+        choices.push(kind.choice(i, &text, finish, tools));
     }
     Ok(Json(json!({
         "id": id,
@@ -402,7 +426,7 @@ pub(crate) fn finish_name(r: FinishReason) -> &'static str {
 }
 
 /// A request id unique within this process and across restarts.
-fn uuid_like() -> String {
+pub(crate) fn uuid_like() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);

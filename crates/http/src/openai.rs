@@ -10,8 +10,7 @@ use std::collections::HashMap;
 
 use serde::Deserialize;
 use siliceo_core::{Constraint, Priority, SamplingParams, TokenId};
-use siliceo_engine::ChatMessage;
-use siliceo_runtime::{GenerateRequest, Input};
+use siliceo_runtime::{GenerateRequest, Input, Message as ChatMessage, Tool, ToolCall, ToolChoice};
 
 use crate::error::ApiError;
 
@@ -168,6 +167,47 @@ pub struct Message {
     pub role: String,
     /// Its content.
     pub content: Option<Content>,
+    /// Calls an assistant message made.
+    pub tool_calls: Option<Vec<WireToolCall>>,
+    /// The call a tool message answers.
+    pub tool_call_id: Option<String>,
+    /// The tool's name (tool messages).
+    pub name: Option<String>,
+}
+
+/// A function in a tool call or a tool definition.
+#[derive(Debug, Clone, Deserialize)]
+pub struct WireFunction {
+    /// Its name.
+    pub name: String,
+    /// What it does (definitions).
+    pub description: Option<String>,
+    /// Its arguments' JSON schema (definitions).
+    pub parameters: Option<serde_json::Value>,
+    /// The arguments as JSON text (calls).
+    pub arguments: Option<String>,
+}
+
+/// `tools[i]` and `messages[i].tool_calls[j]`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct WireToolCall {
+    /// The call's id (calls).
+    pub id: Option<String>,
+    /// `function`.
+    #[serde(rename = "type")]
+    pub kind: Option<String>,
+    /// The function.
+    pub function: WireFunction,
+}
+
+/// Tools a chat offers, as the handler resolves them against the model's
+/// tool syntax.
+#[derive(Debug, Clone)]
+pub struct ToolPlan {
+    /// `tool_choice`.
+    pub choice: ToolChoice,
+    /// `parallel_tool_calls` (default true).
+    pub parallel: bool,
 }
 
 /// `POST /v1/chat/completions`.
@@ -180,10 +220,12 @@ pub struct ChatRequest {
     pub logprobs: bool,
     /// Top log-probabilities per token (not implemented).
     pub top_logprobs: Option<u32>,
-    /// Tools (not implemented yet).
-    pub tools: Option<serde_json::Value>,
-    /// Tool choice (not implemented yet).
+    /// Functions the model may call.
+    pub tools: Option<Vec<WireToolCall>>,
+    /// `none`, `auto`, `required` or `{"type": "function", "function": {"name": …}}`.
     pub tool_choice: Option<serde_json::Value>,
+    /// Several calls in one answer (default true).
+    pub parallel_tool_calls: Option<bool>,
 }
 
 /// A request translated: what to submit, how many times, and how to answer.
@@ -201,6 +243,8 @@ pub struct Plan {
     /// field's name and value, checked against the context once the prompt's
     /// length is known.
     pub max_tokens_asked: Option<(&'static str, u32)>,
+    /// Tools offered (chat; `None` when absent or `tool_choice` is `none`).
+    pub tools: Option<ToolPlan>,
 }
 
 impl Plan {
@@ -305,6 +349,7 @@ fn plan(common: Common, input: Input) -> Result<Plan, ApiError> {
         include_usage: common.stream_options.is_some_and(|o| o.include_usage),
         max_tokens_asked: (common.max_completion_tokens.is_some() || common.max_tokens.is_some())
             .then_some((field, max_tokens)),
+        tools: None,
     })
 }
 
@@ -366,7 +411,10 @@ fn constraint_of(common: &Common) -> Result<Option<(&'static str, Constraint)>, 
         let names: Vec<&str> = found.iter().map(|(f, _)| *f).collect();
         return Err(ApiError::invalid(
             found[1].0,
-            format!("only one constraint per request (got {})", names.join(" and ")),
+            format!(
+                "only one constraint per request (got {})",
+                names.join(" and ")
+            ),
         ));
     }
     Ok(found.pop())
@@ -416,21 +464,14 @@ pub fn chat_plan(r: ChatRequest, common: Common) -> Result<Plan, ApiError> {
     if r.logprobs || r.top_logprobs.is_some_and(|t| t > 0) {
         return Err(ApiError::unsupported("logprobs", "logprobs"));
     }
-    if r.tools.as_ref().is_some_and(|t| !t.is_null()) {
-        return Err(ApiError::unsupported("tools", "tool calling"));
-    }
-    if r.tool_choice
-        .as_ref()
-        .is_some_and(|c| !c.is_null() && c != "none" && c != "auto")
-    {
-        return Err(ApiError::unsupported("tool_choice", "tool calling"));
-    }
     if r.messages.is_empty() {
         return Err(ApiError::invalid(
             "messages",
             "at least one message is required",
         ));
     }
+    let tools = tools_of(r.tools.unwrap_or_default())?;
+    let choice = tool_choice_of(r.tool_choice.as_ref(), &tools)?;
     let mut msgs = Vec::with_capacity(r.messages.len());
     for (i, m) in r.messages.into_iter().enumerate() {
         if !ROLES.contains(&m.role.as_str()) {
@@ -440,8 +481,8 @@ pub fn chat_plan(r: ChatRequest, common: Common) -> Result<Plan, ApiError> {
             ));
         }
         let content = match m.content {
-            None => String::new(),
-            Some(Content::Text(t)) => t,
+            None => None,
+            Some(Content::Text(t)) => Some(t),
             Some(Content::Parts(parts)) => {
                 let mut text = String::new();
                 for (j, p) in parts.into_iter().enumerate() {
@@ -453,12 +494,140 @@ pub fn chat_plan(r: ChatRequest, common: Common) -> Result<Plan, ApiError> {
                     }
                     text.push_str(p.text.as_deref().unwrap_or_default());
                 }
-                text
+                Some(text)
             }
         };
-        msgs.push(ChatMessage::new(m.role, content));
+        let mut calls = Vec::new();
+        for (j, c) in m.tool_calls.unwrap_or_default().into_iter().enumerate() {
+            let args = c.function.arguments.unwrap_or_else(|| "{}".into());
+            if serde_json::from_str::<serde_json::Value>(&args).is_err() {
+                return Err(ApiError::invalid(
+                    format!("messages[{i}].tool_calls[{j}].function.arguments"),
+                    "must be JSON text",
+                ));
+            }
+            calls.push(ToolCall {
+                id: c.id.unwrap_or_else(|| format!("call_{i}_{j}")),
+                name: c.function.name,
+                arguments: args,
+            });
+        }
+        msgs.push(ChatMessage {
+            role: m.role,
+            content,
+            tool_calls: calls,
+            tool_call_id: m.tool_call_id,
+            name: m.name,
+        });
     }
-    plan(common, Input::Chat(msgs))
+    let forced = matches!(choice, ToolChoice::Required | ToolChoice::Function(_));
+    if forced
+        && (common.response_format.is_some() || common.regex.is_some() || common.grammar.is_some())
+    {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "a forced tool call cannot be combined with response_format, regex or grammar",
+        ));
+    }
+    let parallel = r.parallel_tool_calls.unwrap_or(true);
+    let mut plan = plan(common, Input::Chat(msgs))?;
+    if !tools.is_empty() && choice != ToolChoice::None {
+        plan.request.tools = tools;
+        plan.tools = Some(ToolPlan { choice, parallel });
+    }
+    Ok(plan)
+}
+
+/// `tools`: functions with a name and an object schema.
+fn tools_of(wire: Vec<WireToolCall>) -> Result<Vec<Tool>, ApiError> {
+    let mut tools: Vec<Tool> = Vec::with_capacity(wire.len());
+    for (i, t) in wire.into_iter().enumerate() {
+        if t.kind.as_deref().is_some_and(|k| k != "function") {
+            return Err(ApiError::invalid(
+                format!("tools[{i}].type"),
+                "only `function` tools are served",
+            ));
+        }
+        let name = t.function.name;
+        let ok_name = !name.is_empty()
+            && name.len() <= 64
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        if !ok_name {
+            return Err(ApiError::invalid(
+                format!("tools[{i}].function.name"),
+                "1 to 64 letters, digits, `_` or `-`",
+            ));
+        }
+        if tools.iter().any(|o| o.name == name) {
+            return Err(ApiError::invalid(
+                format!("tools[{i}].function.name"),
+                format!("`{name}` is defined twice"),
+            ));
+        }
+        let parameters = t
+            .function
+            .parameters
+            .unwrap_or_else(|| serde_json::json!({"type": "object", "properties": {}}));
+        if !parameters.is_object() {
+            return Err(ApiError::invalid(
+                format!("tools[{i}].function.parameters"),
+                "must be a JSON schema object",
+            ));
+        }
+        tools.push(Tool {
+            name,
+            description: t.function.description,
+            parameters: parameters.to_string(),
+        });
+    }
+    Ok(tools)
+}
+
+/// `tool_choice` (default `auto` with tools, `none` without).
+fn tool_choice_of(v: Option<&serde_json::Value>, tools: &[Tool]) -> Result<ToolChoice, ApiError> {
+    let bad = || {
+        ApiError::invalid(
+            "tool_choice",
+            "must be `none`, `auto`, `required` or {\"type\": \"function\", \"function\": {\"name\": …}}",
+        )
+    };
+    let choice = match v {
+        None | Some(serde_json::Value::Null) => {
+            if tools.is_empty() {
+                ToolChoice::None
+            } else {
+                ToolChoice::Auto
+            }
+        }
+        Some(serde_json::Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            _ => return Err(bad()),
+        },
+        Some(o) => {
+            let name = o
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(|n| n.as_str())
+                .ok_or_else(bad)?;
+            ToolChoice::Function(name.to_string())
+        }
+    };
+    match &choice {
+        ToolChoice::Required | ToolChoice::Function(_) if tools.is_empty() => {
+            Err(ApiError::invalid(
+                "tool_choice",
+                "a tool call was required but no tools were given",
+            ))
+        }
+        ToolChoice::Function(name) if !tools.iter().any(|t| &t.name == name) => Err(
+            ApiError::invalid("tool_choice", format!("no tool named `{name}` in tools")),
+        ),
+        _ => Ok(choice),
+    }
 }
 
 #[cfg(test)]

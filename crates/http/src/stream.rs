@@ -8,7 +8,7 @@ use std::task::{Context, Poll};
 
 use axum::response::sse::Event as SseEvent;
 use serde_json::{Value, json};
-use siliceo_runtime::{Event, RequestStream, Usage};
+use siliceo_runtime::{Event, RequestStream, ToolSyntax, Usage};
 use tokio_stream::Stream;
 
 use crate::error::ApiError;
@@ -45,20 +45,41 @@ impl Kind {
         }
     }
 
-    /// A whole (non-streamed) choice.
+    /// A whole (non-streamed) choice; with `tools`, calls in the text become
+    /// `tool_calls`.
     pub(crate) fn choice(
         self,
         index: usize,
         text: &str,
         finish: siliceo_core::FinishReason,
+        tools: Option<ToolSyntax>,
     ) -> Value {
         match self {
-            Kind::Chat => json!({
-                "index": index,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": null,
-                "finish_reason": finish_name(finish),
-            }),
+            Kind::Chat => {
+                if let Some(syntax) = tools {
+                    let parsed = syntax.parse(text);
+                    if !parsed.calls.is_empty() {
+                        let calls: Vec<Value> = parsed
+                            .calls
+                            .iter()
+                            .map(|(name, args)| tool_call_json(None, name, args))
+                            .collect();
+                        let content = (!parsed.content.is_empty()).then_some(parsed.content);
+                        return json!({
+                            "index": index,
+                            "message": {"role": "assistant", "content": content, "tool_calls": calls},
+                            "logprobs": null,
+                            "finish_reason": "tool_calls",
+                        });
+                    }
+                }
+                json!({
+                    "index": index,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": null,
+                    "finish_reason": finish_name(finish),
+                })
+            }
             Kind::Completion => json!({
                 "index": index,
                 "text": text,
@@ -91,6 +112,19 @@ impl Kind {
     }
 }
 
+/// OpenAI's `tool_calls[i]` (with `index` when streamed).
+fn tool_call_json(index: Option<usize>, name: &str, args: &str) -> Value {
+    let mut v = json!({
+        "id": format!("call_{}", crate::uuid_like()),
+        "type": "function",
+        "function": {"name": name, "arguments": args},
+    });
+    if let Some(i) = index {
+        v["index"] = json!(i);
+    }
+    v
+}
+
 struct Choice {
     stream: RequestStream,
     /// An event read before the response started.
@@ -98,6 +132,11 @@ struct Choice {
     /// The role went out (chat's first chunk carries it).
     announced: bool,
     done: bool,
+    /// Text held back: a possible start of a tool call, or a call being
+    /// written (sent as `tool_calls` when it is complete).
+    held: String,
+    /// A call has started: everything from here on is held.
+    in_call: bool,
 }
 
 /// The SSE body of a streamed request. Dropping it (the client went away)
@@ -115,6 +154,8 @@ pub(crate) struct ChoiceStream {
     finished: bool,
     /// Round-robin start, so one busy choice cannot starve the others.
     next: usize,
+    /// The model's tool syntax when the request offers tools.
+    tools: Option<ToolSyntax>,
 }
 
 impl ChoiceStream {
@@ -125,6 +166,7 @@ impl ChoiceStream {
         model: String,
         choices: Vec<(RequestStream, Option<Event>)>,
         include_usage: bool,
+        tools: Option<ToolSyntax>,
     ) -> Self {
         ChoiceStream {
             kind,
@@ -138,6 +180,8 @@ impl ChoiceStream {
                     first,
                     announced: false,
                     done: false,
+                    held: String::new(),
+                    in_call: false,
                 })
                 .collect(),
             include_usage,
@@ -145,6 +189,7 @@ impl ChoiceStream {
             out: VecDeque::new(),
             finished: false,
             next: 0,
+            tools,
         }
     }
 
@@ -169,6 +214,10 @@ impl ChoiceStream {
         let announce = chat && !self.choices[i].announced;
         match ev {
             Event::Text { text, .. } => {
+                let text = match self.tools {
+                    Some(syntax) if chat => self.hold_back(i, syntax, text),
+                    _ => text,
+                };
                 if text.is_empty() && !announce {
                     return true;
                 }
@@ -195,15 +244,65 @@ impl ChoiceStream {
                     self.usage.cached_prompt_tokens = usage.cached_prompt_tokens;
                 }
                 self.usage.completion_tokens += usage.completion_tokens;
+                let mut finish = finish_name(finish_reason);
+                if let Some(syntax) = self.tools.filter(|_| chat) {
+                    let held = std::mem::take(&mut self.choices[i].held);
+                    let parsed = syntax.parse(&held);
+                    if self.choices[i].in_call && !parsed.calls.is_empty() {
+                        // The calls, one chunk each, as OpenAI streams them.
+                        for (k, (name, args)) in parsed.calls.iter().enumerate() {
+                            let mut c = self.kind.delta(i, None, announce && k == 0, None);
+                            c["delta"]["tool_calls"] = json!([tool_call_json(Some(k), name, args)]);
+                            let e = self.chunk(vec![c], None);
+                            self.out.push_back(e);
+                        }
+                        self.choices[i].announced = true;
+                        finish = "tool_calls";
+                    } else if !held.is_empty() {
+                        let c = self.kind.delta(i, Some(&held), announce, None);
+                        let e = self.chunk(vec![c], None);
+                        self.out.push_back(e);
+                        self.choices[i].announced = true;
+                    }
+                }
+                let announce = chat && !self.choices[i].announced;
                 self.choices[i].announced = true;
-                let c = self
-                    .kind
-                    .delta(i, None, announce, Some(finish_name(finish_reason)));
+                let c = self.kind.delta(i, None, announce, Some(finish));
                 let e = self.chunk(vec![c], None);
                 self.out.push_back(e);
                 true
             }
         }
+    }
+
+    /// With tools: what of `text` can go out now. A call's start and all
+    /// after it is held until the end; so is a tail that may be the start
+    /// of a call's marker.
+    fn hold_back(&mut self, i: usize, syntax: ToolSyntax, text: String) -> String {
+        let c = &mut self.choices[i];
+        c.held.push_str(&text);
+        if c.in_call {
+            return String::new();
+        }
+        let markers = syntax.start_markers();
+        if let Some(at) = markers.iter().filter_map(|m| c.held.find(m)).min() {
+            c.in_call = true;
+            let rest = c.held.split_off(at);
+            return std::mem::replace(&mut c.held, rest);
+        }
+        // The longest tail of `held` that begins a marker stays.
+        let held = &c.held;
+        let keep = markers
+            .iter()
+            .filter_map(|m| {
+                (1..m.len().min(held.len() + 1))
+                    .rev()
+                    .find(|&k| held.is_char_boundary(held.len() - k) && held.ends_with(&m[..k]))
+            })
+            .max()
+            .unwrap_or(0);
+        let tail = c.held.split_off(c.held.len() - keep);
+        std::mem::replace(&mut c.held, tail)
     }
 
     fn finish(&mut self) {

@@ -47,6 +47,7 @@ pub use types::{
 };
 
 pub use engine_loop::store_plan;
+pub use siliceo_chat::{Message, Tool, ToolCall, ToolChoice, ToolSyntax};
 pub use siliceo_kv_paging::planner::{StorePlan, StoreSize};
 
 use std::sync::Arc;
@@ -54,6 +55,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::Sender;
+use siliceo_chat::{ChatError, ChatTemplate};
 use siliceo_constrain::Grammars;
 use siliceo_core::{ModelGeometry, RequestId, TokenId};
 
@@ -102,7 +104,16 @@ pub struct Runtime {
     thread: Option<JoinHandle<()>>,
     info: RuntimeInfo,
     grammars: Arc<Grammars>,
+    chat: Option<Chat>,
     next_id: AtomicU64,
+}
+
+/// The model's chat template, compiled for rendering on submitting threads.
+#[derive(Debug)]
+struct Chat {
+    template: ChatTemplate,
+    /// Tokenizing adds a BOS: a BOS the template prints is dropped.
+    adds_bos: bool,
 }
 
 impl std::fmt::Debug for Command {
@@ -130,13 +141,33 @@ impl Runtime {
             .spawn(move || engine_loop::run(cfg, rx, ready_tx))
             .map_err(|e| RuntimeError::Start(e.to_string()))?;
         match ready_rx.recv() {
-            Ok(Ok((info, grammars))) => Ok(Runtime {
-                tx,
-                thread: Some(thread),
+            Ok(Ok(engine_loop::Started {
                 info,
                 grammars,
-                next_id: AtomicU64::new(1),
-            }),
+                chat,
+            })) => {
+                let chat = chat.and_then(|c| {
+                    match ChatTemplate::new(&c.source, &c.bos, &c.eos) {
+                        Ok(template) => Some(Chat {
+                            template,
+                            adds_bos: c.adds_bos,
+                        }),
+                        Err(e) => {
+                            // llama.cpp's built-in templates still serve plain chats.
+                            tracing::warn!(error = %e, "chat template not usable: chats fall back to llama.cpp's template guess, without tools");
+                            None
+                        }
+                    }
+                });
+                Ok(Runtime {
+                    tx,
+                    thread: Some(thread),
+                    info,
+                    grammars,
+                    chat,
+                    next_id: AtomicU64::new(1),
+                })
+            }
             Ok(Err(e)) => {
                 let _ = thread.join();
                 Err(e)
@@ -200,6 +231,7 @@ impl Runtime {
     /// `Done` event with an error, never as a panic.
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, RuntimeError> {
         let id = self.id_of(&req);
+        let req = self.render(req)?;
         let matcher = self.compile(&req)?;
         let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
         self.tx
@@ -223,6 +255,7 @@ impl Runtime {
         req: GenerateRequest,
     ) -> Result<(RequestStream, u32), RuntimeError> {
         let id = self.id_of(&req);
+        let req = self.render(req)?;
         let matcher = self.compile(&req)?;
         let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
         let (atx, arx) = tokio::sync::oneshot::channel();
@@ -245,6 +278,57 @@ impl Runtime {
                 "internal error while admitting the request".into(),
             )),
         }
+    }
+
+    /// The model's chat template (`None` when it has none minijinja can
+    /// render: chats then use llama.cpp's built-in guess, without tools).
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat.as_ref().map(|c| &c.template)
+    }
+
+    /// Renders a chat request's messages and tools with the model's
+    /// template, on the caller's thread; the engine thread only tokenizes.
+    fn render(&self, mut req: GenerateRequest) -> Result<GenerateRequest, RuntimeError> {
+        let invalid = |field, reason: String| RuntimeError::InvalidRequest { field, reason };
+        let Input::Chat(msgs) = &req.input else {
+            if !req.tools.is_empty() {
+                return Err(invalid("tools", "tools need chat messages".into()));
+            }
+            return Ok(req);
+        };
+        if msgs.is_empty() {
+            return Err(invalid("chat", "no messages".into()));
+        }
+        let Some(chat) = &self.chat else {
+            let tool_turns = msgs
+                .iter()
+                .any(|m| !m.tool_calls.is_empty() || m.role == "tool");
+            if !req.tools.is_empty() || tool_turns {
+                return Err(invalid(
+                    "tools",
+                    "the model has no chat template siliceo can render with tools".into(),
+                ));
+            }
+            return Ok(req);
+        };
+        let text = chat
+            .template
+            .render(msgs, &req.tools, true)
+            .map_err(|e| match e {
+                ChatError::NoToolSyntax => invalid("tools", e.to_string()),
+                other => invalid("chat", other.to_string()),
+            })?;
+        // Tokenizing puts the BOS back where the model wants one.
+        let bos = chat.template.bos();
+        let text = match text.strip_prefix(bos) {
+            Some(rest) if chat.adds_bos && !bos.is_empty() => rest.to_string(),
+            _ => text,
+        };
+        if text.is_empty() {
+            return Err(invalid("chat", "the chat template rendered nothing".into()));
+        }
+        req.input = Input::Prompt(text);
+        Ok(req)
     }
 
     /// Compiles a request's constraint on the caller's thread (the engine

@@ -1,8 +1,9 @@
 use std::path::PathBuf;
 
 use crossbeam_channel::Sender;
+use siliceo_chat::{Message, Tool};
 use siliceo_core::{FinishReason, Priority, RequestId, SamplingParams, TokenId};
-use siliceo_engine::{ChatMessage, ContextOptions, KvFormat, ModelOptions};
+use siliceo_engine::{ContextOptions, KvFormat, ModelOptions};
 use siliceo_kv_paging::planner::{StorePlan, StoreSize};
 use siliceo_scheduler::SchedulerConfig;
 
@@ -150,8 +151,10 @@ impl Default for SpeculativeConfig {
 pub enum Input {
     /// Plain text, tokenized with the model's special tokens.
     Prompt(String),
-    /// Chat messages, rendered with the model's chat template.
-    Chat(Vec<ChatMessage>),
+    /// Chat messages, rendered with the model's own chat template (its
+    /// Jinja, through minijinja, on the submitting thread) with the
+    /// request's `tools`.
+    Chat(Vec<Message>),
     /// Token ids as they are.
     Tokens(Vec<TokenId>),
 }
@@ -181,6 +184,9 @@ pub struct GenerateRequest {
     /// The request field the constraint came from, for error messages
     /// (`response_format`, `constraint.regex`, …).
     pub constraint_field: &'static str,
+    /// Tools offered to the model (chat input only), rendered by its chat
+    /// template.
+    pub tools: Vec<Tool>,
 }
 
 impl GenerateRequest {
@@ -196,6 +202,7 @@ impl GenerateRequest {
             cache_salt: None,
             constraint: None,
             constraint_field: "constraint",
+            tools: Vec::new(),
         }
     }
 }

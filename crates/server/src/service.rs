@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use prost::Message;
 use siliceo_core::{Constraint, FinishReason, Priority, RequestId, SamplingParams, TokenId};
-use siliceo_engine::ChatMessage;
+use siliceo_runtime::Message as ChatMessage;
 use siliceo_runtime::{
     EmbeddingService, Event, GenerateRequest, Input, RequestStream, Runtime, RuntimeError, Usage,
 };
@@ -150,6 +150,7 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
         cache_salt: (!r.cache_salt.is_empty()).then_some(r.cache_salt),
         constraint_field: constraint_field(r.constraint.as_ref()),
         constraint: constraint_of(r.constraint)?,
+        tools: Vec::new(),
     })
 }
 
@@ -171,7 +172,12 @@ fn constraint_of(c: Option<pb::Constraint>) -> Result<Option<Constraint>, Status
         return Ok(None);
     };
     Ok(Some(match c.kind {
-        None => return Err(invalid("constraint", "one of json_schema, regex, lark or json_object is required")),
+        None => {
+            return Err(invalid(
+                "constraint",
+                "one of json_schema, regex, lark or json_object is required",
+            ));
+        }
         Some(Kind::JsonSchema(s)) => Constraint::JsonSchema {
             schema: s.schema,
             strict: s.strict,

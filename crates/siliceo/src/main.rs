@@ -20,7 +20,8 @@ use std::process::ExitCode;
 use anyhow::{Result, bail};
 use clap::{Args, Parser, Subcommand};
 use siliceo_core::{KvType, SamplingParams};
-use siliceo_engine::{ChatMessage, EngineError, Model, ModelOptions};
+use siliceo_engine::{EngineError, Model, ModelOptions};
+use siliceo_runtime::Message as ChatMessage;
 use siliceo_runtime::{Event, GenerateRequest, Input, Runtime, RuntimeConfig, RuntimeError};
 
 const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";

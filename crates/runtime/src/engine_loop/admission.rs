@@ -29,6 +29,14 @@ impl Engine<'_> {
                 if msgs.is_empty() {
                     return Err(invalid("chat", "no messages".into()));
                 }
+                // Only without a usable Jinja template (the runtime renders
+                // chats before they get here): llama.cpp's built-in guess.
+                let msgs: Vec<siliceo_engine::ChatMessage> = msgs
+                    .into_iter()
+                    .map(|m| {
+                        siliceo_engine::ChatMessage::new(m.role, m.content.unwrap_or_default())
+                    })
+                    .collect();
                 let text = self
                     .model
                     .apply_chat_template(&msgs, true)

@@ -86,10 +86,7 @@ fn compute_all(pending: &mut [(RequestId, Constrained)], threads: usize) -> u64 
             .chunks_mut(per)
             .map(|chunk| s.spawn(move || chunk.iter_mut().map(|(_, c)| c.compute_ahead()).sum()))
             .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or(0u64))
-            .sum()
+        handles.into_iter().map(|h| h.join().unwrap_or(0u64)).sum()
     })
 }
 

@@ -40,11 +40,11 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::{Event, Usage};
 
-pub(crate) use startup::run;
 pub use startup::store_plan;
+pub(crate) use startup::{Started, run};
 
-use kv::{Kv, Saved};
 use constrained::{Constrained, MaskStats};
+use kv::{Kv, Saved};
 use speculative::{DraftModel, Spec};
 
 /// Logits a step wants read back for one request: the decode (or last

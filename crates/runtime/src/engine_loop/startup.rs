@@ -14,10 +14,10 @@ use siliceo_kv_paging::planner::{StoreInput, StorePlan, StoreSize, plan_store};
 use siliceo_kv_paging::{CacheKeys, KvConfig, Sealing};
 use siliceo_scheduler::Scheduler;
 
-use super::{Engine, MaskStats};
 use super::holders::Holders;
 use super::kv::{GraftKv, Kv, LlamaKv};
 use super::speculative::DraftModel;
+use super::{Engine, MaskStats};
 use crate::{Command, KvBackend, RuntimeConfig, RuntimeError, RuntimeInfo};
 
 /// The store a configuration of ours asks for, for a model of geometry `g`:
@@ -58,7 +58,7 @@ pub fn store_plan(
 pub(crate) fn run(
     cfg: RuntimeConfig,
     rx: Receiver<Command>,
-    ready: Sender<Result<(RuntimeInfo, Arc<Grammars>), RuntimeError>>,
+    ready: Sender<Result<Started, RuntimeError>>,
 ) {
     let model = match Model::load(&cfg.model_path, &cfg.model) {
         Ok(m) => m,
@@ -98,13 +98,39 @@ pub(crate) fn run(
                 "engine ready"
             );
             let grammars = Arc::new(Grammars::new(vocabulary(&model)));
-            let _ = ready.send(Ok((info, grammars)));
+            let (bos, eos, adds_bos) = model.bos_eos();
+            let chat = model.chat_template().map(|source| ChatSource {
+                source,
+                bos,
+                eos,
+                adds_bos,
+            });
+            let _ = ready.send(Ok(Started {
+                info,
+                grammars,
+                chat,
+            }));
             engine.serve(&rx);
         }
         Err(e) => {
             let _ = ready.send(Err(e));
         }
     }
+}
+
+/// What the engine thread hands the [`crate::Runtime`] once it is ready.
+pub(crate) struct Started {
+    pub(crate) info: RuntimeInfo,
+    pub(crate) grammars: Arc<Grammars>,
+    pub(crate) chat: Option<ChatSource>,
+}
+
+/// The model's chat template and the token texts it may print.
+pub(crate) struct ChatSource {
+    pub(crate) source: String,
+    pub(crate) bos: String,
+    pub(crate) eos: String,
+    pub(crate) adds_bos: bool,
 }
 
 /// The model's vocabulary as the grammar compiler needs it.

@@ -3,7 +3,7 @@
 //! bad constraints are refused before they are queued.
 
 use siliceo_core::{Constraint, FinishReason, SamplingParams, TokenId};
-use siliceo_engine::ChatMessage;
+use siliceo_runtime::Message as ChatMessage;
 use siliceo_runtime::{
     Event, GenerateRequest, Input, Runtime, RuntimeConfig, RuntimeError, SpeculativeConfig,
 };
@@ -63,10 +63,19 @@ fn check_person(out: &str) {
     keys.sort_unstable();
     assert_eq!(keys, ["address", "age", "name", "role", "tags"], "{out}");
     assert!((0..=120).contains(&o["age"].as_i64().unwrap()), "{out}");
-    assert!(["admin", "user", "guest"].contains(&o["role"].as_str().unwrap()), "{out}");
-    assert!((1..=3).contains(&o["tags"].as_array().unwrap().len()), "{out}");
+    assert!(
+        ["admin", "user", "guest"].contains(&o["role"].as_str().unwrap()),
+        "{out}"
+    );
+    assert!(
+        (1..=3).contains(&o["tags"].as_array().unwrap().len()),
+        "{out}"
+    );
     let zip = o["address"]["zip"].as_str().unwrap();
-    assert!(zip.len() == 5 && zip.bytes().all(|b| b.is_ascii_digit()), "{out}");
+    assert!(
+        zip.len() == 5 && zip.bytes().all(|b| b.is_ascii_digit()),
+        "{out}"
+    );
 }
 
 #[test]
@@ -99,8 +108,14 @@ fn sampled_outputs_follow_a_json_schema_a_regex_and_a_grammar() {
         max_tokens: 30,
         ..SamplingParams::greedy()
     };
-    let (text, _, reason) =
-        text_and_tokens(&rt, constrained(chat("When did the Apollo 11 landing happen?"), date, s.clone()));
+    let (text, _, reason) = text_and_tokens(
+        &rt,
+        constrained(
+            chat("When did the Apollo 11 landing happen?"),
+            date,
+            s.clone(),
+        ),
+    );
     assert_eq!(reason, FinishReason::Stop);
     let b = text.as_bytes();
     assert!(b.len() == 10 && b[4] == b'-' && b[7] == b'-', "{text}");
@@ -112,12 +127,20 @@ reason: /[a-z ]{1,40}/"#;
         constrained(chat("Is the sky blue?"), Constraint::Lark(lark.into()), s),
     );
     assert_eq!(reason, FinishReason::Stop);
-    let (answer, why) = text.split_once(" because ").unwrap_or_else(|| panic!("{text}"));
+    let (answer, why) = text
+        .split_once(" because ")
+        .unwrap_or_else(|| panic!("{text}"));
     assert!(answer == "yes" || answer == "no", "{text}");
     assert!(!why.is_empty() && why.len() <= 40, "{text}");
-    assert!(why.bytes().all(|b| b == b' ' || b.is_ascii_lowercase()), "{text}");
+    assert!(
+        why.bytes().all(|b| b == b' ' || b.is_ascii_lowercase()),
+        "{text}"
+    );
     let st = rt.stats().unwrap();
-    assert!(st.constraint_masks > 0 && st.constraint_masks_overlapped > 0, "{st:?}");
+    assert!(
+        st.constraint_masks > 0 && st.constraint_masks_overlapped > 0,
+        "{st:?}"
+    );
     assert_clean(&rt);
 }
 
@@ -153,10 +176,17 @@ fn constrained_greedy_output_is_the_same_with_speculation_alone_and_together() {
         let u = usage_of(&done);
         drafted += u.draft_tokens;
         accepted += u.accepted_draft_tokens;
-        assert_eq!(tokens, want.1, "speculation changed {text:?} (was {:?})", want.0);
+        assert_eq!(
+            tokens, want.1,
+            "speculation changed {text:?} (was {:?})",
+            want.0
+        );
         check_person(&text);
     }
-    let together: Vec<_> = prompts.iter().map(|p| rt.submit(req(p, true)).unwrap()).collect();
+    let together: Vec<_> = prompts
+        .iter()
+        .map(|p| rt.submit(req(p, true)).unwrap())
+        .collect();
     for (s, want) in together.into_iter().zip(&plain) {
         let (text, tokens, _) = s.blocking_collect();
         assert_eq!(tokens, want.1, "batched speculation changed {text:?}");
@@ -194,12 +224,20 @@ fn bad_constraints_are_refused_naming_their_field_and_nothing_leaks() {
     // Still serving, constrained and not.
     let (text, _, _) = text_and_tokens(
         &rt,
-        constrained(chat("Say yes or no."), Constraint::Regex("yes|no".into()), SamplingParams::greedy()),
+        constrained(
+            chat("Say yes or no."),
+            Constraint::Regex("yes|no".into()),
+            SamplingParams::greedy(),
+        ),
     );
     assert!(text == "yes" || text == "no", "{text}");
     // A cancelled constrained request frees its KV.
     let s = rt
-        .submit(constrained(chat("Describe a user as JSON."), person(), SamplingParams::greedy()))
+        .submit(constrained(
+            chat("Describe a user as JSON."),
+            person(),
+            SamplingParams::greedy(),
+        ))
         .unwrap();
     drop(s);
     let _ = rt.stats();

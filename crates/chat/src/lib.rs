@@ -1,0 +1,282 @@
+//! Chat for siliceo-infer: messages and tools rendered through the model's
+//! own chat template, and the tool calls models write parsed back.
+//!
+//! A GGUF carries its chat template as Jinja (`tokenizer.chat_template`,
+//! written for Hugging Face's `transformers`). [`ChatTemplate`] renders it
+//! with minijinja in that dialect: blocks trimmed and left-stripped,
+//! Python's string and dict methods (`.strip()`, `.items()`), `tojson`
+//! written as Python's `json.dumps` writes it, `raise_exception`, and the
+//! variables `messages`, `tools`, `add_generation_prompt`, `bos_token`,
+//! `eos_token`.
+//!
+//! [`ToolSyntax`] knows how a model family writes tool calls (detected from
+//! the template): it parses them out of generated text and builds the
+//! [`Constraint`] that forces a call whose arguments follow the tool's JSON
+//! schema (`tool_choice: required` or a named function).
+//!
+//! ```
+//! use siliceo_chat::{ChatTemplate, Message};
+//!
+//! let source = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}\
+//!               {% if add_generation_prompt %}<|assistant|>{% endif %}";
+//! let t = ChatTemplate::new(source, "<s>", "</s>")?;
+//! let text = t.render(&[Message::new("user", "Hi")], &[], true)?;
+//! assert_eq!(text, "<|user|>Hi\n<|assistant|>");
+//! # Ok::<(), siliceo_chat::ChatError>(())
+//! ```
+//!
+//! **Architecture invariant:** knows nothing of llama.cpp or any protocol.
+#![deny(missing_docs)]
+
+mod json;
+mod tools;
+
+use std::fmt;
+
+use minijinja::value::{Kwargs, Value};
+use minijinja::{Environment, ErrorKind};
+use serde::{Deserialize, Serialize};
+pub use siliceo_core::Constraint;
+
+pub use tools::{ParsedOutput, ToolChoice, ToolSyntax};
+
+/// Why a template could not be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ChatError {
+    /// The template does not compile.
+    #[error("the model's chat template does not compile: {0}")]
+    Template(String),
+    /// Rendering failed (the template raised, or a message is not what it
+    /// accepts, e.g. roles that do not alternate).
+    #[error("the model's chat template refused the conversation: {0}")]
+    Render(String),
+    /// Tools were given to a template that has no tool syntax.
+    #[error("the model's chat template has no tool-call syntax siliceo knows")]
+    NoToolSyntax,
+}
+
+/// A tool call an assistant message made.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCall {
+    /// Its id (`call_…`), echoed by the tool's answer.
+    pub id: String,
+    /// The function's name.
+    pub name: String,
+    /// Its arguments as JSON text.
+    pub arguments: String,
+}
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Message {
+    /// `system`, `user`, `assistant` or `tool`.
+    pub role: String,
+    /// Its text (absent in an assistant message that only calls tools).
+    pub content: Option<String>,
+    /// Tool calls (assistant messages).
+    pub tool_calls: Vec<ToolCall>,
+    /// The call this message answers (tool messages).
+    pub tool_call_id: Option<String>,
+    /// The tool's name (tool messages, optional).
+    pub name: Option<String>,
+}
+
+impl Message {
+    /// A plain message.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Message {
+            role: role.into(),
+            content: Some(content.into()),
+            ..Message::default()
+        }
+    }
+
+    /// The message as the template sees it (OpenAI's shape, arguments
+    /// parsed to objects as `transformers` passes them).
+    fn to_value(&self) -> serde_json::Value {
+        let mut m = serde_json::Map::new();
+        m.insert("role".into(), self.role.clone().into());
+        m.insert(
+            "content".into(),
+            self.content
+                .clone()
+                .map_or(serde_json::Value::Null, Into::into),
+        );
+        if !self.tool_calls.is_empty() {
+            let calls: Vec<serde_json::Value> = self
+                .tool_calls
+                .iter()
+                .map(|c| {
+                    let args = serde_json::from_str(&c.arguments)
+                        .unwrap_or_else(|_| serde_json::Value::String(c.arguments.clone()));
+                    serde_json::json!({
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": args},
+                    })
+                })
+                .collect();
+            m.insert("tool_calls".into(), calls.into());
+        }
+        if let Some(id) = &self.tool_call_id {
+            m.insert("tool_call_id".into(), id.clone().into());
+        }
+        if let Some(n) = &self.name {
+            m.insert("name".into(), n.clone().into());
+        }
+        m.into()
+    }
+}
+
+/// A function the model may call.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tool {
+    /// Its name.
+    pub name: String,
+    /// What it does.
+    pub description: Option<String>,
+    /// Its arguments' JSON schema (an object schema), as JSON text.
+    pub parameters: String,
+}
+
+impl Tool {
+    fn parameters_value(&self) -> serde_json::Value {
+        serde_json::from_str(&self.parameters)
+            .unwrap_or_else(|_| serde_json::json!({"type": "object"}))
+    }
+
+    /// OpenAI's shape, as templates expect it.
+    fn to_value(&self) -> serde_json::Value {
+        let mut f = serde_json::Map::new();
+        f.insert("name".into(), self.name.clone().into());
+        if let Some(d) = &self.description {
+            f.insert("description".into(), d.clone().into());
+        }
+        f.insert("parameters".into(), self.parameters_value());
+        serde_json::json!({"type": "function", "function": f})
+    }
+}
+
+/// A model's chat template, compiled once.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos: String,
+    eos: String,
+    tools: Option<ToolSyntax>,
+}
+
+impl fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("bos", &self.bos)
+            .field("eos", &self.eos)
+            .field("tools", &self.tools)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ChatTemplate {
+    /// Compiles `source` (Jinja); `bos` and `eos` are the text of the
+    /// model's BOS and EOS tokens.
+    pub fn new(source: &str, bos: &str, eos: &str) -> Result<Self, ChatError> {
+        let mut env = Environment::new();
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| ChatError::Template(e.to_string()))?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_filter("tojson", tojson);
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<Value, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+            },
+        );
+        env.add_function("strftime_now", |_fmt: String| {
+            // Templates print today's date in their system prompt; a fixed
+            // date keeps prompts (and prefix-cache hits) stable.
+            "01 Jan 2026".to_string()
+        });
+        env.add_template_owned("chat", source.to_string())
+            .map_err(|e| ChatError::Template(describe(&e)))?;
+        Ok(ChatTemplate {
+            env,
+            bos: bos.to_string(),
+            eos: eos.to_string(),
+            tools: ToolSyntax::detect(source),
+        })
+    }
+
+    /// How the model writes tool calls (`None`: the template knows no tools).
+    pub fn tool_syntax(&self) -> Option<ToolSyntax> {
+        self.tools
+    }
+
+    /// The text of the model's BOS token.
+    pub fn bos(&self) -> &str {
+        &self.bos
+    }
+
+    /// Renders a conversation, with `tools` offered (empty: none), ending
+    /// with the assistant's turn opened when `add_generation_prompt`.
+    pub fn render(
+        &self,
+        messages: &[Message],
+        tools: &[Tool],
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatError> {
+        if !tools.is_empty() && self.tools.is_none() {
+            return Err(ChatError::NoToolSyntax);
+        }
+        let msgs: Vec<serde_json::Value> = messages.iter().map(Message::to_value).collect();
+        let tools_v: Option<Vec<serde_json::Value>> =
+            (!tools.is_empty()).then(|| tools.iter().map(Tool::to_value).collect());
+        let tmpl = self
+            .env
+            .get_template("chat")
+            .map_err(|e| ChatError::Template(describe(&e)))?;
+        let ctx = minijinja::context! {
+            messages => Value::from(minijinja::value::Serde(&msgs)),
+            tools => Value::from(minijinja::value::Serde(&tools_v)),
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos.clone(),
+            eos_token => self.eos.clone(),
+        };
+        tmpl.render(ctx)
+            .map_err(|e| ChatError::Render(describe(&e)))
+    }
+}
+
+/// minijinja's message with its cause chain, on one line.
+fn describe(e: &minijinja::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(cause) = src {
+        s.push_str(": ");
+        s.push_str(&cause.to_string());
+        src = cause.source();
+    }
+    s
+}
+
+/// `tojson` as `transformers` defines it: Python's `json.dumps` with
+/// `ensure_ascii=False` (no HTML escaping), `indent` and `sort_keys` honoured.
+fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let _: Option<bool> = kwargs.get("ensure_ascii")?;
+    kwargs.assert_all_used()?;
+    let v = serde_json::to_value(value)
+        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    Ok(Value::from_safe_string(json::python_dumps(
+        &v,
+        indent,
+        sort_keys.unwrap_or(false),
+    )))
+}
+
+#[cfg(test)]
+mod tests;

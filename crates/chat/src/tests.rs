@@ -1,0 +1,194 @@
+//! Templates rendered as `transformers` renders them (Qwen2.5's tool
+//! instructions really do show `{{"name": …}}` with doubled braces: they are
+//! inside a string literal). The expected strings
+//! follow the Qwen2.5 template's text by hand (its source is in
+//! `testdata_qwen25.jinja`, as its GGUF carries it).
+
+use super::*;
+
+const QWEN: &str = include_str!("testdata_qwen25.jinja");
+
+fn qwen() -> ChatTemplate {
+    ChatTemplate::new(QWEN, "<|endoftext|>", "<|im_end|>").unwrap()
+}
+
+fn weather() -> Tool {
+    Tool {
+        name: "get_weather".into(),
+        description: Some("Current weather in a city".into()),
+        parameters: r#"{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}"#.into(),
+    }
+}
+
+#[test]
+fn qwen_renders_a_plain_chat() {
+    let text = qwen()
+        .render(&[Message::new("user", "Hi")], &[], true)
+        .unwrap();
+    assert_eq!(
+        text,
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n\
+         <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+}
+
+#[test]
+fn qwen_renders_tools_calls_and_answers() {
+    let t = qwen();
+    assert_eq!(t.tool_syntax(), Some(ToolSyntax::Hermes));
+    let call = ToolCall {
+        id: "call_1".into(),
+        name: "get_weather".into(),
+        arguments: r#"{"city":"Paris"}"#.into(),
+    };
+    let msgs = [
+        Message::new("system", "Be brief."),
+        Message::new("user", "Weather in Paris?"),
+        Message {
+            role: "assistant".into(),
+            tool_calls: vec![call],
+            ..Message::default()
+        },
+        Message {
+            role: "tool".into(),
+            content: Some("18C, sunny".into()),
+            tool_call_id: Some("call_1".into()),
+            ..Message::default()
+        },
+    ];
+    let text = t.render(&msgs, &[weather()], true).unwrap();
+    let tool_json = r#"{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}"#;
+    let want = format!(
+        "<|im_start|>system\nBe brief.\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n\
+         You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tool_json}\n</tools>\n\n\
+         For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n\
+         <tool_call>\n{{{{\"name\": <function-name>, \"arguments\": <args-json-object>}}}}\n</tool_call><|im_end|>\n\
+         <|im_start|>user\nWeather in Paris?<|im_end|>\n\
+         <|im_start|>assistant\n<tool_call>\n{{\"name\": \"get_weather\", \"arguments\": {{\"city\": \"Paris\"}}}}\n</tool_call><|im_end|>\n\
+         <|im_start|>user\n<tool_response>\n18C, sunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    );
+    assert_eq!(text, want);
+}
+
+#[test]
+fn errors_are_typed() {
+    assert!(matches!(
+        ChatTemplate::new("{% for %}", "", ""),
+        Err(ChatError::Template(_))
+    ));
+    let strict = ChatTemplate::new(
+        "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be the user') }}{% endif %}ok",
+        "",
+        "",
+    )
+    .unwrap();
+    match strict.render(&[Message::new("assistant", "x")], &[], true) {
+        Err(ChatError::Render(m)) => assert!(m.contains("first message must be the user"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        strict.render(&[Message::new("user", "x")], &[weather()], true),
+        Err(ChatError::NoToolSyntax)
+    );
+    // Python's string methods work (pycompat).
+    let py = ChatTemplate::new("{{ messages[0].content.strip().upper() }}", "", "").unwrap();
+    assert_eq!(
+        py.render(&[Message::new("user", "  hi ")], &[], false)
+            .unwrap(),
+        "HI"
+    );
+}
+
+#[test]
+fn hermes_calls_parse_and_prose_stays() {
+    let s = ToolSyntax::Hermes;
+    let out = s.parse(
+        "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n\
+         <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n</tool_call>",
+    );
+    assert_eq!(out.content, "Let me check.");
+    assert_eq!(
+        out.calls,
+        vec![
+            ("get_weather".into(), r#"{"city":"Paris"}"#.into()),
+            ("get_weather".into(), r#"{"city":"Rome"}"#.into())
+        ]
+    );
+    // Not JSON: prose, no call.
+    let out = s.parse("<tool_call>\nnot json\n</tool_call>");
+    assert!(out.calls.is_empty() && out.content.contains("not json"));
+    assert_eq!(s.parse("Paris is sunny.").content, "Paris is sunny.");
+    // An unclosed last block still counts (generation stopped at EOS).
+    let out = s.parse("<tool_call>\n{\"name\": \"f\", \"arguments\": {}}");
+    assert_eq!(out.calls, vec![("f".into(), "{}".into())]);
+}
+
+#[test]
+fn mistral_calls_parse() {
+    let out = ToolSyntax::Mistral.parse(
+        "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}, {\"name\": \"now\", \"arguments\": {}}]",
+    );
+    assert_eq!(out.content, "");
+    assert_eq!(out.calls.len(), 2);
+    assert_eq!(
+        out.calls[0],
+        ("get_weather".into(), r#"{"city":"Oslo"}"#.into())
+    );
+    assert_eq!(
+        ToolSyntax::detect("{{ '[TOOL_CALLS]' }}"),
+        Some(ToolSyntax::Mistral)
+    );
+    assert_eq!(ToolSyntax::detect("{{ m.content }}"), None);
+}
+
+#[test]
+fn forced_calls_are_lark_grammars_with_the_tools_schemas() {
+    let tools = [
+        weather(),
+        Tool {
+            name: "now".into(),
+            description: None,
+            parameters: r#"{"type": "object", "properties": {}}"#.into(),
+        },
+    ];
+    let s = ToolSyntax::Hermes;
+    assert_eq!(s.constraint(&tools, &ToolChoice::Auto, true), None);
+    assert_eq!(
+        s.constraint(&tools, &ToolChoice::Function("nope".into()), true),
+        None
+    );
+    let Some(Constraint::Lark(g)) =
+        s.constraint(&tools, &ToolChoice::Function("now".into()), false)
+    else {
+        panic!()
+    };
+    assert!(g.starts_with("start: call\n"), "{g}");
+    assert!(
+        g.contains(r#""const":"now""#) && !g.contains("get_weather"),
+        "{g}"
+    );
+    let Some(Constraint::Lark(g)) = s.constraint(&tools, &ToolChoice::Required, true) else {
+        panic!()
+    };
+    assert!(
+        g.contains("(\"\\n\" call)*") && g.contains("get_weather") && g.contains("\"now\""),
+        "{g}"
+    );
+}
+
+#[test]
+fn hermes_accepts_fenced_json_calls_but_not_plain_json_data() {
+    let s = ToolSyntax::Hermes;
+    let out =
+        s.parse("```json\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n```");
+    assert_eq!(
+        out.calls,
+        vec![("get_weather".into(), r#"{"city":"Paris"}"#.into())]
+    );
+    let data = "```json\n{\"name\": \"Bob\", \"age\": 3}\n```";
+    assert_eq!(s.parse(data).calls, vec![]);
+    assert_eq!(s.parse(data).content, data);
+    // Prose between two blocks: not a call sequence.
+    let mixed = "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>\nand then\n<tool_call>\n{\"name\": \"g\", \"arguments\": {}}\n</tool_call>";
+    assert!(s.parse(mixed).calls.is_empty());
+}

@@ -1,0 +1,208 @@
+//! Tool-call syntaxes: how a model family writes calls, parsed back into
+//! calls, and the grammar that forces one.
+
+use serde_json::Value;
+use siliceo_core::Constraint;
+
+use crate::Tool;
+
+/// How a model family writes tool calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ToolSyntax {
+    /// `<tool_call>\n{"name": …, "arguments": {…}}\n</tool_call>`, one
+    /// block per call (Qwen2.5, Hermes, and the templates that copied them).
+    Hermes,
+    /// `[TOOL_CALLS] [{"name": …, "arguments": {…}}, …]` (Mistral).
+    Mistral,
+}
+
+/// Which tools the model may or must call (OpenAI's `tool_choice`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// The model decides.
+    Auto,
+    /// No calls: the tools are not offered.
+    None,
+    /// At least one call, to any of the tools.
+    Required,
+    /// A call to this function.
+    Function(String),
+}
+
+/// Generated text split into prose and calls.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ParsedOutput {
+    /// Text outside the calls (trimmed).
+    pub content: String,
+    /// `(name, arguments as JSON text)` per call, in order.
+    pub calls: Vec<(String, String)>,
+}
+
+impl ToolSyntax {
+    /// The syntax a chat template teaches, if any.
+    pub fn detect(template: &str) -> Option<ToolSyntax> {
+        if template.contains("<tool_call>") {
+            Some(ToolSyntax::Hermes)
+        } else if template.contains("[TOOL_CALLS]") {
+            Some(ToolSyntax::Mistral)
+        } else {
+            None
+        }
+    }
+
+    /// A short name (`hermes`, `mistral`).
+    pub fn name(self) -> &'static str {
+        match self {
+            ToolSyntax::Hermes => "hermes",
+            ToolSyntax::Mistral => "mistral",
+        }
+    }
+
+    /// The texts that may open a call: output from one on is held back
+    /// while streaming until the end. Hermes models also write a call as a
+    /// fenced JSON block (Qwen2.5-Coder does, unforced).
+    pub fn start_markers(self) -> &'static [&'static str] {
+        match self {
+            ToolSyntax::Hermes => &["<tool_call>", "```json"],
+            ToolSyntax::Mistral => &["[TOOL_CALLS]"],
+        }
+    }
+
+    /// Splits generated text into prose and calls. When any block is not a
+    /// call (not JSON, no name), the whole text is prose.
+    pub fn parse(self, text: &str) -> ParsedOutput {
+        let prose = || ParsedOutput {
+            content: text.trim().to_string(),
+            calls: Vec::new(),
+        };
+        let markers = self.start_markers();
+        let Some((first, _)) = find_first(text, markers) else {
+            return prose();
+        };
+        let mut calls = Vec::new();
+        let mut rest = &text[first..];
+        let mut after_all = "";
+        while let Some((at, marker)) = find_first(rest, markers) {
+            if !rest[..at].trim().is_empty() {
+                // Prose between calls: not a call sequence.
+                return prose();
+            }
+            let body = &rest[at + marker.len()..];
+            let close = match marker {
+                "<tool_call>" => "</tool_call>",
+                "```json" => "```",
+                _ => "",
+            };
+            let (inner, after) = match body.find(close).filter(|_| !close.is_empty()) {
+                Some(end) => (&body[..end], &body[end + close.len()..]),
+                None => (body, ""),
+            };
+            match calls_of(inner.trim()) {
+                Some(cs) => calls.extend(cs),
+                None => return prose(),
+            }
+            rest = after;
+            after_all = after;
+        }
+        let mut content = text[..first].trim().to_string();
+        if !after_all.trim().is_empty() {
+            if !content.is_empty() {
+                content.push('\n');
+            }
+            content.push_str(after_all.trim());
+        }
+        ParsedOutput { content, calls }
+    }
+
+    /// The constraint that forces a call (to any of `tools` for
+    /// [`ToolChoice::Required`], to the named one for
+    /// [`ToolChoice::Function`]) whose arguments follow the tool's schema;
+    /// several calls when `parallel`. `None` for `auto` and `none`, and when
+    /// the named function is not among `tools`.
+    pub fn constraint(
+        self,
+        tools: &[Tool],
+        choice: &ToolChoice,
+        parallel: bool,
+    ) -> Option<Constraint> {
+        let chosen: Vec<&Tool> = match choice {
+            ToolChoice::Auto | ToolChoice::None => return None,
+            ToolChoice::Required => tools.iter().collect(),
+            ToolChoice::Function(name) => tools.iter().filter(|t| &t.name == name).collect(),
+        };
+        if chosen.is_empty() {
+            return None;
+        }
+        let call = |t: &Tool| {
+            serde_json::json!({
+                "type": "object",
+                "properties": {
+                    "name": {"const": t.name},
+                    "arguments": t.parameters_value(),
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": false,
+            })
+        };
+        let layout = serde_json::json!({
+            "item_separator": ", ",
+            "key_separator": ": ",
+            "whitespace_flexible": false,
+        });
+        let one_call = serde_json::json!({
+            "anyOf": chosen.iter().map(|t| call(t)).collect::<Vec<_>>(),
+            "x-guidance": layout,
+        });
+        let grammar = match self {
+            ToolSyntax::Hermes => {
+                let repeat = if parallel { " (\"\\n\" call)*" } else { "" };
+                format!(
+                    "start: call{repeat}\ncall: \"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: %json {one_call}\n"
+                )
+            }
+            ToolSyntax::Mistral => {
+                let mut list = serde_json::json!({
+                    "type": "array",
+                    "items": {"anyOf": chosen.iter().map(|t| call(t)).collect::<Vec<_>>()},
+                    "minItems": 1,
+                    "x-guidance": layout,
+                });
+                if !parallel {
+                    list["maxItems"] = 1.into();
+                }
+                format!("start: \"[TOOL_CALLS] \" body\nbody: %json {list}\n")
+            }
+        };
+        Some(Constraint::Lark(grammar))
+    }
+}
+
+/// The earliest of `markers` in `text`.
+fn find_first<'a>(text: &str, markers: &[&'a str]) -> Option<(usize, &'a str)> {
+    markers
+        .iter()
+        .filter_map(|m| text.find(m).map(|at| (at, *m)))
+        .min_by_key(|(at, _)| *at)
+}
+
+/// One call or a list of calls.
+fn calls_of(body: &str) -> Option<Vec<(String, String)>> {
+    match serde_json::from_str::<Value>(body).ok()? {
+        Value::Array(items) if !items.is_empty() => items.iter().map(call_of_value).collect(),
+        v => Some(vec![call_of_value(&v)?]),
+    }
+}
+
+/// `{"name": …, "arguments": {…}}` (or `parameters`, as some models write).
+fn call_of_value(v: &Value) -> Option<(String, String)> {
+    let name = v.get("name")?.as_str()?.to_string();
+    // `arguments` is required: `{"name": "Bob"}` in an answer is data.
+    let args = v.get("arguments").or_else(|| v.get("parameters"))?.clone();
+    let args = match args {
+        // Some models write the arguments as a JSON string already.
+        Value::String(s) if serde_json::from_str::<Value>(&s).is_ok() => s,
+        other => other.to_string(),
+    };
+    Some((name, args))
+}
