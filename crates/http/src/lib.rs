@@ -37,13 +37,13 @@ use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use siliceo_core::FinishReason;
-use siliceo_runtime::{EmbeddingService, Event, RequestStream, Runtime, Usage};
+use siliceo_runtime::{EmbeddingService, Event, RequestStream, Runtime, TokenLogprob, Usage};
 
 pub use error::ApiError;
 pub use openai::MAX_N;
 
 use openai::Plan;
-use stream::{ChoiceStream, Kind};
+use stream::{ChoiceStream, Kind, StreamHead};
 
 /// How the HTTP API is served.
 #[derive(Debug, Clone)]
@@ -347,8 +347,16 @@ async fn generate(
         started.push((first, None));
     }
     if plan.stream {
-        let events =
-            ChoiceStream::new(kind, id, created, model, started, plan.include_usage, tools);
+        let head = StreamHead {
+            kind,
+            id,
+            created,
+            model,
+            include_usage: plan.include_usage,
+            tools,
+            logprobs: plan.request.logprobs.is_some(),
+        };
+        let events = ChoiceStream::new(head, started);
         return Ok(Sse::new(events)
             .keep_alive(KeepAlive::default())
             .into_response());
@@ -356,13 +364,14 @@ async fn generate(
     let mut choices = Vec::with_capacity(started.len());
     let mut usage_all = Usage::default();
     for (i, st) in started.into_iter().enumerate() {
-        let (text, finish, usage) = collect(st).await?;
+        let (text, finish, usage, lps) = collect(st).await?;
         if i == 0 {
             usage_all.prompt_tokens = usage.prompt_tokens;
             usage_all.cached_prompt_tokens = usage.cached_prompt_tokens;
         }
         usage_all.completion_tokens += usage.completion_tokens;
-        choices.push(kind.choice(i, &text, finish, tools));
+        let lps = plan.request.logprobs.map(|_| lps.as_slice());
+        choices.push(kind.choice(i, &text, finish, tools, lps));
     }
     Ok(Json(json!({
         "id": id,
@@ -378,15 +387,21 @@ async fn generate(
 /// Reads a choice to its end.
 async fn collect(
     (mut stream, first): (RequestStream, Option<Event>),
-) -> Result<(String, FinishReason, Usage), ApiError> {
+) -> Result<(String, FinishReason, Usage, Vec<TokenLogprob>), ApiError> {
     let mut text = String::new();
+    let mut lps = Vec::new();
     let mut next = first;
     if next.is_none() {
         next = stream.next().await;
     }
     while let Some(e) = next {
         match e {
-            Event::Text { text: t, .. } => text.push_str(&t),
+            Event::Text {
+                text: t, logprob, ..
+            } => {
+                text.push_str(&t);
+                lps.extend(logprob.map(|b| *b));
+            }
             Event::Done {
                 finish_reason,
                 usage,
@@ -395,7 +410,7 @@ async fn collect(
                 if let Some(e) = error {
                     return Err(ApiError::from_runtime(&e));
                 }
-                return Ok((text, finish_reason, usage));
+                return Ok((text, finish_reason, usage, lps));
             }
         }
         next = stream.next().await;

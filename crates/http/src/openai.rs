@@ -10,7 +10,9 @@ use std::collections::HashMap;
 
 use serde::Deserialize;
 use siliceo_core::{Constraint, Priority, SamplingParams, TokenId};
-use siliceo_runtime::{GenerateRequest, Input, Message as ChatMessage, Tool, ToolCall, ToolChoice};
+use siliceo_runtime::{
+    GenerateRequest, Input, MAX_TOP_LOGPROBS, Message as ChatMessage, Tool, ToolCall, ToolChoice,
+};
 
 use crate::error::ApiError;
 
@@ -129,7 +131,7 @@ pub struct Common {
 pub struct CompletionRequest {
     /// The prompt.
     pub prompt: Prompt,
-    /// Log-probabilities of this many top tokens (not implemented).
+    /// Log-probabilities of the tokens and of this many alternatives.
     pub logprobs: Option<u32>,
     /// Echo the prompt back (not implemented).
     #[serde(default)]
@@ -215,10 +217,10 @@ pub struct ToolPlan {
 pub struct ChatRequest {
     /// The conversation.
     pub messages: Vec<Message>,
-    /// Return log-probabilities (not implemented).
+    /// Return each token's log-probability.
     #[serde(default)]
     pub logprobs: bool,
-    /// Top log-probabilities per token (not implemented).
+    /// And this many most likely alternatives per token.
     pub top_logprobs: Option<u32>,
     /// Functions the model may call.
     pub tools: Option<Vec<WireToolCall>>,
@@ -422,9 +424,7 @@ fn constraint_of(common: &Common) -> Result<Option<(&'static str, Constraint)>, 
 
 /// Translates `/v1/completions` (`common`: the same body's shared fields).
 pub fn completion_plan(r: CompletionRequest, common: Common) -> Result<Plan, ApiError> {
-    if r.logprobs.is_some_and(|l| l > 0) {
-        return Err(ApiError::unsupported("logprobs", "logprobs"));
-    }
+    let logprobs = r.logprobs.map(|k| check_top(k, "logprobs")).transpose()?;
     if r.echo {
         return Err(ApiError::unsupported("echo", "echo"));
     }
@@ -456,14 +456,31 @@ pub fn completion_plan(r: CompletionRequest, common: Common) -> Result<Plan, Api
             Input::Tokens(v.remove(0).into_iter().map(TokenId).collect())
         }
     };
-    plan(common, input)
+    let mut plan = plan(common, input)?;
+    plan.request.logprobs = logprobs;
+    Ok(plan)
+}
+
+/// Alternatives per token: at most [`MAX_TOP_LOGPROBS`].
+fn check_top(k: u32, field: &'static str) -> Result<u32, ApiError> {
+    if k > MAX_TOP_LOGPROBS {
+        return Err(ApiError::invalid(
+            field,
+            format!("at most {MAX_TOP_LOGPROBS} alternatives per token"),
+        ));
+    }
+    Ok(k)
 }
 
 /// Translates `/v1/chat/completions` (`common`: the same body's shared fields).
 pub fn chat_plan(r: ChatRequest, common: Common) -> Result<Plan, ApiError> {
-    if r.logprobs || r.top_logprobs.is_some_and(|t| t > 0) {
-        return Err(ApiError::unsupported("logprobs", "logprobs"));
-    }
+    let logprobs = match (r.logprobs, r.top_logprobs) {
+        (false, Some(k)) if k > 0 => {
+            return Err(ApiError::invalid("top_logprobs", "needs `logprobs: true`"));
+        }
+        (false, _) => None,
+        (true, k) => Some(check_top(k.unwrap_or(0), "top_logprobs")?),
+    };
     if r.messages.is_empty() {
         return Err(ApiError::invalid(
             "messages",
@@ -531,6 +548,7 @@ pub fn chat_plan(r: ChatRequest, common: Common) -> Result<Plan, ApiError> {
     }
     let parallel = r.parallel_tool_calls.unwrap_or(true);
     let mut plan = plan(common, Input::Chat(msgs))?;
+    plan.request.logprobs = logprobs;
     if !tools.is_empty() && choice != ToolChoice::None {
         plan.request.tools = tools;
         plan.tools = Some(ToolPlan { choice, parallel });
@@ -659,10 +677,15 @@ mod tests {
     #[test]
     fn unsupported_and_bad_fields_are_named() {
         let e = chat(serde_json::json!({
-            "messages": [{"role": "user", "content": "hi"}], "logprobs": true
+            "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3
         }))
         .unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("logprobs"));
+        assert_eq!(e.param.as_deref(), Some("top_logprobs"));
+        let e = chat(serde_json::json!({
+            "messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21
+        }))
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("top_logprobs"));
         let e = chat(serde_json::json!({
             "messages": [{"role": "robot", "content": "hi"}]
         }))

@@ -8,7 +8,7 @@ use std::task::{Context, Poll};
 
 use axum::response::sse::Event as SseEvent;
 use serde_json::{Value, json};
-use siliceo_runtime::{Event, RequestStream, ToolSyntax, Usage};
+use siliceo_runtime::{Event, RequestStream, TokenLogprob, ToolSyntax, Usage};
 use tokio_stream::Stream;
 
 use crate::error::ApiError;
@@ -53,7 +53,9 @@ impl Kind {
         text: &str,
         finish: siliceo_core::FinishReason,
         tools: Option<ToolSyntax>,
+        lps: Option<&[TokenLogprob]>,
     ) -> Value {
+        let logprobs = lps.map_or(Value::Null, |l| logprobs_json(self, l, &mut 0));
         match self {
             Kind::Chat => {
                 if let Some(syntax) = tools {
@@ -68,7 +70,7 @@ impl Kind {
                         return json!({
                             "index": index,
                             "message": {"role": "assistant", "content": content, "tool_calls": calls},
-                            "logprobs": null,
+                            "logprobs": logprobs,
                             "finish_reason": "tool_calls",
                         });
                     }
@@ -76,21 +78,28 @@ impl Kind {
                 json!({
                     "index": index,
                     "message": {"role": "assistant", "content": text},
-                    "logprobs": null,
+                    "logprobs": logprobs,
                     "finish_reason": finish_name(finish),
                 })
             }
             Kind::Completion => json!({
                 "index": index,
                 "text": text,
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish_name(finish),
             }),
         }
     }
 
     /// A streamed choice: new text, or the end (`finish`).
-    fn delta(self, index: usize, text: Option<&str>, role: bool, finish: Option<&str>) -> Value {
+    fn delta(
+        self,
+        index: usize,
+        text: Option<&str>,
+        role: bool,
+        finish: Option<&str>,
+        logprobs: Value,
+    ) -> Value {
         match self {
             Kind::Chat => {
                 let mut delta = json!({});
@@ -100,14 +109,66 @@ impl Kind {
                 if let Some(t) = text {
                     delta["content"] = json!(t);
                 }
-                json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": finish})
+                json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
             Kind::Completion => json!({
                 "index": index,
                 "text": text.unwrap_or(""),
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }),
+        }
+    }
+}
+
+/// OpenAI's `logprobs` of a run of tokens: chat's `{"content": […]}`, or
+/// completions' parallel lists (`offset`: the text offset of the first
+/// token, advanced past them).
+pub(crate) fn logprobs_json(kind: Kind, lps: &[TokenLogprob], offset: &mut usize) -> Value {
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    match kind {
+        Kind::Chat => {
+            let content: Vec<Value> = lps
+                .iter()
+                .map(|l| {
+                    let top: Vec<Value> = l
+                        .top
+                        .iter()
+                        .map(|(_, b, lp)| json!({"token": text(b), "logprob": lp, "bytes": b}))
+                        .collect();
+                    json!({
+                        "token": text(&l.bytes),
+                        "logprob": l.logprob,
+                        "bytes": l.bytes,
+                        "top_logprobs": top,
+                    })
+                })
+                .collect();
+            json!({"content": content})
+        }
+        Kind::Completion => {
+            let mut offsets = Vec::with_capacity(lps.len());
+            for l in lps {
+                offsets.push(*offset);
+                *offset += text(&l.bytes).len();
+            }
+            let top: Vec<Value> = lps
+                .iter()
+                .map(|l| {
+                    let m: serde_json::Map<String, Value> = l
+                        .top
+                        .iter()
+                        .map(|(_, b, lp)| (text(b), json!(lp)))
+                        .collect();
+                    Value::Object(m)
+                })
+                .collect();
+            json!({
+                "tokens": lps.iter().map(|l| text(&l.bytes)).collect::<Vec<_>>(),
+                "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+                "top_logprobs": top,
+                "text_offset": offsets,
+            })
         }
     }
 }
@@ -137,6 +198,10 @@ struct Choice {
     held: String,
     /// A call has started: everything from here on is held.
     in_call: bool,
+    /// Log-probabilities of tokens whose text has not gone out yet.
+    pending_lp: Vec<TokenLogprob>,
+    /// Text offset of the next token (completions' logprobs).
+    offset: usize,
 }
 
 /// The SSE body of a streamed request. Dropping it (the client went away)
@@ -156,18 +221,32 @@ pub(crate) struct ChoiceStream {
     next: usize,
     /// The model's tool syntax when the request offers tools.
     tools: Option<ToolSyntax>,
+    /// The request asked for log-probabilities.
+    logprobs: bool,
+}
+
+/// What every chunk of a streamed response repeats, and what it reports.
+pub(crate) struct StreamHead {
+    pub(crate) kind: Kind,
+    pub(crate) id: String,
+    pub(crate) created: u64,
+    pub(crate) model: String,
+    pub(crate) include_usage: bool,
+    pub(crate) tools: Option<ToolSyntax>,
+    pub(crate) logprobs: bool,
 }
 
 impl ChoiceStream {
-    pub(crate) fn new(
-        kind: Kind,
-        id: String,
-        created: u64,
-        model: String,
-        choices: Vec<(RequestStream, Option<Event>)>,
-        include_usage: bool,
-        tools: Option<ToolSyntax>,
-    ) -> Self {
+    pub(crate) fn new(head: StreamHead, choices: Vec<(RequestStream, Option<Event>)>) -> Self {
+        let StreamHead {
+            kind,
+            id,
+            created,
+            model,
+            include_usage,
+            tools,
+            logprobs,
+        } = head;
         ChoiceStream {
             kind,
             id,
@@ -182,6 +261,8 @@ impl ChoiceStream {
                     done: false,
                     held: String::new(),
                     in_call: false,
+                    pending_lp: Vec::new(),
+                    offset: 0,
                 })
                 .collect(),
             include_usage,
@@ -190,6 +271,7 @@ impl ChoiceStream {
             finished: false,
             next: 0,
             tools,
+            logprobs,
         }
     }
 
@@ -213,7 +295,8 @@ impl ChoiceStream {
         let chat = self.kind == Kind::Chat;
         let announce = chat && !self.choices[i].announced;
         match ev {
-            Event::Text { text, .. } => {
+            Event::Text { text, logprob, .. } => {
+                self.choices[i].pending_lp.extend(logprob.map(|b| *b));
                 let text = match self.tools {
                     Some(syntax) if chat => self.hold_back(i, syntax, text),
                     _ => text,
@@ -222,7 +305,8 @@ impl ChoiceStream {
                     return true;
                 }
                 self.choices[i].announced = true;
-                let c = self.kind.delta(i, Some(&text), announce, None);
+                let lp = self.take_logprobs(i);
+                let c = self.kind.delta(i, Some(&text), announce, None, lp);
                 let e = self.chunk(vec![c], None);
                 self.out.push_back(e);
                 true
@@ -251,7 +335,9 @@ impl ChoiceStream {
                     if self.choices[i].in_call && !parsed.calls.is_empty() {
                         // The calls, one chunk each, as OpenAI streams them.
                         for (k, (name, args)) in parsed.calls.iter().enumerate() {
-                            let mut c = self.kind.delta(i, None, announce && k == 0, None);
+                            let mut c =
+                                self.kind
+                                    .delta(i, None, announce && k == 0, None, Value::Null);
                             c["delta"]["tool_calls"] = json!([tool_call_json(Some(k), name, args)]);
                             let e = self.chunk(vec![c], None);
                             self.out.push_back(e);
@@ -259,7 +345,7 @@ impl ChoiceStream {
                         self.choices[i].announced = true;
                         finish = "tool_calls";
                     } else if !held.is_empty() {
-                        let c = self.kind.delta(i, Some(&held), announce, None);
+                        let c = self.kind.delta(i, Some(&held), announce, None, Value::Null);
                         let e = self.chunk(vec![c], None);
                         self.out.push_back(e);
                         self.choices[i].announced = true;
@@ -267,12 +353,24 @@ impl ChoiceStream {
                 }
                 let announce = chat && !self.choices[i].announced;
                 self.choices[i].announced = true;
-                let c = self.kind.delta(i, None, announce, Some(finish));
+                let lp = self.take_logprobs(i);
+                let c = self.kind.delta(i, None, announce, Some(finish), lp);
                 let e = self.chunk(vec![c], None);
                 self.out.push_back(e);
                 true
             }
         }
+    }
+
+    /// The pending log-probabilities of choice `i` as the next chunk's
+    /// `logprobs` (`null` when the request did not ask or none are pending).
+    fn take_logprobs(&mut self, i: usize) -> Value {
+        let c = &mut self.choices[i];
+        if !self.logprobs || c.pending_lp.is_empty() {
+            return Value::Null;
+        }
+        let lps = std::mem::take(&mut c.pending_lp);
+        logprobs_json(self.kind, &lps, &mut c.offset)
     }
 
     /// With tools: what of `text` can go out now. A call's start and all

@@ -42,8 +42,8 @@ mod engine_loop;
 mod types;
 
 pub use types::{
-    Event, GenerateRequest, Input, KvBackend, RequestStream, RuntimeConfig, RuntimeError,
-    RuntimeInfo, RuntimeStats, SpeculativeConfig, Usage,
+    Event, GenerateRequest, Input, KvBackend, MAX_TOP_LOGPROBS, RequestStream, RuntimeConfig,
+    RuntimeError, RuntimeInfo, RuntimeStats, SpeculativeConfig, TokenLogprob, Usage,
 };
 
 pub use engine_loop::store_plan;

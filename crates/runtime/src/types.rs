@@ -187,6 +187,9 @@ pub struct GenerateRequest {
     /// Tools offered to the model (chat input only), rendered by its chat
     /// template.
     pub tools: Vec<Tool>,
+    /// Report each generated token's log-probability with this many most
+    /// likely alternatives (`None`: off; at most [`MAX_TOP_LOGPROBS`]).
+    pub logprobs: Option<u32>,
 }
 
 impl GenerateRequest {
@@ -203,6 +206,7 @@ impl GenerateRequest {
             constraint: None,
             constraint_field: "constraint",
             tools: Vec::new(),
+            logprobs: None,
         }
     }
 }
@@ -242,6 +246,8 @@ pub enum Event {
         /// The token; `None` for text held back earlier (a possible stop
         /// string, a split character) and released at the end.
         token: Option<TokenId>,
+        /// The token's log-probability, when the request asked for them.
+        logprob: Option<Box<TokenLogprob>>,
     },
     /// The last event.
     Done {
@@ -252,6 +258,26 @@ pub enum Event {
         /// What went wrong, when `finish_reason` is `Error`.
         error: Option<RuntimeError>,
     },
+}
+
+/// Most alternatives per token a request may ask log-probabilities for
+/// (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+/// A generated token's log-probability under the model: the log-softmax of
+/// its logits as the model produced them (before penalties, temperature,
+/// filters or a constraint's mask), with the most likely alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    /// The token.
+    pub token: TokenId,
+    /// Its bytes (a piece of a character for byte tokens).
+    pub bytes: Vec<u8>,
+    /// Its natural-log probability.
+    pub logprob: f32,
+    /// The `top_logprobs` most likely tokens, most likely first:
+    /// `(token, bytes, logprob)`.
+    pub top: Vec<(TokenId, Vec<u8>, f32)>,
 }
 
 /// Runtime failures. Request-level ones arrive inside [`Event::Done`].
@@ -449,7 +475,7 @@ impl RequestStream {
         let mut tokens = Vec::new();
         while let Some(e) = self.blocking_next() {
             match e {
-                Event::Text { text: t, token } => {
+                Event::Text { text: t, token, .. } => {
                     text.push_str(&t);
                     tokens.extend(token);
                 }

@@ -151,6 +151,7 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
         constraint_field: constraint_field(r.constraint.as_ref()),
         constraint: constraint_of(r.constraint)?,
         tools: Vec::new(),
+        logprobs: None,
     })
 }
 
@@ -257,7 +258,7 @@ impl Stream for GenerateStream {
             }
         };
         match event {
-            Some(Event::Text { text, token }) => {
+            Some(Event::Text { text, token, .. }) => {
                 let now = Instant::now();
                 if token.is_some() {
                     this.metrics

@@ -48,6 +48,10 @@ fn generate_streams_text_and_reports_speed() {
     let out = siliceo(&[
         "generate",
         "--chat",
+        // SmolLM2-135M's own template adds a default system prompt it then
+        // answers this question badly under; a plain one keeps it on topic.
+        "--system",
+        "You are a helpful assistant.",
         "--prompt",
         "What is the capital of France?",
         "--max-tokens",
@@ -66,6 +70,8 @@ fn generate_streams_text_and_reports_speed() {
     let out = siliceo(&[
         "generate",
         "--chat",
+        "--system",
+        "You are a helpful assistant.",
         "--prompt",
         "What is the capital of France?",
         "--max-tokens",

@@ -116,6 +116,15 @@ impl Engine<'_> {
             fail(RuntimeError::InvalidRequest { field, reason });
             return None;
         }
+        if let Some(k) = req.logprobs
+            && k > crate::MAX_TOP_LOGPROBS
+        {
+            fail(RuntimeError::InvalidRequest {
+                field: "top_logprobs",
+                reason: format!("at most {} alternatives per token", crate::MAX_TOP_LOGPROBS),
+            });
+            return None;
+        }
         if self.live.contains_key(&id) {
             fail(RuntimeError::Rejected {
                 kind: "duplicate_id",
@@ -197,6 +206,7 @@ impl Engine<'_> {
                 speculative_steps: 0,
                 sampler,
                 constraint: matcher.map(Constrained::new),
+                logprobs: req.logprobs,
                 text: TokenText::new(self.model, &req.sampling),
                 seq: None,
                 snapshot: None,

@@ -78,6 +78,8 @@ struct Live<'m> {
     /// Its constraint's matcher (`None`: unconstrained; taken out while its
     /// next mask is computed beside a decode).
     constraint: Option<Constrained>,
+    /// Top alternatives to report with each token's log-probability.
+    logprobs: Option<u32>,
     text: TokenText<'m>,
     /// Its sequence id while it runs (the draft model's cells, a grafted
     /// step's sequence, llama.cpp's cells).

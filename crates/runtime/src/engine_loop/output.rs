@@ -8,7 +8,36 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::kv::Kv;
 use super::{Engine, Want};
-use crate::{Event, RuntimeError, Usage};
+use crate::{Event, RuntimeError, TokenLogprob, Usage};
+
+/// `token`'s log-softmax in the raw logits `row`, and the `k` most likely
+/// tokens'.
+fn logprob_of(model: &siliceo_engine::Model, row: &[f32], token: TokenId, k: u32) -> TokenLogprob {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = row.iter().map(|&l| f64::from(l - max).exp()).sum();
+    let lse = max + sum.ln() as f32;
+    let lp = |t: u32| row.get(t as usize).map_or(f32::NEG_INFINITY, |&l| l - lse);
+    let mut top: Vec<u32> = Vec::new();
+    if k > 0 {
+        let mut ids: Vec<u32> = (0..row.len() as u32).collect();
+        let k = (k as usize).min(ids.len());
+        let by_logit =
+            |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
+        ids.select_nth_unstable_by(k - 1, by_logit);
+        ids.truncate(k);
+        ids.sort_unstable_by(by_logit);
+        top = ids;
+    }
+    TokenLogprob {
+        token,
+        bytes: model.token_bytes(token, false),
+        logprob: lp(token.0),
+        top: top
+            .into_iter()
+            .map(|t| (TokenId(t), model.token_bytes(TokenId(t), false), lp(t)))
+            .collect(),
+    }
+}
 
 pub(super) fn done(
     tx: &UnboundedSender<Event>,
@@ -75,6 +104,7 @@ impl Engine<'_> {
                     let _ = live.tx.send(Event::Text {
                         text: tail,
                         token: None,
+                        logprob: None,
                     });
                 }
             }
@@ -95,11 +125,14 @@ impl Engine<'_> {
         let greedy = live.sampler.params().is_greedy();
         let mut accepted: Vec<TokenId> = Vec::new();
         let mut next = None;
+        let mut lps: Vec<TokenLogprob> = Vec::new();
         for (i, &ix) in w.idx.iter().enumerate() {
-            let Ok(mut logits) = kv_logits(&self.kv, ix) else {
+            let Ok(raw) = kv_logits(&self.kv, ix) else {
                 let err = RuntimeError::Engine("missing logits".into());
                 return self.end(id, FinishReason::Error, Some(err));
             };
+            // The row sampled from: `raw`, or a masked copy of it.
+            let mut logits: &[f32] = raw;
             // A constrained request samples from its masked logits.
             if let Some(c) = live.constraint.as_mut() {
                 match c.next_mask(&mut self.mask_stats) {
@@ -111,7 +144,11 @@ impl Engine<'_> {
                 }
             }
             let Some(&d) = w.drafts.get(i) else {
-                next = Some(live.sampler.sample(logits));
+                let t = live.sampler.sample(logits);
+                if let Some(k) = live.logprobs {
+                    lps.push(logprob_of(self.model, raw, t, k));
+                }
+                next = Some(t);
                 break;
             };
             // Verify drafted token d against the target at this position.
@@ -132,7 +169,13 @@ impl Engine<'_> {
                 }
                 live.sampler.accept(d);
                 accepted.push(d);
+                if let Some(k) = live.logprobs {
+                    lps.push(logprob_of(self.model, raw, d, k));
+                }
             } else {
+                if let Some(k) = live.logprobs {
+                    lps.push(logprob_of(self.model, raw, v.next, k));
+                }
                 next = Some(v.next);
                 break;
             }
@@ -155,13 +198,19 @@ impl Engine<'_> {
                 return self.end(id, FinishReason::Error, Some(err));
             }
         }
-        self.emit(w, accepted, next);
+        self.emit(w, accepted, next, lps);
     }
 
     /// Streams and reports what a step produced for one request: accepted
     /// drafted tokens (KV already fixed up, already given to the sampler) and
     /// the target's next token.
-    pub(super) fn emit(&mut self, w: &Want, accepted: Vec<TokenId>, next: TokenId) {
+    pub(super) fn emit(
+        &mut self,
+        w: &Want,
+        accepted: Vec<TokenId>,
+        next: TokenId,
+        logprobs: Vec<TokenLogprob>,
+    ) {
         let id = &w.id;
         let Some(live) = self.live.get_mut(id) else {
             return;
@@ -187,6 +236,7 @@ impl Engine<'_> {
         }
         live.sampler.accept(next);
         live.first_token.get_or_insert_with(Instant::now);
+        let mut logprobs = logprobs.into_iter();
         for &token in accepted.iter().chain(std::iter::once(&next)) {
             live.completion_tokens += 1;
             let (text, stopped) = live.text.push(token);
@@ -195,6 +245,7 @@ impl Engine<'_> {
                 .send(Event::Text {
                     text,
                     token: Some(token),
+                    logprob: logprobs.next().map(Box::new),
                 })
                 .is_err();
             if stopped {

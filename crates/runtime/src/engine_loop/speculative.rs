@@ -51,7 +51,10 @@ impl Engine<'_> {
         let trees = matches!(self.kv, Kv::Llama(_)) && !constrained;
         let width = self.speculative.as_ref().map_or(1, |c| c.tree_width);
         let params = live.sampler.params();
-        let plain_greedy = params.is_greedy() && !params.has_penalties() && !constrained;
+        let plain_greedy = params.is_greedy()
+            && !params.has_penalties()
+            && !constrained
+            && live.logprobs.is_none();
         let spec = self
             .live
             .get_mut(&item.id)
@@ -272,7 +275,7 @@ impl Engine<'_> {
                 live.sampler.accept(tok);
             }
         }
-        self.emit(w, accepted, next);
+        self.emit(w, accepted, next, Vec::new());
     }
 }
 
