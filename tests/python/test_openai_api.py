@@ -155,11 +155,12 @@ def test_errors_are_the_clients_typed_exceptions(server):
             model=model_id(server), messages=[{"role": "robot", "content": "x"}]
         )
     assert e.value.body["param"] == "messages[0].role"
-    with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(
-            model=model_id(server), messages=QUESTION, logit_bias={"1": 5}
-        )
-    assert e.value.body["param"] == "logit_bias"
+    for bias in [{"one": 5}, {"1": 101}, {"99999999": 5}]:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(
+                model=model_id(server), messages=QUESTION, logit_bias=bias
+            )
+        assert e.value.body["param"] == "logit_bias", bias
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(
             model=model_id(server), messages=QUESTION, max_tokens="many"
@@ -373,3 +374,20 @@ def test_logprobs_chat_completions_and_streamed(server):
         c.chat.completions.create(model="", messages=QUESTION, max_tokens=2, logprobs=True, top_logprobs=21)
     assert e.value.body["param"] == "top_logprobs"
     server.wait_idle()
+
+
+def test_logit_bias_forces_and_bans_tokens(server, grpc_api):
+    pb, stub, meta = grpc_api
+    (yes,) = stub.Tokenize(pb.TokenizeRequest(text=" yes"), metadata=meta).ids
+    c = client(server)
+    forced = c.completions.create(
+        model="", prompt="Is the sky green? Answer:", max_tokens=3, temperature=0,
+        logit_bias={str(yes): 100},
+    )
+    assert forced.choices[0].text == " yes yes yes"
+    # The greedy first token, banned: another one comes first.
+    ask = dict(model="", prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=0)
+    first = c.completions.create(**ask).choices[0].logprobs.tokens[0]
+    (first_id,) = stub.Tokenize(pb.TokenizeRequest(text=first), metadata=meta).ids
+    banned = c.completions.create(**ask, logit_bias={str(first_id): -100})
+    assert banned.choices[0].logprobs.tokens[0] != first, first

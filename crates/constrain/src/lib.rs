@@ -98,7 +98,14 @@ pub struct Grammars {
     vocab: Mutex<Option<Vocabulary>>,
     vocab_size: usize,
     factory: OnceLock<Result<ParserFactory, String>>,
+    /// Compiled constraints, most recently used last: a request with a
+    /// constraint seen before clones its matcher (sharing its lexer's
+    /// states) instead of compiling again.
+    cache: Mutex<Vec<(Constraint, llguidance::Matcher)>>,
 }
+
+/// Compiled constraints [`Grammars`] keeps for reuse.
+pub const CACHED_GRAMMARS: usize = 64;
 
 impl fmt::Debug for Grammars {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -117,6 +124,7 @@ impl Grammars {
             vocab_size: vocab.tokens.len(),
             vocab: Mutex::new(Some(vocab)),
             factory: OnceLock::new(),
+            cache: Mutex::new(Vec::new()),
         }
     }
 
@@ -148,7 +156,31 @@ impl Grammars {
     /// Compiles `c` into a matcher positioned at the start of the output.
     /// An invalid schema, regex or grammar is [`ConstraintError::Invalid`],
     /// with the compiler's message.
+    ///
+    /// The last [`CACHED_GRAMMARS`] distinct constraints stay compiled: a
+    /// request with one of them gets a clone of its matcher, whose lexer
+    /// states (built lazily, the costly part of the first masks) are shared
+    /// with every request of that constraint.
     pub fn compile(&self, c: &Constraint) -> Result<Matcher, ConstraintError> {
+        {
+            let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(i) = cache.iter().position(|(k, _)| k == c) {
+                let entry = cache.remove(i);
+                let inner = entry.1.clone();
+                cache.push(entry);
+                return Ok(Matcher { inner, accepted: 0 });
+            }
+        }
+        let m = self.compile_new(c)?;
+        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        if cache.len() >= CACHED_GRAMMARS {
+            cache.remove(0);
+        }
+        cache.push((c.clone(), m.inner.clone()));
+        Ok(m)
+    }
+
+    fn compile_new(&self, c: &Constraint) -> Result<Matcher, ConstraintError> {
         let factory = self.factory()?;
         let grammar = match c {
             Constraint::JsonObject => json_grammar(serde_json::json!({"type": "object"}), true)?,

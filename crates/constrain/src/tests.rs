@@ -188,3 +188,20 @@ fn a_mask_sets_disallowed_logits_to_minus_infinity() {
         .collect();
     assert_eq!(finite, vec![b'a' as usize]);
 }
+
+#[test]
+fn a_cached_constraint_gives_independent_matchers() {
+    let g = grammars();
+    let c = Constraint::Regex("(ab|cd)e".into());
+    let mut first = g.compile(&c).unwrap();
+    first.accept(TokenId(b'a' as u32)).unwrap();
+    // The second comes from the cache, at the start, whatever the first did.
+    let mut second = g.compile(&c).unwrap();
+    let m = second.mask().unwrap();
+    assert!(m.allows(TokenId(b'c' as u32)) && m.allows(TokenId(b'a' as u32)));
+    assert!(!m.allows(TokenId(b'b' as u32)));
+    second.accept(TokenId(b'c' as u32)).unwrap();
+    let m = first.mask().unwrap();
+    assert!(m.allows(TokenId(b'b' as u32)) && !m.allows(TokenId(b'd' as u32)));
+    assert_eq!((first.accepted(), second.accepted()), (1, 1));
+}

@@ -4,7 +4,8 @@
 //! decoding's rejection sampling needs the very same processed distribution
 //! ([`Sampler::distribution`]) and sits below the engine in the layering.
 //!
-//! Order of operations: penalties over the last `penalty_last_n` tokens, then
+//! Order of operations: penalties over the last `penalty_last_n` tokens and
+//! the logit bias, then
 //! temperature, top-k, softmax, top-p, min-p, and a draw from what remains.
 //! Temperature is applied before the filters (as vLLM and HF do; llama.cpp's
 //! default chain applies it after), so `top_p` is a share of the distribution
@@ -126,12 +127,12 @@ impl Sampler {
     /// Picks the next token from `logits` (one row, one entry per vocabulary token).
     pub fn sample(&mut self, logits: &[f32]) -> TokenId {
         if self.params.is_greedy() {
-            return if self.params.has_penalties() {
+            return if self.params.is_plain() {
+                argmax(logits)
+            } else {
                 let mut row = logits.to_vec();
                 self.apply_penalties(&mut row);
                 argmax(&row)
-            } else {
-                argmax(logits)
             };
         }
         self.fill_distribution(logits);
@@ -169,14 +170,19 @@ impl Sampler {
         self.rng.next_f64()
     }
 
+    /// Penalties, then the logit bias.
     fn apply_penalties(&self, row: &mut [f32]) {
-        if !self.params.has_penalties() {
-            return;
-        }
         let p = &self.params;
-        for (&tok, &n) in &self.counts {
+        if p.has_penalties() {
+            for (&tok, &n) in &self.counts {
+                if let Some(l) = row.get_mut(tok.0 as usize) {
+                    *l = penalise(p, *l, n);
+                }
+            }
+        }
+        for &(tok, b) in &p.logit_bias {
             if let Some(l) = row.get_mut(tok.0 as usize) {
-                *l = penalise(p, *l, n);
+                *l += b;
             }
         }
     }
@@ -194,6 +200,11 @@ impl Sampler {
                 if let Some(c) = cands.get_mut(tok.0 as usize) {
                     c.1 = penalise(&p, c.1, n);
                 }
+            }
+        }
+        for &(tok, b) in &p.logit_bias {
+            if let Some(c) = cands.get_mut(tok.0 as usize) {
+                c.1 += b;
             }
         }
         for c in cands.iter_mut() {
@@ -299,6 +310,28 @@ mod tests {
     fn greedy_is_argmax() {
         let mut s = Sampler::new(&SamplingParams::greedy());
         assert_eq!(s.sample(&[0.1, 3.0, -1.0, 3.0]), TokenId(1));
+    }
+
+    #[test]
+    fn logit_bias_bans_and_forces_tokens() {
+        let logits = [0.1, 3.0, -1.0, 2.9];
+        let biased = |bias: Vec<(TokenId, f32)>, temperature: f32| SamplingParams {
+            temperature,
+            seed: Some(1),
+            logit_bias: bias,
+            ..SamplingParams::greedy()
+        };
+        // −100 on the argmax: the runner-up wins.
+        let mut s = Sampler::new(&biased(vec![(TokenId(1), -100.0)], 0.0));
+        assert_eq!(s.sample(&logits), TokenId(3));
+        assert_eq!(s.distribution(&logits), vec![(TokenId(3), 1.0)]);
+        // +100 on a poor token: sampled every time.
+        let mut s = Sampler::new(&biased(vec![(TokenId(2), 100.0)], 1.0));
+        assert!((0..50).all(|_| s.sample(&logits) == TokenId(2)));
+        // A banned token is never drawn.
+        let mut s = Sampler::new(&biased(vec![(TokenId(1), -100.0), (TokenId(3), -100.0)], 1.0));
+        assert!((0..200).all(|_| ![TokenId(1), TokenId(3)].contains(&s.sample(&logits))));
+        assert!(biased(vec![(TokenId(0), 101.0)], 1.0).validate().is_err());
     }
 
     #[test]

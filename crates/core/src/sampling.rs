@@ -44,7 +44,13 @@ pub struct SamplingParams {
     pub stop_token_ids: Vec<TokenId>,
     /// Keep going past end-of-generation tokens (benchmarks only).
     pub ignore_eos: bool,
+    /// Added to these tokens' logits before anything else (OpenAI's
+    /// `logit_bias`: −100 bans a token, +100 all but forces it).
+    pub logit_bias: Vec<(TokenId, f32)>,
 }
+
+/// Most tokens a request may bias (OpenAI's limit).
+pub const MAX_LOGIT_BIAS: usize = 300;
 
 impl Default for SamplingParams {
     fn default() -> Self {
@@ -69,6 +75,7 @@ impl SamplingParams {
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            logit_bias: Vec::new(),
         }
     }
 
@@ -83,6 +90,12 @@ impl SamplingParams {
             && (self.repetition_penalty != 1.0
                 || self.presence_penalty != 0.0
                 || self.frequency_penalty != 0.0)
+    }
+
+    /// Whether the logits are used as the model gave them (no penalties, no
+    /// bias): greedy decoding is then a plain argmax.
+    pub fn is_plain(&self) -> bool {
+        !self.has_penalties() && self.logit_bias.is_empty()
     }
 
     /// Checks every field's range; the error names the offending field.
@@ -141,6 +154,22 @@ impl SamplingParams {
         }
         if self.max_tokens == 0 {
             return Err(Error::invalid("max_tokens", "must be at least 1"));
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS {
+            return Err(Error::invalid(
+                "logit_bias",
+                format!("at most {MAX_LOGIT_BIAS} tokens, got {}", self.logit_bias.len()),
+            ));
+        }
+        if let Some((t, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-100.0..=100.0).contains(b))
+        {
+            return Err(Error::invalid(
+                "logit_bias",
+                format!("the bias of token {} must be in [-100, 100], got {b}", t.0),
+            ));
         }
         if self.stop.len() > MAX_STOP_STRINGS {
             return Err(Error::invalid(

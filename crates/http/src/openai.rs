@@ -102,7 +102,7 @@ pub struct Common {
     pub presence_penalty: Option<f32>,
     /// OpenAI's frequency penalty.
     pub frequency_penalty: Option<f32>,
-    /// Token id → bias (not implemented: refused when non-empty).
+    /// Token id → bias in [−100, 100], added to its logit.
     pub logit_bias: Option<HashMap<String, f32>>,
     /// Extension: top-k.
     pub top_k: Option<i64>,
@@ -271,9 +271,14 @@ pub fn check_model(asked: Option<&str>, served: &[String]) -> Result<(), ApiErro
 }
 
 fn plan(common: Common, input: Input) -> Result<Plan, ApiError> {
-    if common.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
-        return Err(ApiError::unsupported("logit_bias", "logit_bias"));
+    let mut logit_bias = Vec::new();
+    for (k, &b) in common.logit_bias.iter().flatten() {
+        let id: u32 = k.parse().map_err(|_| {
+            ApiError::invalid("logit_bias", format!("`{k}` is not a token id"))
+        })?;
+        logit_bias.push((TokenId(id), b));
     }
+    logit_bias.sort_by_key(|(t, _)| t.0);
     let n = common.n.unwrap_or(1);
     if n == 0 || n > MAX_N {
         return Err(ApiError::invalid("n", format!("must be in 1..={MAX_N}")));
@@ -335,6 +340,7 @@ fn plan(common: Common, input: Input) -> Result<Plan, ApiError> {
         stop: common.stop.map(OneOrMany::into_vec).unwrap_or_default(),
         stop_token_ids: Vec::new(),
         ignore_eos: common.ignore_eos,
+        logit_bias,
     };
     let mut request = GenerateRequest::new(input);
     if let Some((field, c)) = constraint {

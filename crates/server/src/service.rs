@@ -133,6 +133,7 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
         stop: r.stop,
         stop_token_ids: Vec::new(),
         ignore_eos: r.ignore_eos,
+        logit_bias: Vec::new(),
     };
     let priority = match pb::Priority::try_from(r.priority) {
         Ok(pb::Priority::Interactive) => Priority::Interactive,

@@ -125,6 +125,14 @@ impl Engine<'_> {
             });
             return None;
         }
+        let n_vocab = self.model.geometry().n_vocab;
+        if let Some((t, _)) = req.sampling.logit_bias.iter().find(|(t, _)| t.0 >= n_vocab) {
+            fail(RuntimeError::InvalidRequest {
+                field: "logit_bias",
+                reason: format!("token id {} is outside the vocabulary of {n_vocab}", t.0),
+            });
+            return None;
+        }
         if self.live.contains_key(&id) {
             fail(RuntimeError::Rejected {
                 kind: "duplicate_id",

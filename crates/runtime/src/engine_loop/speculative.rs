@@ -52,7 +52,7 @@ impl Engine<'_> {
         let width = self.speculative.as_ref().map_or(1, |c| c.tree_width);
         let params = live.sampler.params();
         let plain_greedy = params.is_greedy()
-            && !params.has_penalties()
+            && params.is_plain()
             && !constrained
             && live.logprobs.is_none();
         let spec = self
