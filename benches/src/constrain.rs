@@ -128,10 +128,15 @@ pub(crate) fn constrain(b: &ConstrainBench) -> Result<()> {
             Ok((s.constraint_mask_us, s.constraint_masks))
         };
         let (o0, a0) = (mask_us(&overlap)?, mask_us(&after)?);
-        for _ in 0..b.reps {
-            free.push(run(&overlap, streams, false)?);
-            beside.push(run(&overlap, streams, true)?);
-            later.push(run(&after, streams, true)?);
+        for rep in 0..b.reps {
+            // A different order each rep: no mode always runs first.
+            for k in 0..3 {
+                match (rep + k) % 3 {
+                    0 => free.push(run(&overlap, streams, false)?),
+                    1 => beside.push(run(&overlap, streams, true)?),
+                    _ => later.push(run(&after, streams, true)?),
+                }
+            }
         }
         let (o1, a1) = (mask_us(&overlap)?, mask_us(&after)?);
         let per = |a: (u64, u64), b: (u64, u64)| (b.0 - a.0) as f64 / (b.1 - a.1).max(1) as f64;
