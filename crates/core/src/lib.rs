@@ -45,7 +45,6 @@ pub use ids::{RequestId, SeqId, TokenId};
 pub use kv_type::KvType;
 pub use sampler::Sampler;
 pub use sampling::{
-    FinishReason, MAX_LOGIT_BIAS, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS, Priority,
-    SamplingParams,
+    FinishReason, MAX_LOGIT_BIAS, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS, Priority, SamplingParams,
 };
 pub use stop::{StopMatcher, StopOutcome};

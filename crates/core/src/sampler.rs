@@ -329,7 +329,10 @@ mod tests {
         let mut s = Sampler::new(&biased(vec![(TokenId(2), 100.0)], 1.0));
         assert!((0..50).all(|_| s.sample(&logits) == TokenId(2)));
         // A banned token is never drawn.
-        let mut s = Sampler::new(&biased(vec![(TokenId(1), -100.0), (TokenId(3), -100.0)], 1.0));
+        let mut s = Sampler::new(&biased(
+            vec![(TokenId(1), -100.0), (TokenId(3), -100.0)],
+            1.0,
+        ));
         assert!((0..200).all(|_| ![TokenId(1), TokenId(3)].contains(&s.sample(&logits))));
         assert!(biased(vec![(TokenId(0), 101.0)], 1.0).validate().is_err());
     }

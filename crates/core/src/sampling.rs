@@ -158,7 +158,10 @@ impl SamplingParams {
         if self.logit_bias.len() > MAX_LOGIT_BIAS {
             return Err(Error::invalid(
                 "logit_bias",
-                format!("at most {MAX_LOGIT_BIAS} tokens, got {}", self.logit_bias.len()),
+                format!(
+                    "at most {MAX_LOGIT_BIAS} tokens, got {}",
+                    self.logit_bias.len()
+                ),
             ));
         }
         if let Some((t, b)) = self

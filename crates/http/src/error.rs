@@ -107,6 +107,11 @@ impl ApiError {
     /// engine failures.
     pub fn from_runtime(e: &RuntimeError) -> Self {
         match e {
+            // The runtime's chat input is OpenAI's `messages`.
+            RuntimeError::InvalidRequest {
+                field: "chat",
+                reason,
+            } => Self::invalid("messages", reason),
             RuntimeError::InvalidRequest { field, reason } => Self::invalid(*field, reason),
             RuntimeError::Rejected { kind, reason } => match *kind {
                 "prompt_too_long" => Self::invalid("prompt", reason),
@@ -192,6 +197,12 @@ mod tests {
         });
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
         assert_eq!(e.param.as_deref(), Some("temperature"));
+        // A chat the template refuses names OpenAI's field.
+        let e = ApiError::from_runtime(&RuntimeError::InvalidRequest {
+            field: "chat",
+            reason: "roles must alternate".into(),
+        });
+        assert_eq!(e.param.as_deref(), Some("messages"));
         let e = ApiError::from_runtime(&RuntimeError::Rejected {
             kind: "queue_full",
             reason: "1024 waiting".into(),

@@ -273,9 +273,9 @@ pub fn check_model(asked: Option<&str>, served: &[String]) -> Result<(), ApiErro
 fn plan(common: Common, input: Input) -> Result<Plan, ApiError> {
     let mut logit_bias = Vec::new();
     for (k, &b) in common.logit_bias.iter().flatten() {
-        let id: u32 = k.parse().map_err(|_| {
-            ApiError::invalid("logit_bias", format!("`{k}` is not a token id"))
-        })?;
+        let id: u32 = k
+            .parse()
+            .map_err(|_| ApiError::invalid("logit_bias", format!("`{k}` is not a token id")))?;
         logit_bias.push((TokenId(id), b));
     }
     logit_bias.sort_by_key(|(t, _)| t.0);

@@ -51,10 +51,8 @@ impl Engine<'_> {
         let trees = matches!(self.kv, Kv::Llama(_)) && !constrained;
         let width = self.speculative.as_ref().map_or(1, |c| c.tree_width);
         let params = live.sampler.params();
-        let plain_greedy = params.is_greedy()
-            && params.is_plain()
-            && !constrained
-            && live.logprobs.is_none();
+        let plain_greedy =
+            params.is_greedy() && params.is_plain() && !constrained && live.logprobs.is_none();
         let spec = self
             .live
             .get_mut(&item.id)
