@@ -5,6 +5,7 @@ import math
 import subprocess
 import urllib.request
 
+import grpc
 import openai
 import pytest
 
@@ -391,3 +392,29 @@ def test_logit_bias_forces_and_bans_tokens(server, grpc_api):
     (first_id,) = stub.Tokenize(pb.TokenizeRequest(text=first), metadata=meta).ids
     banned = c.completions.create(**ask, logit_bias={str(first_id): -100})
     assert banned.choices[0].logprobs.tokens[0] != first, first
+
+
+def test_grpc_logprobs_and_logit_bias_match_http(server, grpc_api):
+    """The same greedy request reports the same log-probabilities on both
+    protocols, and a logit bias acts the same."""
+    pb, stub, meta = grpc_api
+    prompt = "The capital of France is"
+    req = pb.GenerateRequest(prompt=prompt, max_tokens=6, logprobs=True, top_logprobs=2)
+    grpc_lps = [lp for r in stub.Generate(req, metadata=meta) for lp in r.logprobs]
+    http = client(server).completions.create(
+        model="", prompt=prompt, max_tokens=6, temperature=0, logprobs=2
+    ).choices[0].logprobs
+    assert [lp.bytes.decode() for lp in grpc_lps] == http.tokens
+    assert [lp.logprob for lp in grpc_lps] == pytest.approx(http.token_logprobs, abs=1e-6)
+    assert all(len(lp.top) == 2 and lp.top[0].token_id == lp.token_id for lp in grpc_lps)
+
+    (yes,) = stub.Tokenize(pb.TokenizeRequest(text=" yes"), metadata=meta).ids
+    forced = pb.GenerateRequest(
+        prompt="Is the sky green? Answer:", max_tokens=3,
+        sampling=pb.SamplingParams(logit_bias={yes: 100.0}),
+    )
+    assert "".join(r.text for r in stub.Generate(forced, metadata=meta)) == " yes yes yes"
+    bad = pb.GenerateRequest(prompt="x", max_tokens=2, sampling=pb.SamplingParams(logit_bias={yes: 500.0}))
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(bad, metadata=meta))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias" in e.value.details()

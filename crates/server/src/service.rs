@@ -133,7 +133,15 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
         stop: r.stop,
         stop_token_ids: Vec::new(),
         ignore_eos: r.ignore_eos,
-        logit_bias: Vec::new(),
+        logit_bias: {
+            let mut b: Vec<(TokenId, f32)> = s
+                .logit_bias
+                .into_iter()
+                .map(|(t, v)| (TokenId(t), v))
+                .collect();
+            b.sort_by_key(|(t, _)| t.0);
+            b
+        },
     };
     let priority = match pb::Priority::try_from(r.priority) {
         Ok(pb::Priority::Interactive) => Priority::Interactive,
@@ -152,7 +160,11 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
         constraint_field: constraint_field(r.constraint.as_ref()),
         constraint: constraint_of(r.constraint)?,
         tools: Vec::new(),
-        logprobs: None,
+        logprobs: match (r.logprobs, r.top_logprobs) {
+            (true, k) => Some(k),
+            (false, 0) => None,
+            (false, _) => return Err(invalid("top_logprobs", "needs `logprobs: true`")),
+        },
     })
 }
 
@@ -259,7 +271,11 @@ impl Stream for GenerateStream {
             }
         };
         match event {
-            Some(Event::Text { text, token, .. }) => {
+            Some(Event::Text {
+                text,
+                token,
+                logprob,
+            }) => {
                 let now = Instant::now();
                 if token.is_some() {
                     this.metrics
@@ -275,12 +291,30 @@ impl Stream for GenerateStream {
                     this.last_token = Some(now);
                 }
                 let id = request_id(&mut this.sent_id, this.inner.id());
+                let logprobs = logprob
+                    .map(|l| pb::TokenLogprob {
+                        token_id: l.token.0,
+                        bytes: l.bytes,
+                        logprob: l.logprob,
+                        top: l
+                            .top
+                            .into_iter()
+                            .map(|(t, bytes, logprob)| pb::TopLogprob {
+                                token_id: t.0,
+                                bytes,
+                                logprob,
+                            })
+                            .collect(),
+                    })
+                    .into_iter()
+                    .collect();
                 Poll::Ready(Some(Ok(pb::GenerateResponse {
                     text,
                     token_ids: token.map(|t| t.0).into_iter().collect(),
                     finish_reason: pb::FinishReason::Unspecified as i32,
                     usage: None,
                     request_id: id,
+                    logprobs,
                 })))
             }
             Some(Event::Done {
@@ -324,6 +358,7 @@ impl Stream for GenerateStream {
                     finish_reason: finish_pb(finish_reason) as i32,
                     usage: Some(usage_pb(&usage)),
                     request_id: this.inner.id().0.clone(),
+                    logprobs: Vec::new(),
                 })))
             }
             None => {
