@@ -226,9 +226,12 @@ impl Runtime {
         })
     }
 
-    /// Queues a request. Validation errors (empty prompt, too long, bad
-    /// sampling values, unknown tokens, full queue) arrive as the stream's
-    /// `Done` event with an error, never as a panic.
+    /// Queues a request. Its chat is rendered and its constraint compiled
+    /// here, on the caller's thread: a chat the template refuses or an
+    /// invalid constraint is an `InvalidRequest` error at once. The engine
+    /// thread's validation errors (empty prompt, too long, bad sampling
+    /// values, unknown tokens, full queue) arrive as the stream's `Done`
+    /// event with an error, never as a panic.
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, RuntimeError> {
         let id = self.id_of(&req);
         let req = self.render(req)?;
