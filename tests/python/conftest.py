@@ -119,12 +119,18 @@ def server():
     s.stop()
 
 
+def model_file(name: str, fetch_flag: str) -> str:
+    """A model under `models/`; fails the run, saying how to fetch it, when
+    it is missing."""
+    model = ROOT / "models" / name
+    if not model.is_file():
+        pytest.fail(f"{model} is missing: run `cargo xtask fetch-model {fetch_flag}`")
+    return str(model)
+
+
 @pytest.fixture(scope="session")
 def embed_server():
-    model = ROOT / "models" / "all-MiniLM-L6-v2.f16.gguf"
-    if not model.is_file():
-        sys.exit(f"{model} is missing: run `cargo xtask fetch-model --embed`")
-    s = Server("--embedding-model", str(model))
+    s = Server("--embedding-model", model_file("all-MiniLM-L6-v2.f16.gguf", "--embed"))
     yield s
     s.stop()
 

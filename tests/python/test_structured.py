@@ -23,7 +23,7 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import ROOT, Server, client
+from conftest import Server, client, model_file
 
 SCHEMAS = {
     "person": {
@@ -110,6 +110,16 @@ def validate(text: str, schema: dict):
     jsonschema.validate(json.loads(text, parse_float=Decimal), exact)
 
 
+def read_stream(chunks, part) -> tuple[list, str | None]:
+    """`part(delta)` of every streamed choice delta, and the finish reason."""
+    parts, finish = [], None
+    for ch in chunks:
+        for cc in ch.choices:
+            parts.extend(part(cc.delta))
+            finish = cc.finish_reason or finish
+    return parts, finish
+
+
 def response_format(name: str) -> dict:
     return {
         "type": "json_schema",
@@ -158,10 +168,7 @@ def test_sampled_outputs_validate_on_smollm2(server):
 
 @pytest.fixture(scope="module")
 def qwen_server():
-    model = ROOT / "models" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-    if not model.is_file():
-        pytest.fail(f"{model} is missing: run `cargo xtask fetch-model --spec`")
-    s = Server("--model", str(model))
+    s = Server("--model", model_file("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "--spec"))
     yield s
     s.stop()
 
@@ -188,11 +195,7 @@ def test_json_object_streamed_regex_and_grammar(server):
         max_tokens=300,
         temperature=0,
     )
-    parts, finish = [], None
-    for ch in chunks:
-        for cc in ch.choices:
-            parts.append(cc.delta.content or "")
-            finish = cc.finish_reason or finish
+    parts, finish = read_stream(chunks, lambda d: [d.content or ""])
     text = "".join(parts)
     assert finish == "stop", text
     assert isinstance(json.loads(text), dict), text
@@ -357,11 +360,7 @@ def test_tool_calls_on_qwen(qwen_server):
         temperature=0,
         max_tokens=80,
     )
-    deltas, finish = [], None
-    for ch in chunks:
-        for cc in ch.choices:
-            deltas.extend(cc.delta.tool_calls or [])
-            finish = cc.finish_reason or finish
+    deltas, finish = read_stream(chunks, lambda d: d.tool_calls or [])
     assert finish == "tool_calls" and len(deltas) == 1, deltas
     assert deltas[0].function.name == "convert_currency"
     validate(deltas[0].function.arguments, schema_of("convert_currency"))

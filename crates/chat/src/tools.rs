@@ -134,37 +134,41 @@ impl ToolSyntax {
         if chosen.is_empty() {
             return None;
         }
-        let call = |t: &Tool| {
-            serde_json::json!({
-                "type": "object",
-                "properties": {
-                    "name": {"const": t.name},
-                    "arguments": t.parameters_value(),
-                },
-                "required": ["name", "arguments"],
-                "additionalProperties": false,
-            })
-        };
+        // One call: `{"name": <the tool>, "arguments": <its schema>}`, for
+        // any of the chosen tools, laid out as the JSON constraints are
+        // (siliceo-constrain): `", "`, `": "`, no free whitespace.
+        let one_call = serde_json::json!({
+            "anyOf": chosen
+                .iter()
+                .map(|t| serde_json::json!({
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": t.name},
+                        "arguments": t.parameters_value(),
+                    },
+                    "required": ["name", "arguments"],
+                    "additionalProperties": false,
+                }))
+                .collect::<Vec<_>>(),
+        });
         let layout = serde_json::json!({
             "item_separator": ", ",
             "key_separator": ": ",
             "whitespace_flexible": false,
         });
-        let one_call = serde_json::json!({
-            "anyOf": chosen.iter().map(|t| call(t)).collect::<Vec<_>>(),
-            "x-guidance": layout,
-        });
         let grammar = match self {
             ToolSyntax::Hermes => {
+                let mut body = one_call;
+                body["x-guidance"] = layout;
                 let repeat = if parallel { " (\"\\n\" call)*" } else { "" };
                 format!(
-                    "start: call{repeat}\ncall: \"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: %json {one_call}\n"
+                    "start: call{repeat}\ncall: \"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: %json {body}\n"
                 )
             }
             ToolSyntax::Mistral => {
                 let mut list = serde_json::json!({
                     "type": "array",
-                    "items": {"anyOf": chosen.iter().map(|t| call(t)).collect::<Vec<_>>()},
+                    "items": one_call,
                     "minItems": 1,
                     "x-guidance": layout,
                 });

@@ -12,15 +12,26 @@
 //! ([`Grammars::new`], lazily on the first constrained request); each request
 //! compiles its own constraint ([`Grammars::compile`]), off the engine thread.
 //!
-//! ```no_run
+//! ```
 //! use siliceo_constrain::{Grammars, Vocabulary};
 //! use siliceo_core::{Constraint, TokenId};
 //!
-//! # fn vocab() -> Vocabulary { unimplemented!() }
-//! let grammars = Grammars::new(vocab());
-//! let mut m = grammars.compile(&Constraint::Regex(r"\d{4}-\d{2}-\d{2}".into()))?;
+//! // A toy vocabulary: every byte, then an end-of-generation token.
+//! let mut tokens: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+//! tokens.push(b"</s>".to_vec());
+//! let mut special = vec![false; 256];
+//! special.push(true);
+//! let grammars = Grammars::new(Vocabulary {
+//!     tokens,
+//!     special,
+//!     end_of_generation: vec![TokenId(256)],
+//! });
+//! let mut m = grammars.compile(&Constraint::Regex("[0-9]{4}-[0-9]{2}".into()))?;
 //! let mut logits = vec![0.0f32; grammars.vocab_size()];
 //! m.mask()?.apply(&mut logits);
+//! assert!(logits[b'7' as usize].is_finite());
+//! assert_eq!(logits[b'x' as usize], f32::NEG_INFINITY);
+//! assert_eq!(logits[256], f32::NEG_INFINITY, "the end waits for a complete match");
 //! # Ok::<(), siliceo_constrain::ConstraintError>(())
 //! ```
 //!
@@ -37,15 +48,6 @@ use llguidance::ParserFactory;
 use llguidance::api::{StopReason, TopLevelGrammar};
 use llguidance::toktrie::{self, SimpleVob, TokEnv, TokRxInfo, TokTrie};
 use siliceo_core::{Constraint, TokenId};
-
-/// JSON-schema features llguidance enforces, as the docs and error messages
-/// state them.
-pub const JSON_SCHEMA_SUPPORT: &str = "type, properties, required, additionalProperties, \
-enum, const, items, prefixItems, minItems, maxItems, minLength, maxLength, pattern, format \
-(date-time, date, time, email, uuid, …), minimum, maximum, exclusiveMinimum, \
-exclusiveMaximum, anyOf, oneOf (as anyOf), allOf, $ref/$defs/definitions; not: \
-uniqueItems, contains, if/then/else, dependentSchemas, patternProperties with \
-overlapping patterns";
 
 /// Why a constraint could not be compiled or followed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -148,11 +150,6 @@ impl Grammars {
             .map_err(|e| ConstraintError::Failed(e.clone()))
     }
 
-    /// Builds the token trie now rather than on the first request.
-    pub fn warm_up(&self) -> Result<(), ConstraintError> {
-        self.factory().map(|_| ())
-    }
-
     /// Compiles `c` into a matcher positioned at the start of the output.
     /// An invalid schema, regex or grammar is [`ConstraintError::Invalid`],
     /// with the compiler's message.
@@ -205,17 +202,18 @@ impl Grammars {
         };
         let parser = factory
             .create_parser(grammar)
-            .map_err(|e| ConstraintError::Invalid(first_line(&e.to_string())))?;
+            .map_err(|e| ConstraintError::Invalid(shorten(&e.to_string())))?;
         let inner = llguidance::Matcher::new(Ok(parser));
         if let Some(e) = inner.get_error() {
-            return Err(ConstraintError::Invalid(first_line(&e)));
+            return Err(ConstraintError::Invalid(shorten(&e)));
         }
         Ok(Matcher { inner, accepted: 0 })
     }
 }
 
-fn first_line(s: &str) -> String {
-    // llguidance's messages can carry a long grammar dump after the cause.
+/// At most 600 characters of an llguidance message (they can carry a long
+/// grammar dump after the cause).
+fn shorten(s: &str) -> String {
     let s = s.trim();
     let cut = s.char_indices().nth(600).map_or(s.len(), |(i, _)| i);
     s[..cut].to_string()
@@ -352,7 +350,7 @@ impl Matcher {
         let m = self
             .inner
             .compute_mask_or_eos()
-            .map_err(|e| ConstraintError::Failed(first_line(&e.to_string())))?;
+            .map_err(|e| ConstraintError::Failed(shorten(&e.to_string())))?;
         if m.is_zero() {
             return Err(ConstraintError::Failed(
                 "no token can continue the output (the vocabulary cannot spell what the \
@@ -374,7 +372,7 @@ impl Matcher {
             .consume_token(token.0)
             .map_err(|e| ConstraintError::Rejected {
                 token: token.0,
-                reason: first_line(&e.to_string()),
+                reason: shorten(&e.to_string()),
             })?;
         self.accepted += 1;
         Ok(())

@@ -1,7 +1,5 @@
 //! What a constrained request's output must match.
 
-use std::fmt;
-
 use serde::{Deserialize, Serialize};
 
 use crate::Error;
@@ -66,12 +64,6 @@ impl Constraint {
             return Err(Error::invalid(field, "is empty"));
         }
         Ok(())
-    }
-}
-
-impl fmt::Display for Constraint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.kind())
     }
 }
 

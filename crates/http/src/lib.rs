@@ -354,7 +354,6 @@ async fn generate(
             model,
             include_usage: plan.include_usage,
             tools,
-            logprobs: plan.request.logprobs.is_some(),
         };
         let events = ChoiceStream::new(head, started);
         return Ok(Sse::new(events)

@@ -278,7 +278,6 @@ fn plan(common: Common, input: Input) -> Result<Plan, ApiError> {
             .map_err(|_| ApiError::invalid("logit_bias", format!("`{k}` is not a token id")))?;
         logit_bias.push((TokenId(id), b));
     }
-    logit_bias.sort_by_key(|(t, _)| t.0);
     let n = common.n.unwrap_or(1);
     if n == 0 || n > MAX_N {
         return Err(ApiError::invalid("n", format!("must be in 1..={MAX_N}")));

@@ -221,8 +221,6 @@ pub(crate) struct ChoiceStream {
     next: usize,
     /// The model's tool syntax when the request offers tools.
     tools: Option<ToolSyntax>,
-    /// The request asked for log-probabilities.
-    logprobs: bool,
 }
 
 /// What every chunk of a streamed response repeats, and what it reports.
@@ -233,7 +231,6 @@ pub(crate) struct StreamHead {
     pub(crate) model: String,
     pub(crate) include_usage: bool,
     pub(crate) tools: Option<ToolSyntax>,
-    pub(crate) logprobs: bool,
 }
 
 impl ChoiceStream {
@@ -245,7 +242,6 @@ impl ChoiceStream {
             model,
             include_usage,
             tools,
-            logprobs,
         } = head;
         ChoiceStream {
             kind,
@@ -271,7 +267,6 @@ impl ChoiceStream {
             finished: false,
             next: 0,
             tools,
-            logprobs,
         }
     }
 
@@ -331,10 +326,14 @@ impl ChoiceStream {
                 let mut finish = finish_name(finish_reason);
                 if let Some(syntax) = self.tools.filter(|_| chat) {
                     let held = std::mem::take(&mut self.choices[i].held);
-                    let parsed = syntax.parse(&held);
-                    if self.choices[i].in_call && !parsed.calls.is_empty() {
+                    let calls = if self.choices[i].in_call {
+                        syntax.parse(&held).calls
+                    } else {
+                        Vec::new()
+                    };
+                    if !calls.is_empty() {
                         // The calls, one chunk each, as OpenAI streams them.
-                        for (k, (name, args)) in parsed.calls.iter().enumerate() {
+                        for (k, (name, args)) in calls.iter().enumerate() {
                             let mut c =
                                 self.kind
                                     .delta(i, None, announce && k == 0, None, Value::Null);
@@ -363,10 +362,11 @@ impl ChoiceStream {
     }
 
     /// The pending log-probabilities of choice `i` as the next chunk's
-    /// `logprobs` (`null` when the request did not ask or none are pending).
+    /// `logprobs` (`null` when none are pending: events only carry them when
+    /// the request asked).
     fn take_logprobs(&mut self, i: usize) -> Value {
         let c = &mut self.choices[i];
-        if !self.logprobs || c.pending_lp.is_empty() {
+        if c.pending_lp.is_empty() {
             return Value::Null;
         }
         let lps = std::mem::take(&mut c.pending_lp);

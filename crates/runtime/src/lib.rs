@@ -233,20 +233,7 @@ impl Runtime {
     /// values, unknown tokens, full queue) arrive as the stream's `Done`
     /// event with an error, never as a panic.
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, RuntimeError> {
-        let id = self.id_of(&req);
-        let req = self.render(req)?;
-        let matcher = self.compile(&req)?;
-        let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
-        self.tx
-            .send(Command::Submit(Box::new(Submission {
-                req,
-                id: id.clone(),
-                tx: etx,
-                accepted: None,
-                matcher,
-            })))
-            .map_err(|_| RuntimeError::Stopped)?;
-        Ok(RequestStream::new(id, erx, self.tx.clone()))
+        self.send(req, None)
     }
 
     /// Queues a request and waits until the engine has validated, tokenized
@@ -257,22 +244,9 @@ impl Runtime {
         &self,
         req: GenerateRequest,
     ) -> Result<(RequestStream, u32), RuntimeError> {
-        let id = self.id_of(&req);
-        let req = self.render(req)?;
-        let matcher = self.compile(&req)?;
-        let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
         let (atx, arx) = tokio::sync::oneshot::channel();
-        self.tx
-            .send(Command::Submit(Box::new(Submission {
-                req,
-                id: id.clone(),
-                tx: etx,
-                accepted: Some(atx),
-                matcher,
-            })))
-            .map_err(|_| RuntimeError::Stopped)?;
         // Made now, so a caller dropped while waiting cancels the request.
-        let stream = RequestStream::new(id, erx, self.tx.clone());
+        let stream = self.send(req, Some(atx))?;
         match arx.await {
             Ok(Ok(prompt_tokens)) => Ok((stream, prompt_tokens)),
             Ok(Err(e)) => Err(e),
@@ -281,6 +255,29 @@ impl Runtime {
                 "internal error while admitting the request".into(),
             )),
         }
+    }
+
+    /// Both submits: renders the chat and compiles the constraint here, then
+    /// hands the request to the engine thread.
+    fn send(
+        &self,
+        req: GenerateRequest,
+        accepted: Option<Accepted>,
+    ) -> Result<RequestStream, RuntimeError> {
+        let id = self.id_of(&req);
+        let req = self.render(req)?;
+        let matcher = self.compile(&req)?;
+        let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
+        self.tx
+            .send(Command::Submit(Box::new(Submission {
+                req,
+                id: id.clone(),
+                tx: etx,
+                accepted,
+                matcher,
+            })))
+            .map_err(|_| RuntimeError::Stopped)?;
+        Ok(RequestStream::new(id, erx, self.tx.clone()))
     }
 
     /// The model's chat template (`None` when it has none minijinja can

@@ -133,15 +133,12 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
         stop: r.stop,
         stop_token_ids: Vec::new(),
         ignore_eos: r.ignore_eos,
-        logit_bias: {
-            let mut b: Vec<(TokenId, f32)> = s
-                .logit_bias
-                .into_iter()
-                .map(|(t, v)| (TokenId(t), v))
-                .collect();
-            b.sort_by_key(|(t, _)| t.0);
-            b
-        },
+        // A map: each token once, so the order of the sums does not matter.
+        logit_bias: s
+            .logit_bias
+            .into_iter()
+            .map(|(t, v)| (TokenId(t), v))
+            .collect(),
     };
     let priority = match pb::Priority::try_from(r.priority) {
         Ok(pb::Priority::Interactive) => Priority::Interactive,

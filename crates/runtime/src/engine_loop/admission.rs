@@ -26,9 +26,6 @@ impl Engine<'_> {
                     .map_err(|e| invalid("prompt", e.to_string()))?
             }
             Input::Chat(msgs) => {
-                if msgs.is_empty() {
-                    return Err(invalid("chat", "no messages".into()));
-                }
                 // Only without a usable Jinja template (the runtime renders
                 // chats before they get here): llama.cpp's built-in guess.
                 let msgs: Vec<siliceo_engine::ChatMessage> = msgs

@@ -91,18 +91,11 @@ fn compute_all(pending: &mut [(RequestId, Constrained)], threads: usize) -> u64 
 }
 
 impl Engine<'_> {
-    /// Takes out the matchers of the step's constrained requests whose next
-    /// mask is not computed yet.
+    /// Takes out the matchers of the step's constrained requests (their
+    /// masks computed ahead are consumed by the last step's sampling).
     pub(super) fn take_matchers(&mut self, want: &[Want]) -> Vec<(RequestId, Constrained)> {
         want.iter()
-            .filter(|w| w.tree.is_none())
-            .filter_map(|w| {
-                let live = self.live.get_mut(&w.id)?;
-                if live.constraint.as_ref()?.ahead.is_some() {
-                    return None;
-                }
-                Some((w.id.clone(), live.constraint.take()?))
-            })
+            .filter_map(|w| Some((w.id.clone(), self.live.get_mut(&w.id)?.constraint.take()?)))
             .collect()
     }
 

@@ -39,6 +39,11 @@ fn logprob_of(model: &siliceo_engine::Model, row: &[f32], token: TokenId, k: u32
     }
 }
 
+/// A constrained request's matcher failed mid-generation.
+fn constraint_failed(e: siliceo_constrain::ConstraintError) -> RuntimeError {
+    RuntimeError::Engine(format!("constraint: {e}"))
+}
+
 pub(super) fn done(
     tx: &UnboundedSender<Event>,
     finish_reason: FinishReason,
@@ -137,10 +142,7 @@ impl Engine<'_> {
             if let Some(c) = live.constraint.as_mut() {
                 match c.next_mask(&mut self.mask_stats) {
                     Ok(mask) => logits = c.masked(logits, &mask),
-                    Err(e) => {
-                        let err = RuntimeError::Engine(format!("constraint: {e}"));
-                        return self.end(id, FinishReason::Error, Some(err));
-                    }
+                    Err(e) => return self.end(id, FinishReason::Error, Some(constraint_failed(e))),
                 }
             }
             let Some(&d) = w.drafts.get(i) else {
@@ -164,8 +166,7 @@ impl Engine<'_> {
                 if let Some(c) = live.constraint.as_mut()
                     && let Err(e) = c.accept(d)
                 {
-                    let err = RuntimeError::Engine(format!("constraint: {e}"));
-                    return self.end(id, FinishReason::Error, Some(err));
+                    return self.end(id, FinishReason::Error, Some(constraint_failed(e)));
                 }
                 live.sampler.accept(d);
                 accepted.push(d);
@@ -186,8 +187,7 @@ impl Engine<'_> {
         if let Some(c) = live.constraint.as_mut()
             && let Err(e) = c.accept(next)
         {
-            let err = RuntimeError::Engine(format!("constraint: {e}"));
-            return self.end(id, FinishReason::Error, Some(err));
+            return self.end(id, FinishReason::Error, Some(constraint_failed(e)));
         }
         // Rejected drafts' cells go at once.
         if accepted.len() < w.drafts.len()

@@ -45,10 +45,10 @@ impl Engine<'_> {
         }
         // A token tree of branches, for greedy requests without penalties,
         // when sequence ids are free for branches (llama.cpp's cells only).
-        // Constrained requests draft chains only, cut where the constraint
-        // would refuse them.
+        // Constrained requests draft chains only (not plain greedy), cut
+        // where the constraint would refuse them.
         let constrained = live.constraint.is_some();
-        let trees = matches!(self.kv, Kv::Llama(_)) && !constrained;
+        let trees = matches!(self.kv, Kv::Llama(_));
         let width = self.speculative.as_ref().map_or(1, |c| c.tree_width);
         let params = live.sampler.params();
         let plain_greedy =
