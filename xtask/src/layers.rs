@@ -128,10 +128,12 @@ pub fn violations(meta: &Value) -> Vec<String> {
     problems
 }
 
-/// `cargo xtask check-layers`: the rules above, then `cargo build -p` of each
+/// `cargo xtask check-layers`: the rules above, then `cargo check -p` of each
 /// crate on its own (so no crate builds only thanks to features another crate
-/// turned on). `build` rather than `check`: it reuses the test build of
-/// llama.cpp, where `check` would compile llama.cpp a second time.
+/// turned on). `check` rather than `build`: each crate alone unifies its
+/// dependencies' features differently from the test build, so dependencies are
+/// compiled again per crate, and `check` skips their code generation. Build
+/// scripts (llama.cpp's CMake build among them) run as in a build.
 pub fn check_layers(root: &Path) -> Result<()> {
     let meta = metadata(root)?;
     let problems = violations(&meta);
@@ -140,11 +142,11 @@ pub fn check_layers(root: &Path) -> Result<()> {
     }
     eprintln!("check-layers: dependency directions ok");
     for (name, rank) in LAYERS.iter().filter(|(_, r)| *r < 9) {
-        eprintln!("check-layers: layer {rank}: cargo build -p {name}");
+        eprintln!("check-layers: layer {rank}: cargo check -p {name}");
         crate::run(
             crate::cargo()
                 .current_dir(root)
-                .args(["build", "--quiet", "-p", name]),
+                .args(["check", "--quiet", "-p", name]),
         )
         .with_context(|| format!("`{name}` does not build on its own"))?;
     }
