@@ -9,9 +9,13 @@
 //! by 16 requests at once), with the cache on and off. Every figure is the
 //! median of `--reps` runs made in this one process. `siliceo-bench
 //! constrain` measures what a JSON-schema constraint costs per decode step.
+//! `siliceo-bench grpc` (alias `protocols`) serves one runtime directly, over
+//! gRPC and over the OpenAI HTTP API, in turn; `siliceo-bench peer` compares
+//! our HTTP API with llama-server's through the same OpenAI client.
 
 mod constrain;
 mod graft;
+mod openai_client;
 mod peer;
 
 use std::path::PathBuf;
@@ -694,7 +698,27 @@ fn grpc(model_path: PathBuf, reps: usize) -> Result<()> {
         siliceo_server::ServerConfig::default(),
         std::future::pending(),
     ));
+    let http_listener = tokio.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let http_addr = http_listener.local_addr()?;
+    tokio.spawn(siliceo_http::serve_on(
+        http_listener,
+        rt.clone(),
+        siliceo_http::HttpConfig::default(),
+        std::future::pending(),
+    ));
     let prompt = |i: usize| format!("{} (stream {i})", PROMPTS[i % PROMPTS.len()]);
+    let over_http = |n: usize| -> Result<(f64, Vec<f64>)> {
+        let prompts = (0..n)
+            .map(|i| rt.tokenize(&prompt(i), true))
+            .collect::<Result<Vec<_>, _>>()?;
+        let t0 = Instant::now();
+        let t = openai_client::completions(http_addr, prompts, GEN)?;
+        let tokens: u32 = t.iter().map(|x| x.tokens).sum();
+        Ok((
+            f64::from(tokens) / t0.elapsed().as_secs_f64(),
+            t.iter().map(|x| x.ttft_ms).collect(),
+        ))
+    };
     let direct = |n: usize| -> Result<(f64, Vec<f64>)> {
         let t0 = Instant::now();
         let subs: Vec<_> = (0..n)
@@ -760,16 +784,16 @@ fn grpc(model_path: PathBuf, reps: usize) -> Result<()> {
         .name()
         .to_string();
     println!(
-        "model: {name} · {GEN} greedy tokens per stream · median of {reps} runs · one runtime, direct and over gRPC on 127.0.0.1 alternating"
+        "model: {name} · {GEN} greedy tokens per stream · median of {reps} runs · one runtime: direct, over gRPC and over HTTP (streamed /v1/completions) on 127.0.0.1, in turn"
     );
     println!();
     println!(
-        "| streams | direct tok/s | gRPC tok/s | gRPC / direct | TTFT p50 direct ms | TTFT p50 gRPC ms |"
+        "| streams | direct tok/s | gRPC tok/s | HTTP tok/s | gRPC / direct | HTTP / direct | TTFT p50 direct ms | gRPC ms | HTTP ms |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for n in streams {
-        let (mut d_rate, mut g_rate, mut d_ttft, mut g_ttft) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut d_rate, mut g_rate, mut h_rate) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut d_ttft, mut g_ttft, mut h_ttft) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..reps {
             let (r, t) = direct(n)?;
             d_rate.push(r);
@@ -777,13 +801,18 @@ fn grpc(model_path: PathBuf, reps: usize) -> Result<()> {
             let (r, t) = over_grpc(n)?;
             g_rate.push(r);
             g_ttft.extend(t);
+            let (r, t) = over_http(n)?;
+            h_rate.push(r);
+            h_ttft.extend(t);
         }
-        let (d, g) = (median(d_rate), median(g_rate));
+        let (d, g, h) = (median(d_rate), median(g_rate), median(h_rate));
         println!(
-            "| {n} | {d:.1} | {g:.1} | {:.0} % | {:.0} | {:.0} |",
+            "| {n} | {d:.1} | {g:.1} | {h:.1} | {:.0} % | {:.0} % | {:.0} | {:.0} | {:.0} |",
             g * 100.0 / d,
+            h * 100.0 / d,
             median(d_ttft),
-            median(g_ttft)
+            median(g_ttft),
+            median(h_ttft)
         );
     }
     Ok(())
@@ -930,7 +959,7 @@ fn embed(model_path: PathBuf, reps: usize) -> Result<()> {
     Ok(())
 }
 
-const USAGE: &str = "usage: siliceo-bench engine|serve|prefix|spec|grpc|embed|graft|peer|constrain [--model PATH] [--reps N] [--json] [--threads N] [--quiet-consumer] [--quick] [--no-qwen] [--llama-server PATH] [--contexts 512,4096] [--only LABEL]";
+const USAGE: &str = "usage: siliceo-bench engine|serve|prefix|spec|grpc|protocols|embed|graft|peer|constrain [--model PATH] [--reps N] [--json] [--threads N] [--quiet-consumer] [--quick] [--no-qwen] [--llama-server PATH] [--contexts 512,4096] [--only LABEL]";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -966,6 +995,7 @@ fn main() -> Result<()> {
             "embed" => what = "embed",
             "graft" => what = "graft",
             "peer" => what = "peer",
+            "protocols" => what = "grpc",
             "constrain" => what = "constrain",
             "--llama-server" => llama_server = it.next().map(PathBuf::from),
             "--quick" => quick = true,

@@ -9,12 +9,12 @@
 //! - a cold 1,700-token prompt: time to first token and prompt tok/s;
 //! - the same prompt again with another ending (warm prefix): TTFT.
 //!
-//! Our server is spoken to over gRPC, llama-server over HTTP (its
-//! `/completion` endpoint, token ids in, server-sent events out), both on
-//! 127.0.0.1. The HTTP client below is the few lines a benchmark needs.
+//! Both are spoken to over the OpenAI API they both serve (`POST
+//! /v1/completions`, token ids in, server-sent events out) by the same
+//! client (`openai_client.rs`), on 127.0.0.1.
 
 use std::io::{BufRead, BufReader, Write};
-use std::net::TcpStream;
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -22,105 +22,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, bail};
 use siliceo_core::TokenId;
 use siliceo_engine::{Model, ModelOptions};
-use siliceo_server::pb::{self, inference_client::InferenceClient};
 
 use crate::median;
-
-/// One streamed completion as the client saw it.
-#[derive(Debug, Clone, Copy)]
-struct Timing {
-    /// Submit to first generated token, ms.
-    ttft_ms: f64,
-    /// Submit to last token, ms.
-    end_ms: f64,
-    /// Tokens generated.
-    tokens: u32,
-}
-
-/// `POST /completion` with `prompt` as token ids, streamed; times the events.
-fn llama_completion(port: u16, prompt: &[TokenId], n: u32, t0: Instant) -> Result<Timing> {
-    let ids: Vec<u32> = prompt.iter().map(|t| t.0).collect();
-    let body = serde_json::json!({
-        "prompt": ids,
-        "n_predict": n,
-        "temperature": 0.0,
-        "ignore_eos": true,
-        "stream": true,
-    })
-    .to_string();
-    let mut s = TcpStream::connect(("127.0.0.1", port))?;
-    write!(
-        s,
-        "POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )?;
-    let mut r = BufReader::new(s);
-    let mut line = String::new();
-    r.read_line(&mut line)?;
-    if !line.contains(" 200 ") {
-        bail!("llama-server answered {}", line.trim());
-    }
-    let (mut first, mut tokens, mut end) = (None, 0u32, 0.0);
-    loop {
-        line.clear();
-        if r.read_line(&mut line)? == 0 {
-            break;
-        }
-        let Some(data) = line.trim().strip_prefix("data: ") else {
-            continue;
-        };
-        let v: serde_json::Value = serde_json::from_str(data)?;
-        let now = t0.elapsed().as_secs_f64() * 1000.0;
-        if v["content"].as_str().is_some_and(|c| !c.is_empty())
-            || v["tokens"].as_array().is_some_and(|t| !t.is_empty())
-        {
-            first.get_or_insert(now);
-        }
-        if v["stop"].as_bool() == Some(true) {
-            tokens = v["tokens_predicted"].as_u64().unwrap_or(0) as u32;
-            end = now;
-            break;
-        }
-    }
-    Ok(Timing {
-        ttft_ms: first.context("llama-server sent no token")?,
-        end_ms: end,
-        tokens,
-    })
-}
-
-/// The same over our gRPC API.
-async fn ours_completion(
-    addr: String,
-    prompt: Vec<TokenId>,
-    n: u32,
-    t0: Instant,
-) -> Result<Timing> {
-    let mut c = InferenceClient::connect(format!("http://{addr}")).await?;
-    let req = pb::GenerateRequest {
-        input: Some(pb::generate_request::Input::Tokens(pb::TokenIds {
-            ids: prompt.iter().map(|t| t.0).collect(),
-        })),
-        max_tokens: n,
-        ignore_eos: true,
-        ..Default::default()
-    };
-    let mut s = c.generate(req).await?.into_inner();
-    let (mut first, mut tokens) = (None, 0u32);
-    while let Some(m) = s.message().await? {
-        if !m.token_ids.is_empty() {
-            first.get_or_insert(t0.elapsed().as_secs_f64() * 1000.0);
-        }
-        if let Some(u) = m.usage {
-            tokens = u.completion_tokens;
-        }
-    }
-    Ok(Timing {
-        ttft_ms: first.context("no token")?,
-        end_ms: t0.elapsed().as_secs_f64() * 1000.0,
-        tokens,
-    })
-}
+use crate::openai_client::{Timing, completions};
 
 struct LlamaServer {
     child: Child,
@@ -201,13 +105,14 @@ pub fn peer(b: &PeerBench) -> Result<()> {
         .enable_all()
         .build()?;
     let listener = tokio.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
-    let addr = listener.local_addr()?.to_string();
-    tokio.spawn(siliceo_server::serve_on(
+    let ours: SocketAddr = listener.local_addr()?;
+    tokio.spawn(siliceo_http::serve_on(
         listener,
         rt.clone(),
-        siliceo_server::ServerConfig::default(),
+        siliceo_http::HttpConfig::default(),
         std::future::pending(),
     ));
+    let theirs = SocketAddr::from(([127, 0, 0, 1], llama.port));
     let short = |i: usize| -> Result<Vec<TokenId>> {
         Ok(model.tokenize(
             &format!("{} (stream {i})", crate::PROMPTS[i % crate::PROMPTS.len()]),
@@ -228,36 +133,9 @@ pub fn peer(b: &PeerBench) -> Result<()> {
         t.extend(model.tokenize(suffix, false)?);
         Ok(t)
     };
-    // Each side runs `n` requests at once; `prompt(i)` for request i.
-    let run_llama = |prompts: Vec<Vec<TokenId>>, n_gen: u32| -> Result<Vec<Timing>> {
-        let t0 = Instant::now();
-        let port = llama.port;
-        let handles: Vec<_> = prompts
-            .into_iter()
-            .map(|p| std::thread::spawn(move || llama_completion(port, &p, n_gen, t0)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .map_err(|_| anyhow::anyhow!("client thread panicked"))?
-            })
-            .collect()
-    };
-    let run_ours = |prompts: Vec<Vec<TokenId>>, n_gen: u32| -> Result<Vec<Timing>> {
-        tokio.block_on(async {
-            let t0 = Instant::now();
-            let tasks: Vec<_> = prompts
-                .into_iter()
-                .map(|p| tokio::spawn(ours_completion(addr.clone(), p, n_gen, t0)))
-                .collect();
-            let mut out = Vec::new();
-            for t in tasks {
-                out.push(t.await??);
-            }
-            Ok(out)
-        })
-    };
+    // Each side runs its prompts at once.
+    let run_llama = |prompts: Vec<Vec<TokenId>>, n_gen: u32| completions(theirs, prompts, n_gen);
+    let run_ours = |prompts: Vec<Vec<TokenId>>, n_gen: u32| completions(ours, prompts, n_gen);
     // Warm both up (first requests pay one-time costs).
     run_llama(vec![short(0)?], 8)?;
     run_ours(vec![short(0)?], 8)?;
@@ -286,7 +164,7 @@ pub fn peer(b: &PeerBench) -> Result<()> {
     let (lc, oc, lw, ow) = (median(lc), median(oc), median(lw), median(ow));
     println!();
     println!(
-        "### {} · {} threads each · median of {} · alternating, client-side timings",
+        "### {} · {} threads each · median of {} · alternating · the same OpenAI client (streamed /v1/completions) on both",
         model.name(),
         b.threads,
         b.reps

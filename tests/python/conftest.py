@@ -31,7 +31,7 @@ def free_port() -> int:
 class Server:
     """A `siliceo serve` child: its gRPC and HTTP addresses and metrics."""
 
-    def __init__(self, *extra: str):
+    def __init__(self, *extra: str, threads: int = 2):
         binary = os.environ.get("SILICEO_BIN") or str(
             ROOT / "target" / "debug" / "siliceo"
         )
@@ -48,7 +48,7 @@ class Server:
             "--context",
             "2048",
             "--threads",
-            "2",
+            str(threads),
             *extra,
         ]
         self.proc = subprocess.Popen(

@@ -69,7 +69,7 @@ pub fn bench(rest: &[String]) -> Result<()> {
     if first == Some("embed") {
         crate::embed::fetch(&crate::models::models_dir())?;
     }
-    if let Some(which @ ("spec" | "grpc" | "embed")) = first {
+    if let Some(which @ ("spec" | "grpc" | "protocols" | "embed")) = first {
         return crate::run(bench_cmd(false).args([which, "--reps", &reps()]));
     }
     if first == Some("constrain") {

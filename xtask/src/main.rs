@@ -44,7 +44,7 @@ tasks:
                         then prefix caching (cold vs warm TTFT, 16 requests at once)
   bench prefix [--reps N] prefix caching only
   bench spec [--reps N]   speculative decoding (n-gram; the Qwen draft/target pair) at batch size 1
-  bench grpc [--reps N]   generation over gRPC vs the runtime directly, 1/8/16 streams
+  bench protocols [--reps N]  generation directly, over gRPC and over HTTP, 1/8/16 streams (alias: grpc)
   bench embed [--reps N]  embeddings over gRPC: texts/s for requests of 1/8/32/64 texts
                         and for one request per text, all at once
   bench graft [--reps N] [--quick]

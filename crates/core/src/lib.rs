@@ -40,6 +40,25 @@ pub use error::Error;
 pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
+
+/// A PEM certificate chain and its PEM private key: what both protocol
+/// crates serve TLS with (`--tls-cert`, `--tls-key`).
+#[derive(Clone)]
+pub struct TlsIdentity {
+    /// Certificate chain, PEM.
+    pub cert_pem: Vec<u8>,
+    /// Private key, PEM.
+    pub key_pem: Vec<u8>,
+}
+
+impl std::fmt::Debug for TlsIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the key.
+        f.debug_struct("TlsIdentity")
+            .field("cert_pem", &format!("{} bytes", self.cert_pem.len()))
+            .finish_non_exhaustive()
+    }
+}
 pub use geometry::ModelGeometry;
 pub use ids::{RequestId, SeqId, TokenId};
 pub use kv_type::KvType;

@@ -3,7 +3,7 @@
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
-use siliceo_runtime::RuntimeError;
+use siliceo_runtime::{Rejected, RuntimeError};
 
 /// An error answered as `{"error": {"message", "type", "param", "code"}}`.
 #[derive(Debug, Clone, PartialEq)]
@@ -113,19 +113,26 @@ impl ApiError {
                 reason,
             } => Self::invalid("messages", reason),
             RuntimeError::InvalidRequest { field, reason } => Self::invalid(*field, reason),
-            RuntimeError::Rejected { kind, reason } => match *kind {
-                "prompt_too_long" => Self::invalid("prompt", reason),
-                "too_large_for_cache" => {
-                    let mut e = Self::invalid("max_tokens", reason);
+            RuntimeError::ContextLengthExceeded { field, .. } => {
+                let mut e = Self::invalid(*field, e.to_string());
+                e.code = Some("context_length_exceeded");
+                e
+            }
+            RuntimeError::Rejected(r) => match r {
+                Rejected::PromptTooLong { .. } | Rejected::EmptyPrompt(_) => {
+                    Self::invalid("prompt", r.to_string())
+                }
+                Rejected::TooLargeForCache { .. } => {
+                    let mut e = Self::invalid("max_tokens", r.to_string());
                     e.code = Some("context_length_exceeded");
                     e
                 }
-                "duplicate_id" => Self::invalid("id", reason),
+                Rejected::DuplicateId(_) => Self::invalid("id", r.to_string()),
                 _ => {
                     let mut e = Self::new(
                         StatusCode::TOO_MANY_REQUESTS,
                         "rate_limit_error",
-                        reason.clone(),
+                        r.to_string(),
                     );
                     e.code = Some("queue_full");
                     e.retry_after_s = Some(1);
@@ -203,15 +210,23 @@ mod tests {
             reason: "roles must alternate".into(),
         });
         assert_eq!(e.param.as_deref(), Some("messages"));
-        let e = ApiError::from_runtime(&RuntimeError::Rejected {
-            kind: "queue_full",
-            reason: "1024 waiting".into(),
-        });
+        let e = ApiError::from_runtime(&RuntimeError::Rejected(Rejected::QueueFull(
+            siliceo_core::RequestId("r1".into()),
+        )));
         assert_eq!(e.status, StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(e.retry_after_s, Some(1));
         let body = e.body();
         assert_eq!(body["error"]["type"], "rate_limit_error");
         assert_eq!(body["error"]["code"], "queue_full");
+        let e = ApiError::from_runtime(&RuntimeError::ContextLengthExceeded {
+            field: "max_completion_tokens",
+            prompt_tokens: 10,
+            max_tokens: 5000,
+            n_ctx: 4096,
+        });
+        assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(e.param.as_deref(), Some("max_completion_tokens"));
+        assert_eq!(e.body()["error"]["code"], "context_length_exceeded");
         let e = ApiError::from_runtime(&RuntimeError::Engine("boom".into()));
         assert_eq!(e.status, StatusCode::INTERNAL_SERVER_ERROR);
         assert_eq!(

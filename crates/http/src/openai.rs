@@ -241,10 +241,6 @@ pub struct Plan {
     pub stream: bool,
     /// Send a usage chunk last.
     pub include_usage: bool,
-    /// `max_tokens` (or `max_completion_tokens`) when the client set it: the
-    /// field's name and value, checked against the context once the prompt's
-    /// length is known.
-    pub max_tokens_asked: Option<(&'static str, u32)>,
     /// Tools offered (chat; `None` when absent or `tool_choice` is `none`).
     pub tools: Option<ToolPlan>,
 }
@@ -284,9 +280,11 @@ fn plan(common: Common, input: Input) -> Result<Plan, ApiError> {
     }
     let constraint = constraint_of(&common)?;
     let d = SamplingParams::greedy();
+    // Without max_tokens, generate until the model stops or the context
+    // ends, as OpenAI and vLLM do (the runtime cuts it to what is left).
     let max_tokens = match (common.max_completion_tokens, common.max_tokens) {
         (Some(m), _) | (None, Some(m)) => m,
-        (None, None) => d.max_tokens,
+        (None, None) => u32::MAX,
     };
     let field = if common.max_completion_tokens.is_some() {
         "max_completion_tokens"
@@ -347,6 +345,10 @@ fn plan(common: Common, input: Input) -> Result<Plan, ApiError> {
         request.constraint_field = field;
     }
     request.sampling = sampling;
+    // A max_tokens the client set must fit beside the prompt.
+    request.max_tokens_field = (common.max_completion_tokens.is_some()
+        || common.max_tokens.is_some())
+    .then_some(field);
     request.priority = priority;
     request.cache_salt = common.cache_salt.filter(|s| !s.is_empty());
     Ok(Plan {
@@ -354,8 +356,6 @@ fn plan(common: Common, input: Input) -> Result<Plan, ApiError> {
         n,
         stream: common.stream,
         include_usage: common.stream_options.is_some_and(|o| o.include_usage),
-        max_tokens_asked: (common.max_completion_tokens.is_some() || common.max_tokens.is_some())
-            .then_some((field, max_tokens)),
         tools: None,
     })
 }

@@ -290,8 +290,8 @@ impl ChoiceStream {
         let chat = self.kind == Kind::Chat;
         let announce = chat && !self.choices[i].announced;
         match ev {
-            Event::Text { text, logprob, .. } => {
-                self.choices[i].pending_lp.extend(logprob.map(|b| *b));
+            Event::Text { text, logprobs, .. } => {
+                self.choices[i].pending_lp.extend(logprobs);
                 let text = match self.tools {
                     Some(syntax) if chat => self.hold_back(i, syntax, text),
                     _ => text,

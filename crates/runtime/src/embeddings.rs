@@ -235,13 +235,10 @@ impl EmbeddingService {
 
     fn submit(&self, job: Job) -> Result<(), RuntimeError> {
         self.tx.try_send(job).map_err(|e| match e {
-            TrySendError::Full(_) => RuntimeError::Rejected {
-                kind: "queue_full",
-                reason: format!(
-                    "the embedding queue is full ({} requests waiting)",
-                    self.cfg.max_queue
-                ),
-            },
+            // Its queue holds `max_queue` jobs.
+            TrySendError::Full(_) => RuntimeError::Rejected(siliceo_scheduler::Rejected::QueueFull(
+                siliceo_core::RequestId("embedding".into()),
+            )),
             TrySendError::Disconnected(_) => RuntimeError::Stopped,
         })
     }

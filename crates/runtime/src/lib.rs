@@ -39,6 +39,8 @@
 
 pub mod embeddings;
 mod engine_loop;
+mod front;
+pub mod metrics;
 mod types;
 
 pub use types::{
@@ -55,41 +57,38 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::Sender;
-use siliceo_chat::{ChatError, ChatTemplate};
-use siliceo_constrain::Grammars;
+use front::Front;
+use metrics::Metrics;
+use siliceo_chat::ChatTemplate;
 use siliceo_core::{ModelGeometry, RequestId, TokenId};
 
 pub use embeddings::{
     EmbedResult, EmbeddingConfig, EmbeddingInfo, EmbeddingService, RerankMethod, RerankResult,
 };
 pub use siliceo_engine::Pooling;
-pub use siliceo_scheduler::Scheduler;
+pub use siliceo_scheduler::{Rejected, Scheduler};
 
 /// Hears whether a submitted request was queued (its prompt's token count)
 /// or refused.
 pub(crate) type Accepted = tokio::sync::oneshot::Sender<Result<u32, RuntimeError>>;
 
-/// A request on its way to the engine thread, its constraint compiled.
+/// A request on its way to the engine thread: rendered, tokenized, checked
+/// and its constraint compiled by the request layer ([`front`]).
 pub(crate) struct Submission {
     pub(crate) req: GenerateRequest,
+    /// The prompt's token ids (`req.input` is spent).
+    pub(crate) tokens: Vec<TokenId>,
     pub(crate) id: RequestId,
     pub(crate) tx: tokio::sync::mpsc::UnboundedSender<Event>,
     pub(crate) accepted: Option<Accepted>,
     pub(crate) matcher: Option<siliceo_constrain::Matcher>,
+    /// When the caller submitted it (queue time and TTFT count from here).
+    pub(crate) submitted: std::time::Instant,
 }
 
 pub(crate) enum Command {
     Submit(Box<Submission>),
     Cancel(RequestId, Option<crossbeam_channel::Sender<bool>>),
-    Tokenize(
-        String,
-        bool,
-        crossbeam_channel::Sender<Result<Vec<siliceo_core::TokenId>, RuntimeError>>,
-    ),
-    Detokenize(
-        Vec<siliceo_core::TokenId>,
-        crossbeam_channel::Sender<Result<String, RuntimeError>>,
-    ),
     Stats(crossbeam_channel::Sender<RuntimeStats>),
     CheckKv(crossbeam_channel::Sender<Result<(), String>>),
     CancelAll,
@@ -103,17 +102,9 @@ pub struct Runtime {
     tx: Sender<Command>,
     thread: Option<JoinHandle<()>>,
     info: RuntimeInfo,
-    grammars: Arc<Grammars>,
-    chat: Option<Chat>,
+    front: Front,
     next_id: AtomicU64,
-}
-
-/// The model's chat template, compiled for rendering on submitting threads.
-#[derive(Debug)]
-struct Chat {
-    template: ChatTemplate,
-    /// Tokenizing adds a BOS: a BOS the template prints is dropped.
-    adds_bos: bool,
+    metrics: Arc<Metrics>,
 }
 
 impl std::fmt::Debug for Command {
@@ -121,8 +112,6 @@ impl std::fmt::Debug for Command {
         match self {
             Command::Submit(s) => write!(f, "Submit({})", s.id),
             Command::Cancel(id, _) => write!(f, "Cancel({id})"),
-            Command::Tokenize(..) => f.write_str("Tokenize"),
-            Command::Detokenize(..) => f.write_str("Detokenize"),
             Command::Stats(_) => f.write_str("Stats"),
             Command::CheckKv(_) => f.write_str("CheckKv"),
             Command::CancelAll => f.write_str("CancelAll"),
@@ -141,31 +130,15 @@ impl Runtime {
             .spawn(move || engine_loop::run(cfg, rx, ready_tx))
             .map_err(|e| RuntimeError::Start(e.to_string()))?;
         match ready_rx.recv() {
-            Ok(Ok(engine_loop::Started {
-                info,
-                grammars,
-                chat,
-            })) => {
-                let chat = chat.and_then(|c| {
-                    match ChatTemplate::new(&c.source, &c.bos, &c.eos) {
-                        Ok(template) => Some(Chat {
-                            template,
-                            adds_bos: c.adds_bos,
-                        }),
-                        Err(e) => {
-                            // llama.cpp's built-in templates still serve plain chats.
-                            tracing::warn!(error = %e, "chat template not usable: chats fall back to llama.cpp's template guess, without tools");
-                            None
-                        }
-                    }
-                });
+            Ok(Ok(engine_loop::Started { info, model })) => {
+                let front = Front::new(model, info.n_ctx);
                 Ok(Runtime {
                     tx,
                     thread: Some(thread),
                     info,
-                    grammars,
-                    chat,
+                    front,
                     next_id: AtomicU64::new(1),
+                    metrics: Arc::new(Metrics::default()),
                 })
             }
             Ok(Err(e)) => {
@@ -196,24 +169,15 @@ impl Runtime {
         &self.info
     }
 
-    /// Tokenizes `text` with the model's tokenizer (on the engine thread,
-    /// between steps).
+    /// Tokenizes `text` with the model's tokenizer, on the caller's thread.
     pub fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<TokenId>, RuntimeError> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        self.tx
-            .send(Command::Tokenize(text.to_string(), add_special, tx))
-            .map_err(|_| RuntimeError::Stopped)?;
-        rx.recv().map_err(|_| RuntimeError::Stopped)?
+        self.front.tokenize(text, add_special)
     }
 
     /// Turns token ids into text; ids outside the vocabulary are an
     /// `InvalidRequest` naming `ids`.
     pub fn detokenize(&self, tokens: &[TokenId]) -> Result<String, RuntimeError> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        self.tx
-            .send(Command::Detokenize(tokens.to_vec(), tx))
-            .map_err(|_| RuntimeError::Stopped)?;
-        rx.recv().map_err(|_| RuntimeError::Stopped)?
+        self.front.detokenize(tokens)
     }
 
     /// The request's id, or a new one.
@@ -226,20 +190,20 @@ impl Runtime {
         })
     }
 
-    /// Queues a request. Its chat is rendered and its constraint compiled
-    /// here, on the caller's thread: a chat the template refuses or an
-    /// invalid constraint is an `InvalidRequest` error at once. The engine
-    /// thread's validation errors (empty prompt, too long, bad sampling
-    /// values, unknown tokens, full queue) arrive as the stream's `Done`
-    /// event with an error, never as a panic.
+    /// Queues a request. The request layer runs here, on the caller's
+    /// thread: the chat is rendered, the prompt tokenized, every limit
+    /// checked and the constraint compiled, so an invalid request is an
+    /// error at once (`InvalidRequest` naming the field,
+    /// `ContextLengthExceeded`). What depends on the engine's state (a full
+    /// queue, a duplicate id) arrives as the stream's `Done` event with an
+    /// error, never as a panic.
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, RuntimeError> {
         self.send(req, None)
     }
 
-    /// Queues a request and waits until the engine has validated, tokenized
-    /// and queued it (between two steps, not until it runs): a refused
-    /// request is an error here, not a stream. Returns the stream and the
-    /// prompt's length in tokens.
+    /// Queues a request and waits until the engine has queued it (between
+    /// two steps, not until it runs): a refused request is an error here,
+    /// not a stream. Returns the stream and the prompt's length in tokens.
     pub async fn submit_accepted(
         &self,
         req: GenerateRequest,
@@ -257,101 +221,59 @@ impl Runtime {
         }
     }
 
-    /// Both submits: renders the chat and compiles the constraint here, then
-    /// hands the request to the engine thread.
+    /// Both submits: the request layer here, then the engine thread.
     fn send(
         &self,
         req: GenerateRequest,
         accepted: Option<Accepted>,
     ) -> Result<RequestStream, RuntimeError> {
+        let submitted = std::time::Instant::now();
         let id = self.id_of(&req);
-        let req = self.render(req)?;
-        let matcher = self.compile(&req)?;
+        let front::Prepared {
+            req,
+            tokens,
+            matcher,
+        } = self.front.prepare(req).inspect_err(|e| {
+            self.metrics.error(e.error_kind());
+            self.metrics.finished("error");
+        })?;
         let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
         self.tx
             .send(Command::Submit(Box::new(Submission {
                 req,
+                tokens,
                 id: id.clone(),
                 tx: etx,
                 accepted,
                 matcher,
+                submitted,
             })))
             .map_err(|_| RuntimeError::Stopped)?;
-        Ok(RequestStream::new(id, erx, self.tx.clone()))
+        Ok(RequestStream::new(
+            id,
+            erx,
+            self.tx.clone(),
+            self.metrics.clone(),
+            submitted,
+        ))
+    }
+
+    /// What the runtime and its protocol edges count (the edges add their
+    /// requests by endpoint and status).
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// The Prometheus text exposition: [`Metrics`] and the runtime's
+    /// occupancy, asked of the engine thread.
+    pub fn prometheus(&self) -> String {
+        self.metrics.render(self)
     }
 
     /// The model's chat template (`None` when it has none minijinja can
     /// render: chats then use llama.cpp's built-in guess, without tools).
     pub fn chat_template(&self) -> Option<&ChatTemplate> {
-        self.chat.as_ref().map(|c| &c.template)
-    }
-
-    /// Renders a chat request's messages and tools with the model's
-    /// template, on the caller's thread; the engine thread only tokenizes.
-    fn render(&self, mut req: GenerateRequest) -> Result<GenerateRequest, RuntimeError> {
-        let invalid = |field, reason: String| RuntimeError::InvalidRequest { field, reason };
-        let Input::Chat(msgs) = &req.input else {
-            if !req.tools.is_empty() {
-                return Err(invalid("tools", "tools need chat messages".into()));
-            }
-            return Ok(req);
-        };
-        if msgs.is_empty() {
-            return Err(invalid("chat", "no messages".into()));
-        }
-        let Some(chat) = &self.chat else {
-            let tool_turns = msgs
-                .iter()
-                .any(|m| !m.tool_calls.is_empty() || m.role == "tool");
-            if !req.tools.is_empty() || tool_turns {
-                return Err(invalid(
-                    "tools",
-                    "the model has no chat template siliceo can render with tools".into(),
-                ));
-            }
-            return Ok(req);
-        };
-        let text = chat
-            .template
-            .render(msgs, &req.tools, true)
-            .map_err(|e| match e {
-                ChatError::NoToolSyntax => invalid("tools", e.to_string()),
-                other => invalid("chat", other.to_string()),
-            })?;
-        // Tokenizing puts the BOS back where the model wants one.
-        let bos = chat.template.bos();
-        let text = match text.strip_prefix(bos) {
-            Some(rest) if chat.adds_bos && !bos.is_empty() => rest.to_string(),
-            _ => text,
-        };
-        if text.is_empty() {
-            return Err(invalid("chat", "the chat template rendered nothing".into()));
-        }
-        req.input = Input::Prompt(text);
-        Ok(req)
-    }
-
-    /// Compiles a request's constraint on the caller's thread (the engine
-    /// thread only follows it). An invalid one names the request's
-    /// `constraint_field`.
-    fn compile(
-        &self,
-        req: &GenerateRequest,
-    ) -> Result<Option<siliceo_constrain::Matcher>, RuntimeError> {
-        let Some(c) = &req.constraint else {
-            return Ok(None);
-        };
-        let field = req.constraint_field;
-        let invalid = |reason: String| RuntimeError::InvalidRequest { field, reason };
-        c.validate(field).map_err(|e| match e {
-            siliceo_core::Error::InvalidParameter { reason, .. } => invalid(reason),
-            other => invalid(other.to_string()),
-        })?;
-        match self.grammars.compile(c) {
-            Ok(m) => Ok(Some(m)),
-            Err(siliceo_constrain::ConstraintError::Invalid(reason)) => Err(invalid(reason)),
-            Err(e) => Err(RuntimeError::Engine(e.to_string())),
-        }
+        self.front.chat_template()
     }
 
     /// Cancels a request by id; its KV is free when this returns. Returns

@@ -1,13 +1,16 @@
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
 
 use crossbeam_channel::Sender;
 use siliceo_chat::{Message, Tool};
 use siliceo_core::{FinishReason, Priority, RequestId, SamplingParams, TokenId};
 use siliceo_engine::{ContextOptions, KvFormat, ModelOptions};
 use siliceo_kv_paging::planner::{StorePlan, StoreSize};
-use siliceo_scheduler::SchedulerConfig;
+use siliceo_scheduler::{Rejected, SchedulerConfig};
 
 use crate::Command;
+use crate::metrics::Metrics;
 
 /// How to run the engine.
 #[derive(Debug, Clone)]
@@ -190,6 +193,12 @@ pub struct GenerateRequest {
     /// Report each generated token's log-probability with this many most
     /// likely alternatives (`None`: off; at most [`MAX_TOP_LOGPROBS`]).
     pub logprobs: Option<u32>,
+    /// The request field `sampling.max_tokens` came from, when the client
+    /// set it (`max_tokens`, `max_completion_tokens`): a prompt plus that
+    /// many tokens over the context is then refused with
+    /// [`RuntimeError::ContextLengthExceeded`] naming it, as OpenAI and vLLM
+    /// do. `None`: `max_tokens` is a default, cut to what the context leaves.
+    pub max_tokens_field: Option<&'static str>,
 }
 
 impl GenerateRequest {
@@ -207,6 +216,7 @@ impl GenerateRequest {
             constraint_field: "constraint",
             tools: Vec::new(),
             logprobs: None,
+            max_tokens_field: None,
         }
     }
 }
@@ -238,16 +248,18 @@ pub struct Usage {
 /// What a request's stream carries.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
-    /// New text (possibly empty while a character or stop string is pending)
-    /// and the token that produced it.
+    /// What one engine step produced for the request: its new text
+    /// (possibly empty while a character or stop string is pending) and the
+    /// tokens behind it, one or, with speculative decoding, several.
     Text {
         /// The text.
         text: String,
-        /// The token; `None` for text held back earlier (a possible stop
+        /// The tokens; empty for text held back earlier (a possible stop
         /// string, a split character) and released at the end.
-        token: Option<TokenId>,
-        /// The token's log-probability, when the request asked for them.
-        logprob: Option<Box<TokenLogprob>>,
+        tokens: Vec<TokenId>,
+        /// Each token's log-probability, when the request asked for them
+        /// (one per token; empty otherwise).
+        logprobs: Vec<TokenLogprob>,
     },
     /// The last event.
     Done {
@@ -298,14 +310,25 @@ pub enum RuntimeError {
         /// Why.
         reason: String,
     },
-    /// The scheduler refused it (queue full, too large for the cache, duplicate id).
-    #[error("{reason}")]
-    Rejected {
-        /// `queue_full`, `too_large_for_cache`, `duplicate_id`, …
-        kind: &'static str,
-        /// The scheduler's message.
-        reason: String,
+    /// A prompt plus the `max_tokens` the client asked for exceeds the
+    /// context (the message leaves out `field`, which the edges name).
+    #[error(
+        "the prompt's {prompt_tokens} tokens plus {max_tokens} to generate exceed the context of {n_ctx} tokens"
+    )]
+    ContextLengthExceeded {
+        /// The field `max_tokens` came from.
+        field: &'static str,
+        /// The prompt's length.
+        prompt_tokens: u32,
+        /// Tokens asked for.
+        max_tokens: u32,
+        /// The longest sequence.
+        n_ctx: u32,
     },
+    /// The engine's state refuses it: the queue is full, it needs more KV
+    /// than the whole cache, its id is in use.
+    #[error(transparent)]
+    Rejected(#[from] Rejected),
     /// The engine failed while running it.
     #[error("engine failure: {0}")]
     Engine(String),
@@ -318,7 +341,8 @@ impl RuntimeError {
             RuntimeError::Start(_) => "start",
             RuntimeError::Stopped => "stopped",
             RuntimeError::InvalidRequest { .. } => "invalid_request",
-            RuntimeError::Rejected { kind, .. } => kind,
+            RuntimeError::ContextLengthExceeded { .. } => "context_length_exceeded",
+            RuntimeError::Rejected(r) => r.error_kind(),
             RuntimeError::Engine(_) => "engine",
         }
     }
@@ -418,13 +442,41 @@ pub struct RuntimeStats {
     pub constraint_masks_overlapped: u64,
 }
 
-/// The events of one request. Dropping it cancels the request.
+impl RuntimeStats {
+    /// The share of KV blocks referenced, 0 to 1 (cached-but-unreferenced
+    /// blocks count as free: taking them evicts their prefix).
+    pub fn kv_usage(&self) -> f64 {
+        let total = self.kv_used_blocks + self.kv_free_blocks;
+        if total == 0 {
+            0.0
+        } else {
+            self.kv_used_blocks as f64 / total as f64
+        }
+    }
+
+    /// Prompt tokens served from the prefix cache over those looked up.
+    pub fn prefix_hit_rate(&self) -> f64 {
+        let looked = self.prefix_hit_tokens + self.prefix_miss_tokens;
+        if looked == 0 {
+            0.0
+        } else {
+            self.prefix_hit_tokens as f64 / looked as f64
+        }
+    }
+}
+
+/// The events of one request. Dropping it cancels the request. Reading it
+/// counts the request in the runtime's [`Metrics`]: tokens, time to the
+/// first token and between tokens, how it ended.
 #[derive(Debug)]
 pub struct RequestStream {
     id: RequestId,
     rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
     tx: Sender<Command>,
     done: bool,
+    metrics: Arc<Metrics>,
+    submitted: Instant,
+    last_token: Option<Instant>,
 }
 
 impl RequestStream {
@@ -432,12 +484,17 @@ impl RequestStream {
         id: RequestId,
         rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
         tx: Sender<Command>,
+        metrics: Arc<Metrics>,
+        submitted: Instant,
     ) -> Self {
         RequestStream {
             id,
             rx,
             tx,
             done: false,
+            metrics,
+            submitted,
+            last_token: None,
         }
     }
 
@@ -446,10 +503,41 @@ impl RequestStream {
         &self.id
     }
 
+    /// Notes an event read (or the channel's end).
+    fn seen(&mut self, e: Option<&Event>) {
+        let m = &self.metrics;
+        match e {
+            Some(Event::Text { tokens, .. }) if !tokens.is_empty() => {
+                let now = Instant::now();
+                m.generated_tokens
+                    .fetch_add(tokens.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                match self.last_token {
+                    None => m.ttft.observe((now - self.submitted).as_secs_f64()),
+                    Some(t) => m.inter_token.observe((now - t).as_secs_f64()),
+                }
+                self.last_token = Some(now);
+            }
+            Some(Event::Text { .. }) => {}
+            Some(Event::Done {
+                finish_reason,
+                usage,
+                error,
+            }) => {
+                self.done = true;
+                m.usage(usage);
+                m.finished(&finish_reason.to_string());
+                if let Some(e) = error {
+                    m.error(e.error_kind());
+                }
+            }
+            None => self.done = true,
+        }
+    }
+
     /// The next event, waiting for it (async).
     pub async fn next(&mut self) -> Option<Event> {
         let e = self.rx.recv().await;
-        self.done |= matches!(e, Some(Event::Done { .. }) | None);
+        self.seen(e.as_ref());
         e
     }
 
@@ -457,7 +545,7 @@ impl RequestStream {
     pub fn poll_next(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<Event>> {
         let p = self.rx.poll_recv(cx);
         if let std::task::Poll::Ready(e) = &p {
-            self.done |= matches!(e, Some(Event::Done { .. }) | None);
+            self.seen(e.as_ref());
         }
         p
     }
@@ -465,7 +553,7 @@ impl RequestStream {
     /// The next event, blocking the thread (not for async contexts).
     pub fn blocking_next(&mut self) -> Option<Event> {
         let e = self.rx.blocking_recv();
-        self.done |= matches!(e, Some(Event::Done { .. }) | None);
+        self.seen(e.as_ref());
         e
     }
 
@@ -475,9 +563,11 @@ impl RequestStream {
         let mut tokens = Vec::new();
         while let Some(e) = self.blocking_next() {
             match e {
-                Event::Text { text: t, token, .. } => {
+                Event::Text {
+                    text: t, tokens: ts, ..
+                } => {
                     text.push_str(&t);
-                    tokens.extend(token);
+                    tokens.extend(ts);
                 }
                 done @ Event::Done { .. } => return (text, tokens, done),
             }

@@ -30,9 +30,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use metrics::Metrics;
 pub use service::{GenerateStream, InferenceService};
-use siliceo_runtime::{EmbeddingService, Runtime, RuntimeError};
+pub use siliceo_core::TlsIdentity;
+use siliceo_runtime::{EmbeddingService, Rejected, Runtime, RuntimeError};
 use tokio::net::TcpListener;
 use tonic::{Request, Status};
 
@@ -66,24 +66,6 @@ pub struct ServerConfig {
     /// The embedding model behind `Embed` and `Rerank`; without one they
     /// answer `UNIMPLEMENTED`.
     pub embeddings: Option<Arc<EmbeddingService>>,
-}
-
-/// A PEM certificate chain and its PEM private key.
-#[derive(Clone)]
-pub struct TlsIdentity {
-    /// Certificate chain, PEM.
-    pub cert_pem: Vec<u8>,
-    /// Private key, PEM.
-    pub key_pem: Vec<u8>,
-}
-
-impl std::fmt::Debug for TlsIdentity {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // Never print the key.
-        f.debug_struct("TlsIdentity")
-            .field("cert_pem", &format!("{} bytes", self.cert_pem.len()))
-            .finish_non_exhaustive()
-    }
 }
 
 impl Default for ServerConfig {
@@ -128,10 +110,15 @@ pub fn status_of(e: &RuntimeError) -> Status {
         RuntimeError::InvalidRequest { field, reason } => {
             Status::invalid_argument(format!("{field}: {reason}"))
         }
-        RuntimeError::Rejected { kind, reason } => match *kind {
-            "duplicate_id" => Status::already_exists(reason.clone()),
-            "prompt_too_long" => Status::invalid_argument(format!("prompt: {reason}")),
-            _ => Status::resource_exhausted(reason.clone()),
+        RuntimeError::ContextLengthExceeded { field, .. } => {
+            Status::invalid_argument(format!("{field}: {e}"))
+        }
+        RuntimeError::Rejected(r) => match r {
+            Rejected::DuplicateId(_) => Status::already_exists(r.to_string()),
+            Rejected::PromptTooLong { .. } | Rejected::EmptyPrompt(_) => {
+                Status::invalid_argument(format!("prompt: {r}"))
+            }
+            _ => Status::resource_exhausted(r.to_string()),
         },
         RuntimeError::Stopped => Status::unavailable("the engine has stopped"),
         RuntimeError::Start(m) | RuntimeError::Engine(m) => Status::internal(m.clone()),
@@ -184,7 +171,6 @@ pub async fn serve_on(
         addr: cfg.listen,
         source,
     })?;
-    let metrics = Arc::new(Metrics::default());
     if let Some(maddr) = cfg.metrics_listen {
         let ml = TcpListener::bind(maddr)
             .await
@@ -194,9 +180,9 @@ pub async fn serve_on(
             })?;
         let local = ml.local_addr().unwrap_or(maddr);
         tracing::info!(%local, "metrics on http://{local}/metrics");
-        tokio::spawn(metrics::serve_metrics(ml, metrics.clone(), rt.clone()));
+        tokio::spawn(metrics::serve_metrics(ml, rt.clone()));
     }
-    let svc = InferenceService::new(rt.clone(), metrics, cfg.max_request_bytes)
+    let svc = InferenceService::new(rt.clone(), cfg.max_request_bytes)
         .with_embeddings(cfg.embeddings.clone());
     let key = cfg.api_key.clone();
     // tonic's own hard cap; requests between our limit and this one get a
@@ -323,16 +309,20 @@ mod tests {
         let s = status_of(&inv);
         assert_eq!(s.code(), tonic::Code::InvalidArgument);
         assert!(s.message().starts_with("top_p:"), "{}", s.message());
-        let full = RuntimeError::Rejected {
-            kind: "queue_full",
-            reason: "the queue is full".into(),
-        };
+        let id = || siliceo_core::RequestId("r1".into());
+        let full = RuntimeError::Rejected(Rejected::QueueFull(id()));
         assert_eq!(status_of(&full).code(), tonic::Code::ResourceExhausted);
-        let dup = RuntimeError::Rejected {
-            kind: "duplicate_id",
-            reason: "dup".into(),
-        };
+        let dup = RuntimeError::Rejected(Rejected::DuplicateId(id()));
         assert_eq!(status_of(&dup).code(), tonic::Code::AlreadyExists);
+        let long = RuntimeError::ContextLengthExceeded {
+            field: "max_tokens",
+            prompt_tokens: 10,
+            max_tokens: 100_000,
+            n_ctx: 4096,
+        };
+        let s = status_of(&long);
+        assert_eq!(s.code(), tonic::Code::InvalidArgument);
+        assert!(s.message().starts_with("max_tokens: the prompt's 10 tokens"), "{}", s.message());
         assert_eq!(
             status_of(&RuntimeError::Stopped).code(),
             tonic::Code::Unavailable

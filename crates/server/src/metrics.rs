@@ -1,275 +1,20 @@
-//! Prometheus metrics: counters and histograms the service updates as
-//! requests flow, plus the runtime's occupancy read at scrape time. Served as
-//! text on a separate port by a small HTTP/1.1 responder (`GET /metrics`).
+//! Prometheus metrics on a port of their own (`--metrics-listen`): the
+//! runtime's exposition ([`Runtime::prometheus`]), which counts requests of
+//! every protocol, served by a small HTTP/1.1 responder (`GET /metrics`).
 
-use std::fmt::Write as _;
 use std::sync::Arc;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use siliceo_runtime::Runtime;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-/// Bucket upper bounds in seconds, shared by both latency histograms.
-const BUCKETS: [f64; 14] = [
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-];
-
-/// A fixed-bucket histogram.
-#[derive(Debug, Default)]
-pub struct Histogram {
-    counts: [AtomicU64; BUCKETS.len()],
-    count: AtomicU64,
-    /// Sum in microseconds.
-    sum_us: AtomicU64,
-}
-
-impl Histogram {
-    /// Records one observation of `secs` seconds.
-    pub fn observe(&self, secs: f64) {
-        if let Some(i) = BUCKETS.iter().position(|b| secs <= *b) {
-            self.counts[i].fetch_add(1, Ordering::Relaxed);
-        }
-        self.count.fetch_add(1, Ordering::Relaxed);
-        self.sum_us
-            .fetch_add((secs * 1e6) as u64, Ordering::Relaxed);
-    }
-
-    /// Observations so far.
-    pub fn count(&self) -> u64 {
-        self.count.load(Ordering::Relaxed)
-    }
-
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let mut cum = 0;
-        for (b, c) in BUCKETS.iter().zip(&self.counts) {
-            cum += c.load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cum}");
-        }
-        let n = self.count();
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {n}");
-        let sum = self.sum_us.load(Ordering::Relaxed) as f64 / 1e6;
-        let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {n}");
-    }
-}
-
-/// Everything the server counts.
-#[derive(Debug, Default)]
-pub struct Metrics {
-    /// Requests finished, by finish reason (`stop`, `length`, `cancelled`, `error`).
-    finished: Mutex<Vec<(String, u64)>>,
-    /// Failed requests by error kind (`invalid_request`, `queue_full`, …).
-    errors: Mutex<Vec<(String, u64)>>,
-    /// Tokens generated.
-    pub generated_tokens: AtomicU64,
-    /// Prompt tokens received.
-    pub prompt_tokens: AtomicU64,
-    /// Prompt tokens served from the prefix cache.
-    pub cached_prompt_tokens: AtomicU64,
-    /// Speculative tokens drafted.
-    pub draft_tokens: AtomicU64,
-    /// Drafted tokens accepted.
-    pub accepted_draft_tokens: AtomicU64,
-    /// Time to first token.
-    pub ttft: Histogram,
-    /// Time between consecutive tokens of a stream.
-    pub inter_token: Histogram,
-}
-
-fn bump(v: &Mutex<Vec<(String, u64)>>, label: &str) {
-    let mut v = v.lock().unwrap_or_else(|p| p.into_inner());
-    match v.iter_mut().find(|(l, _)| l == label) {
-        Some((_, n)) => *n += 1,
-        None => v.push((label.to_string(), 1)),
-    }
-}
-
-impl Metrics {
-    /// Counts a finished request.
-    pub fn finished(&self, reason: &str) {
-        bump(&self.finished, reason);
-    }
-
-    /// Counts a failed request by error kind.
-    pub fn error(&self, kind: &str) {
-        bump(&self.errors, kind);
-    }
-
-    /// Requests that failed with `kind` so far.
-    pub fn errors_of(&self, kind: &str) -> u64 {
-        let v = self.errors.lock().unwrap_or_else(|p| p.into_inner());
-        v.iter().find(|(l, _)| l == kind).map_or(0, |(_, n)| *n)
-    }
-
-    /// The Prometheus text exposition, with the runtime's occupancy.
-    pub fn render(&self, rt: &Runtime) -> String {
-        let mut out = String::new();
-        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
-            );
-        };
-        let gauge = |out: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
-        };
-        let labelled = |out: &mut String,
-                        name: &str,
-                        help: &str,
-                        label: &str,
-                        v: &Mutex<Vec<(String, u64)>>| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-            let v = v.lock().unwrap_or_else(|p| p.into_inner());
-            for (l, n) in v.iter() {
-                let _ = writeln!(out, "{name}{{{label}=\"{l}\"}} {n}");
-            }
-        };
-        labelled(
-            &mut out,
-            "siliceo_requests_finished_total",
-            "Requests finished, by finish reason.",
-            "reason",
-            &self.finished,
-        );
-        labelled(
-            &mut out,
-            "siliceo_request_errors_total",
-            "Requests failed, by error kind.",
-            "kind",
-            &self.errors,
-        );
-        counter(
-            &mut out,
-            "siliceo_generated_tokens_total",
-            "Tokens generated.",
-            self.generated_tokens.load(Ordering::Relaxed),
-        );
-        counter(
-            &mut out,
-            "siliceo_prompt_tokens_total",
-            "Prompt tokens received.",
-            self.prompt_tokens.load(Ordering::Relaxed),
-        );
-        counter(
-            &mut out,
-            "siliceo_cached_prompt_tokens_total",
-            "Prompt tokens served from the prefix cache.",
-            self.cached_prompt_tokens.load(Ordering::Relaxed),
-        );
-        counter(
-            &mut out,
-            "siliceo_draft_tokens_total",
-            "Speculative tokens proposed.",
-            self.draft_tokens.load(Ordering::Relaxed),
-        );
-        counter(
-            &mut out,
-            "siliceo_accepted_draft_tokens_total",
-            "Speculative tokens accepted.",
-            self.accepted_draft_tokens.load(Ordering::Relaxed),
-        );
-        self.ttft.render(
-            &mut out,
-            "siliceo_time_to_first_token_seconds",
-            "Arrival to first generated token.",
-        );
-        self.inter_token.render(
-            &mut out,
-            "siliceo_inter_token_latency_seconds",
-            "Time between consecutive tokens of a stream.",
-        );
-        if let Ok(s) = rt.stats() {
-            gauge(
-                &mut out,
-                "siliceo_queue_length",
-                "Requests waiting.",
-                s.waiting as u64,
-            );
-            gauge(
-                &mut out,
-                "siliceo_running_sequences",
-                "Requests running.",
-                s.running as u64,
-            );
-            gauge(
-                &mut out,
-                "siliceo_kv_blocks_used",
-                "KV blocks referenced.",
-                s.kv_used_blocks as u64,
-            );
-            gauge(
-                &mut out,
-                "siliceo_kv_blocks_free",
-                "KV blocks free (cached ones included).",
-                s.kv_free_blocks as u64,
-            );
-            gauge(
-                &mut out,
-                "siliceo_kv_blocks_cached",
-                "Unreferenced KV blocks holding a cached prefix.",
-                s.kv_cached_blocks as u64,
-            );
-            gauge(
-                &mut out,
-                "siliceo_kv_blocks_shared",
-                "KV blocks several requests reference (prefix hits share them).",
-                s.kv_shared_blocks as u64,
-            );
-            let info = rt.info();
-            let _ = writeln!(
-                out,
-                "# HELP siliceo_kv_bytes_used Bytes of KV blocks referenced, by backend and format (our store only; 0 on llama.cpp's cache).\n# TYPE siliceo_kv_bytes_used gauge\nsiliceo_kv_bytes_used{{backend=\"{}\",format=\"{}\"}} {}",
-                info.kv_backend, info.kv_format, s.kv_used_bytes
-            );
-            if let Some(store) = &info.store {
-                let _ = writeln!(
-                    out,
-                    "# HELP siliceo_kv_bytes_total Bytes of our KV store, by format.\n# TYPE siliceo_kv_bytes_total gauge\nsiliceo_kv_bytes_total{{format=\"{}\"}} {}",
-                    info.kv_format, store.bytes
-                );
-            }
-            let looked = s.prefix_hit_tokens + s.prefix_miss_tokens;
-            let rate = if looked == 0 {
-                0.0
-            } else {
-                s.prefix_hit_tokens as f64 / looked as f64
-            };
-            let _ = writeln!(
-                out,
-                "# HELP siliceo_prefix_cache_hit_rate Prompt tokens served from the cache / prompt tokens looked up.\n# TYPE siliceo_prefix_cache_hit_rate gauge\nsiliceo_prefix_cache_hit_rate {rate}"
-            );
-            counter(
-                &mut out,
-                "siliceo_prefix_cache_evictions_total",
-                "Cached blocks evicted.",
-                s.prefix_evictions,
-            );
-            counter(
-                &mut out,
-                "siliceo_preemptions_total",
-                "Sequences preempted.",
-                s.preemptions,
-            );
-            counter(
-                &mut out,
-                "siliceo_engine_panics_total",
-                "Engine steps that panicked and were recovered.",
-                s.panics,
-            );
-        }
-        out
-    }
-}
-
 /// Serves `GET /metrics` (anything else: 404) until the process ends.
-pub async fn serve_metrics(listener: TcpListener, metrics: Arc<Metrics>, rt: Arc<Runtime>) {
+pub async fn serve_metrics(listener: TcpListener, rt: Arc<Runtime>) {
     loop {
         let Ok((mut sock, _)) = listener.accept().await else {
             continue;
         };
-        let (metrics, rt) = (metrics.clone(), rt.clone());
+        let rt = rt.clone();
         tokio::spawn(async move {
             let mut buf = vec![0u8; 4096];
             let mut n = 0;
@@ -286,7 +31,7 @@ pub async fn serve_metrics(listener: TcpListener, metrics: Arc<Metrics>, rt: Arc
             let head = String::from_utf8_lossy(&buf[..n]);
             let ok = head.starts_with("GET /metrics ") || head.starts_with("GET / ");
             let (status, body) = if ok {
-                let body = tokio::task::spawn_blocking(move || metrics.render(&rt))
+                let body = tokio::task::spawn_blocking(move || rt.prometheus())
                     .await
                     .unwrap_or_default();
                 ("200 OK", body)

@@ -14,29 +14,43 @@ use siliceo_runtime::{
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-use crate::metrics::Metrics;
 use crate::pb;
 use crate::status_of;
 
 /// Roles a chat message may carry.
 const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
 
-/// The service. Cheap to clone (shared runtime and metrics).
+/// The service. Cheap to clone (a shared runtime).
 #[derive(Debug, Clone)]
 pub struct InferenceService {
     rt: Arc<Runtime>,
-    metrics: Arc<Metrics>,
     max_request_bytes: usize,
     embeddings: Option<Arc<EmbeddingService>>,
 }
 
 impl InferenceService {
+    /// `Generate`'s work: the request checked and submitted.
+    fn start_generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<GenerateStream>, Status> {
+        self.check_size(request.get_ref())?;
+        let req = to_runtime(request.into_inner())
+            .inspect_err(|_| self.rt.metrics().error("invalid_request"))?;
+        let inner = self.rt.submit(req).map_err(|e| status_of(&e))?;
+        Ok(Response::new(GenerateStream {
+            inner,
+            sent_id: false,
+            trailer: None,
+            ended: false,
+        }))
+    }
+
     /// A service over `rt`; requests larger than `max_request_bytes` are refused
     /// with `INVALID_ARGUMENT`.
-    pub fn new(rt: Arc<Runtime>, metrics: Arc<Metrics>, max_request_bytes: usize) -> Self {
+    pub fn new(rt: Arc<Runtime>, max_request_bytes: usize) -> Self {
         InferenceService {
             rt,
-            metrics,
             max_request_bytes,
             embeddings: None,
         }
@@ -162,6 +176,9 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
             (false, 0) => None,
             (false, _) => return Err(invalid("top_logprobs", "needs `logprobs: true`")),
         },
+        // A max_tokens the client set must fit beside the prompt (0: the
+        // default, cut to what the context leaves).
+        max_tokens_field: (r.max_tokens != 0).then_some("max_tokens"),
     })
 }
 
@@ -227,9 +244,6 @@ fn finish_pb(r: FinishReason) -> pb::FinishReason {
 /// cancels the request and frees its KV.
 pub struct GenerateStream {
     inner: RequestStream,
-    metrics: Arc<Metrics>,
-    started: Instant,
-    last_token: Option<Instant>,
     sent_id: bool,
     /// A status to send after the final message (engine failures).
     trailer: Option<Status>,
@@ -270,25 +284,12 @@ impl Stream for GenerateStream {
         match event {
             Some(Event::Text {
                 text,
-                token,
-                logprob,
+                tokens,
+                logprobs,
             }) => {
-                let now = Instant::now();
-                if token.is_some() {
-                    this.metrics
-                        .generated_tokens
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    match this.last_token {
-                        None => this
-                            .metrics
-                            .ttft
-                            .observe((now - this.started).as_secs_f64()),
-                        Some(t) => this.metrics.inter_token.observe((now - t).as_secs_f64()),
-                    }
-                    this.last_token = Some(now);
-                }
                 let id = request_id(&mut this.sent_id, this.inner.id());
-                let logprobs = logprob
+                let logprobs = logprobs
+                    .into_iter()
                     .map(|l| pb::TokenLogprob {
                         token_id: l.token.0,
                         bytes: l.bytes,
@@ -303,11 +304,10 @@ impl Stream for GenerateStream {
                             })
                             .collect(),
                     })
-                    .into_iter()
                     .collect();
                 Poll::Ready(Some(Ok(pb::GenerateResponse {
                     text,
-                    token_ids: token.map(|t| t.0).into_iter().collect(),
+                    token_ids: tokens.into_iter().map(|t| t.0).collect(),
                     finish_reason: pb::FinishReason::Unspecified as i32,
                     usage: None,
                     request_id: id,
@@ -320,26 +320,7 @@ impl Stream for GenerateStream {
                 error,
             }) => {
                 this.ended = true;
-                let m = &this.metrics;
-                m.prompt_tokens.fetch_add(
-                    u64::from(usage.prompt_tokens),
-                    std::sync::atomic::Ordering::Relaxed,
-                );
-                m.cached_prompt_tokens.fetch_add(
-                    u64::from(usage.cached_prompt_tokens),
-                    std::sync::atomic::Ordering::Relaxed,
-                );
-                m.draft_tokens.fetch_add(
-                    u64::from(usage.draft_tokens),
-                    std::sync::atomic::Ordering::Relaxed,
-                );
-                m.accepted_draft_tokens.fetch_add(
-                    u64::from(usage.accepted_draft_tokens),
-                    std::sync::atomic::Ordering::Relaxed,
-                );
-                m.finished(&finish_reason.to_string());
                 if let Some(e) = error {
-                    m.error(e.error_kind());
                     let status = status_of(&e);
                     if matches!(e, RuntimeError::Engine(_)) && this.sent_id {
                         // Tokens were streamed: close with the figures, then the status.
@@ -374,19 +355,13 @@ impl pb::inference_server::Inference for InferenceService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        self.check_size(request.get_ref())?;
-        let req = to_runtime(request.into_inner())
-            .inspect_err(|_| self.metrics.error("invalid_request"))?;
-        let inner = self.rt.submit(req).map_err(|e| status_of(&e))?;
-        Ok(Response::new(GenerateStream {
-            inner,
-            metrics: self.metrics.clone(),
-            started: Instant::now(),
-            last_token: None,
-            sent_id: false,
-            trailer: None,
-            ended: false,
-        }))
+        let r = self.start_generate(request);
+        let status = match &r {
+            Ok(_) => "OK".to_string(),
+            Err(s) => format!("{:?}", s.code()),
+        };
+        self.rt.metrics().api_request("grpc", "Generate", &status);
+        r
     }
 
     async fn embed(

@@ -109,7 +109,8 @@ pub struct ServeArgs {
     /// Largest request message in bytes [default: 4194304].
     #[arg(long)]
     max_request_bytes: Option<usize>,
-    /// Serve over TLS with this PEM certificate chain (with --tls-key).
+    /// Serve gRPC and the HTTP API over TLS with this PEM certificate chain
+    /// (with --tls-key).
     #[arg(long, requires = "tls_key")]
     tls_cert: Option<PathBuf>,
     /// PEM private key of --tls-cert.
@@ -281,11 +282,9 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig, Option<HttpConf
     let http = match a.http_listen.as_deref() {
         Some("off") => None,
         other => {
-            if sc.tls.is_some() {
-                bail!(
-                    "TLS covers gRPC only for now: put the HTTP API behind a TLS proxy, \
-                     or pass --http-listen off"
-                );
+            // The same certificate serves HTTPS; a bad one fails here.
+            if let Some(tls) = &sc.tls {
+                siliceo_http::check_tls(tls).context("--tls-cert/--tls-key")?;
             }
             let listen = match other {
                 None => HttpConfig::default().listen,
@@ -297,6 +296,7 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig, Option<HttpConf
                 listen,
                 api_key: sc.api_key.clone(),
                 max_request_bytes: sc.max_request_bytes,
+                tls: sc.tls.clone(),
                 ..HttpConfig::default()
             })
         }
@@ -362,7 +362,10 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
             None => None,
         };
         let http_addr = match &http_listener {
-            Some(l) => format!(" · HTTP http://{}", l.local_addr()?),
+            Some(l) => {
+                let scheme = if sc.tls.is_some() { "https" } else { "http" };
+                format!(" · HTTP {scheme}://{}", l.local_addr()?)
+            }
             None => String::new(),
         };
         let info = rt.info();

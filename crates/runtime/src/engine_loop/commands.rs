@@ -53,28 +53,6 @@ impl Engine<'_> {
                             let _ = r.send(known);
                         }
                     }
-                    Command::Tokenize(text, special, tx) => {
-                        let r = self.model.tokenize(&text, special).map_err(|e| {
-                            RuntimeError::InvalidRequest {
-                                field: "text",
-                                reason: e.to_string(),
-                            }
-                        });
-                        let _ = tx.send(r);
-                    }
-                    Command::Detokenize(tokens, tx) => {
-                        let r = match tokens.iter().find(|t| !self.model.is_valid_token(**t)) {
-                            Some(bad) => Err(RuntimeError::InvalidRequest {
-                                field: "ids",
-                                reason: format!(
-                                    "token id {bad} is outside the vocabulary of {}",
-                                    self.model.geometry().n_vocab
-                                ),
-                            }),
-                            None => Ok(self.model.detokenize(&tokens, false)),
-                        };
-                        let _ = tx.send(r);
-                    }
                     Command::Stats(tx) => {
                         let _ = tx.send(self.stats());
                     }

@@ -108,8 +108,8 @@ impl Engine<'_> {
                 if !tail.is_empty() {
                     let _ = live.tx.send(Event::Text {
                         text: tail,
-                        token: None,
-                        logprob: None,
+                        tokens: Vec::new(),
+                        logprobs: Vec::new(),
                     });
                 }
             }
@@ -236,24 +236,35 @@ impl Engine<'_> {
         }
         live.sampler.accept(next);
         live.first_token.get_or_insert_with(Instant::now);
-        let mut logprobs = logprobs.into_iter();
+        // One event for the step: the text of every token up to a stop.
+        let mut text = String::new();
+        let mut tokens = Vec::with_capacity(accepted.len() + 1);
+        let mut stopped = false;
         for &token in accepted.iter().chain(std::iter::once(&next)) {
             live.completion_tokens += 1;
-            let (text, stopped) = live.text.push(token);
-            let closed = live
-                .tx
-                .send(Event::Text {
-                    text,
-                    token: Some(token),
-                    logprob: logprobs.next().map(Box::new),
-                })
-                .is_err();
-            if stopped {
-                return self.end(id, FinishReason::Stop, None);
+            let (piece, stop) = live.text.push(token);
+            text.push_str(&piece);
+            tokens.push(token);
+            if stop {
+                stopped = true;
+                break;
             }
-            if closed {
-                return self.end(id, FinishReason::Cancelled, None);
-            }
+        }
+        let mut logprobs = logprobs;
+        logprobs.truncate(tokens.len());
+        let closed = live
+            .tx
+            .send(Event::Text {
+                text,
+                tokens,
+                logprobs,
+            })
+            .is_err();
+        if stopped {
+            return self.end(id, FinishReason::Stop, None);
+        }
+        if closed {
+            return self.end(id, FinishReason::Cancelled, None);
         }
         // A complete constrained output ends here even when its
         // end-of-generation token is ignored.

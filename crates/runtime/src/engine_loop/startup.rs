@@ -5,8 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
-use siliceo_constrain::{Grammars, Vocabulary};
-use siliceo_core::{SeqId, TokenId};
+use siliceo_core::SeqId;
 use siliceo_engine::{
     Batch, Context, ContextOptions, GraftOptions, GraftedContext, KvFormat, Model,
 };
@@ -88,6 +87,10 @@ pub(crate) fn run(
             }
         },
     };
+    // Shared with the runtime's request layer, which templates and
+    // tokenizes on the submitting threads (llama.cpp's tokenizer only reads
+    // the vocabulary).
+    let model = Arc::new(model);
     match Engine::start(&model, draft.as_ref(), &cfg) {
         Ok((mut engine, info)) => {
             tracing::info!(
@@ -97,18 +100,9 @@ pub(crate) fn run(
                 block_size = engine.block_size,
                 "engine ready"
             );
-            let grammars = Arc::new(Grammars::new(vocabulary(&model)));
-            let (bos, eos, adds_bos) = model.bos_eos();
-            let chat = model.chat_template().map(|source| ChatSource {
-                source,
-                bos,
-                eos,
-                adds_bos,
-            });
             let _ = ready.send(Ok(Started {
                 info,
-                grammars,
-                chat,
+                model: model.clone(),
             }));
             engine.serve(&rx);
         }
@@ -121,27 +115,7 @@ pub(crate) fn run(
 /// What the engine thread hands the [`crate::Runtime`] once it is ready.
 pub(crate) struct Started {
     pub(crate) info: RuntimeInfo,
-    pub(crate) grammars: Arc<Grammars>,
-    pub(crate) chat: Option<ChatSource>,
-}
-
-/// The model's chat template and the token texts it may print.
-pub(crate) struct ChatSource {
-    pub(crate) source: String,
-    pub(crate) bos: String,
-    pub(crate) eos: String,
-    pub(crate) adds_bos: bool,
-}
-
-/// The model's vocabulary as the grammar compiler needs it.
-fn vocabulary(model: &Model) -> Vocabulary {
-    let n = model.geometry().n_vocab;
-    let ids = (0..n).map(TokenId);
-    Vocabulary {
-        tokens: ids.clone().map(|t| model.token_bytes(t, true)).collect(),
-        special: ids.clone().map(|t| model.is_control(t)).collect(),
-        end_of_generation: ids.filter(|&t| model.is_eog(t)).collect(),
-    }
+    pub(crate) model: Arc<Model>,
 }
 
 impl<'m> Engine<'m> {

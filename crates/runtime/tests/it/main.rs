@@ -185,13 +185,10 @@ fn dropping_a_stream_cancels_and_frees_at_once() {
 #[test]
 fn bad_requests_get_typed_errors_and_the_runtime_keeps_serving() {
     let rt = Runtime::start(RuntimeConfig::new(model_path())).unwrap();
-    let err_of = |req: GenerateRequest| match rt.submit(req).unwrap().blocking_collect().2 {
-        Event::Done {
-            finish_reason: FinishReason::Error,
-            error: Some(e),
-            ..
-        } => e,
-        other => panic!("expected an error, got {other:?}"),
+    // The request layer refuses these on the submitting thread.
+    let err_of = |req: GenerateRequest| match rt.submit(req) {
+        Err(e) => e,
+        Ok(s) => panic!("expected an error, got {:?}", s.blocking_collect().2),
     };
     let field = |e: RuntimeError| match e {
         RuntimeError::InvalidRequest { field, .. } => field,
@@ -216,6 +213,24 @@ fn bad_requests_get_typed_errors_and_the_runtime_keeps_serving() {
     let mut bad = request("hi", 5, Priority::Normal);
     bad.sampling.top_p = 0.0;
     assert_eq!(field(err_of(bad)), "top_p");
+    // A max_tokens the client set must fit beside the prompt; a default is
+    // cut to what the context leaves.
+    let n_ctx = rt.n_ctx();
+    let mut long = request("hi", n_ctx, Priority::Normal);
+    long.max_tokens_field = Some("max_completion_tokens");
+    match err_of(long) {
+        RuntimeError::ContextLengthExceeded {
+            field,
+            max_tokens,
+            n_ctx: n,
+            ..
+        } => assert_eq!((field, max_tokens, n), ("max_completion_tokens", n_ctx, n_ctx)),
+        other => panic!("expected ContextLengthExceeded, got {other:?}"),
+    }
+    let mut fits = request("hi", 3, Priority::Normal);
+    fits.max_tokens_field = Some("max_tokens");
+    let (_, tokens, _) = rt.submit(fits).unwrap().blocking_collect();
+    assert_eq!(tokens.len(), 3);
     // Still serving.
     let (text, _, _) = rt
         .submit(request("The capital of France is", 8, Priority::Normal))

@@ -103,6 +103,10 @@ impl TestServer {
     }
 }
 
+/// A `max_tokens` that keeps a stream going for many seconds, yet fits the
+/// context of 2,048 tokens beside a short prompt.
+const LONG: u32 = 2000;
+
 fn prompt_req(p: &str, max_tokens: u32) -> pb::GenerateRequest {
     pb::GenerateRequest {
         input: Some(Input::Prompt(p.to_string())),
@@ -341,6 +345,9 @@ async fn bad_requests_get_invalid_argument_naming_the_field() {
             "priority:",
         ),
         (prompt_req(&"x".repeat(100 * 1024), 4), "request:"),
+        // One limit for both protocols: a prompt plus max_tokens over the
+        // context is refused, naming the field.
+        (prompt_req("Once upon a time", 100_000), "max_tokens: the prompt's"),
     ];
     for (req, field) in cases {
         let (code, msg) = field_error(collect(&mut c, req).await);
@@ -360,7 +367,7 @@ async fn dropped_streams_and_cancel_free_the_kv_at_once() {
     let srv = TestServer::start(ServerConfig::default()).await;
     let mut c = srv.client().await;
     // A client that goes away mid-stream.
-    let (s, first) = open_stream(&mut c, prompt_req("Once upon a time", 100_000)).await;
+    let (s, first) = open_stream(&mut c, prompt_req("Once upon a time", LONG)).await;
     assert!(!first.text.is_empty() || !first.token_ids.is_empty());
     let during = c
         .get_model_info(pb::GetModelInfoRequest {})
@@ -375,7 +382,7 @@ async fn dropped_streams_and_cancel_free_the_kv_at_once() {
     wait_idle(&mut c).await;
 
     // Cancel by id: the stream ends with CANCELLED.
-    let mut req = prompt_req("Once upon a time", 100_000);
+    let mut req = prompt_req("Once upon a time", LONG);
     req.request_id = "to-cancel".into();
     let (mut s, _) = open_stream(&mut c, req).await;
     c.cancel(pb::CancelRequest {
@@ -568,7 +575,7 @@ async fn shutdown_lets_streams_finish_then_cancels_what_is_left() {
     assert_eq!(short, pb::FinishReason::Length as i32);
     // …an endless one is cancelled when the grace period runs out.
     let endless =
-        finish_reason_on_shutdown(Duration::from_millis(300), "Once upon a time", 1_000_000).await;
+        finish_reason_on_shutdown(Duration::from_millis(300), "Once upon a time", LONG).await;
     assert_eq!(endless, pb::FinishReason::Cancelled as i32);
 }
 

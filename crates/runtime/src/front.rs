@@ -1,0 +1,267 @@
+//! The request layer: what both protocols' handlers call, on their own
+//! threads, before a request reaches the engine thread. It renders chats with
+//! the model's template, tokenizes, checks every limit (sampling values,
+//! log-probabilities, logit bias, prompt and `max_tokens` against the
+//! context) and compiles the constraint. The engine thread then only queues
+//! token ids; what it can still refuse (a full queue, a duplicate id) depends
+//! on its state.
+
+use std::sync::Arc;
+
+use siliceo_chat::{ChatError, ChatTemplate};
+use siliceo_constrain::{Grammars, Matcher, Vocabulary};
+use siliceo_core::TokenId;
+use siliceo_engine::Model;
+
+use crate::{GenerateRequest, Input, RuntimeError};
+
+/// The model's chat template, compiled for rendering on submitting threads.
+#[derive(Debug)]
+struct Chat {
+    template: ChatTemplate,
+    /// Tokenizing adds a BOS: a BOS the template prints is dropped.
+    adds_bos: bool,
+}
+
+/// A request ready for the engine thread.
+pub(crate) struct Prepared {
+    pub(crate) req: GenerateRequest,
+    pub(crate) tokens: Vec<TokenId>,
+    pub(crate) matcher: Option<Matcher>,
+}
+
+/// Templates, tokenizes, validates and compiles (see the module's doc).
+#[derive(Debug)]
+pub(crate) struct Front {
+    model: Arc<Model>,
+    grammars: Grammars,
+    chat: Option<Chat>,
+    /// The longest sequence, prompt plus generation.
+    max_seq_len: u32,
+}
+
+fn invalid(field: &'static str, reason: impl Into<String>) -> RuntimeError {
+    RuntimeError::InvalidRequest {
+        field,
+        reason: reason.into(),
+    }
+}
+
+/// The model's vocabulary as the grammar compiler needs it.
+fn vocabulary(model: &Model) -> Vocabulary {
+    let n = model.geometry().n_vocab;
+    let ids = (0..n).map(TokenId);
+    Vocabulary {
+        tokens: ids.clone().map(|t| model.token_bytes(t, true)).collect(),
+        special: ids.clone().map(|t| model.is_control(t)).collect(),
+        end_of_generation: ids.filter(|&t| model.is_eog(t)).collect(),
+    }
+}
+
+impl Front {
+    pub(crate) fn new(model: Arc<Model>, max_seq_len: u32) -> Front {
+        let grammars = Grammars::new(vocabulary(&model));
+        let (bos, eos, adds_bos) = model.bos_eos();
+        let chat = model.chat_template().and_then(|source| {
+            match ChatTemplate::new(&source, &bos, &eos) {
+                Ok(template) => Some(Chat { template, adds_bos }),
+                Err(e) => {
+                    // llama.cpp's built-in templates still serve plain chats.
+                    tracing::warn!(error = %e, "chat template not usable: chats fall back to llama.cpp's template guess, without tools");
+                    None
+                }
+            }
+        });
+        Front {
+            model,
+            grammars,
+            chat,
+            max_seq_len,
+        }
+    }
+
+    pub(crate) fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat.as_ref().map(|c| &c.template)
+    }
+
+    pub(crate) fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<TokenId>, RuntimeError> {
+        self.model
+            .tokenize(text, add_special)
+            .map_err(|e| invalid("text", e.to_string()))
+    }
+
+    pub(crate) fn detokenize(&self, tokens: &[TokenId]) -> Result<String, RuntimeError> {
+        self.check_ids("ids", tokens)?;
+        Ok(self.model.detokenize(tokens, false))
+    }
+
+    fn check_ids(&self, field: &'static str, tokens: &[TokenId]) -> Result<(), RuntimeError> {
+        match tokens.iter().find(|t| !self.model.is_valid_token(**t)) {
+            Some(bad) => Err(invalid(
+                field,
+                format!(
+                    "token id {bad} is outside the vocabulary of {}",
+                    self.model.geometry().n_vocab
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Everything the engine thread needs, or the first thing wrong with
+    /// the request.
+    pub(crate) fn prepare(&self, req: GenerateRequest) -> Result<Prepared, RuntimeError> {
+        if let Err(siliceo_core::Error::InvalidParameter { field, reason }) =
+            req.sampling.validate()
+        {
+            return Err(invalid(field, reason));
+        }
+        if let Some(k) = req.logprobs
+            && k > crate::MAX_TOP_LOGPROBS
+        {
+            return Err(invalid(
+                "top_logprobs",
+                format!("at most {} alternatives per token", crate::MAX_TOP_LOGPROBS),
+            ));
+        }
+        let n_vocab = self.model.geometry().n_vocab;
+        if let Some((t, _)) = req.sampling.logit_bias.iter().find(|(t, _)| t.0 >= n_vocab) {
+            return Err(invalid(
+                "logit_bias",
+                format!("token id {} is outside the vocabulary of {n_vocab}", t.0),
+            ));
+        }
+        let mut req = self.render(req)?;
+        let input = std::mem::replace(&mut req.input, Input::Tokens(Vec::new()));
+        let tokens = self.tokens_of(input)?;
+        let (prompt, max_seq) = (tokens.len() as u64, u64::from(self.max_seq_len));
+        if prompt >= max_seq {
+            return Err(invalid(
+                "prompt",
+                format!("prompt of {prompt} tokens does not fit the context of {max_seq} tokens"),
+            ));
+        }
+        // OpenAI and vLLM refuse a prompt plus `max_tokens` over the context
+        // rather than cut the answer short; a default is cut to what is left.
+        let max = u64::from(req.sampling.max_tokens);
+        match req.max_tokens_field {
+            Some(field) if prompt + max > max_seq => {
+                return Err(RuntimeError::ContextLengthExceeded {
+                    field,
+                    prompt_tokens: prompt as u32,
+                    max_tokens: max as u32,
+                    n_ctx: self.max_seq_len,
+                });
+            }
+            Some(_) => {}
+            None => req.sampling.max_tokens = max.min(max_seq - prompt) as u32,
+        }
+        let matcher = self.compile(&req)?;
+        Ok(Prepared {
+            req,
+            tokens,
+            matcher,
+        })
+    }
+
+    /// Renders a chat request's messages and tools with the model's
+    /// template; other inputs pass through.
+    fn render(&self, mut req: GenerateRequest) -> Result<GenerateRequest, RuntimeError> {
+        let Input::Chat(msgs) = &req.input else {
+            if !req.tools.is_empty() {
+                return Err(invalid("tools", "tools need chat messages"));
+            }
+            return Ok(req);
+        };
+        if msgs.is_empty() {
+            return Err(invalid("chat", "no messages"));
+        }
+        let Some(chat) = &self.chat else {
+            let tool_turns = msgs
+                .iter()
+                .any(|m| !m.tool_calls.is_empty() || m.role == "tool");
+            if !req.tools.is_empty() || tool_turns {
+                return Err(invalid(
+                    "tools",
+                    "the model has no chat template siliceo can render with tools",
+                ));
+            }
+            return Ok(req);
+        };
+        let text = chat
+            .template
+            .render(msgs, &req.tools, true)
+            .map_err(|e| match e {
+                ChatError::NoToolSyntax => invalid("tools", e.to_string()),
+                other => invalid("chat", other.to_string()),
+            })?;
+        // Tokenizing puts the BOS back where the model wants one.
+        let bos = chat.template.bos();
+        let text = match text.strip_prefix(bos) {
+            Some(rest) if chat.adds_bos && !bos.is_empty() => rest.to_string(),
+            _ => text,
+        };
+        if text.is_empty() {
+            return Err(invalid("chat", "the chat template rendered nothing"));
+        }
+        req.input = Input::Prompt(text);
+        Ok(req)
+    }
+
+    /// The prompt's token ids.
+    fn tokens_of(&self, input: Input) -> Result<Vec<TokenId>, RuntimeError> {
+        let tokens = match input {
+            Input::Prompt(p) => {
+                if p.is_empty() {
+                    return Err(invalid("prompt", "the prompt is empty"));
+                }
+                self.model
+                    .tokenize(&p, true)
+                    .map_err(|e| invalid("prompt", e.to_string()))?
+            }
+            Input::Chat(msgs) => {
+                // Only without a usable Jinja template (chats are rendered
+                // above otherwise): llama.cpp's built-in guess.
+                let msgs: Vec<siliceo_engine::ChatMessage> = msgs
+                    .into_iter()
+                    .map(|m| {
+                        siliceo_engine::ChatMessage::new(m.role, m.content.unwrap_or_default())
+                    })
+                    .collect();
+                let text = self
+                    .model
+                    .apply_chat_template(&msgs, true)
+                    .map_err(|e| invalid("chat", e.to_string()))?;
+                self.model
+                    .tokenize(&text, true)
+                    .map_err(|e| invalid("chat", e.to_string()))?
+            }
+            Input::Tokens(t) => {
+                self.check_ids("tokens", &t)?;
+                t
+            }
+        };
+        if tokens.is_empty() {
+            return Err(invalid("prompt", "the prompt is empty"));
+        }
+        Ok(tokens)
+    }
+
+    /// Compiles a request's constraint; an invalid one names the request's
+    /// `constraint_field`.
+    fn compile(&self, req: &GenerateRequest) -> Result<Option<Matcher>, RuntimeError> {
+        let Some(c) = &req.constraint else {
+            return Ok(None);
+        };
+        let field = req.constraint_field;
+        c.validate(field).map_err(|e| match e {
+            siliceo_core::Error::InvalidParameter { reason, .. } => invalid(field, reason),
+            other => invalid(field, other.to_string()),
+        })?;
+        match self.grammars.compile(c) {
+            Ok(m) => Ok(Some(m)),
+            Err(siliceo_constrain::ConstraintError::Invalid(reason)) => Err(invalid(field, reason)),
+            Err(e) => Err(RuntimeError::Engine(e.to_string())),
+        }
+    }
+}
