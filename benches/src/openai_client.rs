@@ -17,7 +17,8 @@ pub struct Timing {
     pub ttft_ms: f64,
     /// Submit to the end of the stream, ms (from `t0`).
     pub end_ms: f64,
-    /// Tokens generated (the usage chunk's count).
+    /// Tokens generated: the usage chunk's count, or (a server that sends
+    /// none) the chunks that carried text, one token each.
     pub tokens: u32,
 }
 
@@ -47,7 +48,7 @@ pub fn completion(addr: SocketAddr, prompt: &[TokenId], n: u32, t0: Instant) -> 
     if !line.contains(" 200 ") {
         bail!("{addr} answered {}", line.trim());
     }
-    let (mut first, mut tokens) = (None, None);
+    let (mut first, mut tokens, mut chunks) = (None, None, 0u32);
     // Each event arrives in one chunk of the chunked body, so its `data:`
     // line is whole; the chunk-size lines around it are skipped.
     loop {
@@ -68,6 +69,7 @@ pub fn completion(addr: SocketAddr, prompt: &[TokenId], n: u32, t0: Instant) -> 
             .is_some_and(|t| !t.is_empty())
         {
             first.get_or_insert(t0.elapsed().as_secs_f64() * 1000.0);
+            chunks += 1;
         }
         if let Some(k) = v["usage"]["completion_tokens"].as_u64() {
             tokens = Some(k as u32);
@@ -76,7 +78,7 @@ pub fn completion(addr: SocketAddr, prompt: &[TokenId], n: u32, t0: Instant) -> 
     Ok(Timing {
         ttft_ms: first.context("the stream carried no text")?,
         end_ms: t0.elapsed().as_secs_f64() * 1000.0,
-        tokens: tokens.context("the stream carried no usage")?,
+        tokens: tokens.unwrap_or(chunks),
     })
 }
 

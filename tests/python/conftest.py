@@ -31,7 +31,7 @@ def free_port() -> int:
 class Server:
     """A `siliceo serve` child: its gRPC and HTTP addresses and metrics."""
 
-    def __init__(self, *extra: str, threads: int = 2):
+    def __init__(self, *extra: str, threads: int = 2, context: int = 2048):
         binary = os.environ.get("SILICEO_BIN") or str(
             ROOT / "target" / "debug" / "siliceo"
         )
@@ -46,7 +46,7 @@ class Server:
             "--metrics-listen",
             f"127.0.0.1:{self.metrics_port}",
             "--context",
-            "2048",
+            str(context),
             "--threads",
             str(threads),
             *extra,

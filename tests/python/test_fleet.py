@@ -82,8 +82,9 @@ class Gateway:
 
 @pytest.fixture(scope="module")
 def replicas():
-    # Requests go one at a time in most tests: each replica may use both cores.
-    servers = [Server() for _ in range(REPLICAS)]
+    # Requests go one at a time in most tests: each replica may use both
+    # cores. KV for 8,192 tokens: three ~1,500-token prefixes fit at once.
+    servers = [Server(context=8192) for _ in range(REPLICAS)]
     yield servers
     for s in servers:
         if s.proc.poll() is None:
@@ -191,10 +192,10 @@ def test_cache_aware_routing_keeps_a_shared_prefix_on_its_replica(replicas):
     landed_rr, hits_rr, warm_rr = shared_prefix_run(replicas, "round_robin", "B", rounds=4)
     print(f"round_robin: {landed_rr}/{warm_rr} on the prefix's replica, {hits_rr}/{warm_rr} cache hits")
     # It spreads each prefix over all three replicas: a third land where it
-    # was computed first. (With a 2,048-token KV each replica holds one
-    # prefix at a time, so those are misses too.)
+    # was computed first, and only those find it in their cache (each
+    # replica computes each prefix once).
     assert landed_rr <= warm_rr // 2, landed_rr
-    assert hits_rr / warm_rr < 0.5, hits_rr
+    assert hits_rr <= warm_rr // 2, hits_rr
     for s in replicas:
         s.wait_idle()
 

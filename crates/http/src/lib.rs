@@ -212,11 +212,10 @@ async fn loads(State(s): State<Arc<AppState>>) -> Response {
         Err(e) => return ApiError::internal(e.to_string()).into_response(),
     };
     let info = s.rt.info();
-    let generated = s
-        .rt
-        .metrics()
-        .generated_tokens
-        .load(std::sync::atomic::Ordering::Relaxed);
+    let generated =
+        s.rt.metrics()
+            .generated_tokens
+            .load(std::sync::atomic::Ordering::Relaxed);
     let throughput = {
         let mut last = s.last_load.lock().unwrap_or_else(|p| p.into_inner());
         let secs = last.0.elapsed().as_secs_f64();
@@ -251,11 +250,7 @@ async fn loads(State(s): State<Arc<AppState>>) -> Response {
 async fn metrics(State(s): State<Arc<AppState>>) -> Response {
     let rt = s.rt.clone();
     match tokio::task::spawn_blocking(move || rt.prometheus()).await {
-        Ok(body) => (
-            [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-            body,
-        )
-            .into_response(),
+        Ok(body) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response(),
         Err(e) => ApiError::internal(e.to_string()).into_response(),
     }
 }

@@ -346,9 +346,8 @@ fn plan(common: Common, input: Input) -> Result<Plan, ApiError> {
     }
     request.sampling = sampling;
     // A max_tokens the client set must fit beside the prompt.
-    request.max_tokens_field = (common.max_completion_tokens.is_some()
-        || common.max_tokens.is_some())
-    .then_some(field);
+    request.max_tokens_field =
+        (common.max_completion_tokens.is_some() || common.max_tokens.is_some()).then_some(field);
     request.priority = priority;
     request.cache_salt = common.cache_salt.filter(|s| !s.is_empty());
     Ok(Plan {

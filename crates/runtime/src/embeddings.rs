@@ -236,9 +236,9 @@ impl EmbeddingService {
     fn submit(&self, job: Job) -> Result<(), RuntimeError> {
         self.tx.try_send(job).map_err(|e| match e {
             // Its queue holds `max_queue` jobs.
-            TrySendError::Full(_) => RuntimeError::Rejected(siliceo_scheduler::Rejected::QueueFull(
-                siliceo_core::RequestId("embedding".into()),
-            )),
+            TrySendError::Full(_) => RuntimeError::Rejected(
+                siliceo_scheduler::Rejected::QueueFull(siliceo_core::RequestId("embedding".into())),
+            ),
             TrySendError::Disconnected(_) => RuntimeError::Stopped,
         })
     }

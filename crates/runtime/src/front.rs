@@ -84,7 +84,11 @@ impl Front {
         self.chat.as_ref().map(|c| &c.template)
     }
 
-    pub(crate) fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<TokenId>, RuntimeError> {
+    pub(crate) fn tokenize(
+        &self,
+        text: &str,
+        add_special: bool,
+    ) -> Result<Vec<TokenId>, RuntimeError> {
         self.model
             .tokenize(text, add_special)
             .map_err(|e| invalid("text", e.to_string()))

@@ -564,7 +564,9 @@ impl RequestStream {
         while let Some(e) = self.blocking_next() {
             match e {
                 Event::Text {
-                    text: t, tokens: ts, ..
+                    text: t,
+                    tokens: ts,
+                    ..
                 } => {
                     text.push_str(&t);
                     tokens.extend(ts);

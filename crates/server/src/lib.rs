@@ -322,7 +322,12 @@ mod tests {
         };
         let s = status_of(&long);
         assert_eq!(s.code(), tonic::Code::InvalidArgument);
-        assert!(s.message().starts_with("max_tokens: the prompt's 10 tokens"), "{}", s.message());
+        assert!(
+            s.message()
+                .starts_with("max_tokens: the prompt's 10 tokens"),
+            "{}",
+            s.message()
+        );
         assert_eq!(
             status_of(&RuntimeError::Stopped).code(),
             tonic::Code::Unavailable

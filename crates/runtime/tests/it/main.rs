@@ -224,7 +224,10 @@ fn bad_requests_get_typed_errors_and_the_runtime_keeps_serving() {
             max_tokens,
             n_ctx: n,
             ..
-        } => assert_eq!((field, max_tokens, n), ("max_completion_tokens", n_ctx, n_ctx)),
+        } => assert_eq!(
+            (field, max_tokens, n),
+            ("max_completion_tokens", n_ctx, n_ctx)
+        ),
         other => panic!("expected ContextLengthExceeded, got {other:?}"),
     }
     let mut fits = request("hi", 3, Priority::Normal);

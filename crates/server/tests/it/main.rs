@@ -347,7 +347,10 @@ async fn bad_requests_get_invalid_argument_naming_the_field() {
         (prompt_req(&"x".repeat(100 * 1024), 4), "request:"),
         // One limit for both protocols: a prompt plus max_tokens over the
         // context is refused, naming the field.
-        (prompt_req("Once upon a time", 100_000), "max_tokens: the prompt's"),
+        (
+            prompt_req("Once upon a time", 100_000),
+            "max_tokens: the prompt's",
+        ),
     ];
     for (req, field) in cases {
         let (code, msg) = field_error(collect(&mut c, req).await);
