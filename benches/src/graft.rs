@@ -309,8 +309,12 @@ fn capacity(path: &Path, model: &Model) -> Result<()> {
 }
 
 /// Runs `n` distinct 2,048-token sequences at once in a 256 MiB store of
-/// `format`: all of them must run together (no preemption).
+/// `format`: all of them must run together (no preemption). Each generates
+/// long enough (`CAP_GEN` tokens) to still run when the last one's prompt
+/// is in: a step prefills at most 512 prompt tokens, so with short answers
+/// the first would end before the last starts, whatever the memory.
 fn verify_capacity(path: &Path, format: &KvFormat, n: u32) -> Result<()> {
+    const CAP_GEN: u32 = 64;
     let model = Model::load(path, &ModelOptions::default())?;
     let mut cfg = RuntimeConfig::new(path);
     cfg.kv = KvBackend::Ours {
@@ -327,8 +331,8 @@ fn verify_capacity(path: &Path, format: &KvFormat, n: u32) -> Result<()> {
     let subs = (0..n)
         .map(|i| {
             let mut p = model.tokenize(&format!("Report {i}."), true)?;
-            p.extend(context_tokens(&model, 2048 - 8 - p.len())?);
-            Ok(rt.submit(greedy(p, 8))?)
+            p.extend(context_tokens(&model, 2048 - CAP_GEN as usize - p.len())?);
+            Ok(rt.submit(greedy(p, CAP_GEN))?)
         })
         .collect::<Result<Vec<_>>>()?;
     let mut peak = 0;
@@ -349,5 +353,8 @@ fn verify_capacity(path: &Path, format: &KvFormat, n: u32) -> Result<()> {
         format.name(),
         s.preemptions
     );
+    if peak < n as usize || s.preemptions > 0 {
+        bail!("the store's plan says {n} sequences fit; {peak} ran at once");
+    }
     Ok(())
 }
