@@ -102,7 +102,7 @@ pub struct Runtime {
     tx: Sender<Command>,
     thread: Option<JoinHandle<()>>,
     info: RuntimeInfo,
-    front: Front,
+    front: Arc<Front>,
     next_id: AtomicU64,
     metrics: Arc<Metrics>,
 }
@@ -131,7 +131,7 @@ impl Runtime {
             .map_err(|e| RuntimeError::Start(e.to_string()))?;
         match ready_rx.recv() {
             Ok(Ok(engine_loop::Started { info, model })) => {
-                let front = Front::new(model, info.n_ctx);
+                let front = Arc::new(Front::new(model, info.n_ctx));
                 Ok(Runtime {
                     tx,
                     thread: Some(thread),
@@ -204,13 +204,15 @@ impl Runtime {
     /// Queues a request and waits until the engine has queued it (between
     /// two steps, not until it runs): a refused request is an error here,
     /// not a stream. Returns the stream and the prompt's length in tokens.
+    /// Call it inside a tokio runtime: the request layer runs on its
+    /// blocking pool, as in [`submit_async`](Self::submit_async).
     pub async fn submit_accepted(
         &self,
         req: GenerateRequest,
     ) -> Result<(RequestStream, u32), RuntimeError> {
         let (atx, arx) = tokio::sync::oneshot::channel();
         // Made now, so a caller dropped while waiting cancels the request.
-        let stream = self.send(req, Some(atx))?;
+        let stream = self.submit_from_async(req, Some(atx)).await?;
         match arx.await {
             Ok(Ok(prompt_tokens)) => Ok((stream, prompt_tokens)),
             Ok(Err(e)) => Err(e),
@@ -221,7 +223,34 @@ impl Runtime {
         }
     }
 
-    /// Both submits: the request layer here, then the engine thread.
+    /// [`submit`](Self::submit) for async callers (inside a tokio runtime):
+    /// the request layer's work (templating, tokenizing a long prompt,
+    /// compiling a grammar) runs on tokio's blocking pool, not on the
+    /// caller's worker thread.
+    pub async fn submit_async(&self, req: GenerateRequest) -> Result<RequestStream, RuntimeError> {
+        self.submit_from_async(req, None).await
+    }
+
+    async fn submit_from_async(
+        &self,
+        req: GenerateRequest,
+        accepted: Option<Accepted>,
+    ) -> Result<RequestStream, RuntimeError> {
+        let submitted = std::time::Instant::now();
+        let id = self.id_of(&req);
+        let front = self.front.clone();
+        let prepared = tokio::task::spawn_blocking(move || front.prepare(req))
+            .await
+            .unwrap_or_else(|_| {
+                Err(RuntimeError::Engine(
+                    "internal error while preparing the request".into(),
+                ))
+            });
+        self.hand_over(id, submitted, prepared, accepted)
+    }
+
+    /// Both sync submits: the request layer on this thread, then the engine
+    /// thread.
     fn send(
         &self,
         req: GenerateRequest,
@@ -229,11 +258,24 @@ impl Runtime {
     ) -> Result<RequestStream, RuntimeError> {
         let submitted = std::time::Instant::now();
         let id = self.id_of(&req);
+        let prepared = self.front.prepare(req);
+        self.hand_over(id, submitted, prepared, accepted)
+    }
+
+    /// Hands a prepared request to the engine thread (or counts the
+    /// request layer's refusal).
+    fn hand_over(
+        &self,
+        id: RequestId,
+        submitted: std::time::Instant,
+        prepared: Result<front::Prepared, RuntimeError>,
+        accepted: Option<Accepted>,
+    ) -> Result<RequestStream, RuntimeError> {
         let front::Prepared {
             req,
             tokens,
             matcher,
-        } = self.front.prepare(req).inspect_err(|e| {
+        } = prepared.inspect_err(|e| {
             self.metrics.error(e.error_kind());
             self.metrics.finished("error");
         })?;

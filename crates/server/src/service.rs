@@ -29,15 +29,16 @@ pub struct InferenceService {
 }
 
 impl InferenceService {
-    /// `Generate`'s work: the request checked and submitted.
-    fn start_generate(
+    /// `Generate`'s work: the request checked and submitted (the runtime's
+    /// request layer runs on tokio's blocking pool).
+    async fn start_generate(
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<GenerateStream>, Status> {
         self.check_size(request.get_ref())?;
         let req = to_runtime(request.into_inner())
             .inspect_err(|_| self.rt.metrics().error("invalid_request"))?;
-        let inner = self.rt.submit(req).map_err(|e| status_of(&e))?;
+        let inner = self.rt.submit_async(req).await.map_err(|e| status_of(&e))?;
         Ok(Response::new(GenerateStream {
             inner,
             sent_id: false,
@@ -355,7 +356,7 @@ impl pb::inference_server::Inference for InferenceService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let r = self.start_generate(request);
+        let r = self.start_generate(request).await;
         let status = match &r {
             Ok(_) => "OK".to_string(),
             Err(s) => format!("{:?}", s.code()),
