@@ -698,14 +698,7 @@ fn grpc(model_path: PathBuf, reps: usize) -> Result<()> {
         siliceo_server::ServerConfig::default(),
         std::future::pending(),
     ));
-    let http_listener = tokio.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
-    let http_addr = http_listener.local_addr()?;
-    tokio.spawn(siliceo_http::serve_on(
-        http_listener,
-        rt.clone(),
-        siliceo_http::HttpConfig::default(),
-        std::future::pending(),
-    ));
+    let http_addr = openai_client::serve_http(&tokio, rt.clone())?;
     let prompt = |i: usize| format!("{} (stream {i})", PROMPTS[i % PROMPTS.len()]);
     let over_http = |n: usize| -> Result<(f64, Vec<f64>)> {
         let prompts = (0..n)

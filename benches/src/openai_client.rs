@@ -82,6 +82,22 @@ pub fn completion(addr: SocketAddr, prompt: &[TokenId], n: u32, t0: Instant) -> 
     })
 }
 
+/// Serves `rt`'s OpenAI API on a loopback port of `tokio`'s; returns where.
+pub fn serve_http(
+    tokio: &tokio::runtime::Runtime,
+    rt: std::sync::Arc<siliceo_runtime::Runtime>,
+) -> Result<SocketAddr> {
+    let listener = tokio.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let addr = listener.local_addr()?;
+    tokio.spawn(siliceo_http::serve_on(
+        listener,
+        rt,
+        siliceo_http::HttpConfig::default(),
+        std::future::pending(),
+    ));
+    Ok(addr)
+}
+
 /// `completion` of every prompt at once, one thread each.
 pub fn completions(addr: SocketAddr, prompts: Vec<Vec<TokenId>>, n: u32) -> Result<Vec<Timing>> {
     let t0 = Instant::now();

@@ -24,7 +24,7 @@ use siliceo_core::TokenId;
 use siliceo_engine::{Model, ModelOptions};
 
 use crate::median;
-use crate::openai_client::{Timing, completions};
+use crate::openai_client::{Timing, completions, serve_http};
 
 struct LlamaServer {
     child: Child,
@@ -104,14 +104,7 @@ pub fn peer(b: &PeerBench) -> Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let listener = tokio.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
-    let ours: SocketAddr = listener.local_addr()?;
-    tokio.spawn(siliceo_http::serve_on(
-        listener,
-        rt.clone(),
-        siliceo_http::HttpConfig::default(),
-        std::future::pending(),
-    ));
+    let ours = serve_http(&tokio, rt.clone())?;
     let theirs = SocketAddr::from(([127, 0, 0, 1], llama.port));
     let short = |i: usize| -> Result<Vec<TokenId>> {
         Ok(model.tokenize(

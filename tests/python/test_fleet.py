@@ -16,14 +16,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import Server, free_port
+from conftest import QUESTION, Server, free_port
 
 REPLICAS = 3
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
-QUESTION = [
-    {"role": "system", "content": "You are a helpful assistant."},
-    {"role": "user", "content": "What is the capital of France?"},
-]
 
 
 def smg_binary() -> str:

@@ -13,12 +13,7 @@ import httpx2 as httpx  # what openai 3.x builds on
 import openai
 import pytest
 
-from conftest import API_KEY, Server, client
-
-QUESTION = [
-    {"role": "system", "content": "You are a helpful assistant."},
-    {"role": "user", "content": "What is the capital of France?"},
-]
+from conftest import API_KEY, QUESTION, Server, client, parse_metrics
 
 
 def make_certificates(dir: Path) -> tuple[Path, Path, Path]:
@@ -82,13 +77,8 @@ def test_one_certificate_serves_https_and_grpc_over_tls(grpc_api):
         srv.stop()
 
 
-def metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            key, _, value = line.rpartition(" ")
-            if key == name:
-                return float(value)
-    return 0.0
+def scrape(url: str) -> dict[str, float]:
+    return parse_metrics(urllib.request.urlopen(url, timeout=10).read().decode())
 
 
 def test_http_serves_metrics_that_count_both_protocols(server, grpc_api):
@@ -96,7 +86,7 @@ def test_http_serves_metrics_that_count_both_protocols(server, grpc_api):
     # /metrics on the HTTP port, open like /health, is the same exposition
     # as the metrics port.
     url = f"{server.http}/metrics"
-    before = urllib.request.urlopen(url, timeout=10).read().decode()
+    before = scrape(url)
     c = client(server)
     c.chat.completions.create(
         model=c.models.list().data[0].id, messages=QUESTION, max_tokens=3, temperature=0
@@ -105,18 +95,18 @@ def test_http_serves_metrics_that_count_both_protocols(server, grpc_api):
         c.completions.create(model=c.models.list().data[0].id, prompt="Hi", max_tokens=0)
     list(stub.Generate(pb.GenerateRequest(prompt="Hi", max_tokens=2, ignore_eos=True), metadata=md))
     server.wait_idle()
-    after = urllib.request.urlopen(url, timeout=10).read().decode()
+    after = scrape(url)
     chat_ok = 'siliceo_api_requests_total{protocol="http",endpoint="/v1/chat/completions",status="200"}'
     bad = 'siliceo_api_requests_total{protocol="http",endpoint="/v1/completions",status="400"}'
     grpc_ok = 'siliceo_api_requests_total{protocol="grpc",endpoint="Generate",status="OK"}'
-    assert metric(after, chat_ok) == metric(before, chat_ok) + 1, after
-    assert metric(after, bad) == metric(before, bad) + 1, after
-    assert metric(after, grpc_ok) == metric(before, grpc_ok) + 1, after
+    assert after.get(chat_ok, 0) == before.get(chat_ok, 0) + 1, after
+    assert after.get(bad, 0) == before.get(bad, 0) + 1, after
+    assert after.get(grpc_ok, 0) == before.get(grpc_ok, 0) + 1, after
     # Tokens are counted by the runtime, whichever protocol asked: 3 + 2.
     gen = "siliceo_generated_tokens_total"
-    assert metric(after, gen) - metric(before, gen) >= 5
+    assert after.get(gen, 0) - before.get(gen, 0) >= 5
     # The metrics port shows the same counters.
-    assert server.metrics()[chat_ok] == metric(after, chat_ok)
+    assert server.metrics()[chat_ok] == after.get(chat_ok, 0)
 
 
 def test_grpc_refuses_max_tokens_over_the_context_like_http(server, grpc_api):

@@ -9,19 +9,11 @@ import grpc
 import openai
 import pytest
 
-from conftest import API_KEY, ROOT, Server, client
+from conftest import API_KEY, QUESTION, ROOT, Server, client
 
 
 def model_id(server) -> str:
     return client(server).models.list().data[0].id
-
-
-# SmolLM2-135M's own template adds a default system prompt it answers this
-# question badly under; a plain one keeps it on topic.
-QUESTION = [
-    {"role": "system", "content": "You are a helpful assistant."},
-    {"role": "user", "content": "What is the capital of France?"},
-]
 
 
 def test_models_and_health(server):

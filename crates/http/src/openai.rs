@@ -282,16 +282,13 @@ fn plan(common: Common, input: Input) -> Result<Plan, ApiError> {
     let d = SamplingParams::greedy();
     // Without max_tokens, generate until the model stops or the context
     // ends, as OpenAI and vLLM do (the runtime cuts it to what is left).
-    let max_tokens = match (common.max_completion_tokens, common.max_tokens) {
-        (Some(m), _) | (None, Some(m)) => m,
-        (None, None) => u32::MAX,
+    // The field the client set, if any, names the refusals.
+    let (max_tokens, max_tokens_field) = match (common.max_completion_tokens, common.max_tokens) {
+        (Some(m), _) => (m, Some("max_completion_tokens")),
+        (None, Some(m)) => (m, Some("max_tokens")),
+        (None, None) => (u32::MAX, None),
     };
-    let field = if common.max_completion_tokens.is_some() {
-        "max_completion_tokens"
-    } else {
-        "max_tokens"
-    };
-    if max_tokens == 0 {
+    if let (0, Some(field)) = (max_tokens, max_tokens_field) {
         return Err(ApiError::invalid(field, "must be at least 1"));
     }
     let top_k = match common.top_k {
@@ -346,8 +343,7 @@ fn plan(common: Common, input: Input) -> Result<Plan, ApiError> {
     }
     request.sampling = sampling;
     // A max_tokens the client set must fit beside the prompt.
-    request.max_tokens_field =
-        (common.max_completion_tokens.is_some() || common.max_tokens.is_some()).then_some(field);
+    request.max_tokens_field = max_tokens_field;
     request.priority = priority;
     request.cache_salt = common.cache_salt.filter(|s| !s.is_empty());
     Ok(Plan {

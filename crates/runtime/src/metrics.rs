@@ -82,45 +82,60 @@ pub struct Metrics {
     pub inter_token: Histogram,
 }
 
-fn bump(v: &Mutex<Vec<(String, u64)>>, label: &str) {
+/// Counts one more for the label set `labels` (`reason="stop"`).
+fn bump(v: &Mutex<Vec<(String, u64)>>, labels: String) {
     let mut v = v.lock().unwrap_or_else(|p| p.into_inner());
-    match v.iter_mut().find(|(l, _)| l == label) {
+    match v.iter_mut().find(|(l, _)| *l == labels) {
         Some((_, n)) => *n += 1,
-        None => v.push((label.to_string(), 1)),
+        None => v.push((labels, 1)),
     }
+}
+
+/// One metric family in Prometheus' text format: `samples` are (label set,
+/// value), the label set empty for an unlabelled sample.
+fn family<L: AsRef<str>, V: std::fmt::Display>(
+    out: &mut String,
+    name: &str,
+    kind: &str,
+    help: &str,
+    samples: impl IntoIterator<Item = (L, V)>,
+) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    for (labels, v) in samples {
+        let labels = labels.as_ref();
+        if labels.is_empty() {
+            let _ = writeln!(out, "{name} {v}");
+        } else {
+            let _ = writeln!(out, "{name}{{{labels}}} {v}");
+        }
+    }
+}
+
+/// The samples of a labelled counter.
+fn samples(v: &Mutex<Vec<(String, u64)>>) -> Vec<(String, u64)> {
+    v.lock().unwrap_or_else(|p| p.into_inner()).clone()
 }
 
 impl Metrics {
     /// Counts a finished request.
     pub fn finished(&self, reason: &str) {
-        bump(&self.finished, reason);
+        bump(&self.finished, format!("reason=\"{reason}\""));
     }
 
     /// Counts a failed request by error kind.
     pub fn error(&self, kind: &str) {
-        bump(&self.errors, kind);
+        bump(&self.errors, format!("kind=\"{kind}\""));
     }
 
     /// Counts a protocol request: `protocol` (`http`, `grpc`), its endpoint
     /// (`/v1/chat/completions`, `Generate`) and the status it got (`200`,
     /// `INVALID_ARGUMENT`).
     pub fn api_request(&self, protocol: &str, endpoint: &str, status: &str) {
-        let label = format!(
+        let labels = format!(
             "protocol=\"{protocol}\",endpoint=\"{}\",status=\"{status}\"",
             endpoint.replace(['"', '\\', '\n'], "_")
         );
-        bump(&self.api, &label);
-    }
-
-    /// Protocol requests counted so far for `protocol` and `endpoint`, over
-    /// all statuses.
-    pub fn api_requests_of(&self, protocol: &str, endpoint: &str) -> u64 {
-        let prefix = format!("protocol=\"{protocol}\",endpoint=\"{endpoint}\",");
-        let v = self.api.lock().unwrap_or_else(|p| p.into_inner());
-        v.iter()
-            .filter(|(l, _)| l.starts_with(&prefix))
-            .map(|(_, n)| n)
-            .sum()
+        bump(&self.api, labels);
     }
 
     /// A request's final figures.
@@ -132,187 +147,205 @@ impl Metrics {
         add(&self.accepted_draft_tokens, usage.accepted_draft_tokens);
     }
 
-    /// Requests that failed with `kind` so far.
-    pub fn errors_of(&self, kind: &str) -> u64 {
-        let v = self.errors.lock().unwrap_or_else(|p| p.into_inner());
-        v.iter().find(|(l, _)| l == kind).map_or(0, |(_, n)| *n)
-    }
-
     /// The Prometheus text exposition, with the runtime's occupancy.
     pub(crate) fn render(&self, rt: &Runtime) -> String {
         let mut out = String::new();
-        let counter = |out: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
-            );
-        };
-        let gauge = |out: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
-        };
-        let labelled = |out: &mut String,
-                        name: &str,
-                        help: &str,
-                        label: &str,
-                        v: &Mutex<Vec<(String, u64)>>| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-            let v = v.lock().unwrap_or_else(|p| p.into_inner());
-            for (l, n) in v.iter() {
-                let _ = writeln!(out, "{name}{{{label}=\"{l}\"}} {n}");
-            }
-        };
-        labelled(
-            &mut out,
-            "siliceo_requests_finished_total",
-            "Requests finished, by finish reason.",
-            "reason",
-            &self.finished,
-        );
-        labelled(
-            &mut out,
-            "siliceo_request_errors_total",
-            "Requests failed, by error kind.",
-            "kind",
-            &self.errors,
-        );
-        {
-            let name = "siliceo_api_requests_total";
-            let _ = writeln!(
-                out,
-                "# HELP {name} Protocol requests, by protocol, endpoint and status.\n# TYPE {name} counter"
-            );
-            let v = self.api.lock().unwrap_or_else(|p| p.into_inner());
-            for (l, n) in v.iter() {
-                let _ = writeln!(out, "{name}{{{l}}} {n}");
-            }
+        let out = &mut out;
+        for (name, help, v) in [
+            (
+                "siliceo_requests_finished_total",
+                "Requests finished, by finish reason.",
+                &self.finished,
+            ),
+            (
+                "siliceo_request_errors_total",
+                "Requests failed, by error kind.",
+                &self.errors,
+            ),
+            (
+                "siliceo_api_requests_total",
+                "Protocol requests, by protocol, endpoint and status.",
+                &self.api,
+            ),
+        ] {
+            family(out, name, "counter", help, samples(v));
         }
-        counter(
-            &mut out,
-            "siliceo_generated_tokens_total",
-            "Tokens generated.",
-            self.generated_tokens.load(Ordering::Relaxed),
-        );
-        counter(
-            &mut out,
-            "siliceo_prompt_tokens_total",
-            "Prompt tokens received.",
-            self.prompt_tokens.load(Ordering::Relaxed),
-        );
-        counter(
-            &mut out,
-            "siliceo_cached_prompt_tokens_total",
-            "Prompt tokens served from the prefix cache.",
-            self.cached_prompt_tokens.load(Ordering::Relaxed),
-        );
-        counter(
-            &mut out,
-            "siliceo_draft_tokens_total",
-            "Speculative tokens proposed.",
-            self.draft_tokens.load(Ordering::Relaxed),
-        );
-        counter(
-            &mut out,
-            "siliceo_accepted_draft_tokens_total",
-            "Speculative tokens accepted.",
-            self.accepted_draft_tokens.load(Ordering::Relaxed),
-        );
+        for (name, help, c) in [
+            (
+                "siliceo_generated_tokens_total",
+                "Tokens generated.",
+                &self.generated_tokens,
+            ),
+            (
+                "siliceo_prompt_tokens_total",
+                "Prompt tokens received.",
+                &self.prompt_tokens,
+            ),
+            (
+                "siliceo_cached_prompt_tokens_total",
+                "Prompt tokens served from the prefix cache.",
+                &self.cached_prompt_tokens,
+            ),
+            (
+                "siliceo_draft_tokens_total",
+                "Speculative tokens proposed.",
+                &self.draft_tokens,
+            ),
+            (
+                "siliceo_accepted_draft_tokens_total",
+                "Speculative tokens accepted.",
+                &self.accepted_draft_tokens,
+            ),
+        ] {
+            family(
+                out,
+                name,
+                "counter",
+                help,
+                [("", c.load(Ordering::Relaxed))],
+            );
+        }
         self.ttft.render(
-            &mut out,
+            out,
             "siliceo_time_to_first_token_seconds",
             "Arrival to first generated token.",
         );
         self.inter_token.render(
-            &mut out,
+            out,
             "siliceo_inter_token_latency_seconds",
             "Time between consecutive tokens of a stream.",
         );
-        if let Ok(s) = rt.stats() {
-            gauge(
-                &mut out,
+        let Ok(s) = rt.stats() else {
+            return std::mem::take(out);
+        };
+        let info = rt.info();
+        let usage = s.kv_usage();
+        // The vllm: names are what the Kubernetes Gateway API Inference
+        // Extension's model-server protocol recommends, with its semantics,
+        // so llm-d's endpoint picker can read us too.
+        for (name, kind, help, v) in [
+            (
                 "siliceo_queue_length",
+                "gauge",
                 "Requests waiting.",
-                s.waiting as u64,
-            );
-            gauge(
-                &mut out,
+                s.waiting as f64,
+            ),
+            (
                 "siliceo_running_sequences",
+                "gauge",
                 "Requests running.",
-                s.running as u64,
-            );
-            gauge(
-                &mut out,
+                s.running as f64,
+            ),
+            (
                 "siliceo_kv_blocks_used",
+                "gauge",
                 "KV blocks referenced.",
-                s.kv_used_blocks as u64,
-            );
-            gauge(
-                &mut out,
+                s.kv_used_blocks as f64,
+            ),
+            (
                 "siliceo_kv_blocks_free",
+                "gauge",
                 "KV blocks free (cached ones included).",
-                s.kv_free_blocks as u64,
-            );
-            gauge(
-                &mut out,
+                s.kv_free_blocks as f64,
+            ),
+            (
                 "siliceo_kv_blocks_cached",
+                "gauge",
                 "Unreferenced KV blocks holding a cached prefix.",
-                s.kv_cached_blocks as u64,
-            );
-            gauge(
-                &mut out,
+                s.kv_cached_blocks as f64,
+            ),
+            (
                 "siliceo_kv_blocks_shared",
+                "gauge",
                 "KV blocks several requests reference (prefix hits share them).",
-                s.kv_shared_blocks as u64,
-            );
-            let info = rt.info();
-            // The names the Kubernetes Gateway API Inference Extension's
-            // model-server protocol recommends (vLLM's), with its
-            // semantics, so llm-d's endpoint picker can read us too.
-            let usage = s.kv_usage();
-            let _ = writeln!(
-                out,
-                "# HELP vllm:num_requests_waiting Requests waiting (TotalQueuedRequests).\n# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting {}\n\
-                 # HELP vllm:num_requests_running Requests running (TotalRunningRequests).\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running {}\n\
-                 # HELP vllm:kv_cache_usage_perc KV-cache utilisation, 1 = full (KVCacheUtilization).\n# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc {usage}\n\
-                 # HELP vllm:gpu_cache_usage_perc The same, by its older name.\n# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc {usage}\n\
-                 # HELP vllm:cache_config_info KV-cache layout (BlockSize, NumGPUBlocks).\n# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"{}\",num_gpu_blocks=\"{}\"}} 1",
-                s.waiting, s.running, info.block_size, info.kv_blocks
-            );
-            let _ = writeln!(
-                out,
-                "# HELP siliceo_kv_bytes_used Bytes of KV blocks referenced, by backend and format (our store only; 0 on llama.cpp's cache).\n# TYPE siliceo_kv_bytes_used gauge\nsiliceo_kv_bytes_used{{backend=\"{}\",format=\"{}\"}} {}",
-                info.kv_backend, info.kv_format, s.kv_used_bytes
-            );
-            if let Some(store) = &info.store {
-                let _ = writeln!(
-                    out,
-                    "# HELP siliceo_kv_bytes_total Bytes of our KV store, by format.\n# TYPE siliceo_kv_bytes_total gauge\nsiliceo_kv_bytes_total{{format=\"{}\"}} {}",
-                    info.kv_format, store.bytes
-                );
-            }
-            let rate = s.prefix_hit_rate();
-            let _ = writeln!(
-                out,
-                "# HELP siliceo_prefix_cache_hit_rate Prompt tokens served from the cache / prompt tokens looked up.\n# TYPE siliceo_prefix_cache_hit_rate gauge\nsiliceo_prefix_cache_hit_rate {rate}"
-            );
-            counter(
-                &mut out,
+                s.kv_shared_blocks as f64,
+            ),
+            (
+                "vllm:num_requests_waiting",
+                "gauge",
+                "Requests waiting (TotalQueuedRequests).",
+                s.waiting as f64,
+            ),
+            (
+                "vllm:num_requests_running",
+                "gauge",
+                "Requests running (TotalRunningRequests).",
+                s.running as f64,
+            ),
+            (
+                "vllm:kv_cache_usage_perc",
+                "gauge",
+                "KV-cache utilisation, 1 = full (KVCacheUtilization).",
+                usage,
+            ),
+            (
+                "vllm:gpu_cache_usage_perc",
+                "gauge",
+                "The same, by its older name.",
+                usage,
+            ),
+            (
+                "siliceo_prefix_cache_hit_rate",
+                "gauge",
+                "Prompt tokens served from the cache / prompt tokens looked up.",
+                s.prefix_hit_rate(),
+            ),
+            (
                 "siliceo_prefix_cache_evictions_total",
+                "counter",
                 "Cached blocks evicted.",
-                s.prefix_evictions,
-            );
-            counter(
-                &mut out,
+                s.prefix_evictions as f64,
+            ),
+            (
                 "siliceo_preemptions_total",
+                "counter",
                 "Sequences preempted.",
-                s.preemptions,
-            );
-            counter(
-                &mut out,
+                s.preemptions as f64,
+            ),
+            (
                 "siliceo_engine_panics_total",
+                "counter",
                 "Engine steps that panicked and were recovered.",
-                s.panics,
+                s.panics as f64,
+            ),
+        ] {
+            family(out, name, kind, help, [("", v)]);
+        }
+        family(
+            out,
+            "vllm:cache_config_info",
+            "gauge",
+            "KV-cache layout (BlockSize, NumGPUBlocks).",
+            [(
+                format!(
+                    "block_size=\"{}\",num_gpu_blocks=\"{}\"",
+                    info.block_size, info.kv_blocks
+                ),
+                1,
+            )],
+        );
+        family(
+            out,
+            "siliceo_kv_bytes_used",
+            "gauge",
+            "Bytes of KV blocks referenced, by backend and format (our store only; 0 on llama.cpp's cache).",
+            [(
+                format!(
+                    "backend=\"{}\",format=\"{}\"",
+                    info.kv_backend, info.kv_format
+                ),
+                s.kv_used_bytes,
+            )],
+        );
+        if let Some(store) = &info.store {
+            family(
+                out,
+                "siliceo_kv_bytes_total",
+                "gauge",
+                "Bytes of our KV store, by format.",
+                [(format!("format=\"{}\"", info.kv_format), store.bytes)],
             );
         }
-        out
+        std::mem::take(out)
     }
 }

@@ -446,22 +446,27 @@ impl RuntimeStats {
     /// The share of KV blocks referenced, 0 to 1 (cached-but-unreferenced
     /// blocks count as free: taking them evicts their prefix).
     pub fn kv_usage(&self) -> f64 {
-        let total = self.kv_used_blocks + self.kv_free_blocks;
-        if total == 0 {
-            0.0
-        } else {
-            self.kv_used_blocks as f64 / total as f64
-        }
+        share(
+            self.kv_used_blocks as u64,
+            (self.kv_used_blocks + self.kv_free_blocks) as u64,
+        )
     }
 
     /// Prompt tokens served from the prefix cache over those looked up.
     pub fn prefix_hit_rate(&self) -> f64 {
-        let looked = self.prefix_hit_tokens + self.prefix_miss_tokens;
-        if looked == 0 {
-            0.0
-        } else {
-            self.prefix_hit_tokens as f64 / looked as f64
-        }
+        share(
+            self.prefix_hit_tokens,
+            self.prefix_hit_tokens + self.prefix_miss_tokens,
+        )
+    }
+}
+
+/// `part / whole`, 0 when `whole` is.
+fn share(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 / whole as f64
     }
 }
 

@@ -209,7 +209,7 @@ impl Engine<'_> {
         w: &Want,
         accepted: Vec<TokenId>,
         next: TokenId,
-        logprobs: Vec<TokenLogprob>,
+        mut logprobs: Vec<TokenLogprob>,
     ) {
         let id = &w.id;
         let Some(live) = self.live.get_mut(id) else {
@@ -250,7 +250,6 @@ impl Engine<'_> {
                 break;
             }
         }
-        let mut logprobs = logprobs;
         logprobs.truncate(tokens.len());
         let closed = live
             .tx
