@@ -1,5 +1,6 @@
 //! Compiles `proto/siliceo/v1/inference.proto` (server and client code, plus
-//! the encoded descriptor set the reflection service serves). Needs `protoc`
+//! the encoded descriptor set the reflection service serves) and
+//! `proto/vllm/engine.proto` (SMG's engine protocol, server side). Needs `protoc`
 //! on PATH or in `PROTOC` (`cargo xtask` installs `protobuf-compiler`).
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -12,6 +13,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     tonic_prost_build::configure()
         .file_descriptor_set_path(out.join("siliceo_v1_descriptor.bin"))
-        .compile_protos(&[proto], &[root])?;
+        .compile_protos(&[proto], std::slice::from_ref(&root))?;
+    let vllm = root.join("vllm/engine.proto");
+    println!("cargo:rerun-if-changed={}", vllm.display());
+    tonic_prost_build::configure()
+        .build_client(false)
+        .file_descriptor_set_path(out.join("vllm_engine_descriptor.bin"))
+        .compile_protos(&[vllm], &[root])?;
     Ok(())
 }

@@ -32,19 +32,23 @@ def smg_binary() -> str:
 class Gateway:
     """`smg launch` in front of `urls`, with fast health checks."""
 
-    def __init__(self, urls: list[str], policy: str):
+    def __init__(self, urls: list[str], policy: str, extra: list[str] = ()):
         self.port = free_port()
+        self.prometheus_port = free_port()
+        # HTTP workers tokenize for themselves; gRPC ones need the gateway to
+        # load their tokenizer (it asks them for it).
+        autoload = [] if any(u.startswith("grpc") for u in urls) else ["--disable-tokenizer-autoload"]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(f"/tmp/siliceo-smg-{self.port}.log", "w")
         self.proc = subprocess.Popen(
             [
                 smg_binary(), "launch", "--worker-urls", *urls,
                 "--policy", policy, "--host", "127.0.0.1", "--port", str(self.port),
-                "--prometheus-port", str(free_port()),
+                "--prometheus-port", str(self.prometheus_port),
                 "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
                 "--health-success-threshold", "1", "--worker-startup-check-interval", "1",
-                "--load-monitor-interval", "1", "--disable-tokenizer-autoload",
-                "--shutdown-grace-period-secs", "1", "--log-level", "warn",
+                "--load-monitor-interval", "1", *autoload,
+                "--shutdown-grace-period-secs", "1", "--log-level", "warn", *extra,
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,

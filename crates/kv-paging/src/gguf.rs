@@ -43,7 +43,8 @@ pub enum GgufError {
     },
 }
 
-/// A metadata value (arrays keep only their length and, for integer arrays, the values).
+/// A metadata value (arrays keep their length and their integer or string
+/// elements; float and nested arrays only their length).
 #[derive(Debug, Clone, PartialEq)]
 pub enum MetaValue {
     /// Any integer type, widened.
@@ -54,12 +55,15 @@ pub enum MetaValue {
     Bool(bool),
     /// string.
     Str(String),
-    /// An array: its length, and its integer elements when it holds integers.
+    /// An array: its length, and its integer or string elements.
     Array {
         /// Element count.
         len: u64,
         /// Integer elements (empty for other element types).
         ints: Vec<i128>,
+        /// String elements (empty for other element types): a vocabulary's
+        /// tokens and merges.
+        strs: Vec<String>,
     },
 }
 
@@ -199,12 +203,15 @@ impl<'a> Reader<'a> {
         let elem = self.u32()?;
         let len = self.u64()?;
         let mut ints = Vec::new();
+        let mut strs = Vec::new();
         for _ in 0..len {
-            if let MetaValue::Int(v) = self.value(elem)? {
-                ints.push(v);
+            match self.value(elem)? {
+                MetaValue::Int(v) => ints.push(v),
+                MetaValue::Str(s) => strs.push(s),
+                _ => {}
             }
         }
-        Ok(MetaValue::Array { len, ints })
+        Ok(MetaValue::Array { len, ints, strs })
     }
 }
 
@@ -268,6 +275,30 @@ impl GgufHeader {
     pub fn str(&self, key: &str) -> Option<&str> {
         match self.meta.get(key)? {
             MetaValue::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// A string array's elements (a vocabulary's `tokenizer.ggml.tokens`).
+    pub fn strs(&self, key: &str) -> Option<&[String]> {
+        match self.meta.get(key)? {
+            MetaValue::Array { strs, len, .. } if strs.len() as u64 == *len => Some(strs),
+            _ => None,
+        }
+    }
+
+    /// An integer array's elements (`tokenizer.ggml.token_type`).
+    pub fn ints(&self, key: &str) -> Option<&[i128]> {
+        match self.meta.get(key)? {
+            MetaValue::Array { ints, len, .. } if ints.len() as u64 == *len => Some(ints),
+            _ => None,
+        }
+    }
+
+    /// A boolean metadata value.
+    pub fn bool(&self, key: &str) -> Option<bool> {
+        match self.meta.get(key)? {
+            MetaValue::Bool(b) => Some(*b),
             _ => None,
         }
     }
@@ -337,7 +368,7 @@ mod tests {
         b.extend(b"GGUF");
         b.extend(3u32.to_le_bytes());
         b.extend(2u64.to_le_bytes()); // tensors
-        b.extend(6u64.to_le_bytes()); // metadata
+        b.extend(7u64.to_le_bytes()); // metadata
         s(&mut b, "general.architecture");
         b.extend(8u32.to_le_bytes());
         s(&mut b, "llama");
@@ -358,6 +389,13 @@ mod tests {
         b.extend(2u64.to_le_bytes());
         b.extend(2i32.to_le_bytes());
         b.extend(4i32.to_le_bytes());
+        // A vocabulary: an array of strings.
+        s(&mut b, "tokenizer.ggml.tokens");
+        b.extend(9u32.to_le_bytes());
+        b.extend(8u32.to_le_bytes());
+        b.extend(2u64.to_le_bytes());
+        s(&mut b, "<s>");
+        s(&mut b, "Ġhello");
         // Tensors: F32 [512] and Q4_K [512, 256].
         for (name, dims, ty) in [
             ("norm.weight", vec![512u64], 0u32),
@@ -372,6 +410,18 @@ mod tests {
             b.extend(0u64.to_le_bytes());
         }
         b
+    }
+
+    #[test]
+    fn keeps_string_and_integer_arrays() {
+        let h = GgufHeader::parse(&sample()).unwrap();
+        assert_eq!(
+            h.strs("tokenizer.ggml.tokens").unwrap(),
+            ["<s>".to_string(), "Ġhello".to_string()]
+        );
+        assert_eq!(h.ints("llama.attention.head_count_kv").unwrap(), [2, 4]);
+        assert_eq!(h.strs("llama.attention.head_count_kv"), None);
+        assert_eq!(h.bool("general.architecture"), None);
     }
 
     #[test]

@@ -63,7 +63,7 @@ mod pool;
 
 pub use block::{BlockHash, BlockId, CacheKeys};
 pub use manager::{
-    BlockCopy, BlockCount, BlockOp, BlockSeal, CacheStats, KvCacheManager, KvConfig,
+    BlockCopy, BlockCount, BlockOp, BlockSeal, CacheStats, KvCacheManager, KvConfig, KvEvent,
     NotEnoughBlocks, Sealing, SeqHandle,
 };
 pub use pool::BlockPool;

@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use siliceo_core::TokenId;
 
 use crate::block::{BlockHash, BlockId, CacheKeys, hash_block, sealed_form};
-use crate::pool::BlockPool;
+use crate::pool::{BlockPool, Journal};
 
 const OPEN: usize = 0;
 const SEALED: usize = 1;
@@ -163,6 +163,37 @@ pub enum BlockOp {
     Seal(BlockSeal),
 }
 
+/// A change to the full blocks the prefix cache holds, by content (a block
+/// cached in both its open and sealed forms counts once): what a gateway that
+/// routes on cached prefixes (SMG's cache_aware policy) indexes. See
+/// [`KvCacheManager::take_kv_events`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KvEvent {
+    /// A block's content became cached.
+    Stored {
+        /// Its content hash (chained on its prefix).
+        hash: BlockHash,
+        /// The content hash of the block before it; `None` for a first block.
+        parent: Option<BlockHash>,
+        /// Its tokens (`block_size` of them).
+        tokens: Vec<TokenId>,
+    },
+    /// No block holds this content any more.
+    Removed {
+        /// The content hash a `Stored` event announced.
+        hash: BlockHash,
+    },
+}
+
+/// What turns the pool's journal into [`KvEvent`]s.
+#[derive(Debug, Clone, Default)]
+struct EventState {
+    /// The content behind each registered key.
+    content_of: HashMap<BlockHash, BlockHash>,
+    /// Registered forms per content.
+    forms: HashMap<BlockHash, u32>,
+}
+
 /// Counters for metrics. Hits and misses count prompt tokens looked up.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CacheStats {
@@ -221,6 +252,8 @@ pub struct KvCacheManager {
     /// Open blocks sealed away during the current step, released at
     /// [`KvCacheManager::finish_step`].
     deferred: Vec<BlockId>,
+    /// Set while cache events are recorded.
+    events: Option<EventState>,
 }
 
 /// What the cache holds of a prompt's start: per full block its open and
@@ -255,7 +288,67 @@ impl KvCacheManager {
             hit_tokens: 0,
             miss_tokens: 0,
             deferred: Vec::new(),
+            events: None,
         }
+    }
+
+    /// Starts (or stops) recording which full blocks the prefix cache gains
+    /// and loses; [`take_kv_events`](Self::take_kv_events) hands them out.
+    /// Turn it on before the first request: blocks cached earlier are not
+    /// announced.
+    pub fn set_kv_events(&mut self, on: bool) {
+        self.pool.set_journal(on);
+        self.events = on.then(EventState::default);
+    }
+
+    /// The cache's changes since the last call, in order: a content is
+    /// `Stored` when its first form is registered and `Removed` when its last
+    /// one is evicted or uncached. Empty while events are off.
+    pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        let Some(st) = &mut self.events else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for j in self.pool.take_journal() {
+            match j {
+                Journal::Stored {
+                    key,
+                    content,
+                    parent,
+                    tokens,
+                } => {
+                    st.content_of.insert(key, content);
+                    let n = st.forms.entry(content).or_insert(0);
+                    *n += 1;
+                    if *n == 1 {
+                        out.push(KvEvent::Stored {
+                            hash: content,
+                            parent,
+                            tokens,
+                        });
+                    }
+                }
+                Journal::Forgotten { key } => {
+                    let Some(content) = st.content_of.remove(&key) else {
+                        continue;
+                    };
+                    let n = st.forms.get_mut(&content).expect("counted form");
+                    *n -= 1;
+                    if *n == 0 {
+                        st.forms.remove(&content);
+                        out.push(KvEvent::Removed { hash: content });
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Distinct full-block contents the cache holds, as the events announced
+    /// them (0 while events are off). Call after
+    /// [`take_kv_events`](Self::take_kv_events).
+    pub fn cached_contents(&self) -> usize {
+        self.events.as_ref().map_or(0, |e| e.forms.len())
     }
 
     /// The configuration.
@@ -800,7 +893,14 @@ impl KvCacheManager {
             if self.pool.registered_len(b) < bs {
                 // A partial registration of this block grows into the full one.
                 self.pool.uncache(b);
-                self.pool.register(b, parent, key, chunk);
+                if self.pool.register(b, parent, key, chunk) {
+                    self.pool.journal_stored(Journal::Stored {
+                        key,
+                        content: s.hashes[i],
+                        parent: (i > 0).then_some(parent),
+                        tokens: chunk.to_vec(),
+                    });
+                }
             }
             s.offered += 1;
         }

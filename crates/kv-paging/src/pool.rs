@@ -54,6 +54,25 @@ pub struct BlockPool {
     evictions: u64,
     /// Blocks evicted since the last [`BlockPool::take_evicted`], when logging is on.
     evicted: Option<Vec<BlockId>>,
+    /// Full blocks registered and forgotten, in order, when journaling is on
+    /// (see [`crate::KvCacheManager::take_kv_events`]).
+    journal: Option<Vec<Journal>>,
+}
+
+/// A change to the set of cached full blocks.
+#[derive(Debug, Clone)]
+pub(crate) enum Journal {
+    /// A full block was registered under `key` (its content hash, or a
+    /// sealed form of `content`).
+    Stored {
+        key: BlockHash,
+        content: BlockHash,
+        /// The content hash of the block before it; `None` for a first block.
+        parent: Option<BlockHash>,
+        tokens: Vec<TokenId>,
+    },
+    /// The full block registered under `key` was forgotten (evicted, uncached).
+    Forgotten { key: BlockHash },
 }
 
 impl BlockPool {
@@ -122,6 +141,7 @@ impl BlockPool {
             children: HashMap::new(),
             evictions: 0,
             evicted: None,
+            journal: None,
         }
     }
 
@@ -187,6 +207,14 @@ impl BlockPool {
     /// Blocks holding a registered prefix, referenced or not.
     pub fn num_cached(&self) -> usize {
         self.cached.len()
+    }
+
+    /// Blocks registered with a full block of tokens (every form counted).
+    pub fn num_cached_full(&self) -> usize {
+        self.slots[..self.num_blocks()]
+            .iter()
+            .filter(|s| s.hash.is_some() && s.len as usize == self.block_size)
+            .count()
     }
 
     /// Cached blocks evicted to make room so far.
@@ -266,7 +294,11 @@ impl BlockPool {
         let Some(h) = slot.hash.take() else {
             return false;
         };
+        let full = slot.len as usize == self.block_size;
         slot.len = 0;
+        if let (Some(j), true) = (&mut self.journal, full) {
+            j.push(Journal::Forgotten { key: h });
+        }
         let parent = slot.parent;
         self.cached.remove(&h);
         if let Some(kids) = self.children.get_mut(&parent) {
@@ -289,6 +321,27 @@ impl BlockPool {
     /// when the log is off).
     pub fn take_evicted(&mut self) -> Vec<BlockId> {
         self.evicted
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    /// Starts (or stops) journaling registered and forgotten full blocks.
+    pub(crate) fn set_journal(&mut self, on: bool) {
+        self.journal = on.then(Vec::new);
+    }
+
+    /// Records a full block's registration (the caller knows its content
+    /// and parent; the pool only its key). A no-op with journaling off.
+    pub(crate) fn journal_stored(&mut self, entry: Journal) {
+        if let Some(j) = &mut self.journal {
+            j.push(entry);
+        }
+    }
+
+    /// The journal since the last call.
+    pub(crate) fn take_journal(&mut self) -> Vec<Journal> {
+        self.journal
             .as_mut()
             .map(std::mem::take)
             .unwrap_or_default()

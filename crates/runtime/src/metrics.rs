@@ -255,6 +255,13 @@ impl Metrics {
                 s.kv_cached_blocks as f64,
             ),
             (
+                "siliceo_kv_cached_contents",
+                "gauge",
+                "Distinct full blocks the prefix cache holds (referenced or not): what its \
+                 published KV events announce.",
+                s.kv_cached_contents as f64,
+            ),
+            (
                 "siliceo_kv_blocks_shared",
                 "gauge",
                 "KV blocks several requests reference (prefix hits share them).",

@@ -398,6 +398,10 @@ pub struct RuntimeStats {
     pub kv_free_blocks: usize,
     /// Unreferenced blocks still holding a cached prefix.
     pub kv_cached_blocks: usize,
+    /// Distinct full-block contents the prefix cache holds (referenced or
+    /// not; a block cached in two forms counts once): what its published
+    /// events announce.
+    pub kv_cached_contents: usize,
     /// Bytes of our store's blocks referenced now (0 on llama.cpp's cache).
     pub kv_used_bytes: u64,
     /// Referenced blocks that several requests share (prefix hits, forks).
@@ -459,6 +463,33 @@ impl RuntimeStats {
             self.prefix_hit_tokens + self.prefix_miss_tokens,
         )
     }
+}
+
+/// One scheduler's load in the shape gateways poll (SGLang's and SMG's
+/// `SchedulerLoad`): served as JSON by the HTTP API's `/v1/loads` and as
+/// protobuf by gRPC `GetLoads`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SchedulerLoad {
+    /// Requests running.
+    pub num_running_reqs: u32,
+    /// Requests waiting.
+    pub num_waiting_reqs: u32,
+    /// Running plus waiting.
+    pub num_total_reqs: u32,
+    /// Tokens' worth of KV blocks referenced.
+    pub num_used_tokens: u64,
+    /// Tokens' worth of all KV blocks.
+    pub max_total_num_tokens: u64,
+    /// Referenced blocks over all blocks, in [0, 1].
+    pub token_usage: f64,
+    /// Tokens generated per second lately.
+    pub gen_throughput: f64,
+    /// Prompt tokens served from the prefix cache over those looked up.
+    pub cache_hit_rate: f64,
+    /// Running over the most that may run.
+    pub utilization: f64,
+    /// The most requests that run at once.
+    pub max_running_requests: u32,
 }
 
 /// `part / whole`, 0 when `whole` is.

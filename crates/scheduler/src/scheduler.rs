@@ -320,6 +320,7 @@ impl Scheduler {
     pub fn new(cfg: SchedulerConfig, kv: KvConfig) -> Self {
         let mut manager = KvCacheManager::new(kv);
         manager.set_eviction_log(kv.prefix_caching);
+        manager.set_kv_events(kv.prefix_caching);
         Scheduler {
             cfg,
             kv: manager,
@@ -334,6 +335,13 @@ impl Scheduler {
     /// The KV bookkeeping (block tables, cache counters).
     pub fn kv(&self) -> &KvCacheManager {
         &self.kv
+    }
+
+    /// The prefix cache's changes since the last call (see
+    /// [`KvCacheManager::take_kv_events`]); on whenever prefix caching is.
+    /// The caller drains them after every step.
+    pub fn take_kv_events(&mut self) -> Vec<siliceo_kv_paging::KvEvent> {
+        self.kv.take_kv_events()
     }
 
     /// The configuration.

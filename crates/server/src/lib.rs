@@ -24,6 +24,7 @@
 
 mod metrics;
 mod service;
+pub mod vllm;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -196,6 +197,20 @@ pub async fn serve_on(
                 None => Ok(req),
             }
         });
+    // SMG's engine protocol beside ours, under the same API key.
+    let vllm_key = cfg.api_key.clone();
+    let vllm = vllm::vpb::vllm_engine_server::VllmEngineServer::new(vllm::VllmEngineService::new(
+        rt.clone(),
+        cfg.max_request_bytes,
+    ))
+    .max_decoding_message_size(cfg.max_request_bytes.saturating_mul(4).max(1 << 20));
+    let vllm =
+        tonic::service::interceptor::InterceptedService::new(vllm, move |req: Request<()>| {
+            match &vllm_key {
+                Some(k) => check_key(k, &req).map(|()| req),
+                None => Ok(req),
+            }
+        });
     let (health, health_svc) = tonic_health::server::health_reporter();
     health
         .set_serving::<pb::inference_server::InferenceServer<InferenceService>>()
@@ -203,6 +218,7 @@ pub async fn serve_on(
     let reflection = |v1: bool| {
         let b = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(vllm::vpb::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
         if v1 {
             b.build_v1().map(|s| (Some(s), None))
@@ -246,6 +262,7 @@ pub async fn serve_on(
         .add_service(refl_v1)
         .add_service(refl_v1alpha)
         .add_service(inference)
+        .add_service(vllm)
         .serve_with_incoming_shutdown(
             // TCP_NODELAY: without it a small unary reply (Embed, Tokenize)
             // waits on the client's delayed ACK, ~40 ms per call.

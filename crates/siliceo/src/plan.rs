@@ -1,12 +1,11 @@
 //! `siliceo plan`: the memory planner on the command line.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, Result, bail};
 use clap::Args;
 use siliceo_core::ModelGeometry;
-use siliceo_kv_paging::gguf::{GgufError, GgufHeader};
+use siliceo_kv_paging::gguf::GgufHeader;
 use siliceo_kv_paging::planner::{DraftInput, KvFormat, Plan, PlanInput, parse_bytes, plan};
 
 #[derive(Args, Debug)]
@@ -74,31 +73,9 @@ pub struct PlanArgs {
 
 /// Reads a GGUF header, reading more of the file until it is complete.
 pub fn read_header(path: &Path) -> Result<GgufHeader> {
-    let mut f =
-        std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-    let mut buf = Vec::new();
-    let mut want = 1 << 20;
-    loop {
-        let have = buf.len();
-        buf.resize(want, 0);
-        let mut filled = have;
-        while filled < want {
-            let n = f.read(&mut buf[filled..])?;
-            if n == 0 {
-                break;
-            }
-            filled += n;
-        }
-        buf.truncate(filled);
-        match GgufHeader::parse(&buf) {
-            Ok(h) => return Ok(h),
-            Err(GgufError::Truncated { needed }) if filled == want => want = needed.max(want * 2),
-            Err(e) => {
-                return Err(e)
-                    .with_context(|| format!("{} is not a readable GGUF model", path.display()));
-            }
-        }
-    }
+    siliceo_runtime::read_gguf_header(path)
+        .map_err(|e| anyhow::anyhow!("{e}"))
+        .with_context(|| format!("{} is not a readable GGUF model", path.display()))
 }
 
 fn parse_geometry(spec: &str) -> Result<(ModelGeometry, u64)> {

@@ -1,10 +1,74 @@
 //! Property and table tests of the block pool and the cache manager.
 
+use std::collections::HashMap;
+
 use proptest::prelude::*;
 use siliceo_core::TokenId;
 use siliceo_kv_paging::{
-    BlockCount, BlockOp, CacheKeys, KvCacheManager, KvConfig, NotEnoughBlocks, Sealing, SeqHandle,
+    BlockCount, BlockHash, BlockOp, CacheKeys, KvCacheManager, KvConfig, KvEvent, NotEnoughBlocks,
+    Sealing, SeqHandle,
 };
+
+/// What a subscriber to the cache's events knows: content → (parent, tokens).
+type Announced = HashMap<BlockHash, (Option<BlockHash>, Vec<TokenId>)>;
+
+/// Applies `kv`'s new events to `seen` and checks them against the cache:
+/// no content announced twice or removed unannounced, one announced content
+/// per distinct cached content, and (without sealing) every announced prefix
+/// whose chain is whole is served by the cache. With sealing a content held
+/// only in its sealed form is announced too, though a prompt that ends
+/// within the open tail after it cannot use it there.
+fn follow_events(
+    kv: &mut KvCacheManager,
+    seen: &mut Announced,
+    roots: &[BlockHash],
+) -> Result<(), TestCaseError> {
+    for e in kv.take_kv_events() {
+        match e {
+            KvEvent::Stored {
+                hash,
+                parent,
+                tokens,
+            } => {
+                prop_assert_eq!(tokens.len(), kv.config().block_size as usize);
+                prop_assert!(seen.insert(hash, (parent, tokens)).is_none());
+            }
+            KvEvent::Removed { hash } => prop_assert!(seen.remove(&hash).is_some()),
+        }
+    }
+    prop_assert_eq!(seen.len(), kv.cached_contents());
+    prop_assert!(kv.pool().num_cached_full() >= seen.len());
+    if kv.config().sealing.is_none() {
+        // One form per content: every cached full block is announced.
+        prop_assert_eq!(kv.pool().num_cached_full(), seen.len());
+    }
+    if kv.config().sealing.is_some() {
+        return Ok(());
+    }
+    for h in seen.keys() {
+        let mut prefix = Vec::new();
+        let mut at = Some(*h);
+        while let Some(b) = at {
+            let Some((parent, tokens)) = seen.get(&b) else {
+                break;
+            };
+            prefix.splice(0..0, tokens.iter().copied());
+            at = *parent;
+            if at.is_none() {
+                // A whole chain: the cache serves it (one more token, so the
+                // last one need not be recomputed).
+                prefix.push(TokenId(u32::MAX));
+                let served = roots
+                    .iter()
+                    .map(|r| kv.peek_prefix(*r, &prefix))
+                    .max()
+                    .unwrap_or(0);
+                prop_assert!(served >= prefix.len() - 1, "{served} of {}", prefix.len());
+            }
+        }
+    }
+    Ok(())
+}
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -65,8 +129,11 @@ fn run(ops: Vec<Op>, shape: Shape) -> Result<(), TestCaseError> {
     let total = shape.open as usize + shape.sealing.map_or(0, |s| s.blocks as usize);
     let bs = shape.bs as usize;
     let mut kv = KvCacheManager::new(cfg);
+    kv.set_kv_events(true);
+    let mut announced = Announced::new();
     let keys = CacheKeys::new("m", "f16");
     let salted = keys.clone().with_salt("tenant");
+    let roots = [keys.root_hash(), salted.root_hash()];
     let mut live: Vec<SeqHandle> = Vec::new();
     let mut counter = 0u32;
     for op in ops {
@@ -181,6 +248,7 @@ fn run(ops: Vec<Op>, shape: Shape) -> Result<(), TestCaseError> {
         // A step has run: the open sources of its seals go.
         kv.finish_step();
         kv.check().map_err(TestCaseError::fail)?;
+        follow_events(&mut kv, &mut announced, &roots)?;
         let s = kv.stats();
         prop_assert_eq!(s.free_blocks + s.used_blocks, total);
     }

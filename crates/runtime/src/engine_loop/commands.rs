@@ -77,6 +77,8 @@ impl Engine<'_> {
                 self.steps += 1;
                 self.step_us += t.elapsed().as_micros() as u64;
             }
+            // What the step (or an admission's eviction) cached and evicted.
+            self.kv_events.publish(self.sched.take_kv_events());
         }
     }
 
@@ -104,6 +106,7 @@ impl Engine<'_> {
             d.ctx.clear();
         }
         self.sched = Scheduler::new(*self.sched.config(), self.sched.kv().config());
+        self.kv_events.clear();
         self.free_seqs = (0..self.max_running).rev().map(SeqId).collect();
         self.batch.clear();
     }
@@ -137,6 +140,7 @@ impl Engine<'_> {
             kv_used_blocks: kv.used_blocks,
             kv_free_blocks: kv.free_blocks,
             kv_cached_blocks: kv.cached_unreferenced_blocks,
+            kv_cached_contents: self.sched.kv().cached_contents(),
             prefix_hit_tokens: kv.hit_tokens,
             prefix_miss_tokens: kv.miss_tokens,
             prefix_evictions: kv.evictions,

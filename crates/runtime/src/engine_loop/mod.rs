@@ -139,6 +139,8 @@ struct Engine<'m> {
     mask_stats: MaskStats,
     /// Whether earlier requests found the draft model losing (draft model only).
     draft_memory: siliceo_speculative::DraftCostMemory,
+    /// Where the prefix cache's changes are published after every step.
+    kv_events: std::sync::Arc<crate::kv_events::KvEventHub>,
 }
 
 impl Engine<'_> {

@@ -17,6 +17,7 @@ use super::holders::Holders;
 use super::kv::{GraftKv, Kv, LlamaKv};
 use super::speculative::DraftModel;
 use super::{Engine, MaskStats};
+use crate::kv_events::KvEventHub;
 use crate::{Command, KvBackend, RuntimeConfig, RuntimeError, RuntimeInfo};
 
 /// The store a configuration of ours asks for, for a model of geometry `g`:
@@ -103,6 +104,7 @@ pub(crate) fn run(
             let _ = ready.send(Ok(Started {
                 info,
                 model: model.clone(),
+                kv_events: engine.kv_events.clone(),
             }));
             engine.serve(&rx);
         }
@@ -116,6 +118,7 @@ pub(crate) fn run(
 pub(crate) struct Started {
     pub(crate) info: RuntimeInfo,
     pub(crate) model: Arc<Model>,
+    pub(crate) kv_events: Arc<KvEventHub>,
 }
 
 impl<'m> Engine<'m> {
@@ -277,6 +280,7 @@ impl<'m> Engine<'m> {
             constraint_overlap: cfg.constraint_overlap,
             mask_stats: MaskStats::default(),
             draft_memory: siliceo_speculative::DraftCostMemory::default(),
+            kv_events: Arc::new(KvEventHub::new(bs)),
         };
         Ok((engine, info))
     }
