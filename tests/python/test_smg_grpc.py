@@ -84,7 +84,9 @@ def test_the_exported_tokenizer_gives_llama_cpps_token_ids(model, vllm_pb, grpc_
         eos = json.loads(files["generation_config.json"])["eos_token_id"]
         assert eos and all(isinstance(e, int) for e in eos)
         # llama.cpp's tokenizer, through our own gRPC API.
-        pb, pbg, _ = grpc_api
+        pb, _, _ = grpc_api
+        from siliceo.v1 import inference_pb2_grpc as pbg
+
         with grpc.insecure_channel(s.grpc) as ch:
             stub = pbg.InferenceStub(ch)
             for text in TEXTS:

@@ -42,6 +42,9 @@ const TOKENIZER_CHUNK: usize = 64 << 10;
 /// worker whose records stop for 15 s).
 const HEARTBEAT: Duration = Duration::from_secs(1);
 
+/// Requests with several choices and their counts.
+type ChoiceCounts = Arc<Mutex<HashMap<String, u32>>>;
+
 /// The tokenizer bundle, made once.
 #[derive(Debug)]
 struct Bundle {
@@ -59,7 +62,7 @@ pub struct VllmEngineService {
     max_request_bytes: usize,
     bundle: Arc<OnceCell<Result<Bundle, Status>>>,
     /// Requests with several choices: their count, so `Abort` ends them all.
-    choices: Arc<Mutex<HashMap<String, u32>>>,
+    choices: ChoiceCounts,
 }
 
 impl VllmEngineService {
@@ -319,7 +322,7 @@ pub struct VllmGenerateStream {
     stream: bool,
     want_logprobs: bool,
     /// A request with several choices, to forget when it ends.
-    multi: Option<(String, Arc<Mutex<HashMap<String, u32>>>)>,
+    multi: Option<(String, ChoiceCounts)>,
     failed: bool,
 }
 
