@@ -122,12 +122,13 @@ def gateway_metrics(gw: Gateway) -> str:
                                   timeout=10).read().decode()
 
 
-def index_blocks(gw: Gateway, server: Server) -> float | None:
-    """The blocks SMG's KV index holds for `server`, from its metrics."""
+def index_blocks(gw: Gateway, server: Server) -> float:
+    """The blocks SMG's KV index holds for `server`, from its metrics (a
+    worker it never indexed a block for has no sample: 0)."""
     for line in gateway_metrics(gw).splitlines():
         if line.startswith("smg_kv_index_blocks{") and server.grpc in line:
             return float(line.rpartition(" ")[2])
-    return None
+    return 0.0
 
 
 def test_smg_in_grpc_mode_answers_as_our_http_api_does(grpc_replicas):
@@ -207,7 +208,8 @@ def test_cache_aware_routes_on_the_blocks_our_events_announce(grpc_replicas):
                 break
             time.sleep(0.5)
         assert seen == held, (seen, held)
-        assert all(h >= 20 for h in held), held
+        # cache_aware may keep both prefixes on one replica.
+        assert sum(held) >= 40, held
         events = re.findall(r'smg_kv_event_blocks_total\{[^}]*op="stored"[^}]*\} (\S+)',
                             gateway_metrics(gw))
         assert events and sum(map(float, events)) >= sum(held), events
