@@ -13,6 +13,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import openai
@@ -121,6 +122,21 @@ class Server:
             self.proc.kill()
             raise
         assert self.proc.returncode == 0, "".join(self.stderr)
+
+
+@contextmanager
+def replica_set(n: int, **kw):
+    """`n` servers (a fleet's replicas), stopped on the way out: the ones
+    that still run (a test may kill some)."""
+    servers = []
+    try:
+        for _ in range(n):
+            servers.append(Server(**kw))
+        yield servers
+    finally:
+        for s in servers:
+            if s.proc.poll() is None:
+                s.stop()
 
 
 @pytest.fixture(scope="session")

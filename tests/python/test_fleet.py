@@ -16,7 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import QUESTION, Server, free_port
+from conftest import QUESTION, free_port, replica_set
 
 REPLICAS = 3
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -84,11 +84,8 @@ class Gateway:
 def replicas():
     # Requests go one at a time in most tests: each replica may use both
     # cores. KV for 8,192 tokens: three ~1,500-token prefixes fit at once.
-    servers = [Server(context=8192) for _ in range(REPLICAS)]
-    yield servers
-    for s in servers:
-        if s.proc.poll() is None:
-            s.stop()
+    with replica_set(REPLICAS, context=8192) as servers:
+        yield servers
 
 
 def served_by(replicas, before):

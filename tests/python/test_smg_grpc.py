@@ -19,7 +19,7 @@ import grpc
 import pytest
 import tokenizers
 
-from conftest import QUESTION, ROOT, Server, client, model_file
+from conftest import QUESTION, ROOT, Server, client, model_file, replica_set
 from test_fleet import DOCUMENTS, MODEL, Gateway, served_by
 
 REPLICAS = 2
@@ -101,11 +101,8 @@ def test_the_exported_tokenizer_gives_llama_cpps_token_ids(model, vllm_pb, grpc_
 
 @pytest.fixture(scope="module")
 def grpc_replicas():
-    servers = [Server(context=8192) for _ in range(REPLICAS)]
-    yield servers
-    for s in servers:
-        if s.proc.poll() is None:
-            s.stop()
+    with replica_set(REPLICAS, context=8192) as servers:
+        yield servers
 
 
 def grpc_gateway(replicas, policy: str) -> Gateway:

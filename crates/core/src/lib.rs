@@ -41,6 +41,14 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// Seconds since the Unix epoch, now (0 on a clock set before 1970): the
+/// timestamps both protocols and the KV events carry.
+pub fn unix_time_s() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
 /// A PEM certificate chain and its PEM private key: what both protocol
 /// crates serve TLS with (`--tls-cert`, `--tls-key`).
 #[derive(Clone)]

@@ -91,9 +91,7 @@ struct AppState {
 }
 
 fn now_s() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
+    siliceo_core::unix_time_s() as u64
 }
 
 /// The model ids a runtime answers to: its file's stem, then its name.

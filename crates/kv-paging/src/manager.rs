@@ -185,14 +185,9 @@ pub enum KvEvent {
     },
 }
 
-/// What turns the pool's journal into [`KvEvent`]s.
-#[derive(Debug, Clone, Default)]
-struct EventState {
-    /// The content behind each registered key.
-    content_of: HashMap<BlockHash, BlockHash>,
-    /// Registered forms per content.
-    forms: HashMap<BlockHash, u32>,
-}
+/// Registered full-block forms per content, while events are on: what turns
+/// the pool's journal into [`KvEvent`]s.
+type EventState = HashMap<BlockHash, u32>;
 
 /// Counters for metrics. Hits and misses count prompt tokens looked up.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -305,20 +300,18 @@ impl KvCacheManager {
     /// `Stored` when its first form is registered and `Removed` when its last
     /// one is evicted or uncached. Empty while events are off.
     pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
-        let Some(st) = &mut self.events else {
+        let Some(forms) = &mut self.events else {
             return Vec::new();
         };
         let mut out = Vec::new();
         for j in self.pool.take_journal() {
             match j {
                 Journal::Stored {
-                    key,
                     content,
                     parent,
                     tokens,
                 } => {
-                    st.content_of.insert(key, content);
-                    let n = st.forms.entry(content).or_insert(0);
+                    let n = forms.entry(content).or_insert(0);
                     *n += 1;
                     if *n == 1 {
                         out.push(KvEvent::Stored {
@@ -328,14 +321,14 @@ impl KvCacheManager {
                         });
                     }
                 }
-                Journal::Forgotten { key } => {
-                    let Some(content) = st.content_of.remove(&key) else {
+                Journal::Forgotten { content } => {
+                    let Some(n) = forms.get_mut(&content) else {
+                        // Registered before events were on.
                         continue;
                     };
-                    let n = st.forms.get_mut(&content).expect("counted form");
                     *n -= 1;
                     if *n == 0 {
-                        st.forms.remove(&content);
+                        forms.remove(&content);
                         out.push(KvEvent::Removed { hash: content });
                     }
                 }
@@ -348,7 +341,7 @@ impl KvCacheManager {
     /// them (0 while events are off). Call after
     /// [`take_kv_events`](Self::take_kv_events).
     pub fn cached_contents(&self) -> usize {
-        self.events.as_ref().map_or(0, |e| e.forms.len())
+        self.events.as_ref().map_or(0, HashMap::len)
     }
 
     /// The configuration.
@@ -894,12 +887,8 @@ impl KvCacheManager {
                 // A partial registration of this block grows into the full one.
                 self.pool.uncache(b);
                 if self.pool.register(b, parent, key, chunk) {
-                    self.pool.journal_stored(Journal::Stored {
-                        key,
-                        content: s.hashes[i],
-                        parent: (i > 0).then_some(parent),
-                        tokens: chunk.to_vec(),
-                    });
+                    self.pool
+                        .journal_stored(b, s.hashes[i], (i > 0).then_some(parent));
                 }
             }
             s.offered += 1;

@@ -22,6 +22,9 @@ struct Slot {
     ref_count: u32,
     /// Set while the block is a registered prefix block.
     hash: Option<BlockHash>,
+    /// The content a journaled full registration announced (`hash` itself,
+    /// or the content a sealed form holds).
+    content: BlockHash,
     parent: BlockHash,
     /// Tokens registered (`block_size` for a full block, fewer for a
     /// partial one); 0 while unregistered.
@@ -59,20 +62,19 @@ pub struct BlockPool {
     journal: Option<Vec<Journal>>,
 }
 
-/// A change to the set of cached full blocks.
+/// A change to the set of cached full blocks, by content (one entry per
+/// registered form).
 #[derive(Debug, Clone)]
 pub(crate) enum Journal {
-    /// A full block was registered under `key` (its content hash, or a
-    /// sealed form of `content`).
+    /// A full block holding `content` was registered.
     Stored {
-        key: BlockHash,
         content: BlockHash,
         /// The content hash of the block before it; `None` for a first block.
         parent: Option<BlockHash>,
         tokens: Vec<TokenId>,
     },
-    /// The full block registered under `key` was forgotten (evicted, uncached).
-    Forgotten { key: BlockHash },
+    /// A full block holding `content` was forgotten (evicted, uncached).
+    Forgotten { content: BlockHash },
 }
 
 impl BlockPool {
@@ -110,6 +112,7 @@ impl BlockPool {
             Slot {
                 ref_count: 0,
                 hash: None,
+                content: BlockHash(0),
                 parent: BlockHash(0),
                 len: 0,
                 prev: 0,
@@ -296,8 +299,9 @@ impl BlockPool {
         };
         let full = slot.len as usize == self.block_size;
         slot.len = 0;
+        let content = slot.content;
         if let (Some(j), true) = (&mut self.journal, full) {
-            j.push(Journal::Forgotten { key: h });
+            j.push(Journal::Forgotten { content });
         }
         let parent = slot.parent;
         self.cached.remove(&h);
@@ -331,12 +335,25 @@ impl BlockPool {
         self.journal = on.then(Vec::new);
     }
 
-    /// Records a full block's registration (the caller knows its content
-    /// and parent; the pool only its key). A no-op with journaling off.
-    pub(crate) fn journal_stored(&mut self, entry: Journal) {
-        if let Some(j) = &mut self.journal {
-            j.push(entry);
-        }
+    /// Records that the full block `id`, just registered, holds `content`
+    /// after `parent` (the caller knows both; the pool only the key it was
+    /// registered under). A no-op with journaling off.
+    pub(crate) fn journal_stored(
+        &mut self,
+        id: BlockId,
+        content: BlockHash,
+        parent: Option<BlockHash>,
+    ) {
+        let Some(j) = &mut self.journal else {
+            return;
+        };
+        self.slots[id.0 as usize].content = content;
+        let at = id.0 as usize * self.block_size;
+        j.push(Journal::Stored {
+            content,
+            parent,
+            tokens: self.tokens[at..at + self.block_size].to_vec(),
+        });
     }
 
     /// The journal since the last call.

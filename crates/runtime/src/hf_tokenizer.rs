@@ -79,11 +79,16 @@ fn pre_tokenizer(pre: &str) -> Result<Value, String> {
     })
 }
 
+/// A token id the GGUF's metadata names under `key`.
+fn token_id(header: &GgufHeader, key: &str) -> Option<u32> {
+    header.int(key).and_then(|v| u32::try_from(v).ok())
+}
+
 /// The tokens that end generation: end of sequence and end of turn.
 pub fn eos_ids(header: &GgufHeader) -> Vec<u32> {
     let mut ids = Vec::new();
     for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"] {
-        if let Some(id) = header.int(key).and_then(|v| u32::try_from(v).ok())
+        if let Some(id) = token_id(header, key)
             && !ids.contains(&id)
         {
             ids.push(id);
@@ -126,17 +131,14 @@ pub fn hf_tokenizer_files(header: &GgufHeader, n_ctx: u32) -> Result<TokenizerEx
         }
     }
     let token_of = |key: &str| {
-        header
-            .int(key)
-            .and_then(|id| usize::try_from(id).ok())
-            .and_then(|id| tokens.get(id))
+        let id = token_id(header, key)?;
+        Some((id, tokens.get(id as usize)?))
     };
     let bos = token_of("tokenizer.ggml.bos_token_id");
-    let eos = token_of("tokenizer.ggml.eos_token_id");
+    let eos = token_of("tokenizer.ggml.eos_token_id").map(|(_, t)| t);
     let add_bos = header.bool("tokenizer.ggml.add_bos_token").unwrap_or(false) && bos.is_some();
     let post = match bos.filter(|_| add_bos) {
-        Some(bos) => {
-            let id = vocab[bos.as_str()].clone();
+        Some((id, bos)) => {
             json!({
                 "type": "TemplateProcessing",
                 "single": [{"SpecialToken": {"id": bos, "type_id": 0}},
@@ -177,19 +179,17 @@ pub fn hf_tokenizer_files(header: &GgufHeader, n_ctx: u32) -> Result<TokenizerEx
     if let Some(t) = header.str("tokenizer.chat_template") {
         config["chat_template"] = json!(t);
     }
-    if let Some(b) = bos {
+    if let Some((_, b)) = bos {
         config["bos_token"] = json!(b);
     }
     if let Some(e) = eos {
         config["eos_token"] = json!(e);
     }
-    if let Some(p) = token_of("tokenizer.ggml.padding_token_id") {
+    if let Some((_, p)) = token_of("tokenizer.ggml.padding_token_id") {
         config["pad_token"] = json!(p);
     }
     let eos_ids = eos_ids(header);
-    let bos_id = header
-        .int("tokenizer.ggml.bos_token_id")
-        .and_then(|v| u32::try_from(v).ok());
+    let bos_id = bos.map(|(id, _)| id);
     let generation = json!({"eos_token_id": eos_ids, "bos_token_id": bos_id});
     let model_config = json!({
         "model_type": header.str("general.architecture").unwrap_or_default(),
@@ -198,25 +198,18 @@ pub fn hf_tokenizer_files(header: &GgufHeader, n_ctx: u32) -> Result<TokenizerEx
         "max_position_embeddings": n_ctx,
         "vocab_size": tokens.len(),
     });
-    let to_bytes = |v: &Value| serde_json::to_vec(v).expect("JSON values serialize");
-    let files = vec![
-        TokenizerFile {
-            name: "tokenizer.json",
-            bytes: to_bytes(&tokenizer),
-        },
-        TokenizerFile {
-            name: "tokenizer_config.json",
-            bytes: to_bytes(&config),
-        },
-        TokenizerFile {
-            name: "generation_config.json",
-            bytes: to_bytes(&generation),
-        },
-        TokenizerFile {
-            name: "config.json",
-            bytes: to_bytes(&model_config),
-        },
-    ];
+    let files = [
+        ("tokenizer.json", tokenizer),
+        ("tokenizer_config.json", config),
+        ("generation_config.json", generation),
+        ("config.json", model_config),
+    ]
+    .into_iter()
+    .map(|(name, v)| TokenizerFile {
+        name,
+        bytes: serde_json::to_vec(&v).expect("JSON values serialize"),
+    })
+    .collect();
     Ok(TokenizerExport {
         files,
         eos_ids,

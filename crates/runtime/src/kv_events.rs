@@ -10,7 +10,6 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use siliceo_kv_paging::{BlockHash, KvEvent};
 use tokio::sync::broadcast;
@@ -27,8 +26,8 @@ pub enum CacheEvent {
         hash: u64,
         /// The block before it; `None` for a sequence's first block.
         parent: Option<u64>,
-        /// Its tokens.
-        tokens: Vec<u32>,
+        /// Its tokens (shared with the hub's live set).
+        tokens: Arc<[u32]>,
     },
     /// No block holds this content any more.
     Removed {
@@ -82,7 +81,7 @@ pub struct OutOfRange {
 #[derive(Debug)]
 struct Live {
     parent: Option<u64>,
-    tokens: Vec<u32>,
+    tokens: Arc<[u32]>,
     /// Blocks before it in its chain as known when stored (snapshot order).
     depth: u32,
 }
@@ -99,28 +98,21 @@ struct HubState {
 pub struct KvEventHub {
     state: Mutex<HubState>,
     tx: broadcast::Sender<Arc<EventBatch>>,
-    block_size: u32,
 }
 
-fn now_s() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
+impl Default for KvEventHub {
+    fn default() -> Self {
+        KvEventHub::new()
+    }
 }
 
 impl KvEventHub {
-    /// A hub for blocks of `block_size` tokens.
-    pub fn new(block_size: u32) -> Self {
+    /// A hub with nothing published.
+    pub fn new() -> Self {
         KvEventHub {
             state: Mutex::new(HubState::default()),
             tx: broadcast::channel(HISTORY).0,
-            block_size,
         }
-    }
-
-    /// Tokens per block.
-    pub fn block_size(&self) -> u32 {
-        self.block_size
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HubState> {
@@ -142,7 +134,7 @@ impl KvEventHub {
                 } => CacheEvent::Stored {
                     hash: hash.0,
                     parent: parent.map(|p: BlockHash| p.0),
-                    tokens: tokens.into_iter().map(|t| t.0).collect(),
+                    tokens: tokens.iter().map(|t| t.0).collect(),
                 },
                 KvEvent::Removed { hash } => CacheEvent::Removed { hash: hash.0 },
             })
@@ -185,7 +177,7 @@ impl KvEventHub {
         st.seq += 1;
         let batch = Arc::new(EventBatch {
             seq: st.seq,
-            timestamp: now_s(),
+            timestamp: siliceo_core::unix_time_s(),
             events,
         });
         if st.history.len() == HISTORY {
@@ -199,11 +191,6 @@ impl KvEventHub {
     /// Full blocks cached now, as the published events say.
     pub fn live_blocks(&self) -> usize {
         self.lock().live.len()
-    }
-
-    /// The last sequence number published (0 before the first batch).
-    pub fn last_seq(&self) -> u64 {
-        self.lock().seq
     }
 
     /// Subscribes after batch `after`: 0 for a snapshot of the blocks cached
@@ -226,7 +213,7 @@ impl KvEventHub {
                 }));
                 vec![Arc::new(EventBatch {
                     seq: st.seq,
-                    timestamp: now_s(),
+                    timestamp: siliceo_core::unix_time_s(),
                     events,
                 })]
             }
@@ -268,7 +255,7 @@ mod tests {
 
     #[test]
     fn snapshots_resumes_and_refuses_what_it_cannot_replay() {
-        let hub = KvEventHub::new(4);
+        let hub = KvEventHub::new();
         assert!(hub.subscribe(0).unwrap().backlog.is_empty());
         hub.publish(vec![stored(1, None), stored(2, Some(1))]);
         hub.publish(vec![
@@ -276,10 +263,11 @@ mod tests {
             KvEvent::Removed { hash: BlockHash(1) },
         ]);
         hub.publish(Vec::new());
-        assert_eq!((hub.last_seq(), hub.live_blocks()), (2, 2));
+        assert_eq!(hub.live_blocks(), 2);
 
         // A snapshot: numbered as the last batch, a clear then the live blocks.
         let s = hub.subscribe(0).unwrap();
+        assert_eq!(s.last_seq, 2);
         assert_eq!(s.backlog.len(), 1);
         assert_eq!(s.backlog[0].seq, 2);
         let hashes: Vec<Option<u64>> = s.backlog[0]

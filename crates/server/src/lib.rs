@@ -127,6 +127,43 @@ pub fn status_of(e: &RuntimeError) -> Status {
     }
 }
 
+/// `INVALID_ARGUMENT` for a message over `limit` bytes.
+pub(crate) fn check_size<M: prost::Message>(m: &M, limit: usize) -> Result<(), Status> {
+    let n = m.encoded_len();
+    if n > limit {
+        return Err(Status::invalid_argument(format!(
+            "request: message of {n} bytes exceeds the limit of {limit} bytes"
+        )));
+    }
+    Ok(())
+}
+
+/// Runs a blocking runtime call on tokio's blocking pool, its error as a status.
+pub(crate) async fn blocking<T: Send + 'static>(
+    rt: &Arc<Runtime>,
+    f: impl FnOnce(&Runtime) -> Result<T, RuntimeError> + Send + 'static,
+) -> Result<T, Status> {
+    let rt = rt.clone();
+    tokio::task::spawn_blocking(move || f(&rt))
+        .await
+        .map_err(|_| Status::internal("the request handler failed"))?
+        .map_err(|e| status_of(&e))
+}
+
+/// `svc` behind the API key check, when there is a key.
+fn keyed<S>(
+    svc: S,
+    key: Option<String>,
+) -> tonic::service::interceptor::InterceptedService<
+    S,
+    impl FnMut(Request<()>) -> Result<Request<()>, Status> + Clone,
+> {
+    tonic::service::interceptor::InterceptedService::new(svc, move |req: Request<()>| match &key {
+        Some(k) => check_key(k, &req).map(|()| req),
+        None => Ok(req),
+    })
+}
+
 /// Checks `authorization: Bearer <key>`.
 fn check_key(key: &str, req: &Request<()>) -> Result<(), Status> {
     let given = req
@@ -185,32 +222,22 @@ pub async fn serve_on(
     }
     let svc = InferenceService::new(rt.clone(), cfg.max_request_bytes)
         .with_embeddings(cfg.embeddings.clone());
-    let key = cfg.api_key.clone();
     // tonic's own hard cap; requests between our limit and this one get a
-    // clear INVALID_ARGUMENT from the service.
-    let inference = pb::inference_server::InferenceServer::new(svc)
-        .max_decoding_message_size(cfg.max_request_bytes.saturating_mul(4).max(1 << 20));
-    let inference =
-        tonic::service::interceptor::InterceptedService::new(inference, move |req: Request<()>| {
-            match &key {
-                Some(k) => check_key(k, &req).map(|()| req),
-                None => Ok(req),
-            }
-        });
+    // clear INVALID_ARGUMENT from the services.
+    let decode_cap = cfg.max_request_bytes.saturating_mul(4).max(1 << 20);
+    let inference = keyed(
+        pb::inference_server::InferenceServer::new(svc).max_decoding_message_size(decode_cap),
+        cfg.api_key.clone(),
+    );
     // SMG's engine protocol beside ours, under the same API key.
-    let vllm_key = cfg.api_key.clone();
-    let vllm = vllm::vpb::vllm_engine_server::VllmEngineServer::new(vllm::VllmEngineService::new(
-        rt.clone(),
-        cfg.max_request_bytes,
-    ))
-    .max_decoding_message_size(cfg.max_request_bytes.saturating_mul(4).max(1 << 20));
-    let vllm =
-        tonic::service::interceptor::InterceptedService::new(vllm, move |req: Request<()>| {
-            match &vllm_key {
-                Some(k) => check_key(k, &req).map(|()| req),
-                None => Ok(req),
-            }
-        });
+    let vllm = keyed(
+        vllm::vpb::vllm_engine_server::VllmEngineServer::new(vllm::VllmEngineService::new(
+            rt.clone(),
+            cfg.max_request_bytes,
+        ))
+        .max_decoding_message_size(decode_cap),
+        cfg.api_key.clone(),
+    );
     let (health, health_svc) = tonic_health::server::health_reporter();
     health
         .set_serving::<pb::inference_server::InferenceServer<InferenceService>>()

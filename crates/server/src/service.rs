@@ -73,14 +73,7 @@ impl InferenceService {
     }
 
     fn check_size<M: Message>(&self, m: &M) -> Result<(), Status> {
-        let n = m.encoded_len();
-        if n > self.max_request_bytes {
-            return Err(Status::invalid_argument(format!(
-                "request: message of {n} bytes exceeds the limit of {} bytes",
-                self.max_request_bytes
-            )));
-        }
-        Ok(())
+        crate::check_size(m, self.max_request_bytes)
     }
 
     /// Runs a blocking runtime call off the async workers.
@@ -88,11 +81,7 @@ impl InferenceService {
         &self,
         f: impl FnOnce(&Runtime) -> Result<T, RuntimeError> + Send + 'static,
     ) -> Result<T, Status> {
-        let rt = self.rt.clone();
-        tokio::task::spawn_blocking(move || f(&rt))
-            .await
-            .map_err(|_| Status::internal("the request handler failed"))?
-            .map_err(|e| status_of(&e))
+        crate::blocking(&self.rt, f).await
     }
 }
 

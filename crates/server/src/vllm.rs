@@ -11,9 +11,9 @@ use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
-use siliceo_core::{Constraint, FinishReason, RequestId, SamplingParams, TokenId};
+use siliceo_core::{Constraint, FinishReason, RequestId, SamplingParams, TokenId, unix_time_s};
 use siliceo_runtime::kv_events::{CacheEvent, EventBatch};
 use siliceo_runtime::{
     Event, GenerateRequest, Input, RequestStream, Runtime, RuntimeError, SchedulerLoad,
@@ -96,11 +96,7 @@ impl VllmEngineService {
     }
 
     async fn load(&self) -> Result<SchedulerLoad, Status> {
-        let rt = self.rt.clone();
-        tokio::task::spawn_blocking(move || rt.load())
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(|e| status_of(&e))
+        crate::blocking(&self.rt, Runtime::load).await
     }
 }
 
@@ -432,7 +428,7 @@ fn batch_pb(b: &EventBatch, block_size: u32, load: Option<vpb::EngineLoad>) -> v
             } => Data::Stored(vpb::KvBlocksStored {
                 blocks: vec![vpb::KvBlock {
                     block_hash: *hash as i64,
-                    token_ids: tokens.clone(),
+                    token_ids: tokens.to_vec(),
                     block_size: block_size as i32,
                 }],
                 parent_block_hash: parent.map(|p| p as i64),
@@ -455,6 +451,46 @@ fn batch_pb(b: &EventBatch, block_size: u32, load: Option<vpb::EngineLoad>) -> v
     }
 }
 
+/// A batch without events that repeats sequence `seq`: a load record.
+fn load_only(seq: u64, load: Option<vpb::EngineLoad>) -> vpb::KvEventBatch {
+    vpb::KvEventBatch {
+        sequence_number: seq,
+        timestamp: unix_time_s(),
+        events: Vec::new(),
+        load,
+    }
+}
+
+/// A subscriber's load records. Event batches come as often as engine
+/// steps: they reuse a sample up to [`LOAD_REUSE`] old (its age says so)
+/// rather than ask the engine thread for its stats every step; load-only
+/// records take a new one.
+struct LoadSampler {
+    svc: VllmEngineService,
+    sample: u64,
+    last: Option<(Instant, SchedulerLoad)>,
+}
+
+/// How old a load sample an event batch may carry.
+const LOAD_REUSE: Duration = Duration::from_millis(200);
+
+impl LoadSampler {
+    async fn record(&mut self, load_only: bool) -> Option<vpb::EngineLoad> {
+        let fresh = match self.last {
+            Some((at, _)) => load_only || at.elapsed() > LOAD_REUSE,
+            None => true,
+        };
+        if fresh {
+            self.last = self.svc.load().await.ok().map(|l| (Instant::now(), l));
+        }
+        let (at, l) = self.last?;
+        self.sample += 1;
+        let mut rec = engine_load(&l, self.sample, load_only);
+        rec.age_ms = at.elapsed().as_millis().min(u128::from(u32::MAX)) as u32;
+        Some(rec)
+    }
+}
+
 fn engine_load(l: &SchedulerLoad, sample: u64, load_only: bool) -> vpb::EngineLoad {
     vpb::EngineLoad {
         running_requests: l.num_running_reqs,
@@ -471,12 +507,6 @@ fn engine_load(l: &SchedulerLoad, sample: u64, load_only: bool) -> vpb::EngineLo
     }
 }
 
-fn now_s() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
-}
-
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
 #[tonic::async_trait]
@@ -489,18 +519,9 @@ impl vpb::vllm_engine_server::VllmEngine for VllmEngineService {
         &self,
         request: Request<vpb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let r = async {
+        let r: Result<Response<VllmGenerateStream>, Status> = async {
             let wire = request.into_inner();
-            let size = prost::Message::encoded_len(&wire);
-            if size > self.max_request_bytes {
-                return Err(invalid(
-                    "request",
-                    format!(
-                        "message of {size} bytes exceeds the limit of {} bytes",
-                        self.max_request_bytes
-                    ),
-                ));
-            }
+            crate::check_size(&wire, self.max_request_bytes)?;
             let stream = wire.stream;
             let id = wire.request_id.clone();
             let (req, n) = to_runtime(wire)?;
@@ -575,16 +596,15 @@ impl vpb::vllm_engine_server::VllmEngine for VllmEngineService {
                 ids.extend((0..n).map(|i| choice_id(&id, i)));
             }
         }
-        let rt = self.rt.clone();
         // Unknown ids (already finished) are not an error: aborting races
         // the request's end.
-        tokio::task::spawn_blocking(move || {
+        crate::blocking(&self.rt, move |rt| {
             for id in &ids {
                 let _ = rt.cancel(id);
             }
+            Ok(())
         })
-        .await
-        .map_err(|e| Status::internal(e.to_string()))?;
+        .await?;
         Ok(Response::new(vpb::AbortResponse {}))
     }
 
@@ -629,7 +649,7 @@ impl vpb::vllm_engine_server::VllmEngine for VllmEngineService {
         Ok(Response::new(vpb::GetServerInfoResponse {
             active_requests: l.num_total_reqs,
             is_paused: false,
-            last_receive_timestamp: now_s(),
+            last_receive_timestamp: unix_time_s(),
             uptime_seconds: self.started.elapsed().as_secs_f64(),
             server_type: "siliceo-grpc".into(),
             data_parallel_size: 1,
@@ -698,33 +718,25 @@ impl vpb::vllm_engine_server::VllmEngine for VllmEngineService {
             .subscribe(r.start_sequence_number)
             .map_err(|e| Status::out_of_range(e.to_string()))?;
         let svc = self.clone();
-        let block_size = hub.block_size();
+        let block_size = self.rt.info().block_size;
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<vpb::KvEventBatch, Status>>(64);
         tokio::spawn(async move {
-            let mut sample = 0u64;
-            let mut last_seq = sub.last_seq;
-            let load = |sample: &mut u64, load_only: bool| {
-                *sample += 1;
-                let s = *sample;
-                let svc = svc.clone();
-                async move { svc.load().await.ok().map(|l| engine_load(&l, s, load_only)) }
+            let mut loads = LoadSampler {
+                svc,
+                sample: 0,
+                last: None,
             };
+            let mut last_seq = sub.last_seq;
             // A load record first: the gateway learns our load before any event.
             if r.load_records_before_first_batch {
-                let l = load(&mut sample, true).await;
-                let first = vpb::KvEventBatch {
-                    sequence_number: 0,
-                    timestamp: now_s(),
-                    events: Vec::new(),
-                    load: l,
-                };
+                let first = load_only(0, loads.record(true).await);
                 if tx.send(Ok(first)).await.is_err() {
                     return;
                 }
             }
             for b in &sub.backlog {
-                let l = load(&mut sample, false).await;
                 last_seq = b.seq;
+                let l = loads.record(false).await;
                 if tx.send(Ok(batch_pb(b, block_size, l))).await.is_err() {
                     return;
                 }
@@ -738,8 +750,7 @@ impl vpb::vllm_engine_server::VllmEngine for VllmEngineService {
                         Ok(b) if b.seq <= last_seq => continue,
                         Ok(b) => {
                             last_seq = b.seq;
-                            let l = load(&mut sample, false).await;
-                            Ok(batch_pb(&b, block_size, l))
+                            Ok(batch_pb(&b, block_size, loads.record(false).await))
                         }
                         // Fell behind: end the stream; the gateway resumes
                         // after the last batch it applied.
@@ -748,15 +759,7 @@ impl vpb::vllm_engine_server::VllmEngine for VllmEngineService {
                         }
                         Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
                     },
-                    _ = tick.tick() => {
-                        let l = load(&mut sample, true).await;
-                        Ok(vpb::KvEventBatch {
-                            sequence_number: last_seq,
-                            timestamp: now_s(),
-                            events: Vec::new(),
-                            load: l,
-                        })
-                    }
+                    _ = tick.tick() => Ok(load_only(last_seq, loads.record(true).await)),
                     () = tx.closed() => return,
                 };
                 let end = msg.is_err();
@@ -773,9 +776,7 @@ impl vpb::vllm_engine_server::VllmEngine for VllmEngineService {
 
 /// Now as RFC 3339 (UTC, seconds).
 fn rfc3339_now() -> String {
-    let secs = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
+    let secs = unix_time_s() as u64;
     let days = (secs / 86_400) as i64;
     let rem = secs % 86_400;
     // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).

@@ -280,7 +280,7 @@ impl<'m> Engine<'m> {
             constraint_overlap: cfg.constraint_overlap,
             mask_stats: MaskStats::default(),
             draft_memory: siliceo_speculative::DraftCostMemory::default(),
-            kv_events: Arc::new(KvEventHub::new(bs)),
+            kv_events: Arc::new(KvEventHub::new()),
         };
         Ok((engine, info))
     }
