@@ -102,6 +102,7 @@ fn run_config(
     let mut cfg = RuntimeConfig::new(model_path);
     cfg.kv = kv.backend.clone();
     cfg.model.deterministic = deterministic;
+    cfg.model.gpu_layers = b.gpu_layers;
     let tokens = ctx_len + max_streams * (SUFFIX + GEN as usize + 64) + 256;
     cfg.context.n_ctx = tokens.next_multiple_of(256) as u32;
     cfg.context.type_k = kv.k;
@@ -181,13 +182,23 @@ pub struct GraftBench {
     /// Only the configurations whose label contains one of these (all when
     /// empty), to finish a partial run.
     pub only: Vec<String>,
+    /// Layers offloaded to the GPU (a CUDA build); 0: all on the CPU.
+    pub gpu_layers: u32,
+    /// Streams per decode figure (default 1, 8, 16).
+    pub streams: Vec<usize>,
 }
 
 /// Runs the comparison and prints markdown tables.
 pub fn graft(b: &GraftBench) -> Result<()> {
-    let streams = [1usize, 8, 16];
+    let streams = if b.streams.is_empty() { vec![1usize, 8, 16] } else { b.streams.clone() };
     for path in &b.models {
-        let model = Model::load(path, &ModelOptions::default())?;
+        let model = Model::load(
+            path,
+            &ModelOptions {
+                gpu_layers: b.gpu_layers,
+                ..ModelOptions::default()
+            },
+        )?;
         let small = model.geometry().n_embd < 1024;
         let mut contexts: Vec<usize> = match (b.quick, small) {
             (true, _) => vec![512, 4096],
@@ -215,32 +226,38 @@ pub fn graft(b: &GraftBench) -> Result<()> {
         let k_quant = !small;
         println!();
         println!(
-            "### {} · {} threads · median of {} · {SUFFIX}-token suffixes, {GEN} generated per stream",
+            "### {} · {} threads{} · median of {} · {SUFFIX}-token suffixes, {GEN} generated per stream",
             model.name(),
             b.threads,
+            if b.gpu_layers > 0 { format!(" · {} layers on the GPU", b.gpu_layers) } else { String::new() },
             b.reps
         );
         println!();
-        println!(
-            "| context | KV | prefill tok/s | decode tok/s, 1 stream | 8 streams | 16 streams |"
-        );
-        println!("|---:|---|---:|---:|---:|---:|");
+        let cols: Vec<String> = streams.iter().map(|n| format!("{n} stream{}", if *n == 1 { "" } else { "s" })).collect();
+        println!("| context | KV | prefill tok/s | decode tok/s, {} |", cols.join(" | "));
+        println!("|---:|---|---:|{}", "---:|".repeat(streams.len()));
+        let print = |ctx: usize, label: &str, row: Result<Row>| match row {
+            Ok(row) => {
+                let d: Vec<String> = row.decode.iter().map(|r| format!("{r:.1}")).collect();
+                println!("| {ctx} | {label} | {:.0} | {} |", row.prefill_tps, d.join(" | "));
+            }
+            // A configuration this build cannot serve (our store with
+            // offloaded layers) is a row that says so, not the end of the run.
+            Err(e) => println!("| {ctx} | {label} | refused: {e} |{}", " |".repeat(streams.len())),
+        };
         for &ctx in &contexts {
             for kv in &configs {
-                let row = run_config(b, path, &model, kv, ctx, &streams, false)?;
-                println!(
-                    "| {ctx} | {} | {:.0} | {:.1} | {:.1} | {:.1} |",
-                    kv.label, row.prefill_tps, row.decode[0], row.decode[1], row.decode[2]
-                );
+                print(ctx, &kv.label, run_config(b, path, &model, kv, ctx, &streams, false));
             }
             if k_quant && ctx == contexts[0] && b.only.is_empty() {
                 let kv = ours("kv8", None);
-                let row = run_config(b, path, &model, &kv, ctx, &streams, true)?;
-                println!(
-                    "| {ctx} | {} --deterministic | {:.0} | {:.1} | {:.1} | {:.1} |",
-                    kv.label, row.prefill_tps, row.decode[0], row.decode[1], row.decode[2]
-                );
+                let row = run_config(b, path, &model, &kv, ctx, &streams, true);
+                print(ctx, &format!("{} --deterministic", kv.label), row);
             }
+        }
+        if b.gpu_layers > 0 {
+            // The capacity table is the planner's, for the CPU store.
+            continue;
         }
         capacity(path, &model)?;
     }

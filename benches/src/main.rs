@@ -952,7 +952,7 @@ fn embed(model_path: PathBuf, reps: usize) -> Result<()> {
     Ok(())
 }
 
-const USAGE: &str = "usage: siliceo-bench engine|serve|prefix|spec|grpc|protocols|embed|graft|peer|constrain [--model PATH] [--reps N] [--json] [--threads N] [--quiet-consumer] [--quick] [--no-qwen] [--llama-server PATH] [--contexts 512,4096] [--only LABEL]";
+const USAGE: &str = "usage: siliceo-bench engine|serve|prefix|spec|grpc|protocols|embed|graft|peer|constrain [--model PATH] [--reps N] [--json] [--threads N] [--quiet-consumer] [--quick] [--no-qwen] [--llama-server PATH] [--contexts 512,4096] [--only LABEL] [--gpu-layers N] [--streams 1,8,32]";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -972,6 +972,8 @@ fn main() -> Result<()> {
     let mut qwen = true;
     let mut contexts: Vec<usize> = Vec::new();
     let mut only: Vec<String> = Vec::new();
+    let mut gpu_layers = 0u32;
+    let mut streams: Vec<usize> = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -1004,6 +1006,20 @@ fn main() -> Result<()> {
                     })?;
             }
             "--only" => only.extend(it.next().cloned()),
+            "--gpu-layers" => {
+                gpu_layers = it
+                    .next()
+                    .and_then(|n| n.parse().ok())
+                    .context("--gpu-layers needs a number")?;
+            }
+            "--streams" => {
+                let list = it.next().map(String::as_str).unwrap_or_default();
+                streams = list
+                    .split(',')
+                    .map(|c| c.trim().parse())
+                    .collect::<Result<_, _>>()
+                    .with_context(|| format!("--streams `{list}`: a comma-separated list"))?;
+            }
             "-h" | "--help" => {
                 println!("{USAGE}");
                 return Ok(());
@@ -1042,6 +1058,8 @@ fn main() -> Result<()> {
             quick,
             contexts,
             only,
+            gpu_layers,
+            streams,
         });
     }
     if what == "serve" {

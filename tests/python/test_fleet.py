@@ -3,81 +3,15 @@ Shepherd Model Gateway, from PyPI), spoken to by the `openai` client
 through the gateway."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-import openai
 import pytest
 
-from conftest import QUESTION, free_port, replica_set
+from conftest import QUESTION, replica_set
+from fleet import DOCUMENTS, MODEL, Gateway, kill_mid_run, served_by
 
 REPLICAS = 3
-MODEL = "SmolLM2-135M-Instruct.Q4_1"
-
-
-def smg_binary() -> str:
-    smg = Path(sys.executable).with_name("smg")
-    if not smg.is_file():
-        pytest.fail(f"{smg} is missing: `cargo xtask test-python` installs smg into its venv")
-    return str(smg)
-
-
-class Gateway:
-    """`smg launch` in front of `urls`, with fast health checks."""
-
-    def __init__(self, urls: list[str], policy: str, extra: list[str] = ()):
-        self.port = free_port()
-        self.prometheus_port = free_port()
-        # HTTP workers tokenize for themselves; gRPC ones need the gateway to
-        # load their tokenizer (it asks them for it).
-        autoload = [] if any(u.startswith("grpc") for u in urls) else ["--disable-tokenizer-autoload"]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(f"/tmp/siliceo-smg-{self.port}.log", "w")
-        self.proc = subprocess.Popen(
-            [
-                smg_binary(), "launch", "--worker-urls", *urls,
-                "--policy", policy, "--host", "127.0.0.1", "--port", str(self.port),
-                "--prometheus-port", str(self.prometheus_port),
-                "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
-                "--health-success-threshold", "1", "--worker-startup-check-interval", "1",
-                "--load-monitor-interval", "1", *autoload,
-                "--shutdown-grace-period-secs", "1", "--log-level", "warn", *extra,
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            cwd=tempfile.gettempdir(),  # smg writes smg.pid where it runs
-        )
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                r = json.loads(urllib.request.urlopen(f"{self.url}/readiness", timeout=2).read())
-                if r.get("healthy_workers") == len(urls):
-                    return
-            except Exception:
-                pass
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"smg did not get {len(urls)} healthy workers: {open(self.log.name).read()}")
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
-
-    def stop(self):
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")
@@ -86,17 +20,6 @@ def replicas():
     # cores. KV for 8,192 tokens: three ~1,500-token prefixes fit at once.
     with replica_set(REPLICAS, context=8192) as servers:
         yield servers
-
-
-def served_by(replicas, before):
-    """Which replica a finished request ran on: the one whose prompt-token
-    counter moved."""
-    moved = [
-        i for i, s in enumerate(replicas)
-        if s.metrics()["siliceo_prompt_tokens_total"] > before[i]
-    ]
-    assert len(moved) == 1, moved
-    return moved[0]
 
 
 def test_the_openai_client_through_smg_gets_answers_from_every_replica(replicas):
@@ -132,16 +55,6 @@ def test_the_openai_client_through_smg_gets_answers_from_every_replica(replicas)
         gw.stop()
     for s in replicas:
         s.wait_idle()
-
-
-DOCUMENTS = [
-    "The harbour committee reviewed the accounts, the pier repairs, the ferry timetable "
-    "and the letters about the market square. ",
-    "In the orchard the apple trees were pruned, the hives were moved to the east wall "
-    "and the cider press was oiled for autumn. ",
-    "The observatory logged the comet's path, recalibrated the mirror, and wrote to the "
-    "university about the new spectrograph. ",
-]
 
 
 def shared_prefix_run(replicas, policy: str, tag: str, rounds: int = 8):
@@ -197,37 +110,55 @@ def test_cache_aware_routing_keeps_a_shared_prefix_on_its_replica(replicas):
         s.wait_idle()
 
 
-def test_a_replica_killed_mid_run_loses_no_request_that_had_not_started(replicas):
-    gw = Gateway([s.http for s in replicas], "round_robin")
+def test_a_replica_added_at_run_time_starts_receiving_traffic(replicas):
+    first, added = replicas[:2], replicas[2]
+    gw = Gateway([s.http for s in first], "round_robin")
     try:
         c = gw.client()
 
-        def ask(i: int):
-            try:
-                r = c.completions.create(
-                    model=MODEL, prompt=f"Request {i}: the capital of France is",
-                    max_tokens=24, temperature=0, extra_body={"ignore_eos": True},
-                )
-                return r.usage.completion_tokens
-            except openai.APIError as e:
-                return e
+        def ask_and_see():
+            before = [s.metrics()["siliceo_prompt_tokens_total"] for s in replicas]
+            r = c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16,
+                                          temperature=0)
+            assert "Paris" in r.choices[0].message.content, r
+            return served_by(replicas, before)
 
-        with ThreadPoolExecutor(4) as pool:
-            running = [pool.submit(ask, i) for i in range(8)]
-            time.sleep(0.3)
-            victim = replicas[1]
-            victim.proc.send_signal(signal.SIGKILL)
-            victim.proc.wait()
-            during = [f.result(timeout=120) for f in running]
-        # Whole (not streamed) answers: the gateway retries a request whose
-        # replica died before answering on another one.
-        lost = [r for r in during if not isinstance(r, int)]
-        assert not lost, lost
-        assert all(r == 24 for r in during)
-        after = [ask(100 + i) for i in range(12)]
-        assert after == [24] * 12, after
+        assert {ask_and_see() for _ in range(4)} == {0, 1}
+        # SMG's control plane: only the URL; it probes the worker itself.
+        req = urllib.request.Request(
+            f"{gw.url}/workers", data=json.dumps({"url": added.http}).encode(),
+            headers={"Content-Type": "application/json"}, method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.status == 202, r.status
+            assert json.loads(r.read())["url"] == added.http
+        deadline = time.time() + 30
+        while True:
+            workers = json.loads(urllib.request.urlopen(f"{gw.url}/workers", timeout=5).read())
+            ready = [w["url"] for w in workers["workers"] if w.get("is_healthy")]
+            if added.http in ready or time.time() > deadline:
+                break
+            time.sleep(0.2)
+        assert sorted(ready) == sorted(s.http for s in replicas), workers
+        # Round robin over three: the new replica gets its share at once.
+        seen = [ask_and_see() for _ in range(6)]
+        assert seen.count(2) >= 1 and set(seen) == {0, 1, 2}, seen
     finally:
         gw.stop()
+    for s in replicas:
+        s.wait_idle()
+
+
+def test_a_replica_killed_mid_run_loses_no_request_that_had_not_started(replicas):
+    gw = Gateway([s.http for s in replicas], "round_robin")
+    try:
+        during, after = kill_mid_run(gw, replicas[1], after=12)
+    finally:
+        gw.stop()
+    # Whole (not streamed) answers: the gateway retries a request whose
+    # replica died before answering on another one.
+    assert during == [24] * 8, during
+    assert after == [24] * 12, after
     for s in replicas:
         if s.proc.poll() is None:
             s.wait_idle()

@@ -20,7 +20,7 @@ import pytest
 import tokenizers
 
 from conftest import QUESTION, ROOT, Server, client, model_file, replica_set
-from test_fleet import DOCUMENTS, MODEL, Gateway, served_by
+from fleet import DOCUMENTS, MODEL, Gateway, kill_mid_run, served_by
 
 REPLICAS = 2
 # Texts whose tokens depend on every rule of a pre-tokenizer: digits,
@@ -212,3 +212,17 @@ def test_cache_aware_routes_on_the_blocks_our_events_announce(grpc_replicas):
         assert events and sum(map(float, events)) >= sum(held), events
     finally:
         gw.stop()
+
+
+def test_a_replica_killed_in_grpc_mode_loses_no_request_that_had_not_started(grpc_replicas):
+    # Last in this module: it kills one of the module's replicas.
+    gw = grpc_gateway(grpc_replicas, "round_robin")
+    try:
+        during, after = kill_mid_run(gw, grpc_replicas[1], after=8)
+    finally:
+        gw.stop()
+    # Whole answers: the gateway retries on the other replica a request
+    # whose replica died before it answered.
+    assert during == [24] * 8, during
+    assert after == [24] * 8, after
+    grpc_replicas[0].wait_idle()

@@ -91,6 +91,20 @@ pub fn bench(rest: &[String]) -> Result<()> {
             .arg(bin);
         return crate::run(&mut cmd);
     }
+    if first == Some("fleet") {
+        // N release replicas behind SMG (from the test venv), driven by the
+        // openai client: benches/fleet.py.
+        crate::run(crate::cargo().args(["build", "--release", "-p", "siliceo"]))?;
+        let python = crate::pytests::venv_python()?;
+        let bin = crate::pytests::target_dir().join("release/siliceo");
+        return crate::run(
+            std::process::Command::new(python)
+                .current_dir(crate::workspace_root())
+                .arg("benches/fleet.py")
+                .args(&rest[1..])
+                .env("SILICEO_BIN", bin),
+        );
+    }
     if first == Some("graft") {
         // Our store against llama.cpp's cache, on SmolLM2 and Qwen2.5-1.5B.
         crate::models::fetch(&crate::models::models_dir(), true)?;
@@ -120,7 +134,7 @@ pub fn bench(rest: &[String]) -> Result<()> {
             "--compare-portable" => compare = true,
             other => {
                 bail!(
-                    "bench: unknown argument `{other}` (benchmarks: engine, serve, prefix, spec, grpc, embed, kernels, kv)"
+                    "bench: unknown argument `{other}` (benchmarks: engine, serve, prefix, spec, grpc, embed, kernels, kv, fleet)"
                 )
             }
         }

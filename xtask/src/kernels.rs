@@ -14,7 +14,7 @@ use anyhow::{Context, Result, bail};
 
 /// The CUDA toolkit wheels (one release, so PTX is ISA 9.0 and loads on any
 /// CUDA 13 driver, R580 and newer).
-const CUDA_WHEELS: [(&str, &str); 5] = [
+pub const CUDA_WHEELS: [(&str, &str); 5] = [
     ("nvidia-cuda-nvcc", "13.0.88"),
     ("nvidia-nvvm", "13.0.88"),
     ("nvidia-cuda-runtime", "13.0.96"),
@@ -126,57 +126,63 @@ pub fn nvcc() -> Result<PathBuf> {
             return Ok(p);
         }
     }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/tmp"));
-    let root = home
-        .join(".cache/siliceo")
-        .join(format!("cuda-{}", CUDA_WHEELS[0].1));
+    let root = install_wheels(&CUDA_WHEELS, &[])?;
     let nvcc = root.join("nvidia/cu13/bin/nvcc");
-    // The marker lists the wheels unpacked: a changed list reinstalls.
-    let marker = root.join("wheels.txt");
-    let want: String = CUDA_WHEELS
-        .iter()
-        .map(|(p, v)| format!("{p}=={v}\n"))
-        .collect();
-    if works(&nvcc) && std::fs::read_to_string(&marker).ok().as_deref() == Some(want.as_str()) {
-        return Ok(nvcc);
-    }
-    eprintln!(
-        "kernels: no nvcc found; installing CUDA {} from PyPI into {}",
-        CUDA_WHEELS[0].1,
-        root.display()
-    );
-    let downloads = root.join("wheels");
-    std::fs::create_dir_all(&downloads)?;
-    for (package, version) in CUDA_WHEELS {
-        let wheel = crate::models::pip_download_wheel(&downloads, package, version)?;
-        let file = std::fs::File::open(&wheel)?;
-        let mut zip = zip::ZipArchive::new(file)
-            .with_context(|| format!("{} is not a wheel", wheel.display()))?;
-        zip.extract(&root)
-            .with_context(|| format!("cannot unpack {}", wheel.display()))?;
-    }
-    for dir in ["nvidia/cu13/bin", "nvidia/cu13/nvvm/bin"] {
-        for e in std::fs::read_dir(root.join(dir))
-            .with_context(|| format!("{dir} missing from the wheels"))?
-        {
-            let p = e?.path();
-            if p.is_file() {
-                use std::os::unix::fs::PermissionsExt;
-                std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755))?;
-            }
-        }
-    }
-    std::fs::remove_dir_all(&downloads).ok();
     if !works(&nvcc) {
         bail!(
             "the nvcc installed from PyPI does not run ({})",
             nvcc.display()
         );
     }
-    std::fs::write(&marker, want)?;
     Ok(nvcc)
+}
+
+/// Unpacks the CUDA wheels `base` and `extra` (e.g. cuBLAS) from PyPI into
+/// `~/.cache/siliceo/cuda-<nvcc version>` unless already there; returns that
+/// folder (the toolkit is under `nvidia/cu13`).
+pub fn install_wheels(base: &[(&str, &str)], extra: &[(&str, &str)]) -> Result<PathBuf> {
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/tmp"));
+    let root = home
+        .join(".cache/siliceo")
+        .join(format!("cuda-{}", base[0].1));
+    let wheels: Vec<&(&str, &str)> = base.iter().chain(extra).collect();
+    let installed = std::fs::read_dir(&root)
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().to_str()?.strip_suffix(".installed").map(String::from))
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    for (package, version) in wheels {
+        // A marker per wheel: adding cuBLAS later does not reinstall the rest.
+        let marker = format!("{package}=={version}");
+        if installed.contains(&marker) {
+            continue;
+        }
+        eprintln!("cuda: installing {marker} from PyPI into {}", root.display());
+        let downloads = root.join("wheels");
+        std::fs::create_dir_all(&downloads)?;
+        let wheel = crate::models::pip_download_wheel(&downloads, package, version)?;
+        let file = std::fs::File::open(&wheel)?;
+        let mut zip = zip::ZipArchive::new(file)
+            .with_context(|| format!("{} is not a wheel", wheel.display()))?;
+        zip.extract(&root)
+            .with_context(|| format!("cannot unpack {}", wheel.display()))?;
+        std::fs::remove_dir_all(&downloads).ok();
+        for dir in ["nvidia/cu13/bin", "nvidia/cu13/nvvm/bin"] {
+            for e in std::fs::read_dir(root.join(dir)).into_iter().flatten() {
+                let p = e?.path();
+                if p.is_file() {
+                    use std::os::unix::fs::PermissionsExt;
+                    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755))?;
+                }
+            }
+        }
+        std::fs::write(root.join(format!("{marker}.installed")), "")?;
+    }
+    Ok(root)
 }
 
 /// GPUs without a cubin of their own load the compute_75 PTX, which the driver

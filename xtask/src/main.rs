@@ -9,6 +9,7 @@
 //! - `kernels`, `test-gpu`: the CUDA kernels (compile; test on a GPU).
 
 mod bench;
+mod cuda;
 mod deps;
 mod embed;
 mod kernels;
@@ -57,12 +58,19 @@ tasks:
   bench constrain [--reps N] [--model PATH]
                         what a JSON-schema constraint costs per decode step at 1 and 8
                         streams: masks beside llama.cpp's decode vs after it
+  bench fleet [ARGS]    a shared-prefix workload (16 documents x 8 questions) through SMG
+                        over 3 release replicas: warm hits, prompt tokens computed and TTFT
+                        per routing policy, HTTP and gRPC mode (ARGS: benches/fleet.py --help)
   bench kv              criterion benchmarks of the KV block pool and prefix cache
   bench kernels [--gpu] [ARGS]
                         the paged-attention kernels: CPU kernel vs naive reference per KV
                         format, context, decode/prefill, with the machine's memory bandwidth;
                         sweeps --threads, --partition, --sub-tile, --block-size lists;
                         --gpu runs the CUDA kernels against their peak bandwidth
+  build --cuda [--arch 75,86,89,90]
+                        siliceo with llama.cpp's CUDA backend (CUDA 13 from PyPI's wheels;
+                        default: Turing and Ampere cubins plus PTX); prints the binary and
+                        the libraries it links dynamically
   kernels               compile kernels/*.cu to PTX (compute_75) and cubins (sm_75/80/90)
                         into kernels/build (installs nvcc from PyPI where none is found)
   test-gpu              the CUDA kernels against the CPU kernel on this machine's GPU
@@ -118,6 +126,9 @@ fn main() -> Result<()> {
         "test-python" => {
             run(cargo().args(["build", "-p", "siliceo"]))?;
             pytests::run()?;
+        }
+        "build" => {
+            cuda::build(rest)?;
         }
         "kernels" => {
             let files = kernels::build()?;

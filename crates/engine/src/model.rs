@@ -53,6 +53,7 @@ pub struct Model {
     geometry: ModelGeometry,
     architecture: String,
     name: String,
+    gpu_layers: u32,
 }
 
 impl std::fmt::Debug for Model {
@@ -153,6 +154,7 @@ impl Model {
             geometry,
             architecture,
             name,
+            gpu_layers: opts.gpu_layers,
         })
     }
 
@@ -360,6 +362,15 @@ impl Model {
         };
         if recurrent || hybrid {
             return refuse("recurrent or hybrid memory (no KV cache to graft)".into());
+        }
+        // SAFETY: a plain query of the build.
+        if self.gpu_layers > 0 && unsafe { llama_cpp_sys_2::llama_supports_gpu_offload() } {
+            // On an offloaded layer `kqv_out` lives in device memory, which
+            // the CPU kernel cannot read.
+            return refuse(format!(
+                "{} layers offloaded to the GPU: our attention runs on the CPU only so far                  (use --kv-backend llama with --gpu-layers, or --gpu-layers 0)",
+                self.gpu_layers
+            ));
         }
         if encoder {
             return refuse("an encoder with cross-attention".into());

@@ -215,6 +215,183 @@ impl<'a> Reader<'a> {
     }
 }
 
+impl Reader<'_> {
+    /// Reads `n` metadata entries after the counts, handing each one's key,
+    /// value and byte span (key, type and value) to `f`.
+    fn entries(
+        &mut self,
+        n: usize,
+        mut f: impl FnMut(String, MetaValue, std::ops::Range<usize>),
+    ) -> Result<(), GgufError> {
+        for _ in 0..n {
+            let start = self.at;
+            let key = self.string()?;
+            let ty = self.u32()?;
+            let v = self.value(ty)?;
+            f(key, v, start..self.at);
+        }
+        Ok(())
+    }
+}
+
+/// Each metadata entry's key and byte span in `bytes` (its key, type and
+/// value, as [`GgufWriter::raw`] takes it): a way to copy entries (a
+/// vocabulary, say) from one file into another unchanged.
+pub fn metadata_spans(bytes: &[u8]) -> Result<Vec<(String, std::ops::Range<usize>)>, GgufError> {
+    let mut r = Reader { b: bytes, at: 0 };
+    if r.take(4)? != b"GGUF" {
+        return Err(GgufError::BadMagic);
+    }
+    let version = r.u32()?;
+    if !(2..=3).contains(&version) {
+        return Err(GgufError::Version(version));
+    }
+    let _tensors = r.len("tensor count")?;
+    let n_meta = r.len("metadata count")?;
+    let mut spans = Vec::with_capacity(n_meta.min(1 << 12));
+    r.entries(n_meta, |key, _, span| spans.push((key, span)))?;
+    Ok(spans)
+}
+
+/// Tensor data in a GGUF file starts at, and each tensor is padded to, this
+/// many bytes (`general.alignment`'s default).
+pub const GGUF_ALIGNMENT: u64 = 32;
+
+/// Builds a GGUF v3 file: metadata entries and a tensor table make the
+/// header ([`GgufWriter::header`]); the caller then writes each tensor's
+/// data in the order declared, each padded to [`GGUF_ALIGNMENT`]
+/// ([`padding`]). Data is not held here, so a file of many gigabytes can be
+/// streamed.
+///
+/// ```
+/// use siliceo_kv_paging::gguf::{GgufHeader, GgufWriter};
+/// let mut w = GgufWriter::default();
+/// w.str("general.architecture", "llama");
+/// w.u32("llama.block_count", 2);
+/// let bytes = w.tensor("output_norm.weight", &[64], 0).unwrap(); // F32
+/// assert_eq!(bytes, 256);
+/// let h = GgufHeader::parse(&w.header()).unwrap();
+/// assert_eq!(h.int("llama.block_count"), Some(2));
+/// assert_eq!(h.tensors[0].dims, [64]);
+/// ```
+#[derive(Debug, Default, Clone)]
+pub struct GgufWriter {
+    kv: Vec<u8>,
+    n_kv: u64,
+    tensors: Vec<(TensorInfo, u64)>,
+}
+
+fn put_str(b: &mut Vec<u8>, s: &str) {
+    b.extend((s.len() as u64).to_le_bytes());
+    b.extend(s.as_bytes());
+}
+
+/// Zero bytes that follow `bytes` of tensor data (and the header) to reach
+/// the next aligned offset.
+pub fn padding(bytes: u64) -> u64 {
+    bytes.next_multiple_of(GGUF_ALIGNMENT) - bytes
+}
+
+impl GgufWriter {
+    fn key(&mut self, k: &str, ty: u32) {
+        put_str(&mut self.kv, k);
+        self.kv.extend(ty.to_le_bytes());
+        self.n_kv += 1;
+    }
+    /// A `u32` entry.
+    pub fn u32(&mut self, k: &str, v: u32) {
+        self.key(k, 4);
+        self.kv.extend(v.to_le_bytes());
+    }
+    /// An `f32` entry.
+    pub fn f32(&mut self, k: &str, v: f32) {
+        self.key(k, 6);
+        self.kv.extend(v.to_le_bytes());
+    }
+    /// A `bool` entry.
+    pub fn bool(&mut self, k: &str, v: bool) {
+        self.key(k, 7);
+        self.kv.push(u8::from(v));
+    }
+    /// A string entry.
+    pub fn str(&mut self, k: &str, v: &str) {
+        self.key(k, 8);
+        put_str(&mut self.kv, v);
+    }
+    /// An array of strings.
+    pub fn strs(&mut self, k: &str, v: &[String]) {
+        self.key(k, 9);
+        self.kv.extend(8u32.to_le_bytes());
+        self.kv.extend((v.len() as u64).to_le_bytes());
+        for s in v {
+            put_str(&mut self.kv, s);
+        }
+    }
+    /// An array of `i32`.
+    pub fn i32s(&mut self, k: &str, v: &[i32]) {
+        self.key(k, 9);
+        self.kv.extend(5u32.to_le_bytes());
+        self.kv.extend((v.len() as u64).to_le_bytes());
+        for x in v {
+            self.kv.extend(x.to_le_bytes());
+        }
+    }
+    /// An entry copied whole from another file (a span from
+    /// [`metadata_spans`]).
+    pub fn raw(&mut self, entry: &[u8]) {
+        self.kv.extend(entry);
+        self.n_kv += 1;
+    }
+    /// Declares the next tensor (`dims` innermost first, a ggml type id);
+    /// returns the bytes of data the caller writes for it.
+    pub fn tensor(&mut self, name: &str, dims: &[u64], ggml_type: u32) -> Result<u64, GgufError> {
+        let (blk, size) = ggml_type_size(ggml_type).ok_or_else(|| GgufError::UnknownType {
+            name: name.into(),
+            ty: ggml_type,
+        })?;
+        let elems: u64 = dims.iter().product();
+        if dims.first().is_some_and(|d| d % blk != 0) {
+            return Err(GgufError::Malformed(format!(
+                "tensor `{name}`: a row of {} is not a whole number of {blk}-element blocks",
+                dims[0]
+            )));
+        }
+        let bytes = elems / blk * size;
+        self.tensors.push((
+            TensorInfo {
+                name: name.into(),
+                dims: dims.to_vec(),
+                ggml_type,
+            },
+            bytes,
+        ));
+        Ok(bytes)
+    }
+    /// The header: magic, counts, metadata and the tensor table, padded so
+    /// the first tensor's data may follow at once.
+    pub fn header(&self) -> Vec<u8> {
+        let mut h = Vec::with_capacity(self.kv.len() + 64 * self.tensors.len() + 64);
+        h.extend(b"GGUF");
+        h.extend(3u32.to_le_bytes());
+        h.extend((self.tensors.len() as u64).to_le_bytes());
+        h.extend(self.n_kv.to_le_bytes());
+        h.extend(&self.kv);
+        let mut offset = 0u64;
+        for (t, bytes) in &self.tensors {
+            put_str(&mut h, &t.name);
+            h.extend((t.dims.len() as u32).to_le_bytes());
+            for d in &t.dims {
+                h.extend(d.to_le_bytes());
+            }
+            h.extend(t.ggml_type.to_le_bytes());
+            h.extend(offset.to_le_bytes());
+            offset += bytes + padding(*bytes);
+        }
+        h.resize(h.len() + padding(h.len() as u64) as usize, 0);
+        h
+    }
+}
+
 impl GgufHeader {
     /// Parses the header from the first bytes of a GGUF file.
     pub fn parse(bytes: &[u8]) -> Result<GgufHeader, GgufError> {
@@ -229,12 +406,9 @@ impl GgufHeader {
         let n_tensors = r.len("tensor count")?;
         let n_meta = r.len("metadata count")?;
         let mut meta = HashMap::new();
-        for _ in 0..n_meta {
-            let key = r.string()?;
-            let ty = r.u32()?;
-            let v = r.value(ty)?;
+        r.entries(n_meta, |key, v, _| {
             meta.insert(key, v);
-        }
+        })?;
         let mut tensors = Vec::with_capacity(n_tensors.min(1 << 16));
         for _ in 0..n_tensors {
             let name = r.string()?;
@@ -410,6 +584,47 @@ mod tests {
             b.extend(0u64.to_le_bytes());
         }
         b
+    }
+
+    #[test]
+    fn writes_what_it_reads_and_copies_entries_whole() {
+        let src = sample();
+        let spans = metadata_spans(&src).unwrap();
+        assert_eq!(spans.len(), 7);
+        let mut w = GgufWriter::default();
+        for (key, span) in &spans {
+            if key.starts_with("tokenizer.") || key.ends_with("head_count_kv") {
+                w.raw(&src[span.clone()]);
+            }
+        }
+        w.str("general.architecture", "qwen2");
+        w.f32("qwen2.rope.freq_base", 1e6);
+        w.bool("qwen2.flag", true);
+        w.i32s("qwen2.ints", &[-1, 7]);
+        w.strs("qwen2.names", &["a".into(), "bc".into()]);
+        assert_eq!(w.tensor("t.0", &[256, 3], 12).unwrap(), 3 * 144); // Q4_K
+        assert_eq!(w.tensor("t.1", &[5], 0).unwrap(), 20); // F32
+        assert!(matches!(w.tensor("bad", &[100], 12), Err(GgufError::Malformed(_))));
+        assert!(matches!(w.tensor("bad", &[1], 999), Err(GgufError::UnknownType { .. })));
+        let head = w.header();
+        assert_eq!(head.len() as u64 % GGUF_ALIGNMENT, 0);
+        let h = GgufHeader::parse(&head).unwrap();
+        assert_eq!(h.str("general.architecture"), Some("qwen2"));
+        assert_eq!(
+            h.strs("tokenizer.ggml.tokens").unwrap(),
+            ["<s>".to_string(), "Ġhello".to_string()]
+        );
+        assert_eq!(h.ints("llama.attention.head_count_kv").unwrap(), [2, 4]);
+        assert_eq!(h.ints("qwen2.ints").unwrap(), [-1, 7]);
+        assert_eq!(h.bool("qwen2.flag"), Some(true));
+        assert_eq!(h.meta["qwen2.rope.freq_base"], MetaValue::Float(1e6));
+        let names: Vec<_> = h.tensors.iter().map(|t| (t.name.as_str(), t.ggml_type)).collect();
+        assert_eq!(names, [("t.0", 12), ("t.1", 0)]);
+        // Two entries copied whole, five written.
+        let spans = metadata_spans(&head).unwrap();
+        assert_eq!(spans.len(), 7);
+        assert_eq!(h.weight_bytes().unwrap(), 3 * 144 + 20);
+        assert_eq!(padding(3 * 144), 16);
     }
 
     #[test]

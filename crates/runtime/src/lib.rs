@@ -448,6 +448,14 @@ impl Runtime {
 pub fn read_gguf_header(
     path: &std::path::Path,
 ) -> Result<siliceo_kv_paging::gguf::GgufHeader, String> {
+    read_gguf_header_bytes(path).map(|(h, _)| h)
+}
+
+/// [`read_gguf_header`], with the file's first bytes that hold the header
+/// (to copy entries from it whole).
+pub fn read_gguf_header_bytes(
+    path: &std::path::Path,
+) -> Result<(siliceo_kv_paging::gguf::GgufHeader, Vec<u8>), String> {
     use siliceo_kv_paging::gguf::{GgufError, GgufHeader};
     use std::io::Read;
     let mut file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -461,7 +469,7 @@ pub fn read_gguf_header(
             .map_err(|e| format!("{}: {e}", path.display()))?;
         match GgufHeader::parse(&buf) {
             Err(GgufError::Truncated { needed }) if buf.len() > have => want = needed.max(want * 2),
-            r => return r.map_err(|e| format!("{}: {e}", path.display())),
+            r => return r.map(|h| (h, buf)).map_err(|e| format!("{}: {e}", path.display())),
         }
     }
 }

@@ -4,6 +4,8 @@
 //! - `siliceo generate --prompt "..."`: streams a completion from a local GGUF.
 //! - `siliceo model-info`: a GGUF's geometry and KV bytes per token per KV type.
 //! - `siliceo plan`: what a memory budget holds (KV blocks, context, sequences).
+//! - `siliceo synth-model --like qwen2.5-7b --out F`: a random-weight GGUF of
+//!   that geometry, for speed measurements where no real model can go.
 //!
 //! With no `--model`, the default model is used (`SILICEO_MODEL`, else
 //! `models/SmolLM2-135M-Instruct.Q4_1.gguf`); `cargo xtask fetch-model` fetches it.
@@ -12,6 +14,7 @@ mod eval_kv;
 mod kv_opts;
 mod plan;
 mod serve;
+mod synth;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -56,6 +59,9 @@ enum Cmd {
     /// Measure what KV-cache formats cost in quality on a text: perplexity,
     /// KL divergence against f16 KV, top-1 agreement, bytes per token.
     EvalKv(eval_kv::EvalKvArgs),
+    /// Write a GGUF with a real model's architecture, geometry and
+    /// quantization but random weights (noise for text, real for speed).
+    SynthModel(synth::SynthArgs),
 }
 
 #[derive(Args, Debug)]
@@ -416,6 +422,7 @@ fn main() -> ExitCode {
         Cmd::ModelInfo(a) => cmd_model_info(a),
         Cmd::Plan(a) => plan::cmd_plan(a),
         Cmd::EvalKv(a) => eval_kv::cmd_eval_kv(a),
+        Cmd::SynthModel(a) => synth::cmd_synth(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

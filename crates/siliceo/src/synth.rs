@@ -1,0 +1,490 @@
+//! `siliceo synth-model`: a GGUF with a real model's architecture, geometry
+//! and quantization, random weights, and a real tokenizer copied from another
+//! GGUF. Its text is noise; its speed is the real model's speed (the same
+//! tensors, shapes and types go through the same kernels). Made for machines
+//! that cannot fetch a real model: the GPU machine takes 64 MiB of files and
+//! reaches no network, so it makes a 7B-class model itself, in seconds.
+
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context as _, Result, bail, ensure};
+use clap::{Args, ValueEnum};
+use siliceo_kv_paging::gguf::{GgufHeader, GgufWriter, MetaValue, metadata_spans, padding};
+
+/// The architectures and geometries `--like` names (from each model's
+/// published config.json).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Like {
+    /// Qwen2.5-7B(-Instruct): 28 layers, 3584 wide, 28/4 heads.
+    #[value(name = "qwen2.5-7b")]
+    Qwen25_7b,
+    /// Llama-3-8B: 32 layers, 4096 wide, 32/8 heads.
+    #[value(name = "llama-3-8b")]
+    Llama3_8b,
+    /// Qwen2.5-1.5B: 28 layers, 1536 wide, 12/2 heads, tied embeddings.
+    #[value(name = "qwen2.5-1.5b")]
+    Qwen25_1_5b,
+}
+
+/// Weight types: llama.cpp's Q4_K_M mix, or Q8_0 throughout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Quant {
+    /// Q4_K, with Q6_K for the output and for attn_v/ffn_down on the layers
+    /// llama.cpp's Q4_K_M gives more bits.
+    #[value(name = "q4_k_m")]
+    Q4KM,
+    /// Q8_0 for every matrix.
+    #[value(name = "q8_0")]
+    Q8_0,
+}
+
+/// `siliceo synth-model` flags.
+#[derive(Args, Debug)]
+pub struct SynthArgs {
+    /// The model whose architecture and geometry to copy.
+    #[arg(long, value_enum)]
+    like: Option<Like>,
+    /// Weight quantization.
+    #[arg(long, value_enum, default_value = "q4_k_m")]
+    quant: Quant,
+    /// A GGUF to take the tokenizer from (any model, or a --vocab-only file)
+    /// [default: the default model].
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Output GGUF.
+    #[arg(long)]
+    out: PathBuf,
+    /// Fewer layers than the model has (a small file for tests).
+    #[arg(long)]
+    layers: Option<u32>,
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Write only the tokenizer (a vocab-only GGUF, a few MB), to carry to a
+    /// machine that makes the model itself.
+    #[arg(long, conflicts_with_all = ["like", "layers"])]
+    vocab_only: bool,
+}
+
+/// A transformer's shape, as llama.cpp's GGUF metadata states it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Geometry {
+    /// `general.architecture`.
+    pub arch: &'static str,
+    /// The model it imitates.
+    pub name: &'static str,
+    /// Layers.
+    pub n_layer: u32,
+    /// Hidden size.
+    pub n_embd: u32,
+    /// Query heads.
+    pub n_head: u32,
+    /// KV heads.
+    pub n_head_kv: u32,
+    /// Feed-forward size.
+    pub n_ff: u32,
+    /// The model's own vocabulary size (rows of token_embd).
+    pub n_vocab: u32,
+    /// Training context.
+    pub n_ctx: u32,
+    /// RoPE base frequency.
+    pub rope_base: f32,
+    /// RMS norm epsilon.
+    pub rms_eps: f32,
+    /// Q/K/V projections have biases (Qwen2).
+    pub qkv_bias: bool,
+    /// The output matrix is the token embedding (no output.weight).
+    pub tied: bool,
+}
+
+impl Like {
+    /// The geometry of the model this names.
+    pub fn geometry(self) -> Geometry {
+        match self {
+            Like::Qwen25_7b => Geometry {
+                arch: "qwen2",
+                name: "qwen2.5-7b",
+                n_layer: 28,
+                n_embd: 3584,
+                n_head: 28,
+                n_head_kv: 4,
+                n_ff: 18944,
+                n_vocab: 152064,
+                n_ctx: 32768,
+                rope_base: 1e6,
+                rms_eps: 1e-6,
+                qkv_bias: true,
+                tied: false,
+            },
+            Like::Llama3_8b => Geometry {
+                arch: "llama",
+                name: "llama-3-8b",
+                n_layer: 32,
+                n_embd: 4096,
+                n_head: 32,
+                n_head_kv: 8,
+                n_ff: 14336,
+                n_vocab: 128256,
+                n_ctx: 8192,
+                rope_base: 5e5,
+                rms_eps: 1e-5,
+                qkv_bias: false,
+                tied: false,
+            },
+            Like::Qwen25_1_5b => Geometry {
+                arch: "qwen2",
+                name: "qwen2.5-1.5b",
+                n_layer: 28,
+                n_embd: 1536,
+                n_head: 12,
+                n_head_kv: 2,
+                n_ff: 8960,
+                n_vocab: 151936,
+                n_ctx: 32768,
+                rope_base: 1e6,
+                rms_eps: 1e-6,
+                qkv_bias: true,
+                tied: true,
+            },
+        }
+    }
+}
+
+const F32: u32 = 0;
+const Q8_0: u32 = 8;
+const Q4_K: u32 = 12;
+const Q6_K: u32 = 14;
+
+/// llama.cpp's rule for the layers Q4_K_M gives Q6_K attn_v and ffn_down.
+fn more_bits(layer: u32, n_layer: u32) -> bool {
+    layer < n_layer / 8 || layer >= 7 * n_layer / 8 || (layer - n_layer / 8) % 3 == 2
+}
+
+/// One tensor of the synthetic model: name, dims (innermost first), type.
+pub type TensorSpec = (String, Vec<u64>, u32);
+
+/// The tensor table of a model of geometry `g` with `n_vocab` rows of
+/// embedding, in llama.cpp's names and file order.
+pub fn tensors(g: &Geometry, n_vocab: u32, quant: Quant) -> Vec<TensorSpec> {
+    let (e, ff, v) = (u64::from(g.n_embd), u64::from(g.n_ff), u64::from(n_vocab));
+    let hd = u64::from(g.n_embd / g.n_head);
+    let (q, kv) = (u64::from(g.n_head) * hd, u64::from(g.n_head_kv) * hd);
+    let (base, more) = match quant {
+        Quant::Q4KM => (Q4_K, Q6_K),
+        Quant::Q8_0 => (Q8_0, Q8_0),
+    };
+    let mut t: Vec<TensorSpec> = Vec::new();
+    let mut add = |name: String, dims: &[u64], ty: u32| t.push((name, dims.to_vec(), ty));
+    add("token_embd.weight".into(), &[e, v], base);
+    add("output_norm.weight".into(), &[e], F32);
+    if !g.tied {
+        add("output.weight".into(), &[e, v], more);
+    }
+    for l in 0..g.n_layer {
+        let b = |s: &str| format!("blk.{l}.{s}");
+        let rich = if more_bits(l, g.n_layer) { more } else { base };
+        add(b("attn_norm.weight"), &[e], F32);
+        add(b("attn_q.weight"), &[e, q], base);
+        add(b("attn_k.weight"), &[e, kv], base);
+        add(b("attn_v.weight"), &[e, kv], rich);
+        if g.qkv_bias {
+            add(b("attn_q.bias"), &[q], F32);
+            add(b("attn_k.bias"), &[kv], F32);
+            add(b("attn_v.bias"), &[kv], F32);
+        }
+        add(b("attn_output.weight"), &[q, e], base);
+        add(b("ffn_norm.weight"), &[e], F32);
+        add(b("ffn_gate.weight"), &[e, ff], base);
+        add(b("ffn_up.weight"), &[e, ff], base);
+        add(b("ffn_down.weight"), &[ff, e], rich);
+    }
+    t
+}
+
+/// splitmix64: fast, seedable, good enough for noise.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn fill(&mut self, b: &mut [u8]) {
+        for c in b.chunks_mut(8) {
+            let r = self.next().to_le_bytes();
+            c.copy_from_slice(&r[..c.len()]);
+        }
+    }
+}
+
+fn f16_bits(x: f32) -> [u8; 2] {
+    half::f16::from_f32(x).to_le_bytes()
+}
+
+/// Random blocks of a quantized type whose weights have a real model's
+/// spread (zero mean, standard deviation about 0.02): random quants and
+/// sub-block scales, with the block scales chosen for that spread.
+fn block_pool(ty: u32, blocks: usize, rng: &mut Rng) -> Vec<u8> {
+    let size = match ty {
+        Q4_K => 144,
+        Q6_K => 210,
+        Q8_0 => 34,
+        _ => unreachable!("no random blocks of type {ty}"),
+    };
+    let mut pool = vec![0u8; size * blocks];
+    rng.fill(&mut pool);
+    for b in pool.chunks_exact_mut(size) {
+        match ty {
+            // d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit
+            // quants: w = d·sc·q − dmin·m, zero mean when dmin = 7.5·d.
+            Q4_K => {
+                b[0..2].copy_from_slice(&f16_bits(1e-4));
+                b[2..4].copy_from_slice(&f16_bits(7.5e-4));
+            }
+            // 6-bit quants, 16 int8 scales, then d: w = d·sc·(q − 32).
+            Q6_K => b[208..210].copy_from_slice(&f16_bits(2e-5)),
+            // d, then 32 int8 quants.
+            _ => b[0..2].copy_from_slice(&f16_bits(2.7e-4)),
+        }
+    }
+    pool
+}
+
+/// Reads a GGUF's header bytes (however long its vocabulary).
+fn header_bytes(path: &Path) -> Result<(GgufHeader, Vec<u8>)> {
+    siliceo_runtime::read_gguf_header_bytes(path).map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+/// Copies `src`'s `tokenizer.*` entries into `w`, its per-token arrays
+/// (tokens, types, scores) padded to `n_vocab` with unused tokens.
+fn copy_tokenizer(w: &mut GgufWriter, bytes: &[u8], n_vocab: u64) -> Result<u64> {
+    let mut copied = 0;
+    for (key, span) in metadata_spans(bytes)? {
+        if !key.starts_with("tokenizer.") {
+            continue;
+        }
+        let raw = &bytes[span];
+        let per_token = ["tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"];
+        if per_token.contains(&key.as_str()) {
+            w.raw(&pad_array(raw, key.len(), n_vocab)?);
+        } else {
+            w.raw(raw);
+        }
+        copied += 1;
+    }
+    Ok(copied)
+}
+
+/// A raw array entry (key, type 9, element type, count, elements) grown to
+/// `n` elements: strings `<synth_pad_N>`, i32 5 (llama.cpp's UNUSED token
+/// type), f32 0.
+fn pad_array(raw: &[u8], key_len: usize, n: u64) -> Result<Vec<u8>> {
+    let at = 8 + key_len;
+    let word = |o: usize| u32::from_le_bytes(raw[o..o + 4].try_into().expect("4 bytes"));
+    ensure!(word(at) == 9, "a per-token tokenizer entry is not an array");
+    let elem = word(at + 4);
+    let len = u64::from_le_bytes(raw[at + 8..at + 16].try_into().expect("8 bytes"));
+    let mut out = raw.to_vec();
+    if len >= n {
+        return Ok(out);
+    }
+    out[at + 8..at + 16].copy_from_slice(&n.to_le_bytes());
+    for i in len..n {
+        match elem {
+            8 => {
+                let s = format!("<synth_pad_{i}>");
+                out.extend((s.len() as u64).to_le_bytes());
+                out.extend(s.as_bytes());
+            }
+            5 => out.extend(5i32.to_le_bytes()),
+            6 => out.extend(0f32.to_le_bytes()),
+            t => bail!("cannot pad a tokenizer array of element type {t}"),
+        }
+    }
+    Ok(out)
+}
+
+/// `siliceo synth-model`.
+pub fn cmd_synth(a: SynthArgs) -> Result<()> {
+    let t0 = Instant::now();
+    let tok_path = a.tokenizer.clone().unwrap_or_else(crate::default_model);
+    let (tok, tok_bytes) = header_bytes(&tok_path).with_context(|| {
+        format!("--tokenizer {}: cannot read its GGUF header", tok_path.display())
+    })?;
+    let Some(MetaValue::Array { len: tok_vocab, .. }) = tok.meta.get("tokenizer.ggml.tokens")
+    else {
+        bail!("{} has no tokenizer (tokenizer.ggml.tokens)", tok_path.display());
+    };
+    let tok_vocab = *tok_vocab;
+    let tok_name = tok.str("general.name").unwrap_or("?").to_string();
+    let mut w = GgufWriter::default();
+    if a.vocab_only {
+        w.str("general.architecture", tok.str("general.architecture").unwrap_or("llama"));
+        w.str("general.name", &format!("vocabulary of {tok_name}"));
+        copy_tokenizer(&mut w, &tok_bytes, tok_vocab)?;
+        std::fs::write(&a.out, w.header())
+            .with_context(|| format!("cannot write {}", a.out.display()))?;
+        eprintln!(
+            "synth-model: wrote {} ({} tokens of {tok_name}'s vocabulary, {} bytes)",
+            a.out.display(),
+            tok_vocab,
+            std::fs::metadata(&a.out)?.len()
+        );
+        return Ok(());
+    }
+    let Some(like) = a.like else {
+        bail!("--like is needed (qwen2.5-7b, llama-3-8b or qwen2.5-1.5b), or --vocab-only");
+    };
+    let mut g = like.geometry();
+    if let Some(n) = a.layers {
+        ensure!((1..=g.n_layer).contains(&n), "--layers must be 1..={}", g.n_layer);
+        g.n_layer = n;
+    }
+    // The embedding has a row per token the tokenizer knows: the model's own
+    // count, padded with unused tokens, or the tokenizer's when it has more.
+    let n_vocab = u64::from(g.n_vocab).max(tok_vocab);
+    let arch = g.arch;
+    let k = |s: &str| format!("{arch}.{s}");
+    w.str("general.architecture", arch);
+    w.str(
+        "general.name",
+        &format!("synthetic {} (random weights; tokenizer of {tok_name})", g.name),
+    );
+    w.u32("general.file_type", if a.quant == Quant::Q4KM { 15 } else { 7 });
+    w.u32(&k("context_length"), g.n_ctx);
+    w.u32(&k("embedding_length"), g.n_embd);
+    w.u32(&k("block_count"), g.n_layer);
+    w.u32(&k("feed_forward_length"), g.n_ff);
+    w.u32(&k("attention.head_count"), g.n_head);
+    w.u32(&k("attention.head_count_kv"), g.n_head_kv);
+    w.u32(&k("rope.dimension_count"), g.n_embd / g.n_head);
+    w.f32(&k("rope.freq_base"), g.rope_base);
+    w.f32(&k("attention.layer_norm_rms_epsilon"), g.rms_eps);
+    w.u32(&k("vocab_size"), n_vocab as u32);
+    copy_tokenizer(&mut w, &tok_bytes, n_vocab)?;
+    let specs = tensors(&g, n_vocab as u32, a.quant);
+    let mut sizes = Vec::with_capacity(specs.len());
+    for (name, dims, ty) in &specs {
+        sizes.push(w.tensor(name, dims, *ty)?);
+    }
+    let total: u64 = sizes.iter().sum();
+    eprintln!(
+        "synth-model: {} ({arch}, {} layers, {} wide, {}/{} heads, vocabulary {n_vocab}), {:?}: {} tensors, {:.2} GiB",
+        g.name,
+        g.n_layer,
+        g.n_embd,
+        g.n_head,
+        g.n_head_kv,
+        a.quant,
+        specs.len(),
+        total as f64 / (1u64 << 30) as f64
+    );
+    let file = std::fs::File::create(&a.out)
+        .with_context(|| format!("cannot create {}", a.out.display()))?;
+    let mut out = BufWriter::with_capacity(8 << 20, file);
+    out.write_all(&w.header())?;
+    let mut rng = Rng(a.seed);
+    // A pool of random blocks per type, written from a random offset each
+    // time: random enough for speed, and made at disk speed.
+    const POOL: usize = 1 << 16;
+    let mut pools: Vec<(u32, Vec<u8>)> = Vec::new();
+    let ones: Vec<u8> = 1f32.to_le_bytes().repeat(1 << 16);
+    let mut written = 0u64;
+    let mut last_report = Instant::now();
+    for ((name, _, ty), &bytes) in specs.iter().zip(&sizes) {
+        let mut left = bytes as usize;
+        if *ty == F32 {
+            // Norm weights 1, biases 0.
+            let fill = if name.ends_with(".bias") { vec![0u8; ones.len()] } else { ones.clone() };
+            while left > 0 {
+                let n = left.min(fill.len());
+                out.write_all(&fill[..n])?;
+                left -= n;
+            }
+        } else {
+            if !pools.iter().any(|(t, _)| t == ty) {
+                pools.push((*ty, block_pool(*ty, POOL, &mut rng)));
+            }
+            let pool = &pools.iter().find(|(t, _)| t == ty).expect("made above").1;
+            let block = pool.len() / POOL;
+            let mut at = (rng.next() as usize % POOL) * block;
+            while left > 0 {
+                let n = left.min(pool.len() - at);
+                out.write_all(&pool[at..at + n])?;
+                left -= n;
+                at = 0;
+            }
+        }
+        out.write_all(&vec![0u8; padding(bytes) as usize])?;
+        written += bytes;
+        if last_report.elapsed().as_secs_f64() > 2.0 {
+            eprintln!(
+                "synth-model: {:.1} / {:.1} GiB",
+                written as f64 / (1u64 << 30) as f64,
+                total as f64 / (1u64 << 30) as f64
+            );
+            last_report = Instant::now();
+        }
+    }
+    out.flush()?;
+    eprintln!(
+        "synth-model: wrote {} in {:.1} s. Random weights: its text is noise, its speed is {}'s",
+        a.out.display(),
+        t0.elapsed().as_secs_f64(),
+        g.name
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q4_k_m_gives_more_bits_where_llama_cpp_does() {
+        // llama.cpp's use_more_bits for 28 layers: the first 3, the last 4,
+        // and every third in between.
+        let more: Vec<u32> = (0..28).filter(|&l| more_bits(l, 28)).collect();
+        assert_eq!(more, [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 24, 25, 26, 27]);
+    }
+
+    #[test]
+    fn random_blocks_have_a_real_models_spread() {
+        // Dequantize Q8_0 blocks (the simplest layout) and check the spread.
+        let pool = block_pool(Q8_0, 256, &mut Rng(3));
+        let mut sum = 0f64;
+        let mut sq = 0f64;
+        for b in pool.chunks_exact(34) {
+            let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+            for &q in &b[2..] {
+                let w = f64::from(d * f32::from(q as i8));
+                sum += w;
+                sq += w * w;
+            }
+        }
+        let n = 256.0 * 32.0;
+        let (mean, sd) = (sum / n, (sq / n - (sum / n).powi(2)).sqrt());
+        assert!(mean.abs() < 0.002 && (0.01..0.04).contains(&sd), "{mean} {sd}");
+    }
+
+    #[test]
+    fn pads_token_arrays_with_unused_tokens() {
+        let mut w = GgufWriter::default();
+        w.strs("tokenizer.ggml.tokens", &["a".into(), "b".into()]);
+        w.i32s("tokenizer.ggml.token_type", &[1, 3]);
+        let h = w.header();
+        let mut out = GgufWriter::default();
+        assert_eq!(copy_tokenizer(&mut out, &h, 4).unwrap(), 2);
+        let back = GgufHeader::parse(&out.header()).unwrap();
+        assert_eq!(
+            back.strs("tokenizer.ggml.tokens").unwrap(),
+            ["a", "b", "<synth_pad_2>", "<synth_pad_3>"].map(String::from)
+        );
+        assert_eq!(back.ints("tokenizer.ggml.token_type").unwrap(), [1, 3, 5, 5]);
+    }
+}

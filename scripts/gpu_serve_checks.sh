@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# The GPU serving path's checks as one device run, prepared on a machine
+# without a GPU (the GPU machine has CUDA 13, no network, no Rust, and takes
+# at most 64 MiB of files).
+#
+#   scripts/gpu_serve_checks.sh prepare
+#       here: into gpu-run/ (git-ignored), everything the run needs:
+#       - what scripts/gpu_checks.sh prepares (our CUDA kernels as PTX and
+#         cubins, their GPU test binary and the kernel bench);
+#       - `siliceo` and `siliceo-bench` with llama.cpp's CUDA backend for
+#         sm_90 plus PTX (`cargo xtask build --cuda --arch ${GPU_ARCH:-90}`:
+#         CUDA 13 from PyPI, portable x86-64, cuBLAS linked dynamically);
+#       - a vocabulary-only GGUF (Qwen2.5's tokenizer, a few MB) from which
+#         the run makes its model.
+#       It fails if the folder is over 60 MiB.
+#   scripts/gpu_serve_checks.sh run
+#       there (device run with carry ["gpu-run"]), about 8 minutes:
+#       1. `ldd`: the binaries must resolve the machine's CUDA libraries
+#          (cuBLAS 13) before anything runs;
+#       2. `siliceo synth-model --like qwen2.5-7b --quant q4_k_m`: a 7B-class
+#          GGUF with random weights and a real tokenizer (its text is noise,
+#          its speed is a real 7B's: say so in every table that uses it);
+#       3. the CUDA kernels' tests and bench (scripts/gpu_checks.sh run's
+#          first parts);
+#       4. decode tok/s at 1, 8 and 32 streams over 4k and 32k contexts,
+#          all layers on the GPU, llama.cpp's own KV (f16, q8_0, q5_1/q4_0)
+#          against ours (f16, kv8, k5v4+tail64): our rows are refused until
+#          grafted attention runs on the device, and the table says so.
+#       Logs go to $OUT (or gpu-run/out); copy the tables into
+#       docs/BENCHMARKS.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=gpu-run
+
+case "${1:-}" in
+prepare)
+  scripts/gpu_checks.sh prepare
+  built=$(cargo xtask build --cuda --arch "${GPU_ARCH:-90}" | sed -n 's/^build: \(\/.*\)$/\1/p')
+  for b in $built; do
+    cp "$b" "$dir/$(basename "$b")"
+    strip "$dir/$(basename "$b")" 2>/dev/null || true
+  done
+  cargo xtask fetch-model --spec
+  tok=models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+  [ -f "$tok" ] || tok=models/SmolLM2-135M-Instruct.Q4_1.gguf
+  "$dir/siliceo" synth-model --vocab-only --tokenizer "$tok" --out "$dir/vocab.gguf"
+  size=$(du -sm "$dir" | cut -f1)
+  du -sh "$dir"/*
+  if [ "$size" -gt 60 ]; then
+    echo "gpu-run/ is ${size} MiB: over what a device run carries (64 MiB with the tree)" >&2
+    exit 1
+  fi
+  echo "prepared $dir/ (${size} MiB): device run with carry [\"$dir\"] and command: scripts/gpu_serve_checks.sh run"
+  ;;
+run)
+  [ -x "$dir/siliceo" ] || { echo "no $dir/siliceo: run 'scripts/gpu_serve_checks.sh prepare' first" >&2; exit 2; }
+  out=${OUT:-$dir/out}
+  mkdir -p "$out"
+  status=0
+  { nvidia-smi || true; lscpu | head -20 || true; } >"$out/machine.txt" 2>&1
+  # 1. The CUDA libraries, from the machine's toolkit.
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu; do
+    [ -d "$d" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
+  done
+  for b in siliceo siliceo-bench; do
+    ldd "$dir/$b" | tee "$out/ldd-$b.txt"
+    if grep -q "not found" "$out/ldd-$b.txt"; then
+      echo "$b: a library is missing (above); nothing else runs" | tee -a "$out/summary.txt"
+      exit 1
+    fi
+  done
+  # 2. The model: made here, in seconds.
+  model=/tmp/synth-qwen2.5-7b.q4_k_m.gguf
+  /usr/bin/time -v "$dir/siliceo" synth-model --like qwen2.5-7b --quant q4_k_m \
+    --tokenizer "$dir/vocab.gguf" --out "$model" 2>&1 | tee "$out/synth.log" | grep -v "^\s" || status=1
+  # A first look: it loads on the GPU and generates (noise).
+  timeout 120 "$dir/siliceo" generate --model "$model" --gpu-layers 99 --kv-backend llama \
+    --prompt "Hello" --max-tokens 32 --threads 8 2>&1 | tee "$out/generate.log" || status=1
+  # 3. Our kernels on the device (tests, then the kernel bench).
+  export SILICEO_KERNELS_DIR="$PWD/$dir/kernels" SILICEO_REQUIRE_GPU=1
+  timeout 120 "$dir/cuda-tests" --test-threads=1 --nocapture >"$out/test-gpu.log" 2>&1 || status=1
+  tail -5 "$out/test-gpu.log"
+  timeout 120 "$dir/bench" --gpu --formats f16,kv8,k5v4 --ctx 4096,32768 --batch 1,8 \
+    --reps 5 2>&1 | tee "$out/bench-gpu.log" || status=1
+  # 4. Serving decode with every layer on the GPU.
+  timeout 300 "$dir/siliceo-bench" graft --model "$model" --gpu-layers 99 --threads 8 \
+    --reps 3 --contexts 4096,32768 --streams 1,8,32 2>&1 | tee "$out/serve-gpu.log" || status=1
+  echo "status $status" | tee -a "$out/summary.txt"
+  exit $status
+  ;;
+*)
+  echo "usage: scripts/gpu_serve_checks.sh prepare|run" >&2
+  exit 2
+  ;;
+esac
