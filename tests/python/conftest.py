@@ -5,6 +5,7 @@ the default model comes from `models/` in this checkout.
 """
 
 import os
+import random
 import re
 import socket
 import subprocess
@@ -41,9 +42,19 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (32768 and up here):
+    one taken from that range and let go can be handed straight to the next
+    `bind(0)` (a server's own `127.0.0.1:0`) before its owner binds it."""
+    low, _ = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    for _ in range(200):
+        port = random.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 class Server:

@@ -23,7 +23,8 @@ pub enum Like {
     /// Llama-3-8B: 32 layers, 4096 wide, 32/8 heads.
     #[value(name = "llama-3-8b")]
     Llama3_8b,
-    /// Qwen2.5-1.5B: 28 layers, 1536 wide, 12/2 heads, tied embeddings.
+    /// Qwen2.5-1.5B: 28 layers, 1536 wide, 12/2 heads (with an output matrix
+    /// of its own, as Qwen2.5-Coder-1.5B's GGUF has).
     #[value(name = "qwen2.5-1.5b")]
     Qwen25_1_5b,
 }
@@ -69,7 +70,7 @@ pub struct SynthArgs {
 }
 
 /// A transformer's shape, as llama.cpp's GGUF metadata states it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Geometry {
     /// `general.architecture`.
     pub arch: &'static str,
@@ -146,7 +147,7 @@ impl Like {
                 rope_base: 1e6,
                 rms_eps: 1e-6,
                 qkv_bias: true,
-                tied: true,
+                tied: false,
             },
         }
     }
