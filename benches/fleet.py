@@ -44,13 +44,13 @@ ROUTING_KEY = "X-SMG-Routing-Key"
 
 def documents(n: int, tokens: int) -> list[str]:
     """`n` distinct documents of about `tokens` tokens (SmolLM2's tokenizer
-    gives about 22 tokens per sentence of DOCUMENTS); each starts with its
+    gives about 4.8 characters per token on DOCUMENTS' sentences); each starts with its
     own id, so no two share a first block."""
     out = []
     for d in range(n):
         body = []
         i = d
-        while sum(len(s) for s in body) < tokens * 4.4:
+        while sum(len(s) for s in body) < tokens * 4.8:
             body.append(DOCUMENTS[i % len(DOCUMENTS)])
             i += d + 1
         out.append(f"[Document {d} of the fleet benchmark] " + "".join(body))
@@ -117,8 +117,6 @@ def run_policy(mode: str, policy: str, docs: list[str], questions: int, args) ->
             end = counters(replicas)
             prompt_total = sum(e[0] - s[0] for s, e in zip(start, end))
             cached_total = sum(e[1] - s[1] for s, e in zip(start, end))
-            # The least any policy computes: each document once (its first
-            # request), plus every later request's tokens past the document.
             return {
                 "mode": mode,
                 "policy": policy,
@@ -163,7 +161,7 @@ def main():
     print(
         f"{args.replicas} replicas × `siliceo serve --threads {args.threads} --context {args.context}` "
         f"(SmolLM2-135M) behind smg launch; {args.docs} documents × {args.questions} questions, "
-        f"interleaved, one request at a time; documents of ~{args.doc_tokens} tokens"
+        f"interleaved, one request at a time; prompts of {rows[0]['prompt_tokens'] / rows[0]['requests']:.0f} tokens on average"
     )
     print()
     print("| mode | policy | warm hits | prompt tokens computed | token hit rate | TTFT p50 ms | TTFT p95 ms | requests per replica |")

@@ -190,7 +190,11 @@ pub struct GraftBench {
 
 /// Runs the comparison and prints markdown tables.
 pub fn graft(b: &GraftBench) -> Result<()> {
-    let streams = if b.streams.is_empty() { vec![1usize, 8, 16] } else { b.streams.clone() };
+    let streams = if b.streams.is_empty() {
+        vec![1usize, 8, 16]
+    } else {
+        b.streams.clone()
+    };
     for path in &b.models {
         let model = Model::load(
             path,
@@ -229,25 +233,46 @@ pub fn graft(b: &GraftBench) -> Result<()> {
             "### {} · {} threads{} · median of {} · {SUFFIX}-token suffixes, {GEN} generated per stream",
             model.name(),
             b.threads,
-            if b.gpu_layers > 0 { format!(" · {} layers on the GPU", b.gpu_layers) } else { String::new() },
+            if b.gpu_layers > 0 {
+                format!(" · {} layers on the GPU", b.gpu_layers)
+            } else {
+                String::new()
+            },
             b.reps
         );
         println!();
-        let cols: Vec<String> = streams.iter().map(|n| format!("{n} stream{}", if *n == 1 { "" } else { "s" })).collect();
-        println!("| context | KV | prefill tok/s | decode tok/s, {} |", cols.join(" | "));
+        let cols: Vec<String> = streams
+            .iter()
+            .map(|n| format!("{n} stream{}", if *n == 1 { "" } else { "s" }))
+            .collect();
+        println!(
+            "| context | KV | prefill tok/s | decode tok/s, {} |",
+            cols.join(" | ")
+        );
         println!("|---:|---|---:|{}", "---:|".repeat(streams.len()));
         let print = |ctx: usize, label: &str, row: Result<Row>| match row {
             Ok(row) => {
                 let d: Vec<String> = row.decode.iter().map(|r| format!("{r:.1}")).collect();
-                println!("| {ctx} | {label} | {:.0} | {} |", row.prefill_tps, d.join(" | "));
+                println!(
+                    "| {ctx} | {label} | {:.0} | {} |",
+                    row.prefill_tps,
+                    d.join(" | ")
+                );
             }
             // A configuration this build cannot serve (our store with
             // offloaded layers) is a row that says so, not the end of the run.
-            Err(e) => println!("| {ctx} | {label} | refused: {e} |{}", " |".repeat(streams.len())),
+            Err(e) => println!(
+                "| {ctx} | {label} | refused: {e} |{}",
+                " |".repeat(streams.len())
+            ),
         };
         for &ctx in &contexts {
             for kv in &configs {
-                print(ctx, &kv.label, run_config(b, path, &model, kv, ctx, &streams, false));
+                print(
+                    ctx,
+                    &kv.label,
+                    run_config(b, path, &model, kv, ctx, &streams, false),
+                );
             }
             if k_quant && ctx == contexts[0] && b.only.is_empty() {
                 let kv = ours("kv8", None);

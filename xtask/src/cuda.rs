@@ -64,7 +64,10 @@ pub fn toolkit() -> Result<PathBuf> {
     for so in ["cudart", "cublas", "cublasLt"] {
         let versioned = format!("lib{so}.so.13");
         if !lib.join(&versioned).is_file() {
-            bail!("{} is missing from the CUDA wheels", lib.join(versioned).display());
+            bail!(
+                "{} is missing from the CUDA wheels",
+                lib.join(versioned).display()
+            );
         }
         link(&versioned, &lib.join(format!("lib{so}.so")))?;
     }
@@ -87,14 +90,21 @@ pub fn build(args: &[String]) -> Result<PathBuf> {
         match a.as_str() {
             "--cuda" => {}
             "--native" => native = true,
-            "--arch" => archs = it.next().context("--arch needs a list, e.g. 75,86,89")?.clone(),
+            "--arch" => {
+                archs = it
+                    .next()
+                    .context("--arch needs a list, e.g. 75,86,89")?
+                    .clone()
+            }
             other => bail!(
                 "build: unknown argument `{other}` (build --cuda [--arch 75,86,89,90] [--native])"
             ),
         }
     }
     if !args.iter().any(|a| a == "--cuda") {
-        bail!("build: only `build --cuda` is a task (a CPU build is plain `cargo build --release`)");
+        bail!(
+            "build: only `build --cuda` is a task (a CPU build is plain `cargo build --release`)"
+        );
     }
     let cmake = cmake_archs(&archs)?;
     crate::deps::ensure_build_deps()?;
@@ -147,7 +157,10 @@ pub fn build(args: &[String]) -> Result<PathBuf> {
         .context("cannot run readelf")?;
     for line in String::from_utf8_lossy(&out.stdout).lines() {
         if line.contains("(NEEDED)") {
-            println!("build: links {}", line.split('[').nth(1).unwrap_or(line).trim_end_matches(']'));
+            println!(
+                "build: links {}",
+                line.split('[').nth(1).unwrap_or(line).trim_end_matches(']')
+            );
         }
     }
     Ok(bin)

@@ -379,7 +379,11 @@ struct Gguf {
 impl Gguf {
     fn tensor(&mut self, name: &str, dims: &[u64], ty: u32, data: Vec<u8>) -> Result<()> {
         let bytes = self.w.tensor(name, dims, ty)?;
-        ensure!(bytes == data.len() as u64, "{name}: {} bytes of data, expected {bytes}", data.len());
+        ensure!(
+            bytes == data.len() as u64,
+            "{name}: {} bytes of data, expected {bytes}",
+            data.len()
+        );
         self.data.push(data);
         Ok(())
     }

@@ -151,7 +151,12 @@ pub fn install_wheels(base: &[(&str, &str)], extra: &[(&str, &str)]) -> Result<P
     let installed = std::fs::read_dir(&root)
         .map(|d| {
             d.flatten()
-                .filter_map(|e| e.file_name().to_str()?.strip_suffix(".installed").map(String::from))
+                .filter_map(|e| {
+                    e.file_name()
+                        .to_str()?
+                        .strip_suffix(".installed")
+                        .map(String::from)
+                })
                 .collect::<Vec<_>>()
         })
         .unwrap_or_default();
@@ -161,7 +166,10 @@ pub fn install_wheels(base: &[(&str, &str)], extra: &[(&str, &str)]) -> Result<P
         if installed.contains(&marker) {
             continue;
         }
-        eprintln!("cuda: installing {marker} from PyPI into {}", root.display());
+        eprintln!(
+            "cuda: installing {marker} from PyPI into {}",
+            root.display()
+        );
         let downloads = root.join("wheels");
         std::fs::create_dir_all(&downloads)?;
         let wheel = crate::models::pip_download_wheel(&downloads, package, version)?;

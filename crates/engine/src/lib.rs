@@ -50,7 +50,7 @@ mod raw;
 mod reference;
 mod shadow;
 
-pub use backend::{backend_init, supports_gpu_offload};
+pub use backend::{backend_init, gpu_memory, supports_gpu_offload};
 pub use context::{Batch, Context, ContextOptions, FlashAttention, SeqSnapshot};
 pub use detok::{Detokenizer, TokenText, Utf8Stream};
 pub use embed::{Embedder, EmbedderOptions, Embeddings, Pooling, cosine, l2_normalize};

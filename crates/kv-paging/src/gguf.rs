@@ -78,6 +78,15 @@ pub struct TensorInfo {
     pub ggml_type: u32,
 }
 
+impl TensorInfo {
+    /// Bytes of its data, from ggml's type sizes (`None` for a type not
+    /// known here).
+    pub fn bytes(&self) -> Option<u64> {
+        let (blk, size) = ggml_type_size(self.ggml_type)?;
+        Some(self.dims.iter().product::<u64>().div_ceil(blk) * size)
+    }
+}
+
 /// Metadata and tensor table of a GGUF file.
 #[derive(Debug, Clone)]
 pub struct GgufHeader {
@@ -481,13 +490,10 @@ impl GgufHeader {
     pub fn weight_bytes(&self) -> Result<u64, GgufError> {
         let mut total = 0u64;
         for t in &self.tensors {
-            let (blk, bytes) =
-                ggml_type_size(t.ggml_type).ok_or_else(|| GgufError::UnknownType {
-                    name: t.name.clone(),
-                    ty: t.ggml_type,
-                })?;
-            let elems: u64 = t.dims.iter().product();
-            total += elems.div_ceil(blk) * bytes;
+            total += t.bytes().ok_or_else(|| GgufError::UnknownType {
+                name: t.name.clone(),
+                ty: t.ggml_type,
+            })?;
         }
         Ok(total)
     }
@@ -604,8 +610,14 @@ mod tests {
         w.strs("qwen2.names", &["a".into(), "bc".into()]);
         assert_eq!(w.tensor("t.0", &[256, 3], 12).unwrap(), 3 * 144); // Q4_K
         assert_eq!(w.tensor("t.1", &[5], 0).unwrap(), 20); // F32
-        assert!(matches!(w.tensor("bad", &[100], 12), Err(GgufError::Malformed(_))));
-        assert!(matches!(w.tensor("bad", &[1], 999), Err(GgufError::UnknownType { .. })));
+        assert!(matches!(
+            w.tensor("bad", &[100], 12),
+            Err(GgufError::Malformed(_))
+        ));
+        assert!(matches!(
+            w.tensor("bad", &[1], 999),
+            Err(GgufError::UnknownType { .. })
+        ));
         let head = w.header();
         assert_eq!(head.len() as u64 % GGUF_ALIGNMENT, 0);
         let h = GgufHeader::parse(&head).unwrap();
@@ -618,7 +630,11 @@ mod tests {
         assert_eq!(h.ints("qwen2.ints").unwrap(), [-1, 7]);
         assert_eq!(h.bool("qwen2.flag"), Some(true));
         assert_eq!(h.meta["qwen2.rope.freq_base"], MetaValue::Float(1e6));
-        let names: Vec<_> = h.tensors.iter().map(|t| (t.name.as_str(), t.ggml_type)).collect();
+        let names: Vec<_> = h
+            .tensors
+            .iter()
+            .map(|t| (t.name.as_str(), t.ggml_type))
+            .collect();
         assert_eq!(names, [("t.0", 12), ("t.1", 0)]);
         // Two entries copied whole, five written.
         let spans = metadata_spans(&head).unwrap();

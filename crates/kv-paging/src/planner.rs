@@ -209,6 +209,29 @@ pub enum PlanError {
         /// The head dimension.
         dim: u32,
     },
+    /// What `--gpu-layers` puts on the device leaves less than the margin
+    /// free.
+    #[error(
+        "offloading does not fit the GPU: {weights} B of weights + {kv} B of KV + {reserve} B compute reserve = {needed} B, and the device has {free} B free of {total} B; {margin} B ({margin_pct:.0} % of it) stay free: offload fewer layers or shorten the context"
+    )]
+    OffloadDoesNotFit {
+        /// Offloaded weight bytes.
+        weights: u64,
+        /// KV bytes of the offloaded layers.
+        kv: u64,
+        /// Compute-buffer reserve.
+        reserve: u64,
+        /// Their sum.
+        needed: u64,
+        /// Free device memory.
+        free: u64,
+        /// Device memory in all.
+        total: u64,
+        /// Bytes kept free.
+        margin: u64,
+        /// The margin in percent of `total`.
+        margin_pct: f64,
+    },
     /// An input out of range.
     #[error("invalid plan input `{field}`: {reason}")]
     Invalid {
@@ -518,6 +541,92 @@ pub fn plan_store(input: &StoreInput) -> Result<StorePlan, PlanError> {
     })
 }
 
+/// What `--gpu-layers` puts in device memory, as llama.cpp places it:
+/// `gpu_layers` counts the output layer first (1 offloads only the output,
+/// `n_layer + 1` or more offloads every layer); the input embedding stays on
+/// the CPU.
+#[derive(Debug, Clone)]
+pub struct OffloadInput {
+    /// Weight bytes of each repeating layer (`blk.N.*`), by layer.
+    pub layer_weight_bytes: Vec<u64>,
+    /// Weight bytes of the output layer (output matrix and norm).
+    pub output_weight_bytes: u64,
+    /// `--gpu-layers`.
+    pub gpu_layers: u32,
+    /// KV bytes per token of one layer in device memory (0 when the KV
+    /// stays in host memory).
+    pub kv_bytes_per_token_per_layer: f64,
+    /// Tokens of KV each layer holds.
+    pub kv_tokens: u64,
+    /// Compute buffers (activations, logits) on the device.
+    pub compute_reserve_bytes: u64,
+    /// Share of the device kept free; must be in (0, 0.5).
+    pub safety_margin: f64,
+    /// The device's free and total bytes.
+    pub free_bytes: u64,
+    /// The device's total bytes.
+    pub total_bytes: u64,
+}
+
+/// What offloading takes on the device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct OffloadPlan {
+    /// Repeating layers on the device.
+    pub layers: u32,
+    /// Whether the output layer is there.
+    pub output: bool,
+    /// Weight bytes there.
+    pub weight_bytes: u64,
+    /// KV bytes there.
+    pub kv_bytes: u64,
+    /// Weights, KV and compute reserve.
+    pub needed_bytes: u64,
+    /// Free bytes left after them.
+    pub left_bytes: u64,
+}
+
+/// Checks that offloading leaves the margin free on the device; a
+/// configuration that would not is refused before anything is allocated
+/// (instead of failing, or crawling, at the first peak).
+pub fn plan_offload(i: &OffloadInput) -> Result<OffloadPlan, PlanError> {
+    if !(i.safety_margin > 0.0 && i.safety_margin < 0.5) {
+        return Err(PlanError::Invalid {
+            field: "safety_margin",
+            reason: format!("must be in (0, 0.5), got {}", i.safety_margin),
+        });
+    }
+    let n_layer = i.layer_weight_bytes.len() as u32;
+    let output = i.gpu_layers > 0;
+    let first = (n_layer + 1).saturating_sub(i.gpu_layers).min(n_layer);
+    let layers = n_layer - first;
+    let weight_bytes = i.layer_weight_bytes[first as usize..].iter().sum::<u64>()
+        + if output { i.output_weight_bytes } else { 0 };
+    let kv_bytes =
+        (i.kv_bytes_per_token_per_layer * i.kv_tokens as f64 * f64::from(layers)).ceil() as u64;
+    let needed = weight_bytes + kv_bytes + if output { i.compute_reserve_bytes } else { 0 };
+    let margin = (i.total_bytes as f64 * i.safety_margin).ceil() as u64;
+    if needed + margin > i.free_bytes {
+        return Err(PlanError::OffloadDoesNotFit {
+            weights: weight_bytes,
+            kv: kv_bytes,
+            reserve: i.compute_reserve_bytes,
+            needed,
+            free: i.free_bytes,
+            total: i.total_bytes,
+            margin,
+            margin_pct: i.safety_margin * 100.0,
+        });
+    }
+    Ok(OffloadPlan {
+        layers,
+        output,
+        weight_bytes,
+        kv_bytes,
+        needed_bytes: needed,
+        left_bytes: i.free_bytes - needed,
+    })
+}
+
 /// Parses a size such as `8GiB`, `2.5GB`, `512MiB`, `1000000` (bytes).
 /// Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB,
 /// GB, TB) powers of 1000.
@@ -673,6 +782,60 @@ mod tests {
         check("16 GiB", 16 * GIB);
         assert!(parse_bytes("8 apples").is_err());
         assert!(parse_bytes("").is_err());
+    }
+
+    #[test]
+    fn offloading_counts_what_llama_cpp_puts_on_the_device() {
+        const MB: u64 = 1 << 20;
+        let base = OffloadInput {
+            layer_weight_bytes: vec![100 * MB; 4],
+            output_weight_bytes: 300 * MB,
+            gpu_layers: 0,
+            kv_bytes_per_token_per_layer: 1024.0,
+            kv_tokens: 4096,
+            compute_reserve_bytes: 256 * MB,
+            safety_margin: 0.05,
+            free_bytes: 2000 * MB,
+            total_bytes: 2048 * MB,
+        };
+        let check = |gpu_layers: u32, layers: u32, output: bool, weights: u64| {
+            let p = plan_offload(&OffloadInput {
+                gpu_layers,
+                ..base.clone()
+            })
+            .unwrap();
+            assert_eq!(
+                (p.layers, p.output, p.weight_bytes),
+                (layers, output, weights * MB)
+            );
+            assert_eq!(p.kv_bytes, u64::from(layers) * 4 * MB);
+            p
+        };
+        // llama.cpp counts the output layer first, then layers from the last.
+        assert_eq!(check(0, 0, false, 0).needed_bytes, 0);
+        check(1, 0, true, 300);
+        check(2, 1, true, 400);
+        let all = check(5, 4, true, 700);
+        assert_eq!(all.needed_bytes, (700 + 16 + 256) * MB);
+        assert_eq!(all.left_bytes, (2000 - 972) * MB);
+        assert_eq!(check(99, 4, true, 700), all);
+        // 972 MiB needed, and 5 % of 2,048 MiB (102.4 MiB) kept free: 1,074
+        // MiB free is not enough, 1,075 is.
+        let tight = |free: u64| {
+            plan_offload(&OffloadInput {
+                gpu_layers: 99,
+                free_bytes: free * MB,
+                ..base.clone()
+            })
+        };
+        assert!(matches!(
+            tight(1074),
+            Err(PlanError::OffloadDoesNotFit { needed, margin, .. })
+                if needed == 972 * MB && margin == (2048.0 * MB as f64 * 0.05).ceil() as u64
+        ));
+        assert!(tight(1075).is_ok());
+        let e = tight(1000).unwrap_err().to_string();
+        assert!(e.contains("offload fewer layers"), "{e}");
     }
 
     #[test]

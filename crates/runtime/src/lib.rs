@@ -469,7 +469,11 @@ pub fn read_gguf_header_bytes(
             .map_err(|e| format!("{}: {e}", path.display()))?;
         match GgufHeader::parse(&buf) {
             Err(GgufError::Truncated { needed }) if buf.len() > have => want = needed.max(want * 2),
-            r => return r.map(|h| (h, buf)).map_err(|e| format!("{}: {e}", path.display())),
+            r => {
+                return r
+                    .map(|h| (h, buf))
+                    .map_err(|e| format!("{}: {e}", path.display()));
+            }
         }
     }
 }

@@ -270,7 +270,11 @@ fn copy_tokenizer(w: &mut GgufWriter, bytes: &[u8], n_vocab: u64) -> Result<u64>
             continue;
         }
         let raw = &bytes[span];
-        let per_token = ["tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"];
+        let per_token = [
+            "tokenizer.ggml.tokens",
+            "tokenizer.ggml.token_type",
+            "tokenizer.ggml.scores",
+        ];
         if per_token.contains(&key.as_str()) {
             w.raw(&pad_array(raw, key.len(), n_vocab)?);
         } else {
@@ -315,17 +319,26 @@ pub fn cmd_synth(a: SynthArgs) -> Result<()> {
     let t0 = Instant::now();
     let tok_path = a.tokenizer.clone().unwrap_or_else(crate::default_model);
     let (tok, tok_bytes) = header_bytes(&tok_path).with_context(|| {
-        format!("--tokenizer {}: cannot read its GGUF header", tok_path.display())
+        format!(
+            "--tokenizer {}: cannot read its GGUF header",
+            tok_path.display()
+        )
     })?;
     let Some(MetaValue::Array { len: tok_vocab, .. }) = tok.meta.get("tokenizer.ggml.tokens")
     else {
-        bail!("{} has no tokenizer (tokenizer.ggml.tokens)", tok_path.display());
+        bail!(
+            "{} has no tokenizer (tokenizer.ggml.tokens)",
+            tok_path.display()
+        );
     };
     let tok_vocab = *tok_vocab;
     let tok_name = tok.str("general.name").unwrap_or("?").to_string();
     let mut w = GgufWriter::default();
     if a.vocab_only {
-        w.str("general.architecture", tok.str("general.architecture").unwrap_or("llama"));
+        w.str(
+            "general.architecture",
+            tok.str("general.architecture").unwrap_or("llama"),
+        );
         w.str("general.name", &format!("vocabulary of {tok_name}"));
         copy_tokenizer(&mut w, &tok_bytes, tok_vocab)?;
         std::fs::write(&a.out, w.header())
@@ -343,7 +356,11 @@ pub fn cmd_synth(a: SynthArgs) -> Result<()> {
     };
     let mut g = like.geometry();
     if let Some(n) = a.layers {
-        ensure!((1..=g.n_layer).contains(&n), "--layers must be 1..={}", g.n_layer);
+        ensure!(
+            (1..=g.n_layer).contains(&n),
+            "--layers must be 1..={}",
+            g.n_layer
+        );
         g.n_layer = n;
     }
     // The embedding has a row per token the tokenizer knows: the model's own
@@ -354,9 +371,15 @@ pub fn cmd_synth(a: SynthArgs) -> Result<()> {
     w.str("general.architecture", arch);
     w.str(
         "general.name",
-        &format!("synthetic {} (random weights; tokenizer of {tok_name})", g.name),
+        &format!(
+            "synthetic {} (random weights; tokenizer of {tok_name})",
+            g.name
+        ),
     );
-    w.u32("general.file_type", if a.quant == Quant::Q4KM { 15 } else { 7 });
+    w.u32(
+        "general.file_type",
+        if a.quant == Quant::Q4KM { 15 } else { 7 },
+    );
     w.u32(&k("context_length"), g.n_ctx);
     w.u32(&k("embedding_length"), g.n_embd);
     w.u32(&k("block_count"), g.n_layer);
@@ -401,7 +424,11 @@ pub fn cmd_synth(a: SynthArgs) -> Result<()> {
         let mut left = bytes as usize;
         if *ty == F32 {
             // Norm weights 1, biases 0.
-            let fill = if name.ends_with(".bias") { vec![0u8; ones.len()] } else { ones.clone() };
+            let fill = if name.ends_with(".bias") {
+                vec![0u8; ones.len()]
+            } else {
+                ones.clone()
+            };
             while left > 0 {
                 let n = left.min(fill.len());
                 out.write_all(&fill[..n])?;
@@ -470,7 +497,10 @@ mod tests {
         }
         let n = 256.0 * 32.0;
         let (mean, sd) = (sum / n, (sq / n - (sum / n).powi(2)).sqrt());
-        assert!(mean.abs() < 0.002 && (0.01..0.04).contains(&sd), "{mean} {sd}");
+        assert!(
+            mean.abs() < 0.002 && (0.01..0.04).contains(&sd),
+            "{mean} {sd}"
+        );
     }
 
     #[test]
@@ -486,6 +516,9 @@ mod tests {
             back.strs("tokenizer.ggml.tokens").unwrap(),
             ["a", "b", "<synth_pad_2>", "<synth_pad_3>"].map(String::from)
         );
-        assert_eq!(back.ints("tokenizer.ggml.token_type").unwrap(), [1, 3, 5, 5]);
+        assert_eq!(
+            back.ints("tokenizer.ggml.token_type").unwrap(),
+            [1, 3, 5, 5]
+        );
     }
 }

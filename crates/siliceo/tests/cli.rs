@@ -514,7 +514,11 @@ fn synth_model_has_the_real_tensor_table_and_llama_cpp_runs_it() {
         let mut t: Vec<(String, Vec<u64>)> = h
             .tensors
             .iter()
-            .filter(|t| !t.name.starts_with("blk.") || t.name.starts_with("blk.0.") || t.name.starts_with("blk.1."))
+            .filter(|t| {
+                !t.name.starts_with("blk.")
+                    || t.name.starts_with("blk.0.")
+                    || t.name.starts_with("blk.1.")
+            })
             .map(|t| (t.name.clone(), t.dims.clone()))
             .collect();
         t.sort();
@@ -524,9 +528,15 @@ fn synth_model_has_the_real_tensor_table_and_llama_cpp_runs_it() {
     // The file is its header plus every tensor's data, padded.
     let data: u64 = ours.weight_bytes().unwrap();
     let len = std::fs::metadata(&model).unwrap().len();
-    assert!(len >= data && len - data < 16 << 20, "{len} bytes for {data} of data");
+    assert!(
+        len >= data && len - data < 16 << 20,
+        "{len} bytes for {data} of data"
+    );
     // The real tokenizer, padded to the model's vocabulary.
-    assert_eq!(ours.str("tokenizer.ggml.model"), theirs.str("tokenizer.ggml.model"));
+    assert_eq!(
+        ours.str("tokenizer.ggml.model"),
+        theirs.str("tokenizer.ggml.model")
+    );
     assert_eq!(ours.strs("tokenizer.ggml.tokens").unwrap().len(), 151_936);
     for kv in [&["--kv-backend", "llama"][..], &["--kv", "kv8"][..]] {
         let mut args = vec![
@@ -544,7 +554,11 @@ fn synth_model_has_the_real_tensor_table_and_llama_cpp_runs_it() {
         let out = siliceo(&args);
         assert!(out.status.success(), "{kv:?}: {}", text(&out.stderr));
         // Noise, but decoded: the speed line reports what was generated.
-        assert!(text(&out.stderr).contains(" generated at "), "{}", text(&out.stderr));
+        assert!(
+            text(&out.stderr).contains(" generated at "),
+            "{}",
+            text(&out.stderr)
+        );
     }
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -55,11 +55,88 @@ pub fn store_plan(
     Ok((input, plan))
 }
 
+/// With layers offloaded to a GPU: what they take there (weights, llama.cpp's
+/// KV of those layers, compute buffers) must leave the margin free, or the
+/// runtime refuses to start. Nothing to check without a GPU.
+fn check_offload(cfg: &RuntimeConfig) -> Result<(), RuntimeError> {
+    if cfg.model.gpu_layers == 0 {
+        return Ok(());
+    }
+    let Some((free, total)) = siliceo_engine::gpu_memory() else {
+        return Ok(());
+    };
+    let fail =
+        |e: String| RuntimeError::Start(format!("--gpu-layers {}: {e}", cfg.model.gpu_layers));
+    let header = crate::read_gguf_header(&cfg.model_path).map_err(fail)?;
+    let g = header.geometry().map_err(|e| fail(e.to_string()))?;
+    let mut layers = vec![0u64; g.n_layer as usize];
+    let mut output = 0u64;
+    for t in &header.tensors {
+        let bytes = t.bytes().unwrap_or(0);
+        let layer = t
+            .name
+            .strip_prefix("blk.")
+            .and_then(|r| r.split('.').next()?.parse::<usize>().ok());
+        match layer {
+            Some(l) if l < layers.len() => layers[l] += bytes,
+            _ if t.name.starts_with("output") => output += bytes,
+            _ => {}
+        }
+    }
+    if !header.tensors.iter().any(|t| t.name == "output.weight") {
+        // Tied embeddings: llama.cpp puts a copy of token_embd on the output
+        // layer's device.
+        output += header
+            .tensors
+            .iter()
+            .filter(|t| t.name == "token_embd.weight")
+            .filter_map(|t| t.bytes())
+            .sum::<u64>();
+    }
+    // llama.cpp's own cache sits with its layers; our store in host memory.
+    let kv_per_layer = match cfg.kv {
+        KvBackend::Llama => {
+            g.kv_bytes_per_token(cfg.context.type_k, cfg.context.type_v) as f64
+                / f64::from(g.n_layer.max(1))
+        }
+        KvBackend::Ours { .. } => 0.0,
+    };
+    // Compute buffers: logits and activations of one micro-batch (an
+    // estimate: llama.cpp sizes them when the context is made).
+    let ubatch = u64::from(cfg.context.n_ubatch.max(1));
+    let reserve = ubatch * (u64::from(g.n_vocab) + 16 * u64::from(g.n_embd)) * 4 + (64 << 20);
+    let plan =
+        siliceo_kv_paging::planner::plan_offload(&siliceo_kv_paging::planner::OffloadInput {
+            layer_weight_bytes: layers,
+            output_weight_bytes: output,
+            gpu_layers: cfg.model.gpu_layers,
+            kv_bytes_per_token_per_layer: kv_per_layer,
+            kv_tokens: u64::from(cfg.context.n_ctx),
+            compute_reserve_bytes: reserve,
+            safety_margin: 0.05,
+            free_bytes: free,
+            total_bytes: total,
+        })
+        .map_err(|e| fail(e.to_string()))?;
+    tracing::info!(
+        layers = plan.layers,
+        output = plan.output,
+        needed = plan.needed_bytes,
+        left = plan.left_bytes,
+        "offload fits the GPU"
+    );
+    Ok(())
+}
+
 pub(crate) fn run(
     cfg: RuntimeConfig,
     rx: Receiver<Command>,
     ready: Sender<Result<Started, RuntimeError>>,
 ) {
+    if let Err(e) = check_offload(&cfg) {
+        let _ = ready.send(Err(e));
+        return;
+    }
     let model = match Model::load(&cfg.model_path, &cfg.model) {
         Ok(m) => m,
         Err(e) => {
