@@ -224,7 +224,23 @@ impl<'a> Reader<'a> {
     }
 }
 
-impl Reader<'_> {
+impl<'a> Reader<'a> {
+    /// Checks the magic and version; returns a reader at the first metadata
+    /// entry, the version and the tensor and metadata counts.
+    fn preamble(bytes: &'a [u8]) -> Result<(Reader<'a>, u32, usize, usize), GgufError> {
+        let mut r = Reader { b: bytes, at: 0 };
+        if r.take(4)? != b"GGUF" {
+            return Err(GgufError::BadMagic);
+        }
+        let version = r.u32()?;
+        if !(2..=3).contains(&version) {
+            return Err(GgufError::Version(version));
+        }
+        let n_tensors = r.len("tensor count")?;
+        let n_meta = r.len("metadata count")?;
+        Ok((r, version, n_tensors, n_meta))
+    }
+
     /// Reads `n` metadata entries after the counts, handing each one's key,
     /// value and byte span (key, type and value) to `f`.
     fn entries(
@@ -247,16 +263,7 @@ impl Reader<'_> {
 /// value, as [`GgufWriter::raw`] takes it): a way to copy entries (a
 /// vocabulary, say) from one file into another unchanged.
 pub fn metadata_spans(bytes: &[u8]) -> Result<Vec<(String, std::ops::Range<usize>)>, GgufError> {
-    let mut r = Reader { b: bytes, at: 0 };
-    if r.take(4)? != b"GGUF" {
-        return Err(GgufError::BadMagic);
-    }
-    let version = r.u32()?;
-    if !(2..=3).contains(&version) {
-        return Err(GgufError::Version(version));
-    }
-    let _tensors = r.len("tensor count")?;
-    let n_meta = r.len("metadata count")?;
+    let (mut r, _, _, n_meta) = Reader::preamble(bytes)?;
     let mut spans = Vec::with_capacity(n_meta.min(1 << 12));
     r.entries(n_meta, |key, _, span| spans.push((key, span)))?;
     Ok(spans)
@@ -404,16 +411,7 @@ impl GgufWriter {
 impl GgufHeader {
     /// Parses the header from the first bytes of a GGUF file.
     pub fn parse(bytes: &[u8]) -> Result<GgufHeader, GgufError> {
-        let mut r = Reader { b: bytes, at: 0 };
-        if r.take(4)? != b"GGUF" {
-            return Err(GgufError::BadMagic);
-        }
-        let version = r.u32()?;
-        if !(2..=3).contains(&version) {
-            return Err(GgufError::Version(version));
-        }
-        let n_tensors = r.len("tensor count")?;
-        let n_meta = r.len("metadata count")?;
+        let (mut r, version, n_tensors, n_meta) = Reader::preamble(bytes)?;
         let mut meta = HashMap::new();
         r.entries(n_meta, |key, v, _| {
             meta.insert(key, v);
