@@ -43,7 +43,13 @@ prepare)
   cargo xtask fetch-model --spec
   tok=models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
   [ -f "$tok" ] || tok=models/SmolLM2-135M-Instruct.Q4_1.gguf
-  "$dir/siliceo" synth-model --vocab-only --tokenizer "$tok" --out "$dir/vocab.gguf"
+  # The CUDA build needs cuBLAS at run time: here, the wheel's.
+  LD_LIBRARY_PATH="$HOME/.cache/siliceo/cuda-13.0.88/nvidia/cu13/lib" \
+    "$dir/siliceo" synth-model --vocab-only --tokenizer "$tok" --out "$dir/vocab.gguf"
+  # Measured: each CUDA binary is ~75 MB stripped for sm_90 alone (43.5 MB
+  # with xz), so the two together do not fit a device run yet; see the size
+  # check below. They travel xz-compressed.
+  for b in siliceo siliceo-bench; do xz -T2 -6 -f "$dir/$b"; done
   size=$(du -sm "$dir" | cut -f1)
   du -sh "$dir"/*
   if [ "$size" -gt 60 ]; then
@@ -53,7 +59,8 @@ prepare)
   echo "prepared $dir/ (${size} MiB): device run with carry [\"$dir\"] and command: scripts/gpu_serve_checks.sh run"
   ;;
 run)
-  [ -x "$dir/siliceo" ] || { echo "no $dir/siliceo: run 'scripts/gpu_serve_checks.sh prepare' first" >&2; exit 2; }
+  [ -f "$dir/siliceo.xz" ] || { echo "no $dir/siliceo.xz: run 'scripts/gpu_serve_checks.sh prepare' first" >&2; exit 2; }
+  for b in siliceo siliceo-bench; do xz -d -k -f "$dir/$b.xz"; done
   out=${OUT:-$dir/out}
   mkdir -p "$out"
   status=0
