@@ -952,7 +952,41 @@ fn embed(model_path: PathBuf, reps: usize) -> Result<()> {
     Ok(())
 }
 
-const USAGE: &str = "usage: siliceo-bench engine|serve|prefix|spec|grpc|protocols|embed|graft|peer|constrain [--model PATH] [--reps N] [--json] [--threads N] [--quiet-consumer] [--quick] [--no-qwen] [--llama-server PATH] [--contexts 512,4096] [--only LABEL] [--gpu-layers N] [--streams 1,8,32]";
+/// `siliceo-bench synth-model --like L [--quant Q] --tokenizer GGUF --out F
+/// [--layers N]`: the same random-weight model `siliceo synth-model` makes,
+/// so that a GPU machine can be given this one binary (each CUDA build of a
+/// binary is ~75 MB).
+fn synth(args: &[String]) -> Result<()> {
+    use siliceo_runtime::synth::{Quant, SynthOptions, synth_model};
+    let mut o = SynthOptions {
+        like: None,
+        quant: Quant::Q4KM,
+        tokenizer: PathBuf::new(),
+        out: PathBuf::new(),
+        layers: None,
+        seed: 1,
+        vocab_only: false,
+    };
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut value = || it.next().context("a flag without its value");
+        match a.as_str() {
+            "--like" => o.like = Some(value()?.parse().map_err(anyhow::Error::msg)?),
+            "--quant" => o.quant = value()?.parse().map_err(anyhow::Error::msg)?,
+            "--tokenizer" => o.tokenizer = PathBuf::from(value()?),
+            "--out" => o.out = PathBuf::from(value()?),
+            "--layers" => o.layers = Some(value()?.parse()?),
+            "--seed" => o.seed = value()?.parse()?,
+            other => bail!("synth-model: unknown argument `{other}`"),
+        }
+    }
+    if o.tokenizer.as_os_str().is_empty() || o.out.as_os_str().is_empty() {
+        bail!("synth-model needs --tokenizer GGUF and --out FILE");
+    }
+    Ok(synth_model(&o)?)
+}
+
+const USAGE: &str = "usage: siliceo-bench synth-model ARGS | engine|serve|prefix|spec|grpc|protocols|embed|graft|peer|constrain [--model PATH] [--reps N] [--json] [--threads N] [--quiet-consumer] [--quick] [--no-qwen] [--llama-server PATH] [--contexts 512,4096] [--only LABEL] [--gpu-layers N] [--streams 1,8,32]";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -974,6 +1008,9 @@ fn main() -> Result<()> {
     let mut only: Vec<String> = Vec::new();
     let mut gpu_layers = 0u32;
     let mut streams: Vec<usize> = Vec::new();
+    if args.first().map(String::as_str) == Some("synth-model") {
+        return synth(&args[1..]);
+    }
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {

@@ -43,6 +43,7 @@ mod front;
 pub mod hf_tokenizer;
 pub mod kv_events;
 pub mod metrics;
+pub mod synth;
 mod types;
 
 pub use types::{

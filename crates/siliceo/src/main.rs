@@ -14,7 +14,6 @@ mod eval_kv;
 mod kv_opts;
 mod plan;
 mod serve;
-mod synth;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -25,6 +24,7 @@ use clap::{Args, Parser, Subcommand};
 use siliceo_core::{KvType, SamplingParams};
 use siliceo_engine::{EngineError, Model, ModelOptions};
 use siliceo_runtime::Message as ChatMessage;
+use siliceo_runtime::synth;
 use siliceo_runtime::{Event, GenerateRequest, Input, Runtime, RuntimeConfig, RuntimeError};
 
 const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -61,7 +61,7 @@ enum Cmd {
     EvalKv(eval_kv::EvalKvArgs),
     /// Write a GGUF with a real model's architecture, geometry and
     /// quantization but random weights (noise for text, real for speed).
-    SynthModel(synth::SynthArgs),
+    SynthModel(SynthArgs),
 }
 
 #[derive(Args, Debug)]
@@ -139,6 +139,48 @@ struct GenerateArgs {
     /// Batch-invariant weight products (no repacking, no tiled K-quant products).
     #[arg(long)]
     deterministic: bool,
+}
+
+/// `siliceo synth-model` flags (see `siliceo_runtime::synth`).
+#[derive(Args, Debug)]
+struct SynthArgs {
+    /// The model whose architecture and geometry to copy: qwen2.5-7b,
+    /// llama-3-8b or qwen2.5-1.5b.
+    #[arg(long)]
+    like: Option<synth::Like>,
+    /// Weight quantization: q4_k_m (llama.cpp's Q4_K_M mix) or q8_0.
+    #[arg(long, default_value = "q4_k_m")]
+    quant: synth::Quant,
+    /// A GGUF to take the tokenizer from (any model, or a --vocab-only file)
+    /// [default: the default model].
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Output GGUF.
+    #[arg(long)]
+    out: PathBuf,
+    /// Fewer layers than the model has (a small file for tests).
+    #[arg(long)]
+    layers: Option<u32>,
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Write only the tokenizer (a vocab-only GGUF, a few MB), to carry to a
+    /// machine that makes the model itself.
+    #[arg(long, conflicts_with_all = ["like", "layers"])]
+    vocab_only: bool,
+}
+
+fn cmd_synth(a: SynthArgs) -> Result<()> {
+    synth::synth_model(&synth::SynthOptions {
+        like: a.like,
+        quant: a.quant,
+        tokenizer: a.tokenizer.unwrap_or_else(default_model),
+        out: a.out,
+        layers: a.layers,
+        seed: a.seed,
+        vocab_only: a.vocab_only,
+    })?;
+    Ok(())
 }
 
 #[derive(Args, Debug)]
@@ -422,7 +464,7 @@ fn main() -> ExitCode {
         Cmd::ModelInfo(a) => cmd_model_info(a),
         Cmd::Plan(a) => plan::cmd_plan(a),
         Cmd::EvalKv(a) => eval_kv::cmd_eval_kv(a),
-        Cmd::SynthModel(a) => synth::cmd_synth(a),
+        Cmd::SynthModel(a) => cmd_synth(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,4 +1,4 @@
-//! `siliceo synth-model`: a GGUF with a real model's architecture, geometry
+//! `siliceo synth-model` (and `siliceo-bench synth-model`): a GGUF with a real model's architecture, geometry
 //! and quantization, random weights, and a real tokenizer copied from another
 //! GGUF. Its text is noise; its speed is the real model's speed (the same
 //! tensors, shapes and types go through the same kernels). Made for machines
@@ -9,64 +9,101 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{Context as _, Result, bail, ensure};
-use clap::{Args, ValueEnum};
 use siliceo_kv_paging::gguf::{GgufHeader, GgufWriter, MetaValue, metadata_spans, padding};
+
+/// Why a synthetic model could not be written.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SynthError {
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A GGUF could not be read or built.
+    #[error(transparent)]
+    Gguf(#[from] siliceo_kv_paging::gguf::GgufError),
+    /// Bad options or a tokenizer that cannot be used.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+type Result<T> = std::result::Result<T, SynthError>;
+
+fn invalid<T>(m: impl Into<String>) -> Result<T> {
+    Err(SynthError::Invalid(m.into()))
+}
 
 /// The architectures and geometries `--like` names (from each model's
 /// published config.json).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Like {
     /// Qwen2.5-7B(-Instruct): 28 layers, 3584 wide, 28/4 heads.
-    #[value(name = "qwen2.5-7b")]
     Qwen25_7b,
     /// Llama-3-8B: 32 layers, 4096 wide, 32/8 heads.
-    #[value(name = "llama-3-8b")]
     Llama3_8b,
     /// Qwen2.5-1.5B: 28 layers, 1536 wide, 12/2 heads (with an output matrix
     /// of its own, as Qwen2.5-Coder-1.5B's GGUF has).
-    #[value(name = "qwen2.5-1.5b")]
     Qwen25_1_5b,
 }
 
 /// Weight types: llama.cpp's Q4_K_M mix, or Q8_0 throughout.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Quant {
     /// Q4_K, with Q6_K for the output and for attn_v/ffn_down on the layers
     /// llama.cpp's Q4_K_M gives more bits.
-    #[value(name = "q4_k_m")]
     Q4KM,
     /// Q8_0 for every matrix.
-    #[value(name = "q8_0")]
     Q8_0,
 }
 
-/// `siliceo synth-model` flags.
-#[derive(Args, Debug)]
-pub struct SynthArgs {
-    /// The model whose architecture and geometry to copy.
-    #[arg(long, value_enum)]
-    like: Option<Like>,
+impl std::str::FromStr for Like {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Like, String> {
+        match s {
+            "qwen2.5-7b" => Ok(Like::Qwen25_7b),
+            "llama-3-8b" => Ok(Like::Llama3_8b),
+            "qwen2.5-1.5b" => Ok(Like::Qwen25_1_5b),
+            _ => Err(format!(
+                "`{s}`: one of qwen2.5-7b, llama-3-8b, qwen2.5-1.5b"
+            )),
+        }
+    }
+}
+
+impl std::str::FromStr for Quant {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Quant, String> {
+        match s {
+            "q4_k_m" => Ok(Quant::Q4KM),
+            "q8_0" => Ok(Quant::Q8_0),
+            _ => Err(format!("`{s}`: q4_k_m or q8_0")),
+        }
+    }
+}
+
+/// What to write.
+#[derive(Debug, Clone)]
+pub struct SynthOptions {
+    /// The model whose architecture and geometry to copy (not needed with
+    /// `vocab_only`).
+    pub like: Option<Like>,
     /// Weight quantization.
-    #[arg(long, value_enum, default_value = "q4_k_m")]
-    quant: Quant,
-    /// A GGUF to take the tokenizer from (any model, or a --vocab-only file)
-    /// [default: the default model].
-    #[arg(long)]
-    tokenizer: Option<PathBuf>,
+    pub quant: Quant,
+    /// A GGUF to take the tokenizer from (any model, or a vocab-only file).
+    pub tokenizer: PathBuf,
     /// Output GGUF.
-    #[arg(long)]
-    out: PathBuf,
+    pub out: PathBuf,
     /// Fewer layers than the model has (a small file for tests).
-    #[arg(long)]
-    layers: Option<u32>,
+    pub layers: Option<u32>,
     /// Seed of the random weights.
-    #[arg(long, default_value_t = 1)]
-    seed: u64,
-    /// Write only the tokenizer (a vocab-only GGUF, a few MB), to carry to a
-    /// machine that makes the model itself.
-    #[arg(long, conflicts_with_all = ["like", "layers"])]
-    vocab_only: bool,
+    pub seed: u64,
+    /// Write only the tokenizer (a vocab-only GGUF, a few MB).
+    pub vocab_only: bool,
 }
 
 /// A transformer's shape, as llama.cpp's GGUF metadata states it.
@@ -258,7 +295,8 @@ fn block_pool(ty: u32, blocks: usize, rng: &mut Rng) -> Vec<u8> {
 
 /// Reads a GGUF's header bytes (however long its vocabulary).
 fn header_bytes(path: &Path) -> Result<(GgufHeader, Vec<u8>)> {
-    siliceo_runtime::read_gguf_header_bytes(path).map_err(|e| anyhow::anyhow!("{e}"))
+    crate::read_gguf_header_bytes(path)
+        .map_err(|e| SynthError::Invalid(format!("--tokenizer: {e}")))
 }
 
 /// Copies `src`'s `tokenizer.*` entries into `w`, its per-token arrays
@@ -291,7 +329,9 @@ fn copy_tokenizer(w: &mut GgufWriter, bytes: &[u8], n_vocab: u64) -> Result<u64>
 fn pad_array(raw: &[u8], key_len: usize, n: u64) -> Result<Vec<u8>> {
     let at = 8 + key_len;
     let word = |o: usize| u32::from_le_bytes(raw[o..o + 4].try_into().expect("4 bytes"));
-    ensure!(word(at) == 9, "a per-token tokenizer entry is not an array");
+    if word(at) != 9 {
+        return invalid("a per-token tokenizer entry is not an array");
+    }
     let elem = word(at + 4);
     let len = u64::from_le_bytes(raw[at + 8..at + 16].try_into().expect("8 bytes"));
     let mut out = raw.to_vec();
@@ -308,28 +348,30 @@ fn pad_array(raw: &[u8], key_len: usize, n: u64) -> Result<Vec<u8>> {
             }
             5 => out.extend(5i32.to_le_bytes()),
             6 => out.extend(0f32.to_le_bytes()),
-            t => bail!("cannot pad a tokenizer array of element type {t}"),
+            t => return invalid(format!("cannot pad a tokenizer array of element type {t}")),
         }
     }
     Ok(out)
 }
 
-/// `siliceo synth-model`.
-pub fn cmd_synth(a: SynthArgs) -> Result<()> {
+fn io(path: &Path) -> impl Fn(std::io::Error) -> SynthError + '_ {
+    move |source| SynthError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// Writes the GGUF `a` describes, with progress on stderr.
+pub fn synth_model(a: &SynthOptions) -> Result<()> {
     let t0 = Instant::now();
-    let tok_path = a.tokenizer.clone().unwrap_or_else(crate::default_model);
-    let (tok, tok_bytes) = header_bytes(&tok_path).with_context(|| {
-        format!(
-            "--tokenizer {}: cannot read its GGUF header",
-            tok_path.display()
-        )
-    })?;
+    let tok_path = &a.tokenizer;
+    let (tok, tok_bytes) = header_bytes(tok_path)?;
     let Some(MetaValue::Array { len: tok_vocab, .. }) = tok.meta.get("tokenizer.ggml.tokens")
     else {
-        bail!(
+        return invalid(format!(
             "{} has no tokenizer (tokenizer.ggml.tokens)",
             tok_path.display()
-        );
+        ));
     };
     let tok_vocab = *tok_vocab;
     let tok_name = tok.str("general.name").unwrap_or("?").to_string();
@@ -341,26 +383,25 @@ pub fn cmd_synth(a: SynthArgs) -> Result<()> {
         );
         w.str("general.name", &format!("vocabulary of {tok_name}"));
         copy_tokenizer(&mut w, &tok_bytes, tok_vocab)?;
-        std::fs::write(&a.out, w.header())
-            .with_context(|| format!("cannot write {}", a.out.display()))?;
+        std::fs::write(&a.out, w.header()).map_err(io(&a.out))?;
         eprintln!(
             "synth-model: wrote {} ({} tokens of {tok_name}'s vocabulary, {} bytes)",
             a.out.display(),
             tok_vocab,
-            std::fs::metadata(&a.out)?.len()
+            std::fs::metadata(&a.out).map_err(io(&a.out))?.len()
         );
         return Ok(());
     }
     let Some(like) = a.like else {
-        bail!("--like is needed (qwen2.5-7b, llama-3-8b or qwen2.5-1.5b), or --vocab-only");
+        return invalid(
+            "--like is needed (qwen2.5-7b, llama-3-8b or qwen2.5-1.5b), or --vocab-only",
+        );
     };
     let mut g = like.geometry();
     if let Some(n) = a.layers {
-        ensure!(
-            (1..=g.n_layer).contains(&n),
-            "--layers must be 1..={}",
-            g.n_layer
-        );
+        if !(1..=g.n_layer).contains(&n) {
+            return invalid(format!("--layers must be 1..={}", g.n_layer));
+        }
         g.n_layer = n;
     }
     // The embedding has a row per token the tokenizer knows: the model's own
@@ -408,10 +449,9 @@ pub fn cmd_synth(a: SynthArgs) -> Result<()> {
         specs.len(),
         total as f64 / (1u64 << 30) as f64
     );
-    let file = std::fs::File::create(&a.out)
-        .with_context(|| format!("cannot create {}", a.out.display()))?;
+    let file = std::fs::File::create(&a.out).map_err(io(&a.out))?;
     let mut out = BufWriter::with_capacity(8 << 20, file);
-    out.write_all(&w.header())?;
+    out.write_all(&w.header()).map_err(io(&a.out))?;
     let mut rng = Rng(a.seed);
     // A pool of random blocks per type, written from a random offset each
     // time: random enough for speed, and made at disk speed.
@@ -431,7 +471,7 @@ pub fn cmd_synth(a: SynthArgs) -> Result<()> {
             };
             while left > 0 {
                 let n = left.min(fill.len());
-                out.write_all(&fill[..n])?;
+                out.write_all(&fill[..n]).map_err(io(&a.out))?;
                 left -= n;
             }
         } else {
@@ -443,12 +483,13 @@ pub fn cmd_synth(a: SynthArgs) -> Result<()> {
             let mut at = (rng.next() as usize % POOL) * block;
             while left > 0 {
                 let n = left.min(pool.len() - at);
-                out.write_all(&pool[at..at + n])?;
+                out.write_all(&pool[at..at + n]).map_err(io(&a.out))?;
                 left -= n;
                 at = 0;
             }
         }
-        out.write_all(&vec![0u8; padding(bytes) as usize])?;
+        out.write_all(&vec![0u8; padding(bytes) as usize])
+            .map_err(io(&a.out))?;
         written += bytes;
         if last_report.elapsed().as_secs_f64() > 2.0 {
             eprintln!(
@@ -459,7 +500,7 @@ pub fn cmd_synth(a: SynthArgs) -> Result<()> {
             last_report = Instant::now();
         }
     }
-    out.flush()?;
+    out.flush().map_err(io(&a.out))?;
     eprintln!(
         "synth-model: wrote {} in {:.1} s. Random weights: its text is noise, its speed is {}'s",
         a.out.display(),
