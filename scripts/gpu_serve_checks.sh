@@ -7,9 +7,11 @@
 #       here: into gpu-run/ (git-ignored), everything the run needs:
 #       - what scripts/gpu_checks.sh prepares (our CUDA kernels as PTX and
 #         cubins, their GPU test binary and the kernel bench);
-#       - `siliceo` and `siliceo-bench` with llama.cpp's CUDA backend for
-#         sm_90 plus PTX (`cargo xtask build --cuda --arch ${GPU_ARCH:-90}`:
-#         CUDA 13 from PyPI, portable x86-64, cuBLAS linked dynamically);
+#       - `siliceo-bench` with llama.cpp's CUDA backend for sm_90 plus PTX
+#         (`cargo xtask build --cuda --arch ${GPU_ARCH:-90}`: CUDA 13 from
+#         PyPI, portable x86-64, cuBLAS linked dynamically), xz-compressed:
+#         one CUDA binary is ~75 MB stripped, so only this one travels (it
+#         makes the model too: `siliceo-bench synth-model`);
 #       - a vocabulary-only GGUF (Qwen2.5's tokenizer, a few MB) from which
 #         the run makes its model.
 #       It fails if the folder is over 60 MiB.
@@ -17,7 +19,7 @@
 #       there (device run with carry ["gpu-run"]), about 8 minutes:
 #       1. `ldd`: the binaries must resolve the machine's CUDA libraries
 #          (cuBLAS 13) before anything runs;
-#       2. `siliceo synth-model --like qwen2.5-7b --quant q4_k_m`: a 7B-class
+#       2. `siliceo-bench synth-model --like qwen2.5-7b`: a 7B-class
 #          GGUF with random weights and a real tokenizer (its text is noise,
 #          its speed is a real 7B's: say so in every table that uses it);
 #       3. the CUDA kernels' tests and bench (scripts/gpu_checks.sh run's
@@ -35,21 +37,16 @@ dir=gpu-run
 case "${1:-}" in
 prepare)
   scripts/gpu_checks.sh prepare
-  built=$(cargo xtask build --cuda --arch "${GPU_ARCH:-90}" | sed -n 's/^build: \(\/.*\)$/\1/p')
-  for b in $built; do
-    cp "$b" "$dir/$(basename "$b")"
-    strip "$dir/$(basename "$b")" 2>/dev/null || true
-  done
+  built=$(cargo xtask build --cuda --arch "${GPU_ARCH:-90}" | sed -n 's/^build: \(\/.*siliceo-bench\)$/\1/p')
+  cp "$built" "$dir/siliceo-bench"
+  strip "$dir/siliceo-bench" 2>/dev/null || true
   cargo xtask fetch-model --spec
   tok=models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
   [ -f "$tok" ] || tok=models/SmolLM2-135M-Instruct.Q4_1.gguf
   # The CUDA build needs cuBLAS at run time: here, the wheel's.
   LD_LIBRARY_PATH="$HOME/.cache/siliceo/cuda-13.0.88/nvidia/cu13/lib" \
-    "$dir/siliceo" synth-model --vocab-only --tokenizer "$tok" --out "$dir/vocab.gguf"
-  # Measured: each CUDA binary is ~75 MB stripped for sm_90 alone (43.5 MB
-  # with xz), so the two together do not fit a device run yet; see the size
-  # check below. They travel xz-compressed.
-  for b in siliceo siliceo-bench; do xz -T2 -6 -f "$dir/$b"; done
+    "$dir/siliceo-bench" synth-model --vocab-only --tokenizer "$tok" --out "$dir/vocab.gguf"
+  xz -T2 -6 -f "$dir/siliceo-bench"
   size=$(du -sm "$dir" | cut -f1)
   du -sh "$dir"/*
   if [ "$size" -gt 60 ]; then
@@ -59,8 +56,8 @@ prepare)
   echo "prepared $dir/ (${size} MiB): device run with carry [\"$dir\"] and command: scripts/gpu_serve_checks.sh run"
   ;;
 run)
-  [ -f "$dir/siliceo.xz" ] || { echo "no $dir/siliceo.xz: run 'scripts/gpu_serve_checks.sh prepare' first" >&2; exit 2; }
-  for b in siliceo siliceo-bench; do xz -d -k -f "$dir/$b.xz"; done
+  [ -f "$dir/siliceo-bench.xz" ] || { echo "no $dir/siliceo-bench.xz: run 'scripts/gpu_serve_checks.sh prepare' first" >&2; exit 2; }
+  xz -d -k -f "$dir/siliceo-bench.xz"
   out=${OUT:-$dir/out}
   mkdir -p "$out"
   status=0
@@ -69,20 +66,15 @@ run)
   for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu; do
     [ -d "$d" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
   done
-  for b in siliceo siliceo-bench; do
-    ldd "$dir/$b" | tee "$out/ldd-$b.txt"
-    if grep -q "not found" "$out/ldd-$b.txt"; then
-      echo "$b: a library is missing (above); nothing else runs" | tee -a "$out/summary.txt"
-      exit 1
-    fi
-  done
+  ldd "$dir/siliceo-bench" | tee "$out/ldd.txt"
+  if grep -q "not found" "$out/ldd.txt"; then
+    echo "siliceo-bench: a library is missing (above); nothing else runs" | tee -a "$out/summary.txt"
+    exit 1
+  fi
   # 2. The model: made here, in seconds.
   model=/tmp/synth-qwen2.5-7b.q4_k_m.gguf
-  /usr/bin/time -v "$dir/siliceo" synth-model --like qwen2.5-7b --quant q4_k_m \
-    --tokenizer "$dir/vocab.gguf" --out "$model" 2>&1 | tee "$out/synth.log" | grep -v "^\s" || status=1
-  # A first look: it loads on the GPU and generates (noise).
-  timeout 120 "$dir/siliceo" generate --model "$model" --gpu-layers 99 --kv-backend llama \
-    --prompt "Hello" --max-tokens 32 --threads 8 2>&1 | tee "$out/generate.log" || status=1
+  "$dir/siliceo-bench" synth-model --like qwen2.5-7b --quant q4_k_m \
+    --tokenizer "$dir/vocab.gguf" --out "$model" 2>&1 | tee "$out/synth.log" || status=1
   # 3. Our kernels on the device (tests, then the kernel bench).
   export SILICEO_KERNELS_DIR="$PWD/$dir/kernels" SILICEO_REQUIRE_GPU=1
   timeout 120 "$dir/cuda-tests" --test-threads=1 --nocapture >"$out/test-gpu.log" 2>&1 || status=1

@@ -953,7 +953,7 @@ fn embed(model_path: PathBuf, reps: usize) -> Result<()> {
 }
 
 /// `siliceo-bench synth-model --like L [--quant Q] --tokenizer GGUF --out F
-/// [--layers N]`: the same random-weight model `siliceo synth-model` makes,
+/// [--layers N] [--seed S] [--vocab-only]`: the same random-weight model `siliceo synth-model` makes,
 /// so that a GPU machine can be given this one binary (each CUDA build of a
 /// binary is ~75 MB).
 fn synth(args: &[String]) -> Result<()> {
@@ -977,6 +977,7 @@ fn synth(args: &[String]) -> Result<()> {
             "--out" => o.out = PathBuf::from(value()?),
             "--layers" => o.layers = Some(value()?.parse()?),
             "--seed" => o.seed = value()?.parse()?,
+            "--vocab-only" => o.vocab_only = true,
             other => bail!("synth-model: unknown argument `{other}`"),
         }
     }
