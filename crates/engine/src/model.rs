@@ -363,12 +363,13 @@ impl Model {
         if recurrent || hybrid {
             return refuse("recurrent or hybrid memory (no KV cache to graft)".into());
         }
-        // SAFETY: a plain query of the build.
-        if self.gpu_layers > 0 && unsafe { llama_cpp_sys_2::llama_supports_gpu_offload() } {
-            // On an offloaded layer `kqv_out` lives in device memory, which
-            // the CPU kernel cannot read.
+        // On an offloaded layer `kqv_out` lives in device memory, which the
+        // CPU kernel cannot read. (A CUDA build with no device keeps every
+        // layer on the CPU.)
+        if self.gpu_layers > 0 && crate::gpu_memory().is_some() {
             return refuse(format!(
-                "{} layers offloaded to the GPU: our attention runs on the CPU only so far                  (use --kv-backend llama with --gpu-layers, or --gpu-layers 0)",
+                "{} layers offloaded to the GPU: our attention runs on the CPU only so far \
+                 (use --kv-backend llama with --gpu-layers, or --gpu-layers 0)",
                 self.gpu_layers
             ));
         }

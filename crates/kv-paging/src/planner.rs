@@ -153,7 +153,7 @@ impl PlanInput {
             v: KvFormat::Llama(KvType::F16),
             tail_tokens: 0,
             block_size: 64,
-            safety_margin: 0.05,
+            safety_margin: DEFAULT_SAFETY_MARGIN,
             compute_reserve_bytes: 256 << 20,
             sequences: 1,
             draft: None,
@@ -540,6 +540,9 @@ pub fn plan_store(input: &StoreInput) -> Result<StorePlan, PlanError> {
         sealed_block_bytes: if input.seals { sealed_b } else { 0 },
     })
 }
+
+/// The share of a memory budget (or a GPU) the planners keep free by default.
+pub const DEFAULT_SAFETY_MARGIN: f64 = 0.05;
 
 /// What `--gpu-layers` puts in device memory, as llama.cpp places it:
 /// `gpu_layers` counts the output layer first (1 offloads only the output,

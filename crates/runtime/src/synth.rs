@@ -354,6 +354,10 @@ fn pad_array(raw: &[u8], key_len: usize, n: u64) -> Result<Vec<u8>> {
     Ok(out)
 }
 
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
 fn io(path: &Path) -> impl Fn(std::io::Error) -> SynthError + '_ {
     move |source| SynthError::Io {
         path: path.to_owned(),
@@ -447,7 +451,7 @@ pub fn synth_model(a: &SynthOptions) -> Result<()> {
         g.n_head_kv,
         a.quant,
         specs.len(),
-        total as f64 / (1u64 << 30) as f64
+        gib(total)
     );
     let file = std::fs::File::create(&a.out).map_err(io(&a.out))?;
     let mut out = BufWriter::with_capacity(8 << 20, file);
@@ -458,45 +462,44 @@ pub fn synth_model(a: &SynthOptions) -> Result<()> {
     const POOL: usize = 1 << 16;
     let mut pools: Vec<(u32, Vec<u8>)> = Vec::new();
     let ones: Vec<u8> = 1f32.to_le_bytes().repeat(1 << 16);
+    let zeros = vec![0u8; ones.len()];
     let mut written = 0u64;
     let mut last_report = Instant::now();
     for ((name, _, ty), &bytes) in specs.iter().zip(&sizes) {
-        let mut left = bytes as usize;
-        if *ty == F32 {
+        let (buf, start) = if *ty == F32 {
             // Norm weights 1, biases 0.
-            let fill = if name.ends_with(".bias") {
-                vec![0u8; ones.len()]
-            } else {
-                ones.clone()
-            };
-            while left > 0 {
-                let n = left.min(fill.len());
-                out.write_all(&fill[..n]).map_err(io(&a.out))?;
-                left -= n;
-            }
+            (
+                if name.ends_with(".bias") {
+                    &zeros
+                } else {
+                    &ones
+                },
+                0,
+            )
         } else {
-            if !pools.iter().any(|(t, _)| t == ty) {
-                pools.push((*ty, block_pool(*ty, POOL, &mut rng)));
-            }
-            let pool = &pools.iter().find(|(t, _)| t == ty).expect("made above").1;
-            let block = pool.len() / POOL;
-            let mut at = (rng.next() as usize % POOL) * block;
-            while left > 0 {
-                let n = left.min(pool.len() - at);
-                out.write_all(&pool[at..at + n]).map_err(io(&a.out))?;
-                left -= n;
-                at = 0;
-            }
+            let i = match pools.iter().position(|(t, _)| t == ty) {
+                Some(i) => i,
+                None => {
+                    pools.push((*ty, block_pool(*ty, POOL, &mut rng)));
+                    pools.len() - 1
+                }
+            };
+            let pool = &pools[i].1;
+            (pool, (rng.next() as usize % POOL) * (pool.len() / POOL))
+        };
+        // `bytes` of `buf` from `start`, round and round.
+        let (mut left, mut at) = (bytes as usize, start);
+        while left > 0 {
+            let n = left.min(buf.len() - at);
+            out.write_all(&buf[at..at + n]).map_err(io(&a.out))?;
+            left -= n;
+            at = 0;
         }
         out.write_all(&vec![0u8; padding(bytes) as usize])
             .map_err(io(&a.out))?;
         written += bytes;
         if last_report.elapsed().as_secs_f64() > 2.0 {
-            eprintln!(
-                "synth-model: {:.1} / {:.1} GiB",
-                written as f64 / (1u64 << 30) as f64,
-                total as f64 / (1u64 << 30) as f64
-            );
+            eprintln!("synth-model: {:.1} / {:.1} GiB", gib(written), gib(total));
             last_report = Instant::now();
         }
     }

@@ -47,7 +47,7 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 64)]
     block_size: u32,
     /// Fraction of the budget kept free (never zero).
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = siliceo_kv_paging::planner::DEFAULT_SAFETY_MARGIN)]
     margin: f64,
     /// Compute-buffer reserve.
     #[arg(long, default_value = "256MiB")]

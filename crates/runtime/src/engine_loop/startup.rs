@@ -113,7 +113,7 @@ fn check_offload(cfg: &RuntimeConfig) -> Result<(), RuntimeError> {
             kv_bytes_per_token_per_layer: kv_per_layer,
             kv_tokens: u64::from(cfg.context.n_ctx),
             compute_reserve_bytes: reserve,
-            safety_margin: 0.05,
+            safety_margin: siliceo_kv_paging::planner::DEFAULT_SAFETY_MARGIN,
             free_bytes: free,
             total_bytes: total,
         })
