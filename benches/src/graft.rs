@@ -325,6 +325,7 @@ fn capacity(path: &Path, model: &Model) -> Result<()> {
                 64,
                 running,
                 512,
+                0,
             ) {
                 Ok((_, p)) if p.tokens / SEQ >= u64::from(running) => {
                     plan = Some(p);

@@ -32,16 +32,17 @@ use siliceo_kernels_turing::{AttnParams, KvLayout, KvPages, SeqKv, SeqQuery};
 use crate::raw::RawContext;
 use crate::{Batch, EngineError, KvFormat, Model};
 
-/// Copy rows `0..rows` of tail block `src` into tail block `dst`
-/// (copy-on-write of a shared partial block).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Copy token rows `rows` of tail block `src` into the same rows of tail
+/// block `dst` (copy-on-write of a shared partial block; a token tree's
+/// branch taking its partial block's rows, or giving back its kept rows).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RowCopy {
     /// Tail block to copy from.
     pub src: u32,
     /// Tail block to copy to.
     pub dst: u32,
     /// Token rows to copy.
-    pub rows: usize,
+    pub rows: Range<usize>,
 }
 
 /// One query run: consecutive batch tokens of one sequence (the last
@@ -56,15 +57,17 @@ pub struct GraftQuery {
 }
 
 /// What one decode does to the store, beside llama.cpp's batch. Per layer,
-/// in this order: `copies`, `writes`, `seals`, then attention for `queries`.
+/// in this order: `writes`, `copies` (in their order: a copy may read rows
+/// this step wrote, or an earlier copy did), `seals`, then attention for
+/// `queries`.
 /// A query run sees rows that later runs of the same step write only where
 /// its own `kv` reaches them, so one attention call serves every run.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct GraftStep {
-    /// Copies of tail rows, first.
-    pub copies: Vec<RowCopy>,
     /// Where each batch token's K and V go: (tail block, row), in batch order.
     pub writes: Vec<(u32, u16)>,
+    /// Copies of tail rows, after the writes.
+    pub copies: Vec<RowCopy>,
     /// Tail blocks quantized into sealed blocks: (tail, sealed), after the writes.
     pub seals: Vec<(u32, u32)>,
     /// Every batch token's attention, exactly once.
@@ -251,9 +254,6 @@ impl State {
             gather(v, n, kvh, d, &mut self.v)?;
         }
         let pages = &mut self.layers[il];
-        for c in &self.step.copies {
-            pages.copy_tail_rows(c.src, c.dst, c.rows);
-        }
         let row = kvh * d;
         for (i, &(block, r)) in self.step.writes.iter().enumerate() {
             pages.write_token(
@@ -262,6 +262,9 @@ impl State {
                 &self.k[i * row..(i + 1) * row],
                 &self.v[i * row..(i + 1) * row],
             );
+        }
+        for c in &self.step.copies {
+            pages.copy_tail_rows(c.src, c.dst, c.rows.clone());
         }
         for &(src, dst) in &self.step.seals {
             pages.seal(src, dst);
@@ -293,6 +296,17 @@ impl State {
         dst.copy_from_slice(&self.out);
         self.layers_done += 1;
         Ok(())
+    }
+}
+
+/// Copies within a pool of `tail` blocks of `t` rows.
+fn check_copies(copies: &[RowCopy], tail: usize, t: usize) -> Result<(), EngineError> {
+    match copies
+        .iter()
+        .find(|c| c.src as usize >= tail || c.dst as usize >= tail || c.rows.end > t)
+    {
+        Some(c) => Err(EngineError::Graft(format!("copy {c:?} outside the store"))),
+        None => Ok(()),
     }
 }
 
@@ -633,11 +647,7 @@ impl<'m> GraftedContext<'m> {
                 return bad(format!("write to tail block {b} row {r} outside the store"));
             }
         }
-        for c in &step.copies {
-            if c.src as usize >= tail || c.dst as usize >= tail || c.rows > t {
-                return bad(format!("copy {c:?} outside the store"));
-            }
-        }
+        check_copies(&step.copies, tail, t)?;
         for &(s, d) in &step.seals {
             if s as usize >= tail || d as usize >= sealed {
                 return bad(format!("seal of tail {s} into {d} outside the store"));
@@ -780,6 +790,19 @@ impl<'m> GraftedContext<'m> {
             return Err(EngineError::NoLogits { index });
         }
         Ok(self.raw.logits(index))
+    }
+
+    /// Copies tail rows in every layer, between decodes (a token tree's kept
+    /// branch into its request's blocks), in order.
+    pub fn copy_rows(&mut self, copies: &[RowCopy]) -> Result<(), EngineError> {
+        let (_, tail) = self.capacity();
+        check_copies(copies, tail, self.layout.block_tokens)?;
+        for pages in &mut self.state.layers {
+            for c in copies {
+                pages.copy_tail_rows(c.src, c.dst, c.rows.clone());
+            }
+        }
+        Ok(())
     }
 
     /// Copies `blocks` of every layer into host memory (a swapped-out sequence).

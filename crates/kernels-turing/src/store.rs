@@ -477,19 +477,25 @@ impl KvPages {
         }
     }
 
-    /// Copies the first `rows` token rows of tail block `src` into tail block
-    /// `dst` (copy-on-write of a shared partial block).
-    pub fn copy_tail_rows(&mut self, src: u32, dst: u32, rows: usize) {
+    /// Copies token rows `rows` of tail block `src` into the same rows of
+    /// tail block `dst` (copy-on-write of a shared partial block, a token
+    /// tree's branch). Rows past the block are ignored.
+    pub fn copy_tail_rows(&mut self, src: u32, dst: u32, rows: std::ops::Range<usize>) {
         let l = self.layout;
         let seg = Codec::F16.segment_bytes(l.block_tokens, l.head_dim);
-        let n = rows.min(l.block_tokens) * l.head_dim * 2;
+        let row = l.head_dim * 2;
+        let (lo, hi) = (rows.start.min(l.block_tokens), rows.end.min(l.block_tokens));
+        if lo >= hi || src == dst {
+            return;
+        }
         let (sb, db) = (
             src as usize * l.tail_block_bytes(),
             dst as usize * l.tail_block_bytes(),
         );
         let tail = self.tail.as_mut_slice();
         for s in 0..2 * l.kv_heads {
-            tail.copy_within(sb + s * seg..sb + s * seg + n, db + s * seg);
+            let (from, to) = (sb + s * seg + lo * row, db + s * seg + lo * row);
+            tail.copy_within(from..from + (hi - lo) * row, to);
         }
     }
 

@@ -421,6 +421,9 @@ pub struct StoreInput {
     pub max_running: u32,
     /// Most tokens one step computes.
     pub max_batch_tokens: u32,
+    /// Open blocks for the branches of speculative token trees (a step's
+    /// second and later branches write their K/V there; 0 without trees).
+    pub branch_blocks: u32,
     /// The size asked for.
     pub size: StoreSize,
 }
@@ -437,6 +440,8 @@ pub struct StorePlan {
     /// Open blocks beside those, as per-step scratch for blocks filled and
     /// sealed within one step.
     pub scratch_blocks: u32,
+    /// Open blocks after the scratch, for a step's token-tree branches.
+    pub branch_blocks: u32,
     /// Bytes of all pools, all layers.
     pub bytes: u64,
     /// Tokens of context the blocks hold (sealed blocks, or open blocks for
@@ -464,8 +469,9 @@ impl StorePlan {
 /// Sizes a store of our formats. The open pool is sized for the running
 /// sequences — each holds its open tail (`tail_tokens` plus the partial
 /// block), one block set aside for a copy-on-write, and one more so partial
-/// blocks stay cached — and the rest goes to sealed blocks. A format that
-/// never seals keeps everything in open blocks.
+/// blocks stay cached — plus the step's scratch and token-tree branch blocks,
+/// and the rest goes to sealed blocks. A format that never seals keeps
+/// everything in open blocks.
 pub fn plan_store(input: &StoreInput) -> Result<StorePlan, PlanError> {
     let bad = |field, reason: String| Err(PlanError::Invalid { field, reason });
     if input.block_size == 0 || input.layers == 0 || input.open_block_bytes == 0 {
@@ -483,6 +489,7 @@ pub fn plan_store(input: &StoreInput) -> Result<StorePlan, PlanError> {
     let sealed_b = input.sealed_block_bytes * layers;
     let running = u64::from(input.max_running.max(1));
     let blocks_of = |tokens: u64| tokens.div_ceil(bs);
+    let branch = u64::from(input.branch_blocks);
     let (open, sealed, scratch) = if input.seals {
         let window = (u64::from(input.tail_tokens) + bs).div_ceil(bs);
         let open = running * (window + 2);
@@ -490,7 +497,7 @@ pub fn plan_store(input: &StoreInput) -> Result<StorePlan, PlanError> {
         let sealed = match input.size {
             StoreSize::Tokens(t) => blocks_of(t),
             StoreSize::Budget(b) => {
-                let fixed = (open + scratch) * open_b;
+                let fixed = (open + scratch + branch) * open_b;
                 if fixed >= b {
                     return Err(PlanError::OpenPoolDoesNotFit {
                         open_bytes: fixed,
@@ -505,7 +512,7 @@ pub fn plan_store(input: &StoreInput) -> Result<StorePlan, PlanError> {
     } else {
         let open = match input.size {
             StoreSize::Tokens(t) => blocks_of(t) + running,
-            StoreSize::Budget(b) => b / open_b,
+            StoreSize::Budget(b) => (b / open_b).saturating_sub(branch),
         };
         (open, 0, 0)
     };
@@ -524,17 +531,16 @@ pub fn plan_store(input: &StoreInput) -> Result<StorePlan, PlanError> {
         });
     }
     let too_many = |n: u64| n > u64::from(u32::MAX) / 2;
-    if too_many(open + sealed + scratch) {
-        return bad(
-            "size",
-            format!("{} blocks are too many", open + sealed + scratch),
-        );
+    let all = open + sealed + scratch + branch;
+    if too_many(all) {
+        return bad("size", format!("{all} blocks are too many"));
     }
     Ok(StorePlan {
         open_blocks: open as u32,
         sealed_blocks: sealed as u32,
         scratch_blocks: scratch as u32,
-        bytes: (open + scratch) * open_b + sealed * sealed_b,
+        branch_blocks: branch as u32,
+        bytes: (open + scratch + branch) * open_b + sealed * sealed_b,
         tokens: context_blocks * bs,
         open_block_bytes: open_b,
         sealed_block_bytes: if input.seals { sealed_b } else { 0 },
@@ -867,6 +873,7 @@ mod tests {
             seals: true,
             max_running: 4,
             max_batch_tokens: 256,
+            branch_blocks: 0,
             size: StoreSize::Tokens(4096),
         };
         let p = plan_store(&input).unwrap();
@@ -905,6 +912,34 @@ mod tests {
             (68, 0, 0)
         );
         assert_eq!(f.tokens, 4096);
+        // Token-tree branch blocks come beside the open pool, in the bytes
+        // and out of a budget's sealed blocks.
+        let tb = plan_store(&StoreInput {
+            branch_blocks: 8,
+            ..input
+        })
+        .unwrap();
+        assert_eq!((tb.open_blocks, tb.branch_blocks), (12, 8));
+        assert_eq!(tb.bytes, p.bytes + 8 * open_b);
+        let bb = plan_store(&StoreInput {
+            branch_blocks: 8,
+            size: StoreSize::Budget(p.bytes),
+            ..input
+        })
+        .unwrap();
+        assert_eq!(
+            bb.sealed_blocks,
+            64 - (8 * open_b).div_ceil(sealed_b) as u32
+        );
+        assert!(bb.bytes <= p.bytes);
+        let fb = plan_store(&StoreInput {
+            seals: false,
+            branch_blocks: 8,
+            size: StoreSize::Budget(f.bytes),
+            ..input
+        })
+        .unwrap();
+        assert_eq!((fb.open_blocks, fb.branch_blocks), (60, 8));
         // Too small a budget is refused.
         assert!(matches!(
             plan_store(&StoreInput {

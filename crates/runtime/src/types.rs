@@ -136,6 +136,21 @@ pub struct SpeculativeConfig {
     pub cost_switch_off: bool,
 }
 
+impl SpeculativeConfig {
+    /// Open blocks our store sets aside for token trees: each request that
+    /// may draft (fewer than `max_batch` running) writes each branch after
+    /// the first into blocks of its own for the step — up to `max_draft`
+    /// tokens, which may straddle a block boundary. 0 without trees.
+    pub fn tree_branch_blocks(&self, block_size: u32, max_running: u32) -> u32 {
+        if self.tree_width <= 1 {
+            return 0;
+        }
+        let requests = (self.max_batch as u32).clamp(1, max_running.max(1));
+        let per_branch = (self.max_draft.max(1) as u32 - 1) / block_size.max(1) + 2;
+        requests * (self.tree_width as u32 - 1) * per_branch
+    }
+}
+
 impl Default for SpeculativeConfig {
     fn default() -> Self {
         SpeculativeConfig {
@@ -434,6 +449,9 @@ pub struct RuntimeStats {
     pub panics: u64,
     /// Speculative verifications done as a token tree (several branches).
     pub tree_verifications: u64,
+    /// Of those, the ones whose kept path ran in a branch after the first
+    /// (on our store its rows were copied into the request's blocks).
+    pub tree_later_branches_kept: u64,
     /// Times a request's drafting paused because its drafting steps cost more
     /// per produced token than its plain steps (see `cost_switch_off`).
     pub spec_cost_pauses: u64,

@@ -34,6 +34,15 @@ pub struct PlanArgs {
     /// With --kv: tokens per engine step [default: 512, as serve].
     #[arg(long, requires = "kv")]
     batch_tokens: Option<u32>,
+    /// With --kv: token trees of this many branches (as `serve
+    /// --spec-tree-width`; their branch blocks are part of the store)
+    /// [default: 1: none].
+    #[arg(long, requires = "kv")]
+    spec_tree_width: Option<usize>,
+    /// With --kv and --spec-tree-width: most drafted tokens per step (as
+    /// `serve --spec-max-draft`) [default: 8].
+    #[arg(long, requires = "spec_tree_width")]
+    spec_max_draft: Option<usize>,
     /// K format: f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl, kv8, k5.
     #[arg(long, default_value = "f16")]
     kv_k: String,
@@ -289,9 +298,22 @@ fn plan_store_cmd(a: &PlanArgs, kv: &str, g: &ModelGeometry, name: &str) -> Resu
     };
     let max_running = a.max_running.unwrap_or(16).clamp(1, 240);
     let batch = a.batch_tokens.unwrap_or(512).max(1);
-    let (input, p) =
-        siliceo_runtime::store_plan(g, &format, size, a.block_size, max_running, batch)
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let spec = siliceo_runtime::SpeculativeConfig {
+        max_draft: a.spec_max_draft.unwrap_or(8).clamp(1, 16),
+        tree_width: a.spec_tree_width.unwrap_or(1).clamp(1, 8),
+        ..Default::default()
+    };
+    let branch_blocks = spec.tree_branch_blocks(a.block_size, max_running);
+    let (input, p) = siliceo_runtime::store_plan(
+        g,
+        &format,
+        size,
+        a.block_size,
+        max_running,
+        batch,
+        branch_blocks,
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
     if a.json {
         let mut out = serde_json::to_value(p)?;
         out["model"] = serde_json::json!(name);
@@ -312,11 +334,19 @@ fn plan_store_cmd(a: &PlanArgs, kv: &str, g: &ModelGeometry, name: &str) -> Resu
         gib((u64::from(p.sealed_blocks) * p.sealed_block_bytes) as f64)
     );
     println!(
-        "open blocks        {} (tails, partial blocks, copies for {max_running} running) + {} scratch × {} = {}",
+        "open blocks        {} (tails, partial blocks, copies for {max_running} running) + {} scratch{} × {} = {}",
         p.open_blocks,
         p.scratch_blocks,
+        if p.branch_blocks > 0 {
+            format!(" + {} token-tree branch", p.branch_blocks)
+        } else {
+            String::new()
+        },
         gib(p.open_block_bytes as f64),
-        gib((u64::from(p.open_blocks + p.scratch_blocks) * p.open_block_bytes) as f64)
+        gib(
+            (u64::from(p.open_blocks + p.scratch_blocks + p.branch_blocks) * p.open_block_bytes)
+                as f64
+        )
     );
     println!("store              {} ({} B)", gib(p.bytes as f64), p.bytes);
     println!(

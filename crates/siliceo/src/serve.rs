@@ -124,8 +124,10 @@ pub struct ServeArgs {
     /// Most drafted tokens per step [default: 8].
     #[arg(long)]
     spec_max_draft: Option<usize>,
-    /// With --spec-ngram, verify up to this many drafted branches as a token
-    /// tree (greedy requests) [default: 1: chains].
+    /// Verify up to this many drafted branches as a token tree (greedy
+    /// requests without penalties; the n-gram drafter's distinct
+    /// continuations, or the draft model's top 2 first tokens) [default: 1:
+    /// chains].
     #[arg(long)]
     spec_tree_width: Option<usize>,
     /// Draft model for speculative decoding (same vocabulary as --model,

@@ -153,6 +153,7 @@ impl Engine<'_> {
             decode_us: self.decode_us,
             panics: self.panics,
             tree_verifications: self.tree_verifications,
+            tree_later_branches_kept: self.tree_later_branches_kept,
             spec_cost_pauses: self.spec_cost_pauses,
             constraint_masks: self.mask_stats.masks,
             constraint_mask_us: self.mask_stats.us,

@@ -10,6 +10,16 @@
 //! sources, kept alive by kv-paging until the step ends) before it and sealed
 //! ones from it. A block filled and sealed within the step never had an open
 //! block: its rows go to a scratch block of the tail pool for the step.
+//!
+//! A token tree's first branch is the item's drafted chain; each later
+//! branch is a run of its own at the same positions (`pos + 1..`, after the
+//! decode token at `pos`) whose K/V go to branch blocks of the tail pool,
+//! private to the step: the first takes the rows of the request's partial
+//! block up to the decode token (a copy after the step's writes), and the
+//! branch's view is the request's blocks before it, then its own. The
+//! verified branch's kept rows are copied into the request's blocks after
+//! the decode ([`GraftKv::keep_branch`]). Drafts never reach a seal (the
+//! scheduler caps them), so neither does a branch.
 
 use std::ops::Range;
 
@@ -20,13 +30,25 @@ use siliceo_scheduler::StepItem;
 use super::kv::GraftKv;
 use crate::RuntimeError;
 
-/// An item's tokens in the batch: its computed tokens, then drafted ones.
+/// An item's tokens in the batch: its computed tokens, then drafted ones
+/// (a chain, or a token tree's first branch), then a tree's later branches.
 #[derive(Debug, Clone)]
 pub(super) struct Run {
     /// Index into the step's items.
     pub(super) item: usize,
-    /// Batch indices.
+    /// Batch indices of the computed tokens and the chain.
     pub(super) batch: Range<usize>,
+    /// A token tree's second and later branches.
+    pub(super) branches: Vec<Branch>,
+}
+
+/// A token tree's branch after the first, on our store.
+#[derive(Debug, Clone)]
+pub(super) struct Branch {
+    /// Batch indices (positions `pos + 1..` after the decode token's `pos`).
+    pub(super) batch: Range<usize>,
+    /// Branch blocks for its block indices from `(pos + 1) / block_size`.
+    pub(super) blocks: Vec<u32>,
 }
 
 impl GraftKv<'_> {
@@ -48,6 +70,69 @@ impl GraftKv<'_> {
                 b.0
             ))),
         }
+    }
+
+    /// Block indices a branch of `len` tokens after position `pos` spans.
+    fn branch_span(&self, pos: usize, len: usize) -> Range<usize> {
+        (pos + 1) / self.block_size..(pos + len) / self.block_size + 1
+    }
+
+    /// Branch blocks for branches of these lengths after position `pos`, if
+    /// this step has them left (none taken otherwise).
+    pub(super) fn take_branch_blocks(
+        &mut self,
+        pos: usize,
+        lens: &[usize],
+    ) -> Option<Vec<Vec<u32>>> {
+        let need: usize = lens.iter().map(|&n| self.branch_span(pos, n).len()).sum();
+        if need > (self.branches.end - self.branch_next) as usize {
+            return None;
+        }
+        Some(
+            lens.iter()
+                .map(|&n| {
+                    let k = self.branch_span(pos, n).len() as u32;
+                    let b = (self.branch_next..self.branch_next + k).collect();
+                    self.branch_next += k;
+                    b
+                })
+                .collect(),
+        )
+    }
+
+    /// A new step: every branch block is free.
+    pub(super) fn reset_branch_blocks(&mut self) {
+        self.branch_next = self.branches.start;
+    }
+
+    /// After verification: the kept tokens of a branch (`kept` of them, at
+    /// positions `pos + 1..`) go from its branch blocks into the request's
+    /// own blocks (`table`, its lookahead slots), every layer.
+    pub(super) fn keep_branch(
+        &mut self,
+        table: &[BlockId],
+        pos: usize,
+        branch: &Branch,
+        kept: usize,
+    ) -> Result<(), RuntimeError> {
+        let t = self.block_size;
+        let span = self.branch_span(pos, kept.max(1));
+        let mut copies = Vec::with_capacity(span.len());
+        for i in span.clone().take_while(|_| kept > 0) {
+            let lo = (pos + 1).max(i * t);
+            let hi = (pos + 1 + kept).min((i + 1) * t);
+            let dst = table.get(i).ok_or_else(|| {
+                RuntimeError::Engine(format!("a kept branch reaches block {i}, beyond its table"))
+            })?;
+            copies.push(RowCopy {
+                src: branch.blocks[i - span.start],
+                dst: self.tail(*dst)?,
+                rows: lo - i * t..hi - i * t,
+            });
+        }
+        self.ctx
+            .copy_rows(&copies)
+            .map_err(|e| RuntimeError::Engine(e.to_string()))
     }
 
     /// Fills `g` for the runs of a step.
@@ -78,7 +163,7 @@ impl GraftKv<'_> {
                     g.copies.push(RowCopy {
                         src: self.tail(c.src)?,
                         dst: self.tail(c.dst)?,
-                        rows: c.tokens,
+                        rows: 0..c.tokens,
                     });
                 }
             }
@@ -142,6 +227,54 @@ impl GraftKv<'_> {
                     kv: kv_view,
                 });
                 a = b;
+            }
+            // A token tree's later branches, after the decode token.
+            let pos = start + item.tokens.len() - 1;
+            for br in &run.branches {
+                let span = self.branch_span(pos, br.batch.len());
+                if span.len() != br.blocks.len() {
+                    return Err(RuntimeError::Engine(format!(
+                        "a branch spans {} blocks and has {}",
+                        span.len(),
+                        br.blocks.len()
+                    )));
+                }
+                if span.start == pos / t {
+                    // Its first block starts as the request's partial block.
+                    g.copies.push(RowCopy {
+                        src: open(span.start)?,
+                        dst: br.blocks[0],
+                        rows: 0..pos % t + 1,
+                    });
+                }
+                let end = pos + 1 + br.batch.len();
+                for p in pos + 1..end {
+                    g.writes
+                        .push((br.blocks[p / t - span.start], (p % t) as u16));
+                }
+                let sealed_n = cfg.sealed_at(end);
+                if sealed_n > span.start {
+                    return Err(RuntimeError::Engine(
+                        "a token-tree branch reaches a seal".into(),
+                    ));
+                }
+                let mut kv_view = SeqKv {
+                    sealed: Vec::with_capacity(sealed_n),
+                    tail: Vec::new(),
+                    len: end,
+                };
+                for (i, &block) in table.iter().enumerate().take(span.start) {
+                    if i < sealed_n {
+                        kv_view.sealed.push(self.sealed(block)?);
+                    } else {
+                        kv_view.tail.push(open(i)?);
+                    }
+                }
+                kv_view.tail.extend_from_slice(&br.blocks);
+                g.queries.push(GraftQuery {
+                    tokens: br.batch.clone(),
+                    kv: kv_view,
+                });
             }
         }
         Ok(())

@@ -35,6 +35,11 @@ pub(crate) struct GraftKv<'m> {
     pub(crate) sealed_base: u32,
     /// The tail pool's scratch blocks (after kv-paging's open ones).
     pub(crate) scratch: std::ops::Range<u32>,
+    /// The tail pool's blocks for token-tree branches (after the scratch),
+    /// handed out per step from the first: `branches.start..branch_next` are
+    /// this step's.
+    pub(crate) branches: std::ops::Range<u32>,
+    pub(crate) branch_next: u32,
     pub(crate) block_size: usize,
     pub(crate) config: KvConfig,
 }
@@ -45,6 +50,9 @@ impl<'m> GraftKv<'m> {
             ctx,
             sealed_base: plan.open_blocks,
             scratch: plan.open_blocks..plan.open_blocks + plan.scratch_blocks,
+            branches: plan.open_blocks + plan.scratch_blocks
+                ..plan.open_blocks + plan.scratch_blocks + plan.branch_blocks,
+            branch_next: plan.open_blocks + plan.scratch_blocks,
             block_size: config.block_size as usize,
             config: *config,
         }

@@ -60,11 +60,15 @@ struct Want {
     tree: Option<TreeWant>,
 }
 
-/// A token tree in the batch: branch 0 runs in the request's own sequence,
-/// branch b > 0 in a temporary sequence id holding a copy of its context.
+/// A token tree in the batch: branch 0 runs in the request's own sequence;
+/// on llama.cpp's cells branch b > 0 in a temporary sequence id holding a
+/// copy of its context, on our store in this step's branch blocks
+/// (`graft[b - 1]`). A draft model's second branch is in a temporary
+/// sequence of its context (`temps[0]`) on either.
 struct TreeWant {
     branches: Vec<Vec<TokenId>>,
     temps: Vec<SeqId>,
+    graft: Vec<graft::Branch>,
 }
 
 /// A running or waiting request, as the engine thread keeps it.
@@ -133,6 +137,7 @@ struct Engine<'m> {
     decode_us: u64,
     panics: u64,
     tree_verifications: u64,
+    tree_later_branches_kept: u64,
     spec_cost_pauses: u64,
     /// Compute constrained requests' masks beside `decode` (else after it).
     constraint_overlap: bool,

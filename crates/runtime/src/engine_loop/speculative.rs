@@ -11,6 +11,7 @@ use siliceo_engine::{Batch, Context};
 use siliceo_scheduler::{ItemKind, Step, StepItem};
 use siliceo_speculative::{AdaptiveDraftLength, Drafter, NgramDrafter};
 
+use super::graft::Branch;
 use super::kv::Kv;
 use super::{Engine, TreeWant, Want};
 use crate::RuntimeError;
@@ -43,12 +44,10 @@ impl Engine<'_> {
         if live.spec.is_none() {
             return;
         }
-        // A token tree of branches, for greedy requests without penalties,
-        // when sequence ids are free for branches (llama.cpp's cells only).
+        // A token tree of branches, for greedy requests without penalties.
         // Constrained requests draft chains only (not plain greedy), cut
         // where the constraint would refuse them.
         let constrained = live.constraint.is_some();
-        let trees = matches!(self.kv, Kv::Llama(_));
         let width = self.speculative.as_ref().map_or(1, |c| c.tree_width);
         let params = live.sampler.params();
         let plain_greedy =
@@ -58,72 +57,64 @@ impl Engine<'_> {
             .get_mut(&item.id)
             .and_then(|l| l.spec.as_mut())
             .expect("checked above");
-        if let (Some(d), Kv::Llama(l)) = (self.draft.as_mut(), &mut self.kv)
-            && width > 1
+        if width > 1
             && plain_greedy
             && item.draft_slots >= 2
+            && let Some(d) = self.draft.as_mut()
             && let Some(temp) = self.free_seqs.pop()
         {
             // The draft model's top 2 at the first position, a greedy chain
-            // after each (the second in a temporary sequence).
-            match d.propose_top2(seq, temp, spec, item.draft_slots) {
-                Ok(branches) => {
-                    let decode_idx = w.idx[0];
-                    let _ = l.ctx.seq_cp(seq, temp, None, None);
-                    self.batch.share(decode_idx, temp);
-                    for (b, branch) in branches.iter().enumerate() {
-                        let bseq = if b == 0 { seq } else { temp };
-                        for (k, &tok) in branch.iter().enumerate() {
-                            let p = (w.pos + 1 + k) as u32;
-                            w.idx.push(self.batch.push(tok, p, bseq, true));
-                        }
+            // after each (the second in a temporary sequence of its context).
+            let proposed = d.propose_top2(seq, temp, spec, item.draft_slots);
+            if let Err(e) = &proposed {
+                tracing::warn!(error = %e, "draft model failed; no drafts this step");
+                let _ = d.ctx.seq_rm(seq, None, None);
+                spec.draft_len = 0;
+            }
+            let rest = match proposed {
+                Ok(branches) if branches.len() == 2 => {
+                    match self.push_tree(seq, w, branches, vec![temp]) {
+                        Ok(()) => return,
+                        // No branch blocks left this step: the first branch
+                        // as a chain (its draft KV is in `seq`).
+                        Err(branches) => branches.into_iter().next(),
                     }
-                    w.drafts = branches.concat();
-                    w.tree = Some(TreeWant {
-                        branches,
-                        temps: vec![temp],
-                    });
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, "draft model failed; no drafts this step");
-                    let _ = d.ctx.seq_rm(seq, None, None);
-                    let _ = d.ctx.seq_rm(temp, None, None);
-                    spec.draft_len = 0;
-                    self.free_seqs.push(temp);
-                }
+                _ => None,
+            };
+            if let Some(d) = self.draft.as_mut() {
+                let _ = d.ctx.seq_rm(temp, None, None);
+            }
+            self.free_seqs.push(temp);
+            if let Some(chain) = rest {
+                w.drafts = chain;
+                self.push_chain(seq, w);
             }
             return;
         }
-        if let (None, Kv::Llama(l)) = (self.draft.as_ref(), &mut self.kv)
-            && trees
-            && width > 1
-            && plain_greedy
-        {
+        if self.draft.is_none() && width > 1 && plain_greedy {
             let branches = spec
                 .drafter
                 .propose_branches(&spec.history, item.draft_slots, width);
-            if branches.len() > 1 && self.free_seqs.len() >= branches.len() - 1 {
-                let temps: Vec<SeqId> = (1..branches.len())
-                    .filter_map(|_| self.free_seqs.pop())
-                    .collect();
-                let decode_idx = w.idx[0];
-                for &t in &temps {
-                    // The context so far, then the decode token, in every branch.
-                    let _ = l.ctx.seq_cp(seq, t, None, None);
-                    self.batch.share(decode_idx, t);
+            // On llama.cpp's cells, a sequence id per later branch.
+            let ids = match self.kv {
+                Kv::Llama(_) => branches.len().saturating_sub(1),
+                Kv::Graft(_) => 0,
+            };
+            if branches.len() > 1 && self.free_seqs.len() >= ids {
+                let at = self.free_seqs.len() - ids;
+                let temps = self.free_seqs.split_off(at);
+                // Our store's branch blocks may be spent: then a chain.
+                if self.push_tree(seq, w, branches, temps).is_ok() {
+                    return;
                 }
-                for (b, branch) in branches.iter().enumerate() {
-                    let bseq = if b == 0 { seq } else { temps[b - 1] };
-                    for (k, &d) in branch.iter().enumerate() {
-                        let p = (w.pos + 1 + k) as u32;
-                        w.idx.push(self.batch.push(d, p, bseq, true));
-                    }
-                }
-                w.drafts = branches.concat();
-                w.tree = Some(TreeWant { branches, temps });
-                return;
             }
         }
+        let spec = self
+            .live
+            .get_mut(&item.id)
+            .and_then(|l| l.spec.as_mut())
+            .expect("checked above");
         w.drafts = match self.draft.as_mut() {
             Some(d) => d.propose(seq, spec, item.draft_slots).unwrap_or_else(|e| {
                 // A draft failure costs speed, never output.
@@ -142,10 +133,76 @@ impl Engine<'_> {
             let keep = c.matcher.valid_prefix(&w.drafts);
             w.drafts.truncate(keep);
         }
+        self.push_chain(seq, w);
+    }
+
+    /// Puts `w.drafts` into the batch after the decode token, in `seq`.
+    fn push_chain(&mut self, seq: SeqId, w: &mut Want) {
         for (k, &d) in w.drafts.iter().enumerate() {
             let p = (w.pos + 1 + k) as u32;
             w.idx.push(self.batch.push(d, p, seq, true));
         }
+    }
+
+    /// Puts a token tree's branches into the batch after the decode token,
+    /// each at positions `w.pos + 1..`, and records the tree in `w`. On
+    /// llama.cpp's cells branch b > 0 runs in `temps[b - 1]`, given a copy of
+    /// `seq`'s cells and the decode token; on our store every branch is in
+    /// `seq` (the grafted step gives each run its own llama.cpp id) and
+    /// branch b > 0 writes into this step's branch blocks — without enough
+    /// of them left, nothing is pushed and the branches come back. (`temps`
+    /// there are the draft model's, if any.)
+    fn push_tree(
+        &mut self,
+        seq: SeqId,
+        w: &mut Want,
+        branches: Vec<Vec<TokenId>>,
+        temps: Vec<SeqId>,
+    ) -> Result<(), Vec<Vec<TokenId>>> {
+        let decode_idx = w.idx[0];
+        let mut blocks = match &mut self.kv {
+            Kv::Llama(l) => {
+                for &t in &temps {
+                    let _ = l.ctx.seq_cp(seq, t, None, None);
+                    self.batch.share(decode_idx, t);
+                }
+                Vec::new()
+            }
+            Kv::Graft(g) => {
+                let lens: Vec<usize> = branches[1..].iter().map(Vec::len).collect();
+                match g.take_branch_blocks(w.pos, &lens) {
+                    Some(b) => b,
+                    None => return Err(branches),
+                }
+            }
+        };
+        let on_llama = matches!(self.kv, Kv::Llama(_));
+        let mut graft = Vec::with_capacity(blocks.len());
+        let mut own = blocks.drain(..);
+        for (b, branch) in branches.iter().enumerate() {
+            let bseq = if b > 0 && on_llama { temps[b - 1] } else { seq };
+            let first = self.batch.len();
+            for (k, &tok) in branch.iter().enumerate() {
+                let p = (w.pos + 1 + k) as u32;
+                w.idx.push(self.batch.push(tok, p, bseq, true));
+            }
+            if b > 0
+                && let Some(blocks) = own.next()
+            {
+                graft.push(Branch {
+                    batch: first..self.batch.len(),
+                    blocks,
+                });
+            }
+        }
+        drop(own);
+        w.drafts = branches.concat();
+        w.tree = Some(TreeWant {
+            branches,
+            temps,
+            graft,
+        });
+        Ok(())
     }
 
     /// What the step cost each speculating request per produced token:
@@ -184,8 +241,9 @@ impl Engine<'_> {
     }
 
     /// Verifies a token tree greedily: the branch the target follows is kept
-    /// (its cells tagged into the request's own sequence), every other node's
-    /// cells and the temporary sequence ids go.
+    /// (on llama.cpp's cells, its cells tagged into the request's own
+    /// sequence; on our store, its rows copied into the request's blocks),
+    /// every other node's cells and the temporary sequence ids go.
     pub(super) fn sample_tree(&mut self, w: &Want) {
         let id = &w.id;
         let t = w.tree.as_ref().expect("a tree");
@@ -223,6 +281,7 @@ impl Engine<'_> {
             .first()
             .and_then(|f| t.branches.iter().position(|br| br[0] == *f))
             .unwrap_or(0);
+        self.tree_later_branches_kept += u64::from(b > 0 && a > 0);
         // The draft model's cells: with branch b > 0 kept, the request's draft
         // sequence takes that branch's computed cells (all but its last token).
         if b > 0
@@ -246,27 +305,35 @@ impl Engine<'_> {
                 let _ = d.ctx.seq_rm(seq, None, None);
             }
         }
-        let Kv::Llama(l) = &mut self.kv else {
-            // Trees are only built on llama.cpp's cells (`plan_drafts`).
-            self.release_tree(w);
-            let err = RuntimeError::Engine("a token tree on our store".into());
-            return self.end(id, FinishReason::Error, Some(err));
-        };
-        let fixed = if b == 0 {
-            l.ctx.seq_rm(seq, Some(first + a), None)
-        } else {
-            l.ctx.seq_rm(seq, Some(first), None).and_then(|()| {
-                l.ctx
-                    .seq_cp(t.temps[b - 1], seq, Some(first), Some(first + a))
-            })
+        let fixed = match &mut self.kv {
+            Kv::Llama(l) if b == 0 => l
+                .ctx
+                .seq_rm(seq, Some(first + a), None)
+                .map_err(|e| RuntimeError::Engine(e.to_string())),
+            Kv::Llama(l) => l
+                .ctx
+                .seq_rm(seq, Some(first), None)
+                .and_then(|()| {
+                    l.ctx
+                        .seq_cp(t.temps[b - 1], seq, Some(first), Some(first + a))
+                })
+                .map_err(|e| RuntimeError::Engine(e.to_string())),
+            // Branch 0 wrote into the request's own rows; a later branch's
+            // kept rows move there from its branch blocks.
+            Kv::Graft(_) if b == 0 || a == 0 => Ok(()),
+            Kv::Graft(g) => match self.sched.handle(id) {
+                Some(h) => g.keep_branch(
+                    self.sched.kv().block_table(h),
+                    w.pos,
+                    &t.graft[b - 1],
+                    a as usize,
+                ),
+                None => Err(RuntimeError::Engine("a kept branch without blocks".into())),
+            },
         };
         self.release_tree(w);
         if let Err(e) = fixed {
-            return self.end(
-                id,
-                FinishReason::Error,
-                Some(RuntimeError::Engine(e.to_string())),
-            );
+            return self.end(id, FinishReason::Error, Some(e));
         }
         if let Some(live) = self.live.get_mut(id) {
             for &tok in &accepted {

@@ -23,7 +23,8 @@ use crate::{Command, KvBackend, RuntimeConfig, RuntimeError, RuntimeInfo};
 /// The store a configuration of ours asks for, for a model of geometry `g`:
 /// the planner's input and the block counts and bytes [`plan_store`] gives —
 /// what the store then allocates (checked at start-up), and what
-/// `siliceo plan --kv` prints.
+/// `siliceo plan --kv` prints. `branch_blocks` are the open blocks token
+/// trees need ([`crate::SpeculativeConfig::tree_branch_blocks`]; 0 without).
 pub fn store_plan(
     g: &siliceo_core::ModelGeometry,
     format: &KvFormat,
@@ -31,6 +32,7 @@ pub fn store_plan(
     block_size: u32,
     max_running: u32,
     max_batch_tokens: u32,
+    branch_blocks: u32,
 ) -> Result<(StoreInput, StorePlan), RuntimeError> {
     let mut layout = format
         .layout(g.n_head_kv as usize, g.head_dim_k as usize)
@@ -49,6 +51,7 @@ pub fn store_plan(
         seals: !f16,
         max_running,
         max_batch_tokens,
+        branch_blocks,
         size,
     };
     let plan = plan_store(&input).map_err(|e| RuntimeError::Start(format!("KV store: {e}")))?;
@@ -252,6 +255,9 @@ impl<'m> Engine<'m> {
                     bs,
                     max_running,
                     max_batch_tokens,
+                    cfg.speculative
+                        .as_ref()
+                        .map_or(0, |s| s.tree_branch_blocks(bs, max_running)),
                 )?;
                 let ctx = GraftedContext::new(
                     model,
@@ -259,7 +265,8 @@ impl<'m> Engine<'m> {
                         format: format.clone(),
                         block_tokens: bs as usize,
                         sealed_blocks: plan.sealed_blocks as usize,
-                        tail_blocks: (plan.open_blocks + plan.scratch_blocks) as usize,
+                        tail_blocks: (plan.open_blocks + plan.scratch_blocks + plan.branch_blocks)
+                            as usize,
                         n_batch,
                         max_seqs: max_running,
                         threads: cfg.context.n_threads,
@@ -353,6 +360,7 @@ impl<'m> Engine<'m> {
             decode_us: 0,
             panics: 0,
             tree_verifications: 0,
+            tree_later_branches_kept: 0,
             spec_cost_pauses: 0,
             constraint_overlap: cfg.constraint_overlap,
             mask_stats: MaskStats::default(),

@@ -68,6 +68,9 @@ impl Engine<'_> {
             retiring.push((seq, p.blocks.clone()));
         }
         self.batch.clear();
+        if let Kv::Graft(g) = &mut self.kv {
+            g.reset_branch_blocks();
+        }
         let mut want: Vec<Want> = Vec::new();
         let mut runs: Vec<Run> = Vec::new();
         let started = Instant::now();
@@ -137,9 +140,18 @@ impl Engine<'_> {
             {
                 self.plan_drafts(item, seq, w);
             }
+            // A token tree's later branches are runs of their own.
+            let branches = want
+                .last()
+                .filter(|w| w.id == item.id)
+                .and_then(|w| w.tree.as_ref())
+                .map(|t| t.graft.clone())
+                .unwrap_or_default();
+            let end = branches.first().map_or(self.batch.len(), |b| b.batch.start);
             runs.push(Run {
                 item: ix,
-                batch: first..self.batch.len(),
+                batch: first..end,
+                branches,
             });
         }
         for (seq, blocks) in retiring {

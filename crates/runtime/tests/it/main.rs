@@ -735,7 +735,7 @@ fn ngram_token_trees_keep_greedy_outputs_and_free_their_branch_sequences() {
     ];
     let n = 24;
     let expected = alone(&prompts, n);
-    // Token trees need llama.cpp's sequence ids over shared cells.
+    // On llama.cpp's cells: a temporary sequence id per later branch.
     let mut cfg = RuntimeConfig::new(model_path());
     cfg.kv = KvBackend::Llama;
     cfg.speculative = Some(siliceo_runtime::SpeculativeConfig {
@@ -753,6 +753,72 @@ fn ngram_token_trees_keep_greedy_outputs_and_free_their_branch_sequences() {
     assert_clean(&rt);
 }
 
+/// On our store a greedy request's tokens do not depend on what else a step
+/// computes, so token trees must give exactly the tokens of plain decoding:
+/// a later branch sees the request's rows up to its decode token (copied
+/// into its branch block) and, when kept, its rows are copied back into the
+/// request's blocks — any row out of place changes what follows.
+#[test]
+fn ngram_token_trees_on_our_store_give_exactly_the_plain_tokens() {
+    let prompts = [
+        "the cat sat. the dog ran. the cat ran. the dog sat. the cat sat. the dog ran. the",
+        "a = 1\nb = 2\na = 3\nb = 4\na = 1\nb = 2\na =",
+    ];
+    // Past the first block boundary (prompts of 30–40 tokens): branches
+    // straddle it and start after it.
+    let n = 64;
+    let plain_rt = Runtime::start(RuntimeConfig::new(model_path())).unwrap();
+    let plain: Vec<Vec<TokenId>> = prompts
+        .iter()
+        .map(|p| {
+            let (_, tokens, _) = plain_rt
+                .submit(request(p, n, Priority::Normal))
+                .unwrap()
+                .blocking_collect();
+            tokens
+        })
+        .collect();
+    drop(plain_rt);
+    let mut cfg = RuntimeConfig::new(model_path());
+    cfg.speculative = Some(siliceo_runtime::SpeculativeConfig {
+        tree_width: 3,
+        cost_switch_off: false,
+        ..Default::default()
+    });
+    let rt = Runtime::start(cfg).unwrap();
+    for (i, p) in prompts.iter().enumerate() {
+        let (_, tokens, done) = rt
+            .submit(speculative_request(p, n))
+            .unwrap()
+            .blocking_collect();
+        assert!(usage_of(&done).accepted_draft_tokens > 0);
+        assert_eq!(tokens, plain[i], "tree, alone, prompt {i}");
+        rt.check_kv().unwrap();
+    }
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| rt.submit(speculative_request(p, n)).unwrap())
+        .collect();
+    for (i, s) in streams.into_iter().enumerate() {
+        let (_, tokens, _) = s.blocking_collect();
+        assert_eq!(tokens, plain[i], "tree, together, prompt {i}");
+    }
+    let s = rt.stats().unwrap();
+    eprintln!(
+        "trees: {} verified, {} kept a later branch",
+        s.tree_verifications, s.tree_later_branches_kept
+    );
+    assert!(s.tree_verifications > 0, "no token tree was verified");
+    assert!(
+        s.tree_later_branches_kept > 0,
+        "no later branch was kept: its rows never moved into a request's blocks"
+    );
+    assert_eq!(s.llama_cells, 0);
+    assert_clean(&rt);
+}
+
+/// On our store (the default), the draft model's top-2 trees: its second
+/// branch is in a temporary sequence of the draft's context only.
 #[test]
 fn draft_model_token_trees_keep_greedy_outputs_in_both_models_kv() {
     let prompts = ["def is_even(n):\n", "Write a haiku about the sea.\n"];
@@ -775,10 +841,6 @@ fn qwen_pair(prompts: &[&str], n: u32, tree_width: usize) -> (Runtime, Vec<Greed
     let expected = alone_on(&target, prompts, n);
     let mut cfg = RuntimeConfig::new(&target);
     cfg.context.n_ctx = 1024;
-    if tree_width > 1 {
-        // Token trees need llama.cpp's sequence ids over shared cells.
-        cfg.kv = KvBackend::Llama;
-    }
     cfg.speculative = Some(siliceo_runtime::SpeculativeConfig {
         draft_model: Some(qwen("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")),
         tree_width,
