@@ -35,8 +35,8 @@ pub struct PlanArgs {
     #[arg(long, requires = "kv")]
     batch_tokens: Option<u32>,
     /// With --kv: token trees of this many branches (as `serve
-    /// --spec-tree-width`; their branch blocks are part of the store)
-    /// [default: 1: none].
+    /// --spec-tree-width` with a drafter, --spec-ngram or --draft-model;
+    /// their branch blocks are part of the store) [default: 1: none].
     #[arg(long, requires = "kv")]
     spec_tree_width: Option<usize>,
     /// With --kv and --spec-tree-width: most drafted tokens per step (as

@@ -374,17 +374,36 @@ fn serve_answers_grpc_and_exits_cleanly_on_sigterm() {
 
 #[test]
 fn the_store_serve_allocates_is_what_plan_says() {
-    for flags in [
-        &["--kv", "kv8", "--context", "4096", "--max-running", "4"][..],
-        &[
-            "--kv",
-            "k5v4+tail64",
-            "--kv-budget",
-            "160MiB",
-            "--batch-tokens",
-            "256",
-        ][..],
-        &["--kv", "f16", "--context", "2048"][..],
+    // Flags for both, then serve's own (token trees need a drafter).
+    let none: &[&str] = &[];
+    for (flags, serve_only) in [
+        (
+            &["--kv", "kv8", "--context", "4096", "--max-running", "4"][..],
+            none,
+        ),
+        (
+            &[
+                "--kv",
+                "k5v4+tail64",
+                "--kv-budget",
+                "160MiB",
+                "--batch-tokens",
+                "256",
+            ][..],
+            none,
+        ),
+        (&["--kv", "f16", "--context", "2048"][..], none),
+        (
+            &[
+                "--kv",
+                "kv8",
+                "--kv-budget",
+                "192MiB",
+                "--spec-tree-width",
+                "3",
+            ][..],
+            &["--spec-ngram"][..],
+        ),
     ] {
         let mut plan_args = vec!["plan", "--json"];
         plan_args.extend_from_slice(flags);
@@ -392,8 +411,12 @@ fn the_store_serve_allocates_is_what_plan_says() {
         assert!(out.status.success(), "{}", text(&out.stderr));
         let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         let bytes = plan["bytes"].as_u64().unwrap();
+        if flags.contains(&"--spec-tree-width") {
+            assert!(plan["branch_blocks"].as_u64().unwrap() > 0, "{plan}");
+        }
         let mut serve_args = vec!["--listen", "127.0.0.1:0"];
         serve_args.extend_from_slice(flags);
+        serve_args.extend_from_slice(serve_only);
         let (mut child, addr, ready) = start_server(&serve_args);
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()

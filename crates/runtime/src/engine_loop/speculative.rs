@@ -1,8 +1,11 @@
 //! Speculative decoding: drafting (n-gram chains and trees, a draft model's
 //! chains and top-2 trees), verifying a token tree, and what each step cost
-//! a speculating request. Token trees need several llama.cpp sequence ids
-//! over shared cells, so they run on llama.cpp's own KV only; on our store
-//! drafts are chains (which never reach a seal: the scheduler caps them).
+//! a speculating request. Drafts never reach a seal (the scheduler caps
+//! them). A token tree's first branch rides in the request's own rows, as a
+//! chain does; each later branch, at the same positions, runs in a
+//! temporary sequence id over shared cells on llama.cpp's KV, and in the
+//! step's branch blocks on our store (`graft`), whose kept rows are copied
+//! into the request's blocks after verification.
 
 use std::time::Instant;
 
