@@ -432,6 +432,7 @@ pub fn eval_kv(
                         block_tokens: 64,
                         sealed_blocks: blocks,
                         tail_blocks: blocks,
+                        scratch_blocks: 0,
                         n_batch,
                         max_seqs: 1,
                         threads: opts.n_threads,

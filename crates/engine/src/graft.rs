@@ -27,7 +27,7 @@ use std::ffi::{CStr, c_void};
 use std::ops::Range;
 
 use llama_cpp_sys_2 as sys;
-use siliceo_kernels_turing::{AttnParams, KvLayout, KvPages, SeqKv, SeqQuery};
+use siliceo_kernels_turing::{AttnParams, KvLayout, KvPages, SeqKv, SeqQuery, SharedTail};
 
 use crate::raw::RawContext;
 use crate::{Batch, EngineError, KvFormat, Model};
@@ -95,6 +95,11 @@ pub struct GraftOptions {
     pub sealed_blocks: usize,
     /// Tail (F16) blocks per layer.
     pub tail_blocks: usize,
+    /// Scratch tail blocks, one set for all layers (tail ids `tail_blocks..`):
+    /// rows a step writes and seals within one layer's attention (a block
+    /// filled and sealed within the step). Only writes, seals and queries
+    /// may name them.
+    pub scratch_blocks: usize,
     /// Most tokens per decode.
     pub n_batch: u32,
     /// Most sequences per decode (at most [`MAX_SEQS_PER_STEP`] and
@@ -134,6 +139,8 @@ pub enum StoreBlock {
 /// What the callback works on (boxed: llama.cpp holds a pointer to it).
 struct State {
     layers: Vec<KvPages>,
+    /// The scratch blocks, lent to the layer being computed.
+    scratch: SharedTail,
     n_head: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -253,6 +260,22 @@ impl State {
             gather(k, n, kvh, d, &mut self.k)?;
             gather(v, n, kvh, d, &mut self.v)?;
         }
+        // The scratch is this layer's while it is computed.
+        self.layers[il].swap_shared(&mut self.scratch);
+        let r = self.apply(il, scale);
+        self.layers[il].swap_shared(&mut self.scratch);
+        r?;
+        // SAFETY: checked contiguous f32 of n × nh·d values in host memory.
+        let dst = unsafe { std::slice::from_raw_parts_mut(t.data as *mut f32, n * nh * d) };
+        dst.copy_from_slice(&self.out);
+        self.layers_done += 1;
+        Ok(())
+    }
+
+    /// The step's writes, copies, seals and attention in layer `il` (its
+    /// inputs gathered) into `self.out`.
+    fn apply(&mut self, il: usize, scale: f32) -> Result<(), String> {
+        let (nh, kvh, d, n) = (self.n_head, self.kv_heads, self.head_dim, self.n_tokens);
         let pages = &mut self.layers[il];
         let row = kvh * d;
         for (i, &(block, r)) in self.step.writes.iter().enumerate() {
@@ -290,12 +313,7 @@ impl State {
             &mut self.out,
             &self.params,
         )
-        .map_err(|e| format!("layer {il}: {e}"))?;
-        // SAFETY: checked contiguous f32 of n × nh·d values in host memory.
-        let dst = unsafe { std::slice::from_raw_parts_mut(t.data as *mut f32, n * qrow) };
-        dst.copy_from_slice(&self.out);
-        self.layers_done += 1;
-        Ok(())
+        .map_err(|e| format!("layer {il}: {e}"))
     }
 }
 
@@ -524,6 +542,7 @@ impl<'m> GraftedContext<'m> {
         let threads = opts.threads.unwrap_or_else(crate::context::default_threads);
         let mut state = Box::new(State {
             layers,
+            scratch: SharedTail::new(&layout, opts.scratch_blocks),
             n_head: g.n_head as usize,
             kv_heads,
             head_dim: d,
@@ -590,14 +609,30 @@ impl<'m> GraftedContext<'m> {
         self.raw.n_batch()
     }
 
-    /// (sealed, tail) blocks per layer.
+    /// (sealed, tail) blocks per layer (the scratch not counted).
     pub fn capacity(&self) -> (usize, usize) {
         self.state.layers[0].capacity()
     }
 
-    /// Bytes the store holds, all layers.
+    /// Scratch tail blocks (one set for all layers).
+    pub fn scratch_blocks(&self) -> usize {
+        self.state.scratch.blocks()
+            + self
+                .state
+                .layers
+                .iter()
+                .map(KvPages::shared_blocks)
+                .sum::<usize>()
+    }
+
+    /// Bytes the store holds, all layers and the scratch.
     pub fn store_bytes(&self) -> usize {
-        self.state.layers.iter().map(KvPages::byte_len).sum()
+        self.state
+            .layers
+            .iter()
+            .map(KvPages::byte_len)
+            .sum::<usize>()
+            + self.state.scratch.byte_len()
     }
 
     /// One layer's bytes, to read a sequence back (tests, quality checks).
@@ -633,7 +668,8 @@ impl<'m> GraftedContext<'m> {
 
     fn check_step(&self, batch: &Batch, step: &GraftStep) -> Result<(), EngineError> {
         let bad = |why: String| Err(EngineError::Graft(why));
-        let (sealed, tail) = self.capacity();
+        let (sealed, own) = self.capacity();
+        let tail = own + self.scratch_blocks();
         if step.writes.len() != batch.len() {
             return bad(format!(
                 "{} writes for a batch of {} tokens",
@@ -647,7 +683,7 @@ impl<'m> GraftedContext<'m> {
                 return bad(format!("write to tail block {b} row {r} outside the store"));
             }
         }
-        check_copies(&step.copies, tail, t)?;
+        check_copies(&step.copies, own, t)?;
         for &(s, d) in &step.seals {
             if s as usize >= tail || d as usize >= sealed {
                 return bad(format!("seal of tail {s} into {d} outside the store"));
@@ -755,6 +791,13 @@ impl<'m> GraftedContext<'m> {
             }
         }
         self.raw.batch.n_tokens = batch.len() as i32;
+        // A layer that panicked may still hold the scratch.
+        let state = &mut *self.state;
+        for pages in &mut state.layers {
+            if pages.shared_blocks() > 0 {
+                pages.swap_shared(&mut state.scratch);
+            }
+        }
         self.state.step = step;
         self.state.n_tokens = batch.len();
         self.state.layers_done = 0;

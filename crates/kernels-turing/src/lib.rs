@@ -66,7 +66,7 @@ pub mod store;
 
 pub use attention::{AttnParams, Runner, SeqQuery, naive_attention, paged_attention};
 pub use codec::Codec;
-pub use store::{AppendStep, BlockPools, KvLayout, KvPages, KvStore, SeqKv};
+pub use store::{AppendStep, BlockPools, KvLayout, KvPages, KvStore, SeqKv, SharedTail};
 
 /// What the kernels can refuse.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]

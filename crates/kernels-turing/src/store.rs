@@ -192,7 +192,7 @@ impl SeqKv {
 
 /// Aligned byte storage (f16 views need 2-byte alignment; 64-byte chunks keep
 /// blocks on cache lines when block sizes allow).
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct Bytes {
     words: Vec<[u64; 8]>,
     len: usize,
@@ -374,6 +374,39 @@ pub struct KvPages {
     tail: Bytes,
     sealed_blocks: usize,
     tail_blocks: usize,
+    /// Tail blocks lent by a [`SharedTail`] (ids from `tail_blocks`).
+    shared: SharedTail,
+}
+
+/// Tail blocks that several [`KvPages`] (the layers of a model) take turns
+/// to hold, for rows that live only while one layer is computed — a step's
+/// scratch for blocks filled and sealed within it. Lent with
+/// [`KvPages::swap_shared`]: while lent, tail ids `tail_blocks..tail_blocks
+/// + blocks` of those pages address it.
+#[derive(Debug, Default)]
+pub struct SharedTail {
+    bytes: Bytes,
+    blocks: usize,
+}
+
+impl SharedTail {
+    /// `blocks` tail blocks of `layout`, zeroed.
+    pub fn new(layout: &KvLayout, blocks: usize) -> SharedTail {
+        SharedTail {
+            bytes: Bytes::zeroed(blocks * layout.tail_block_bytes()),
+            blocks,
+        }
+    }
+
+    /// Blocks it holds (0 once lent: the pages hold them).
+    pub fn blocks(&self) -> usize {
+        self.blocks
+    }
+
+    /// Bytes it holds.
+    pub fn byte_len(&self) -> usize {
+        self.bytes.len
+    }
 }
 
 impl KvPages {
@@ -393,7 +426,47 @@ impl KvPages {
             tail: Bytes::zeroed(tail_blocks * layout.tail_block_bytes()),
             sealed_blocks,
             tail_blocks,
+            shared: SharedTail::default(),
         })
+    }
+
+    /// Swaps the shared tail blocks these pages hold with `other`: lends
+    /// `other`'s to them, or (called again) takes them back.
+    pub fn swap_shared(&mut self, other: &mut SharedTail) {
+        std::mem::swap(&mut self.shared, other);
+    }
+
+    /// Shared tail blocks these pages hold now.
+    pub fn shared_blocks(&self) -> usize {
+        self.shared.blocks
+    }
+
+    /// Which buffer tail block `b` is in (`true`: the shared one) and its
+    /// offset there.
+    fn tail_loc(&self, b: u32) -> (bool, usize) {
+        let n = self.layout.tail_block_bytes();
+        let b = b as usize;
+        if b < self.tail_blocks {
+            (false, b * n)
+        } else {
+            (true, (b - self.tail_blocks) * n)
+        }
+    }
+
+    fn tail_buf(&self, shared: bool) -> &[u8] {
+        if shared {
+            self.shared.bytes.as_slice()
+        } else {
+            self.tail.as_slice()
+        }
+    }
+
+    fn tail_buf_mut(&mut self, shared: bool) -> &mut [u8] {
+        if shared {
+            self.shared.bytes.as_mut_slice()
+        } else {
+            self.tail.as_mut_slice()
+        }
     }
 
     /// The layout.
@@ -406,7 +479,7 @@ impl KvPages {
         (self.sealed_blocks, self.tail_blocks)
     }
 
-    /// Bytes held by both pools.
+    /// Bytes held by both pools (shared tail blocks not counted).
     pub fn byte_len(&self) -> usize {
         self.sealed.len + self.tail.len
     }
@@ -417,10 +490,11 @@ impl KvPages {
         &self.sealed.as_slice()[b as usize * n..(b as usize + 1) * n]
     }
 
-    /// The bytes of tail block `b`.
+    /// The bytes of tail block `b` (a shared one only while lent).
     pub fn tail_block(&self, b: u32) -> &[u8] {
         let n = self.layout.tail_block_bytes();
-        &self.tail.as_slice()[b as usize * n..(b as usize + 1) * n]
+        let (shared, off) = self.tail_loc(b);
+        &self.tail_buf(shared)[off..off + n]
     }
 
     /// Sealed block `b`'s bytes, to restore a saved block.
@@ -432,7 +506,8 @@ impl KvPages {
     /// Tail block `b`'s bytes, to restore a saved block.
     pub fn tail_block_mut(&mut self, b: u32) -> &mut [u8] {
         let n = self.layout.tail_block_bytes();
-        &mut self.tail.as_mut_slice()[b as usize * n..(b as usize + 1) * n]
+        let (shared, off) = self.tail_loc(b);
+        &mut self.tail_buf_mut(shared)[off..off + n]
     }
 
     /// All sealed-pool bytes (for copying to a device).
@@ -457,8 +532,8 @@ impl KvPages {
         assert_eq!(k.len(), l.kv_heads * l.head_dim, "K row length");
         assert_eq!(v.len(), l.kv_heads * l.head_dim, "V row length");
         let seg = Codec::F16.segment_bytes(l.block_tokens, l.head_dim);
-        let base = block as usize * l.tail_block_bytes();
-        let tail = self.tail.as_mut_slice();
+        let (shared, base) = self.tail_loc(block);
+        let tail = self.tail_buf_mut(shared);
         let mut krow = [0f32; MAX_HEAD_DIM];
         for h in 0..l.kv_heads {
             let src = h * l.head_dim;
@@ -488,14 +563,17 @@ impl KvPages {
         if lo >= hi || src == dst {
             return;
         }
-        let (sb, db) = (
-            src as usize * l.tail_block_bytes(),
-            dst as usize * l.tail_block_bytes(),
-        );
-        let tail = self.tail.as_mut_slice();
+        let ((ss, sb), (ds, db)) = (self.tail_loc(src), self.tail_loc(dst));
+        let n = (hi - lo) * row;
         for s in 0..2 * l.kv_heads {
             let (from, to) = (sb + s * seg + lo * row, db + s * seg + lo * row);
-            tail.copy_within(from..from + (hi - lo) * row, to);
+            if ss == ds {
+                self.tail_buf_mut(ss).copy_within(from..from + n, to);
+            } else {
+                let (own, shared) = (self.tail.as_mut_slice(), self.shared.bytes.as_mut_slice());
+                let (from_buf, to_buf) = if ss { (shared, own) } else { (own, shared) };
+                to_buf[to..to + n].copy_from_slice(&from_buf[from..from + n]);
+            }
         }
     }
 
@@ -506,7 +584,7 @@ impl KvPages {
         let f16_seg = Codec::F16.segment_bytes(t, d);
         let (ks, vs) = (l.k_segment_bytes(), l.v_segment_bytes());
         let mut tile = vec![0f32; t * d];
-        let src_base = src as usize * l.tail_block_bytes();
+        let (shared, src_base) = self.tail_loc(src);
         let dst_base = dst as usize * l.block_bytes();
         for h in 0..l.kv_heads {
             for (which, codec, dst_off, dst_len) in [
@@ -514,7 +592,12 @@ impl KvPages {
                 (1, l.v, h * (ks + vs) + ks, vs),
             ] {
                 let s = src_base + (h * 2 + which) * f16_seg;
-                Codec::F16.decode(&self.tail.as_slice()[s..s + f16_seg], t, d, &mut tile);
+                let from = if shared {
+                    self.shared.bytes.as_slice()
+                } else {
+                    self.tail.as_slice()
+                };
+                Codec::F16.decode(&from[s..s + f16_seg], t, d, &mut tile);
                 let dst = &mut self.sealed.as_mut_slice()
                     [dst_base + dst_off..dst_base + dst_off + dst_len];
                 codec.encode(&tile, t, d, dst);

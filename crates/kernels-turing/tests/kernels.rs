@@ -560,3 +560,53 @@ fn splitting_work_over_threads_changes_no_value() {
         }
     }
 }
+
+/// A shared tail block behaves as an own one while lent: the same writes,
+/// seal and row copies give the same bytes, and attention over it reads
+/// it; taken back, the pages hold none.
+#[test]
+fn shared_tail_blocks_act_as_the_pages_own_while_lent() {
+    use siliceo_kernels_turing::{KvPages, SharedTail};
+    let layout = KvLayout::new(2, 64, Codec::KV8, Codec::KV8);
+    let (t, row) = (layout.block_tokens, 2 * 64);
+    let mut rng = Rng(7);
+    let (k, v) = kv_data(&mut rng, t, 2, 64);
+    // Own: tail blocks 0..3; shared: one block, id 3 while lent.
+    let mut a = KvPages::new(layout, 2, 4).unwrap();
+    let mut b = KvPages::new(layout, 2, 3).unwrap();
+    let mut shared = SharedTail::new(&layout, 1);
+    assert_eq!(shared.blocks(), 1);
+    b.swap_shared(&mut shared);
+    assert_eq!((b.shared_blocks(), shared.blocks()), (1, 0));
+    for pages in [&mut a, &mut b] {
+        for r in 0..t {
+            pages.write_token(3, r, &k[r * row..(r + 1) * row], &v[r * row..(r + 1) * row]);
+        }
+        // Rows across the own/shared boundary, both ways.
+        pages.copy_tail_rows(3, 1, 5..17);
+        pages.copy_tail_rows(1, 3, 5..9);
+        pages.seal(3, 0);
+    }
+    assert_eq!(a.tail_block(3), b.tail_block(3));
+    assert_eq!(a.tail_block(1), b.tail_block(1));
+    assert_eq!(a.sealed_block(0), b.sealed_block(0));
+    let seq = SeqKv {
+        sealed: Vec::new(),
+        tail: vec![3],
+        len: t,
+    };
+    let q: Vec<f32> = (0..4 * 64).map(|_| rng.normal()).collect();
+    let query = [SeqQuery {
+        kv: &seq,
+        q: &q,
+        n_q: 1,
+    }];
+    let (mut oa, mut ob) = (vec![0f32; 4 * 64], vec![0f32; 4 * 64]);
+    let p = AttnParams::default();
+    paged_attention(&a, 4, 0.125, &query, &mut oa, &p).unwrap();
+    paged_attention(&b, 4, 0.125, &query, &mut ob, &p).unwrap();
+    assert_eq!(oa, ob);
+    b.swap_shared(&mut shared);
+    assert_eq!((b.shared_blocks(), shared.blocks()), (0, 1));
+    assert_eq!(b.byte_len() + shared.byte_len(), a.byte_len());
+}

@@ -437,8 +437,9 @@ pub struct StorePlan {
     pub open_blocks: u32,
     /// Sealed blocks (0 for a format that never seals).
     pub sealed_blocks: u32,
-    /// Open blocks beside those, as per-step scratch for blocks filled and
-    /// sealed within one step.
+    /// Open blocks of one layer beside those, as per-step scratch for blocks
+    /// filled and sealed within one step (their rows live only while a
+    /// layer is computed, so the layers share one set).
     pub scratch_blocks: u32,
     /// Open blocks after the scratch, for a step's token-tree branches.
     pub branch_blocks: u32,
@@ -449,6 +450,8 @@ pub struct StorePlan {
     pub tokens: u64,
     /// Bytes of one open block, all layers.
     pub open_block_bytes: u64,
+    /// Bytes of the scratch (one layer's blocks).
+    pub scratch_bytes: u64,
     /// Bytes of one sealed block, all layers (0 for a format that never seals).
     pub sealed_block_bytes: u64,
 }
@@ -468,10 +471,11 @@ impl StorePlan {
 
 /// Sizes a store of our formats. The open pool is sized for the running
 /// sequences — each holds its open tail (`tail_tokens` plus the partial
-/// block), one block set aside for a copy-on-write, and one more so partial
-/// blocks stay cached — plus the step's scratch and token-tree branch blocks,
-/// and the rest goes to sealed blocks. A format that never seals keeps
-/// everything in open blocks.
+/// block) and one block for a copy-on-write or a block a step moves into
+/// (cached partial blocks live in what the running sequences leave free,
+/// and are evicted first) — plus the step's token-tree branch blocks and
+/// one layer's scratch, and the rest goes to sealed blocks. A format that
+/// never seals keeps everything in open blocks.
 pub fn plan_store(input: &StoreInput) -> Result<StorePlan, PlanError> {
     let bad = |field, reason: String| Err(PlanError::Invalid { field, reason });
     if input.block_size == 0 || input.layers == 0 || input.open_block_bytes == 0 {
@@ -492,12 +496,12 @@ pub fn plan_store(input: &StoreInput) -> Result<StorePlan, PlanError> {
     let branch = u64::from(input.branch_blocks);
     let (open, sealed, scratch) = if input.seals {
         let window = (u64::from(input.tail_tokens) + bs).div_ceil(bs);
-        let open = running * (window + 2);
+        let open = running * (window + 1);
         let scratch = blocks_of(u64::from(input.max_batch_tokens)) + 1;
         let sealed = match input.size {
             StoreSize::Tokens(t) => blocks_of(t),
             StoreSize::Budget(b) => {
-                let fixed = (open + scratch + branch) * open_b;
+                let fixed = (open + branch) * open_b + scratch * input.open_block_bytes;
                 if fixed >= b {
                     return Err(PlanError::OpenPoolDoesNotFit {
                         open_bytes: fixed,
@@ -540,9 +544,10 @@ pub fn plan_store(input: &StoreInput) -> Result<StorePlan, PlanError> {
         sealed_blocks: sealed as u32,
         scratch_blocks: scratch as u32,
         branch_blocks: branch as u32,
-        bytes: (open + scratch + branch) * open_b + sealed * sealed_b,
+        bytes: (open + branch) * open_b + scratch * input.open_block_bytes + sealed * sealed_b,
         tokens: context_blocks * bs,
         open_block_bytes: open_b,
+        scratch_bytes: scratch * input.open_block_bytes,
         sealed_block_bytes: if input.seals { sealed_b } else { 0 },
     })
 }
@@ -877,15 +882,18 @@ mod tests {
             size: StoreSize::Tokens(4096),
         };
         let p = plan_store(&input).unwrap();
-        // Each running sequence: its partial block, a copy, a cached partial.
+        // Each running sequence: its partial block and a copy; the scratch
+        // is one layer's.
         assert_eq!(
             (p.open_blocks, p.sealed_blocks, p.scratch_blocks),
-            (12, 64, 5)
+            (8, 64, 5)
         );
         assert_eq!(p.tokens, 4096);
         let open_b = input.open_block_bytes * 30;
         let sealed_b = input.sealed_block_bytes * 30;
-        assert_eq!(p.bytes, 17 * open_b + 64 * sealed_b);
+        let scratch_b = 5 * input.open_block_bytes;
+        assert_eq!(p.scratch_bytes, scratch_b);
+        assert_eq!(p.bytes, 8 * open_b + scratch_b + 64 * sealed_b);
         // A budget: what is left after the open pools goes to sealed blocks.
         let b = plan_store(&StoreInput {
             size: StoreSize::Budget(p.bytes + sealed_b - 1),
@@ -894,13 +902,13 @@ mod tests {
         .unwrap();
         assert_eq!(b.sealed_blocks, 64);
         assert!(b.bytes < p.bytes + sealed_b);
-        // A 1,024-token tail: 17 open blocks per sequence.
+        // A 1,024-token tail: 17 open blocks per sequence, and a copy.
         let t = plan_store(&StoreInput {
             tail_tokens: 1024,
             ..input
         })
         .unwrap();
-        assert_eq!(t.open_blocks, 4 * 19);
+        assert_eq!(t.open_blocks, 4 * 18);
         // F16 never seals: all open, plus one block per running sequence.
         let f = plan_store(&StoreInput {
             seals: false,
@@ -919,7 +927,7 @@ mod tests {
             ..input
         })
         .unwrap();
-        assert_eq!((tb.open_blocks, tb.branch_blocks), (12, 8));
+        assert_eq!((tb.open_blocks, tb.branch_blocks), (8, 8));
         assert_eq!(tb.bytes, p.bytes + 8 * open_b);
         let bb = plan_store(&StoreInput {
             branch_blocks: 8,
@@ -949,7 +957,7 @@ mod tests {
             Err(PlanError::OpenPoolDoesNotFit { .. })
         ));
         // Room for the open pools but not one sealed block.
-        let open_only = 17 * open_b + sealed_b - 1;
+        let open_only = 8 * open_b + scratch_b + sealed_b - 1;
         assert!(matches!(
             plan_store(&StoreInput {
                 size: StoreSize::Budget(open_only),

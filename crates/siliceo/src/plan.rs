@@ -334,17 +334,17 @@ fn plan_store_cmd(a: &PlanArgs, kv: &str, g: &ModelGeometry, name: &str) -> Resu
         gib((u64::from(p.sealed_blocks) * p.sealed_block_bytes) as f64)
     );
     println!(
-        "open blocks        {} (tails, partial blocks, copies for {max_running} running) + {} scratch{} × {} = {}",
+        "open blocks        {} (tails, partial blocks, copies for {max_running} running){} × {} + {} scratch of one layer = {}",
         p.open_blocks,
-        p.scratch_blocks,
         if p.branch_blocks > 0 {
             format!(" + {} token-tree branch", p.branch_blocks)
         } else {
             String::new()
         },
         gib(p.open_block_bytes as f64),
+        p.scratch_blocks,
         gib(
-            (u64::from(p.open_blocks + p.scratch_blocks + p.branch_blocks) * p.open_block_bytes)
+            (u64::from(p.open_blocks + p.branch_blocks) * p.open_block_bytes + p.scratch_bytes)
                 as f64
         )
     );

@@ -25,6 +25,7 @@ fn context(format: &str, blocks: usize, n_batch: u32) -> (GraftedContext<'static
             block_tokens: 64,
             sealed_blocks: blocks,
             tail_blocks: blocks,
+            scratch_blocks: 0,
             n_batch,
             max_seqs: 8,
             threads: Some(2),

@@ -9,7 +9,8 @@
 //! new run), and each run's view names open blocks the step seals (their
 //! sources, kept alive by kv-paging until the step ends) before it and sealed
 //! ones from it. A block filled and sealed within the step never had an open
-//! block: its rows go to a scratch block of the tail pool for the step.
+//! block: its rows go to a scratch block for the step (one set for all
+//! layers, lent to the layer being computed: the rows live only while it is).
 //!
 //! A token tree's first branch is the item's drafted chain; each later
 //! branch is a run of its own at the same positions (`pos + 1..`, after the

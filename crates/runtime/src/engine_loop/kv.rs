@@ -33,12 +33,12 @@ pub(crate) struct GraftKv<'m> {
     /// kv-paging's open ids are the tail pool's first blocks; its sealed ids
     /// start here and index the sealed pool from 0.
     pub(crate) sealed_base: u32,
-    /// The tail pool's scratch blocks (after kv-paging's open ones).
-    pub(crate) scratch: std::ops::Range<u32>,
-    /// The tail pool's blocks for token-tree branches (after the scratch),
-    /// handed out per step from the first: `branches.start..branch_next` are
-    /// this step's.
+    /// The tail pool's blocks for token-tree branches (after kv-paging's
+    /// open ones), handed out per step from the first: `branches.start..
+    /// branch_next` are this step's.
     pub(crate) branches: std::ops::Range<u32>,
+    /// The scratch blocks (after those; one set for all layers).
+    pub(crate) scratch: std::ops::Range<u32>,
     pub(crate) branch_next: u32,
     pub(crate) block_size: usize,
     pub(crate) config: KvConfig,
@@ -49,10 +49,10 @@ impl<'m> GraftKv<'m> {
         GraftKv {
             ctx,
             sealed_base: plan.open_blocks,
-            scratch: plan.open_blocks..plan.open_blocks + plan.scratch_blocks,
-            branches: plan.open_blocks + plan.scratch_blocks
-                ..plan.open_blocks + plan.scratch_blocks + plan.branch_blocks,
-            branch_next: plan.open_blocks + plan.scratch_blocks,
+            branches: plan.open_blocks..plan.open_blocks + plan.branch_blocks,
+            scratch: plan.open_blocks + plan.branch_blocks
+                ..plan.open_blocks + plan.branch_blocks + plan.scratch_blocks,
+            branch_next: plan.open_blocks,
             block_size: config.block_size as usize,
             config: *config,
         }

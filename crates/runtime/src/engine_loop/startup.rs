@@ -265,8 +265,8 @@ impl<'m> Engine<'m> {
                         format: format.clone(),
                         block_tokens: bs as usize,
                         sealed_blocks: plan.sealed_blocks as usize,
-                        tail_blocks: (plan.open_blocks + plan.scratch_blocks + plan.branch_blocks)
-                            as usize,
+                        tail_blocks: (plan.open_blocks + plan.branch_blocks) as usize,
+                        scratch_blocks: plan.scratch_blocks as usize,
                         n_batch,
                         max_seqs: max_running,
                         threads: cfg.context.n_threads,
