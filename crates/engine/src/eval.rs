@@ -437,6 +437,7 @@ pub fn eval_kv(
                         max_seqs: 1,
                         threads: opts.n_threads,
                         kernel_threads: None,
+                        copy_tensors: false,
                     },
                 )?;
                 let placer = BlockPlacer::new(ctx.layout(), blocks, blocks);

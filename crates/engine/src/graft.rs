@@ -110,6 +110,11 @@ pub struct GraftOptions {
     /// The attention kernel's threads, the calling thread included (`None` =
     /// llama.cpp's count).
     pub kernel_threads: Option<usize>,
+    /// Read Q, K, V and write the attention output through ggml's tensor
+    /// copies (`ggml_backend_tensor_get`/`_set`) even where they are in host
+    /// memory: what an offloaded layer's device tensors always take, so a
+    /// CPU can check that path. Slower; `false` in serving.
+    pub copy_tensors: bool,
 }
 
 /// Saved rows of some blocks of every layer (swap-out), in the order asked.
@@ -141,6 +146,11 @@ struct State {
     layers: Vec<KvPages>,
     /// The scratch blocks, lent to the layer being computed.
     scratch: SharedTail,
+    /// Read and write attention tensors through ggml's copies even in host
+    /// memory ([`GraftOptions::copy_tensors`]).
+    copy_tensors: bool,
+    /// Bytes of an input read from device memory.
+    staging: Vec<u8>,
     n_head: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -158,19 +168,23 @@ struct State {
 }
 
 /// Copies tokens `0..n` of a `[d, tokens, heads, 1]` view (any strides; f32 or
-/// f16) into `dst` as `[token][head][d]` f32.
+/// f16) into `dst` as `[token][head][d]` f32. A tensor outside host memory
+/// (an offloaded layer's), or any tensor when `copy` is set, is read through
+/// ggml's tensor copy into `staging` first.
 ///
 /// # Safety
-/// `t` must be a computed tensor in host memory holding at least `n` tokens.
+/// `t` must be a computed tensor holding at least `n` tokens.
 unsafe fn gather(
     t: &sys::ggml_tensor,
     n: usize,
     heads: usize,
     d: usize,
     dst: &mut Vec<f32>,
+    staging: &mut Vec<u8>,
+    copy: bool,
 ) -> Result<(), String> {
-    if t.buffer.is_null() || unsafe { !sys::ggml_backend_buffer_is_host(t.buffer) } {
-        return Err("an attention input is not in host memory".into());
+    if t.buffer.is_null() || t.data.is_null() {
+        return Err("an attention input is not allocated".into());
     }
     if t.ne[0] as usize != d || t.ne[2] as usize != heads || (t.ne[1] as usize) < n || t.ne[3] != 1
     {
@@ -190,13 +204,37 @@ unsafe fn gather(
     };
     let nb = t.nb;
     dst.clear();
+    if n == 0 {
+        return Ok(());
+    }
     dst.reserve(n * heads * d);
-    let base = t.data as *const u8;
+    // SAFETY: a non-null buffer of a live tensor.
+    let host = unsafe { sys::ggml_backend_buffer_is_host(t.buffer) } && !copy;
+    let base = if host {
+        t.data as *const u8
+    } else {
+        // The bytes the first n tokens span, read in one copy.
+        let span =
+            (d - 1) * nb[0] + (n - 1) * nb[1] + (heads - 1) * nb[2] + if f16 { 2 } else { 4 };
+        // SAFETY: a live tensor.
+        let total = unsafe { sys::ggml_nbytes(t) };
+        if span > total {
+            return Err(format!(
+                "an attention input spans {span} bytes for {n} tokens, beyond its {total}"
+            ));
+        }
+        staging.resize(span, 0);
+        // SAFETY: `span` bytes from offset 0 lie within the tensor (checked:
+        // ggml aborts otherwise) and `staging` holds them.
+        unsafe { sys::ggml_backend_tensor_get(t, staging.as_mut_ptr().cast(), 0, span) };
+        staging.as_ptr()
+    };
     for tok in 0..n {
         for h in 0..heads {
             let row = tok * nb[1] + h * nb[2];
             for i in 0..d {
-                // SAFETY: in bounds of the tensor by its shape and strides.
+                // SAFETY: in bounds of the tensor (or its copy) by its shape
+                // and strides.
                 let x = unsafe {
                     let p = base.add(row + i * nb[0]);
                     if f16 {
@@ -255,19 +293,28 @@ impl State {
                 ));
             }
         }
+        let copy = self.copy_tensors;
         unsafe {
-            gather(q, n, nh, d, &mut self.q)?;
-            gather(k, n, kvh, d, &mut self.k)?;
-            gather(v, n, kvh, d, &mut self.v)?;
+            gather(q, n, nh, d, &mut self.q, &mut self.staging, copy)?;
+            gather(k, n, kvh, d, &mut self.k, &mut self.staging, copy)?;
+            gather(v, n, kvh, d, &mut self.v, &mut self.staging, copy)?;
         }
         // The scratch is this layer's while it is computed.
         self.layers[il].swap_shared(&mut self.scratch);
         let r = self.apply(il, scale);
         self.layers[il].swap_shared(&mut self.scratch);
         r?;
-        // SAFETY: checked contiguous f32 of n × nh·d values in host memory.
-        let dst = unsafe { std::slice::from_raw_parts_mut(t.data as *mut f32, n * nh * d) };
-        dst.copy_from_slice(&self.out);
+        // SAFETY: a non-null buffer (checked by `check_kqv_out`).
+        if unsafe { sys::ggml_backend_buffer_is_host(t.buffer) } && !copy {
+            // SAFETY: checked contiguous f32 of n × nh·d values in host memory.
+            let dst = unsafe { std::slice::from_raw_parts_mut(t.data as *mut f32, n * nh * d) };
+            dst.copy_from_slice(&self.out);
+        } else {
+            // SAFETY: the tensor is exactly n × nh·d contiguous f32 (checked).
+            unsafe {
+                sys::ggml_backend_tensor_set(t, self.out.as_ptr().cast(), 0, n * nh * d * 4);
+            }
+        }
         self.layers_done += 1;
         Ok(())
     }
@@ -543,6 +590,8 @@ impl<'m> GraftedContext<'m> {
         let mut state = Box::new(State {
             layers,
             scratch: SharedTail::new(&layout, opts.scratch_blocks),
+            copy_tensors: opts.copy_tensors,
+            staging: Vec::new(),
             n_head: g.n_head as usize,
             kv_heads,
             head_dim: d,

@@ -53,7 +53,6 @@ pub struct Model {
     geometry: ModelGeometry,
     architecture: String,
     name: String,
-    gpu_layers: u32,
 }
 
 impl std::fmt::Debug for Model {
@@ -154,7 +153,6 @@ impl Model {
             geometry,
             architecture,
             name,
-            gpu_layers: opts.gpu_layers,
         })
     }
 
@@ -362,16 +360,6 @@ impl Model {
         };
         if recurrent || hybrid {
             return refuse("recurrent or hybrid memory (no KV cache to graft)".into());
-        }
-        // On an offloaded layer `kqv_out` lives in device memory, which the
-        // CPU kernel cannot read. (A CUDA build with no device keeps every
-        // layer on the CPU.)
-        if self.gpu_layers > 0 && crate::gpu_memory().is_some() {
-            return refuse(format!(
-                "{} layers offloaded to the GPU: our attention runs on the CPU only so far \
-                 (use --kv-backend llama with --gpu-layers, or --gpu-layers 0)",
-                self.gpu_layers
-            ));
         }
         if encoder {
             return refuse("an encoder with cross-attention".into());

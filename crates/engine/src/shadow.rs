@@ -199,6 +199,12 @@ impl State {
             Node::Out => {
                 let n = t.ne[1] as usize;
                 crate::raw::check_kqv_out(t, il, nh * d, None)?;
+                // SAFETY: a non-null buffer (checked).
+                if unsafe { !sys::ggml_backend_buffer_is_host(t.buffer) } {
+                    return Err(format!(
+                        "kqv_out-{il} is not in host memory (shadow attention runs on the CPU)"
+                    ));
+                }
                 // kqv_out is a reshape of the flash-attention op: read its scale.
                 let src = t.src[0];
                 // SAFETY: a node's sources live as long as the graph.

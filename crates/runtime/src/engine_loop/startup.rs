@@ -271,6 +271,7 @@ impl<'m> Engine<'m> {
                         max_seqs: max_running,
                         threads: cfg.context.n_threads,
                         kernel_threads: *kernel_threads,
+                        copy_tensors: false,
                     },
                 )
                 .map_err(start)?;
