@@ -116,10 +116,13 @@ impl GraftKv<'_> {
         branch: &Branch,
         kept: usize,
     ) -> Result<(), RuntimeError> {
+        if kept == 0 {
+            return Ok(());
+        }
         let t = self.block_size;
-        let span = self.branch_span(pos, kept.max(1));
+        let span = self.branch_span(pos, kept);
         let mut copies = Vec::with_capacity(span.len());
-        for i in span.clone().take_while(|_| kept > 0) {
+        for i in span.clone() {
             let lo = (pos + 1).max(i * t);
             let hi = (pos + 1 + kept).min((i + 1) * t);
             let dst = table.get(i).ok_or_else(|| {
@@ -230,7 +233,7 @@ impl GraftKv<'_> {
                 a = b;
             }
             // A token tree's later branches, after the decode token.
-            let pos = start + item.tokens.len() - 1;
+            let pos = (start + item.tokens.len()).saturating_sub(1);
             for br in &run.branches {
                 let span = self.branch_span(pos, br.batch.len());
                 if span.len() != br.blocks.len() {

@@ -163,7 +163,7 @@ impl Engine<'_> {
         temps: Vec<SeqId>,
     ) -> Result<(), Vec<Vec<TokenId>>> {
         let decode_idx = w.idx[0];
-        let mut blocks = match &mut self.kv {
+        let blocks = match &mut self.kv {
             Kv::Llama(l) => {
                 for &t in &temps {
                     let _ = l.ctx.seq_cp(seq, t, None, None);
@@ -181,7 +181,7 @@ impl Engine<'_> {
         };
         let on_llama = matches!(self.kv, Kv::Llama(_));
         let mut graft = Vec::with_capacity(blocks.len());
-        let mut own = blocks.drain(..);
+        let mut own = blocks.into_iter();
         for (b, branch) in branches.iter().enumerate() {
             let bseq = if b > 0 && on_llama { temps[b - 1] } else { seq };
             let first = self.batch.len();
@@ -198,7 +198,6 @@ impl Engine<'_> {
                 });
             }
         }
-        drop(own);
         w.drafts = branches.concat();
         w.tree = Some(TreeWant {
             branches,
@@ -323,7 +322,7 @@ impl Engine<'_> {
                 .map_err(|e| RuntimeError::Engine(e.to_string())),
             // Branch 0 wrote into the request's own rows; a later branch's
             // kept rows move there from its branch blocks.
-            Kv::Graft(_) if b == 0 || a == 0 => Ok(()),
+            Kv::Graft(_) if b == 0 => Ok(()),
             Kv::Graft(g) => match self.sched.handle(id) {
                 Some(h) => g.keep_branch(
                     self.sched.kv().block_table(h),
