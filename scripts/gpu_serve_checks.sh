@@ -36,6 +36,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=gpu-run
+# The persistent target directory CI uses: llama.cpp's CUDA build (about 27
+# minutes on 2 cores) is kept there between sessions, not in the checkout.
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/siliceo/target}"
 
 case "${1:-}" in
 prepare)
