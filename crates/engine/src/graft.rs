@@ -532,6 +532,8 @@ pub struct GraftedContext<'m> {
     runs: Vec<Range<usize>>,
     /// llama.cpp sequence ids of the context.
     n_ids: usize,
+    /// Scratch tail blocks ([`GraftOptions::scratch_blocks`]).
+    n_scratch: usize,
 }
 
 impl std::fmt::Debug for GraftedContext<'_> {
@@ -640,6 +642,7 @@ impl<'m> GraftedContext<'m> {
             logits_mask: Vec::new(),
             runs: Vec::new(),
             n_ids: n_ids as usize,
+            n_scratch: opts.scratch_blocks,
         })
     }
 
@@ -665,13 +668,7 @@ impl<'m> GraftedContext<'m> {
 
     /// Scratch tail blocks (one set for all layers).
     pub fn scratch_blocks(&self) -> usize {
-        self.state.scratch.blocks()
-            + self
-                .state
-                .layers
-                .iter()
-                .map(KvPages::shared_blocks)
-                .sum::<usize>()
+        self.n_scratch
     }
 
     /// Bytes the store holds, all layers and the scratch.
@@ -840,13 +837,6 @@ impl<'m> GraftedContext<'m> {
             }
         }
         self.raw.batch.n_tokens = batch.len() as i32;
-        // A layer that panicked may still hold the scratch.
-        let state = &mut *self.state;
-        for pages in &mut state.layers {
-            if pages.shared_blocks() > 0 {
-                pages.swap_shared(&mut state.scratch);
-            }
-        }
         self.state.step = step;
         self.state.n_tokens = batch.len();
         self.state.layers_done = 0;
@@ -855,6 +845,15 @@ impl<'m> GraftedContext<'m> {
         // llama.cpp keeps nothing between steps.
         self.raw.clear_memory(false);
         let error = self.state.error.take();
+        if error.is_some() {
+            // A layer that panicked still holds the scratch.
+            let state = &mut *self.state;
+            for pages in &mut state.layers {
+                if pages.shared_blocks() > 0 {
+                    pages.swap_shared(&mut state.scratch);
+                }
+            }
+        }
         let done = self.state.layers_done;
         if error.is_some() || rc != 0 || done != self.state.layers.len() {
             self.logits_mask.clear();

@@ -48,8 +48,9 @@ pub(super) struct Run {
 pub(super) struct Branch {
     /// Batch indices (positions `pos + 1..` after the decode token's `pos`).
     pub(super) batch: Range<usize>,
-    /// Branch blocks for its block indices from `(pos + 1) / block_size`.
-    pub(super) blocks: Vec<u32>,
+    /// Branch blocks (consecutive) for its block indices from
+    /// `(pos + 1) / block_size`.
+    pub(super) blocks: Range<u32>,
 }
 
 impl GraftKv<'_> {
@@ -84,7 +85,7 @@ impl GraftKv<'_> {
         &mut self,
         pos: usize,
         lens: &[usize],
-    ) -> Option<Vec<Vec<u32>>> {
+    ) -> Option<Vec<Range<u32>>> {
         let need: usize = lens.iter().map(|&n| self.branch_span(pos, n).len()).sum();
         if need > (self.branches.end - self.branch_next) as usize {
             return None;
@@ -93,9 +94,8 @@ impl GraftKv<'_> {
             lens.iter()
                 .map(|&n| {
                     let k = self.branch_span(pos, n).len() as u32;
-                    let b = (self.branch_next..self.branch_next + k).collect();
                     self.branch_next += k;
-                    b
+                    self.branch_next - k..self.branch_next
                 })
                 .collect(),
         )
@@ -129,7 +129,7 @@ impl GraftKv<'_> {
                 RuntimeError::Engine(format!("a kept branch reaches block {i}, beyond its table"))
             })?;
             copies.push(RowCopy {
-                src: branch.blocks[i - span.start],
+                src: branch.blocks.start + (i - span.start) as u32,
                 dst: self.tail(*dst)?,
                 rows: lo - i * t..hi - i * t,
             });
@@ -247,14 +247,16 @@ impl GraftKv<'_> {
                     // Its first block starts as the request's partial block.
                     g.copies.push(RowCopy {
                         src: open(span.start)?,
-                        dst: br.blocks[0],
+                        dst: br.blocks.start,
                         rows: 0..pos % t + 1,
                     });
                 }
                 let end = pos + 1 + br.batch.len();
                 for p in pos + 1..end {
-                    g.writes
-                        .push((br.blocks[p / t - span.start], (p % t) as u16));
+                    g.writes.push((
+                        br.blocks.start + (p / t - span.start) as u32,
+                        (p % t) as u16,
+                    ));
                 }
                 let sealed_n = cfg.sealed_at(end);
                 if sealed_n > span.start {
@@ -274,7 +276,7 @@ impl GraftKv<'_> {
                         kv_view.tail.push(open(i)?);
                     }
                 }
-                kv_view.tail.extend_from_slice(&br.blocks);
+                kv_view.tail.extend(br.blocks.clone());
                 g.queries.push(GraftQuery {
                     tokens: br.batch.clone(),
                     kv: kv_view,

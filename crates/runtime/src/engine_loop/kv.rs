@@ -37,22 +37,22 @@ pub(crate) struct GraftKv<'m> {
     /// open ones), handed out per step from the first: `branches.start..
     /// branch_next` are this step's.
     pub(crate) branches: std::ops::Range<u32>,
+    pub(crate) branch_next: u32,
     /// The scratch blocks (after those; one set for all layers).
     pub(crate) scratch: std::ops::Range<u32>,
-    pub(crate) branch_next: u32,
     pub(crate) block_size: usize,
     pub(crate) config: KvConfig,
 }
 
 impl<'m> GraftKv<'m> {
     pub(crate) fn new(ctx: GraftedContext<'m>, plan: StorePlan, config: &KvConfig) -> Self {
+        let branches = plan.open_blocks..plan.open_blocks + plan.branch_blocks;
         GraftKv {
             ctx,
             sealed_base: plan.open_blocks,
-            branches: plan.open_blocks..plan.open_blocks + plan.branch_blocks,
-            scratch: plan.open_blocks + plan.branch_blocks
-                ..plan.open_blocks + plan.branch_blocks + plan.scratch_blocks,
-            branch_next: plan.open_blocks,
+            branch_next: branches.start,
+            scratch: branches.end..branches.end + plan.scratch_blocks,
+            branches,
             block_size: config.block_size as usize,
             config: *config,
         }

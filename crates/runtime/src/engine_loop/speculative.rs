@@ -283,7 +283,7 @@ impl Engine<'_> {
             .first()
             .and_then(|f| t.branches.iter().position(|br| br[0] == *f))
             .unwrap_or(0);
-        self.tree_later_branches_kept += u64::from(b > 0 && a > 0);
+        self.tree_later_branches_kept += u64::from(b > 0);
         // The draft model's cells: with branch b > 0 kept, the request's draft
         // sequence takes that branch's computed cells (all but its last token).
         if b > 0
@@ -307,11 +307,9 @@ impl Engine<'_> {
                 let _ = d.ctx.seq_rm(seq, None, None);
             }
         }
+        let engine = |e: siliceo_engine::EngineError| RuntimeError::Engine(e.to_string());
         let fixed = match &mut self.kv {
-            Kv::Llama(l) if b == 0 => l
-                .ctx
-                .seq_rm(seq, Some(first + a), None)
-                .map_err(|e| RuntimeError::Engine(e.to_string())),
+            Kv::Llama(l) if b == 0 => l.ctx.seq_rm(seq, Some(first + a), None).map_err(engine),
             Kv::Llama(l) => l
                 .ctx
                 .seq_rm(seq, Some(first), None)
@@ -319,7 +317,7 @@ impl Engine<'_> {
                     l.ctx
                         .seq_cp(t.temps[b - 1], seq, Some(first), Some(first + a))
                 })
-                .map_err(|e| RuntimeError::Engine(e.to_string())),
+                .map_err(engine),
             // Branch 0 wrote into the request's own rows; a later branch's
             // kept rows move there from its branch blocks.
             Kv::Graft(_) if b == 0 => Ok(()),

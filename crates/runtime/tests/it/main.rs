@@ -591,7 +591,26 @@ fn speculate_alone_and_together(
     n: u32,
     what: &str,
 ) -> (u32, u32) {
-    let (mut drafted, mut accepted) = (0, 0);
+    let usages = speculate_and_check(rt, prompts, n, what, |i, tokens, what| {
+        assert_same_or_near_tie(tokens, &expected[i], what)
+    });
+    let drafted = usages.iter().map(|u| u.draft_tokens).sum::<u32>();
+    let accepted = usages.iter().map(|u| u.accepted_draft_tokens).sum::<u32>();
+    eprintln!("{what}: {accepted} of {drafted} drafted tokens accepted");
+    (drafted, accepted)
+}
+
+/// Runs `prompts` with speculation one at a time (checking KV after each),
+/// then all together, each output through `check(prompt index, tokens,
+/// label)`. Returns the one-at-a-time runs' usage.
+fn speculate_and_check(
+    rt: &Runtime,
+    prompts: &[&str],
+    n: u32,
+    what: &str,
+    check: impl Fn(usize, &[TokenId], &str),
+) -> Vec<siliceo_runtime::Usage> {
+    let mut usages = Vec::with_capacity(prompts.len());
     for (i, p) in prompts.iter().enumerate() {
         let (_, tokens, done) = rt
             .submit(speculative_request(p, n))
@@ -599,11 +618,10 @@ fn speculate_alone_and_together(
             .blocking_collect();
         let u = usage_of(&done);
         assert_eq!(u.completion_tokens, n);
-        drafted += u.draft_tokens;
-        accepted += u.accepted_draft_tokens;
-        assert_same_or_near_tie(&tokens, &expected[i], &format!("{what}, alone, {i}"));
+        check(i, &tokens, &format!("{what}, alone, {i}"));
         // Rollback leaves no stray cells in the target's (or draft's) KV.
         rt.check_kv().unwrap();
+        usages.push(u);
     }
     let streams: Vec<_> = prompts
         .iter()
@@ -612,10 +630,9 @@ fn speculate_alone_and_together(
     for (i, s) in streams.into_iter().enumerate() {
         let (_, tokens, done) = s.blocking_collect();
         usage_of(&done);
-        assert_same_or_near_tie(&tokens, &expected[i], &format!("{what}, together, {i}"));
+        check(i, &tokens, &format!("{what}, together, {i}"));
     }
-    eprintln!("{what}: {accepted} of {drafted} drafted tokens accepted");
-    (drafted, accepted)
+    usages
 }
 
 #[test]
@@ -786,23 +803,10 @@ fn ngram_token_trees_on_our_store_give_exactly_the_plain_tokens() {
         ..Default::default()
     });
     let rt = Runtime::start(cfg).unwrap();
-    for (i, p) in prompts.iter().enumerate() {
-        let (_, tokens, done) = rt
-            .submit(speculative_request(p, n))
-            .unwrap()
-            .blocking_collect();
-        assert!(usage_of(&done).accepted_draft_tokens > 0);
-        assert_eq!(tokens, plain[i], "tree, alone, prompt {i}");
-        rt.check_kv().unwrap();
-    }
-    let streams: Vec<_> = prompts
-        .iter()
-        .map(|p| rt.submit(speculative_request(p, n)).unwrap())
-        .collect();
-    for (i, s) in streams.into_iter().enumerate() {
-        let (_, tokens, _) = s.blocking_collect();
-        assert_eq!(tokens, plain[i], "tree, together, prompt {i}");
-    }
+    let usages = speculate_and_check(&rt, &prompts, n, "tree", |i, tokens, what| {
+        assert_eq!(tokens, plain[i], "{what}")
+    });
+    assert!(usages.iter().all(|u| u.accepted_draft_tokens > 0));
     let s = rt.stats().unwrap();
     eprintln!(
         "trees: {} verified, {} kept a later branch",
