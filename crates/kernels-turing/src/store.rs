@@ -592,12 +592,7 @@ impl KvPages {
                 (1, l.v, h * (ks + vs) + ks, vs),
             ] {
                 let s = src_base + (h * 2 + which) * f16_seg;
-                let from = if shared {
-                    self.shared.bytes.as_slice()
-                } else {
-                    self.tail.as_slice()
-                };
-                Codec::F16.decode(&from[s..s + f16_seg], t, d, &mut tile);
+                Codec::F16.decode(&self.tail_buf(shared)[s..s + f16_seg], t, d, &mut tile);
                 let dst = &mut self.sealed.as_mut_slice()
                     [dst_base + dst_off..dst_base + dst_off + dst_len];
                 codec.encode(&tile, t, d, dst);

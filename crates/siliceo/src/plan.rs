@@ -298,11 +298,7 @@ fn plan_store_cmd(a: &PlanArgs, kv: &str, g: &ModelGeometry, name: &str) -> Resu
     };
     let max_running = a.max_running.unwrap_or(16).clamp(1, 240);
     let batch = a.batch_tokens.unwrap_or(512).max(1);
-    let spec = siliceo_runtime::SpeculativeConfig {
-        max_draft: a.spec_max_draft.unwrap_or(8).clamp(1, 16),
-        tree_width: a.spec_tree_width.unwrap_or(1).clamp(1, 8),
-        ..Default::default()
-    };
+    let spec = crate::serve::speculative_config(None, a.spec_max_draft, a.spec_tree_width);
     let branch_blocks = spec.tree_branch_blocks(a.block_size, max_running);
     let (input, p) = siliceo_runtime::store_plan(
         g,

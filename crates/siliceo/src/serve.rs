@@ -179,6 +179,22 @@ impl ServeArgs {
 }
 
 /// The runtime, gRPC and HTTP configuration `a` describes.
+/// Speculative decoding as `--spec-max-draft` [8, 1–16] and
+/// `--spec-tree-width` [1, 1–8] ask for (`siliceo plan` sizes the store the
+/// same way).
+pub(crate) fn speculative_config(
+    draft_model: Option<PathBuf>,
+    max_draft: Option<usize>,
+    tree_width: Option<usize>,
+) -> siliceo_runtime::SpeculativeConfig {
+    siliceo_runtime::SpeculativeConfig {
+        draft_model,
+        max_draft: max_draft.unwrap_or(8).clamp(1, 16),
+        tree_width: tree_width.unwrap_or(1).clamp(1, 8),
+        ..Default::default()
+    }
+}
+
 fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig, Option<HttpConfig>)> {
     let a = match &a.config {
         Some(path) => {
@@ -251,12 +267,11 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig, Option<HttpConf
     }
     rc.prefix_caching = !a.no_prefix_cache;
     if a.spec_ngram || a.draft_model.is_some() {
-        rc.speculative = Some(siliceo_runtime::SpeculativeConfig {
-            draft_model: a.draft_model.clone(),
-            max_draft: a.spec_max_draft.unwrap_or(8).clamp(1, 16),
-            tree_width: a.spec_tree_width.unwrap_or(1).clamp(1, 8),
-            ..Default::default()
-        });
+        rc.speculative = Some(speculative_config(
+            a.draft_model.clone(),
+            a.spec_max_draft,
+            a.spec_tree_width,
+        ));
     }
     rc.context.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
     let tls = match (&a.tls_cert, &a.tls_key) {
