@@ -17,6 +17,13 @@
 //       blocks as f16 (the F16 tail of recent tokens).
 //   siliceo_kv_seal_<k>_<v>           quantizes one full tail block into a
 //       sealed block (the tail block ageing out), all heads.
+//   siliceo_kv_write_strided          grafted serving: writes a step's K/V
+//       rows straight from llama.cpp's tensors (any strides, f16 or f32)
+//       into tail blocks, K Hadamard-rotated when asked.
+//   siliceo_gather_q                  grafted serving: llama.cpp's Q (any
+//       strides) into the decode kernel's pre-scaled, rotated query rows.
+//   siliceo_kv_copy_rows              copies token rows of one tail block
+//       into another (copy-on-write, token-tree branches).
 //
 // Codec ids: 0 F16, 1 KV8 (int8 + f16 scale per group), 2 K5 (5-bit per
 // channel across the block), 3 V4 (4-bit per token per group).
@@ -502,3 +509,80 @@ __device__ void seal_segment(const __half* src, uint8_t* dst, int T, int D, int 
 SEAL(f16_f16, F16, F16)
 SEAL(kv8_kv8, KV8, KV8)
 SEAL(k5_v4, K5, V4)
+
+// ---------------------------------------------------------------------------
+// Grafted serving: llama.cpp computes Q, K and V of a layer on the device; the
+// kernels below take them from its tensors as they lie (a `[D, tokens, heads]`
+// view with byte strides nb0, nb1, nb2, f16 or f32 elements).
+
+__device__ __forceinline__ float strided_elem(const uint8_t* base, int f16, size_t off) {
+    if (f16) return __half2float(*reinterpret_cast<const __half*>(base + off));
+    return *reinterpret_cast<const float*>(base + off);
+}
+
+// The normalised Walsh–Hadamard transform of the D values in shared `xs`, one
+// thread per value (blockDim.x == D), as the CPU's `hadamard`: the same
+// butterflies in the same order, each sum rounded once, then × norm.
+__device__ __forceinline__ float rotate_shared(float* xs, int c, int D, float norm) {
+    __syncthreads();
+    for (int h = 1; h < D; h *= 2) {
+        if ((c & h) == 0) {
+            float u = xs[c], w = xs[c + h];
+            xs[c] = __fadd_rn(u, w);
+            xs[c + h] = __fsub_rn(u, w);
+        }
+        __syncthreads();
+    }
+    return __fmul_rn(xs[c], norm);
+}
+
+// Grid (KVH, n), D threads, D floats of dynamic shared memory: batch token i's
+// K and V of head h (element c at c·nb0 + i·nb1 + h·nb2) go to row
+// slot_row[i] of tail block slot_block[i] as f16; K rotated when `rotate`.
+extern "C" __global__ void siliceo_kv_write_strided(uint8_t* tail, const uint8_t* k, const uint8_t* v,
+                                                    int k_f16, int v_f16, unsigned k_nb0, unsigned k_nb1,
+                                                    unsigned k_nb2, unsigned v_nb0, unsigned v_nb1,
+                                                    unsigned v_nb2, const uint32_t* slot_block,
+                                                    const int* slot_row, int KVH, int D, int T, int rotate,
+                                                    float norm) {
+    DYNAMIC_SHARED(float, xs);
+    const int h = blockIdx.x, i = blockIdx.y, c = threadIdx.x;
+    float x = strided_elem(k, k_f16, (size_t)c * k_nb0 + (size_t)i * k_nb1 + (size_t)h * k_nb2);
+    if (rotate) {
+        xs[c] = x;
+        x = rotate_shared(xs, c, D, norm);
+    }
+    const float y = strided_elem(v, v_f16, (size_t)c * v_nb0 + (size_t)i * v_nb1 + (size_t)h * v_nb2);
+    const size_t seg = (size_t)T * D * 2;
+    uint8_t* base = tail + (size_t)slot_block[i] * KVH * 2 * seg + h * 2 * seg;
+    reinterpret_cast<__half*>(base)[slot_row[i] * D + c] = __float2half(x);
+    reinterpret_cast<__half*>(base + seg)[slot_row[i] * D + c] = __float2half(y);
+}
+
+// Grid (H, n), D threads, D floats of dynamic shared memory: query head h of
+// batch token i, × scale and rotated when `rotate` (as the host prepares
+// queries for the decode kernel), into q[(i·H + h)·D + c].
+extern "C" __global__ void siliceo_gather_q(float* q, const uint8_t* src, int f16, unsigned nb0, unsigned nb1,
+                                            unsigned nb2, int H, int D, float scale, int rotate, float norm) {
+    DYNAMIC_SHARED(float, xs);
+    const int h = blockIdx.x, i = blockIdx.y, c = threadIdx.x;
+    float x = strided_elem(src, f16, (size_t)c * nb0 + (size_t)i * nb1 + (size_t)h * nb2) * scale;
+    if (rotate) {
+        xs[c] = x;
+        x = rotate_shared(xs, c, D, norm);
+    }
+    q[((size_t)i * H + h) * D + c] = x;
+}
+
+// Grid (ceil(rows·D / 256), KVH, 2), 256 threads: rows row0.. row0 + rows of
+// tail block src, K (z = 0) or V (z = 1) of head y, into the same rows of dst.
+extern "C" __global__ void siliceo_kv_copy_rows(uint8_t* tail, uint32_t src, uint32_t dst, int row0, int rows,
+                                                int KVH, int D, int T) {
+    const int x = blockIdx.x * blockDim.x + threadIdx.x;
+    if (x >= rows * D) return;
+    const size_t seg = (size_t)T * D * 2;
+    const size_t off = (2 * blockIdx.y + blockIdx.z) * seg + ((size_t)row0 * D + x) * 2;
+    const uint8_t* s = tail + (size_t)src * KVH * 2 * seg + off;
+    uint8_t* d = tail + (size_t)dst * KVH * 2 * seg + off;
+    *reinterpret_cast<__half*>(d) = *reinterpret_cast<const __half*>(s);
+}

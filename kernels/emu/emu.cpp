@@ -8,7 +8,7 @@
 //       so a kernel reading or writing past the end faults at once;
 //   siliceo_emu_launch                     one launch: grid × block threads,
 //       arguments as cuLaunchKernel takes them (an array of pointers to the
-//       values) plus their kinds ('p' pointer, 'i' int, 'u' unsigned), which
+//       values) plus their kinds ('p' pointer, 'i' int, 'u' unsigned, 'f' float), which
 //       must match the kernel's signature.
 //   siliceo_emu_trace / siliceo_emu_trace_stats
 //                                          count what the K/V loads of the
@@ -320,6 +320,7 @@ constexpr char kind() {
     if constexpr (std::is_pointer_v<T>) return 'p';
     else if constexpr (std::is_same_v<T, int>) return 'i';
     else if constexpr (std::is_same_v<T, unsigned>) return 'u';
+    else if constexpr (std::is_same_v<T, float>) return 'f';
     else static_assert(sizeof(T) == 0, "argument type not emulated");
 }
 
@@ -366,6 +367,9 @@ const Entry ENTRIES[] = {
     KERNEL(siliceo_kv_seal_f16_f16),
     KERNEL(siliceo_kv_seal_kv8_kv8),
     KERNEL(siliceo_kv_seal_k5_v4),
+    KERNEL(siliceo_kv_write_strided),
+    KERNEL(siliceo_gather_q),
+    KERNEL(siliceo_kv_copy_rows),
     KERNEL(siliceo_emu_test_deadlock),
     KERNEL(siliceo_emu_test_sum),
 };

@@ -15,7 +15,8 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+    PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -85,6 +86,41 @@ impl Backend for Cuda {
         buf.len()
     }
 
+    fn addr(&self, buf: &CudaSlice<u8>) -> u64 {
+        let (ptr, _sync) = buf.device_ptr(&self.stream);
+        ptr
+    }
+
+    fn read_at(
+        &self,
+        buf: &CudaSlice<u8>,
+        offset: usize,
+        len: usize,
+    ) -> Result<Vec<u8>, KernelError> {
+        if offset + len > buf.len() {
+            return Err(KernelError::Shape("read past a buffer's end".into()));
+        }
+        self.stream
+            .clone_dtoh(&buf.slice(offset..offset + len))
+            .map_err(cuda_err("download"))
+    }
+
+    fn write_at(
+        &self,
+        buf: &mut CudaSlice<u8>,
+        offset: usize,
+        bytes: &[u8],
+    ) -> Result<(), KernelError> {
+        if offset + bytes.len() > buf.len() {
+            return Err(KernelError::Shape("write past a buffer's end".into()));
+        }
+        let mut dst = buf.slice_mut(offset..offset + bytes.len());
+        self.stream
+            .memcpy_htod(bytes, &mut dst)
+            .map_err(cuda_err("upload"))?;
+        self.stream.synchronize().map_err(cuda_err("synchronize"))
+    }
+
     unsafe fn launch(
         &self,
         kernel: &str,
@@ -117,6 +153,10 @@ impl Backend for Cuda {
                 Arg::Buf(x) => b.arg(*x),
                 Arg::I32(x) => b.arg(x),
                 Arg::U32(x) => b.arg(x),
+                Arg::F32(x) => b.arg(x),
+                // A raw device address, passed as the pointer parameter's
+                // 8 bytes.
+                Arg::Ptr(p) => b.arg(p),
             };
         }
         let cfg = LaunchConfig {

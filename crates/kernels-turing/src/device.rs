@@ -107,15 +107,33 @@ pub enum Arg<'a, B> {
     I32(i32),
     /// A 32-bit unsigned integer.
     U32(u32),
+    /// A 32-bit float.
+    F32(f32),
+    /// A device address the backend did not allocate (a llama.cpp tensor's
+    /// data on the same device: on CUDA a `CUdeviceptr` of the primary
+    /// context, in the emulator a host address).
+    Ptr(u64),
 }
 
-impl<B> Arg<'_, B> {
+impl<'a, B> Arg<'a, B> {
+    /// The same argument again (a buffer by reference).
+    pub fn dup(&self) -> Arg<'a, B> {
+        match *self {
+            Arg::Buf(b) => Arg::Buf(b),
+            Arg::I32(x) => Arg::I32(x),
+            Arg::U32(x) => Arg::U32(x),
+            Arg::F32(x) => Arg::F32(x),
+            Arg::Ptr(p) => Arg::Ptr(p),
+        }
+    }
+
     /// The argument's kind as the emulator checks it: pointer, int, unsigned.
     pub fn kind(&self) -> char {
         match self {
-            Arg::Buf(_) => 'p',
+            Arg::Buf(_) | Arg::Ptr(_) => 'p',
             Arg::I32(_) => 'i',
             Arg::U32(_) => 'u',
+            Arg::F32(_) => 'f',
         }
     }
 }
@@ -133,6 +151,17 @@ pub trait Backend {
     fn download(&self, buf: &Self::Buf) -> Result<Vec<u8>, KernelError>;
     /// The buffer's size in bytes.
     fn buf_len(buf: &Self::Buf) -> usize;
+    /// The buffer's device address (for [`Arg::Ptr`] and kernels that take
+    /// memory the backend did not allocate, such as tests standing in for
+    /// llama.cpp's tensors).
+    fn addr(&self, buf: &Self::Buf) -> u64;
+    /// `len` bytes of the buffer from `offset` (waits for queued work).
+    /// Callers check the range against [`Backend::buf_len`].
+    fn read_at(&self, buf: &Self::Buf, offset: usize, len: usize) -> Result<Vec<u8>, KernelError>;
+    /// Writes `bytes` into the buffer at `offset` (waits for queued work).
+    /// Callers check the range against [`Backend::buf_len`].
+    fn write_at(&self, buf: &mut Self::Buf, offset: usize, bytes: &[u8])
+    -> Result<(), KernelError>;
     /// Queues a launch of the kernel named `kernel`.
     ///
     /// # Safety
@@ -160,10 +189,10 @@ pub struct Kernels<B> {
 /// a [`KvStore`] given the same appends and releases.
 #[derive(Debug)]
 pub struct DeviceKv<B: Backend> {
-    layout: KvLayout,
-    sealed: B::Buf,
-    tail: B::Buf,
-    pools: BlockPools,
+    pub(crate) layout: KvLayout,
+    pub(crate) sealed: B::Buf,
+    pub(crate) tail: B::Buf,
+    pub(crate) pools: BlockPools,
 }
 
 impl<B: Backend> DeviceKv<B> {
@@ -203,17 +232,17 @@ impl<B: Backend> DeviceKv<B> {
 }
 
 /// Little-endian bytes of numbers (what a device buffer holds).
-fn le_bytes<T, const N: usize>(x: &[T], to_le: impl Fn(&T) -> [u8; N]) -> Vec<u8> {
+pub(crate) fn le_bytes<T, const N: usize>(x: &[T], to_le: impl Fn(&T) -> [u8; N]) -> Vec<u8> {
     x.iter().flat_map(to_le).collect()
 }
 
-fn bytes_f32(b: &[u8]) -> Vec<f32> {
+pub(crate) fn bytes_f32(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect()
 }
 
-fn codec_names(layout: &KvLayout) -> Result<(&'static str, i32, i32), KernelError> {
+pub(crate) fn codec_names(layout: &KvLayout) -> Result<(&'static str, i32, i32), KernelError> {
     let name = match (layout.k, layout.v) {
         (Codec::F16, Codec::F16) => "f16_f16",
         (Codec::Kv8 { .. }, Codec::Kv8 { .. }) => "kv8_kv8",
@@ -373,6 +402,39 @@ impl<B: Backend> Kernels<B> {
     ) -> Result<DecodeRun<B>, KernelError> {
         let l = kv.layout;
         let d = l.head_dim;
+        if q.len() != seqs.len() * n_heads * d || seqs.is_empty() {
+            return Err(KernelError::Shape(format!(
+                "q has {} values for {} sequences",
+                q.len(),
+                seqs.len()
+            )));
+        }
+        let mut qh = q.to_vec();
+        for row in qh.chunks_exact_mut(d) {
+            for x in row.iter_mut() {
+                *x *= scale;
+            }
+            if l.rotate_k {
+                hadamard(row);
+            }
+        }
+        self.decode_run(kv, seqs, n_heads, partition_tokens, Some(&qh))
+    }
+
+    /// A decode run over `seqs`: checks, block tables, partitions. With
+    /// `q` (pre-scaled and rotated) it owns its output buffer; without, its
+    /// query buffer is left for a kernel to fill ([`Kernels::graft_layer`])
+    /// and the output goes where the caller points it.
+    pub(crate) fn decode_run(
+        &self,
+        kv: &DeviceKv<B>,
+        seqs: &[&SeqKv],
+        n_heads: usize,
+        partition_tokens: usize,
+        q: Option<&[f32]>,
+    ) -> Result<DecodeRun<B>, KernelError> {
+        let l = kv.layout;
+        let d = l.head_dim;
         if d != 64 && d != 128 && d != 256 {
             return Err(KernelError::Layout(format!(
                 "the CUDA kernels are built for head dimensions 64, 128 and 256, not {d}"
@@ -384,12 +446,8 @@ impl<B: Backend> Kernels<B> {
                 l.kv_heads
             )));
         }
-        if q.len() != seqs.len() * n_heads * d || seqs.is_empty() {
-            return Err(KernelError::Shape(format!(
-                "q has {} values for {} sequences",
-                q.len(),
-                seqs.len()
-            )));
+        if seqs.is_empty() {
+            return Err(KernelError::Shape("a decode needs a sequence".into()));
         }
         let (name, kg, vg) = codec_names(&l)?;
         if kg % 8 != 0 || vg % 8 != 0 {
@@ -424,15 +482,6 @@ impl<B: Backend> Kernels<B> {
             )));
         }
         let p = max_len.div_ceil(part);
-        let mut qh = q.to_vec();
-        for row in qh.chunks_exact_mut(d) {
-            for x in row.iter_mut() {
-                *x *= scale;
-            }
-            if l.rotate_k {
-                hadamard(row);
-            }
-        }
         let max_sealed = seqs
             .iter()
             .map(|s| s.sealed.len())
@@ -453,11 +502,17 @@ impl<B: Backend> Kernels<B> {
         Ok(DecodeRun {
             kernel: format!("siliceo_attn_decode_{name}_d{d}_g{group}"),
             group,
-            out: b.zeros(rows * d * 4)?,
+            out: match q {
+                Some(_) => Some(b.zeros(rows * d * 4)?),
+                None => None,
+            },
             part_m: b.zeros(rows * p * 4)?,
             part_l: b.zeros(rows * p * 4)?,
             part_acc: b.zeros(rows * p * d * 4)?,
-            q: b.upload(&le_bytes(&qh, |x| x.to_le_bytes()))?,
+            q: match q {
+                Some(q) => b.upload(&le_bytes(q, |x| x.to_le_bytes()))?,
+                None => b.zeros(rows * d * 4)?,
+            },
             sealed_tab: b.upload(&le_bytes(&sealed_tab, |x| x.to_le_bytes()))?,
             tail_tab: b.upload(&le_bytes(&tail_tab, |x| x.to_le_bytes()))?,
             lens: b.upload(&le_bytes(&lens, |x| x.to_le_bytes()))?,
@@ -552,6 +607,17 @@ impl<B: Backend> Kernels<B> {
     /// layout's codecs (the tail block ageing out). A raw step like
     /// [`Kernels::write_rows`]: the pools' bookkeeping is left alone.
     pub fn seal(&self, kv: &mut DeviceKv<B>, src: u32, dst: u32) -> Result<(), KernelError> {
+        self.enqueue_seal(kv, src, dst)?;
+        self.backend.synchronize()
+    }
+
+    /// [`Kernels::seal`], queued without waiting.
+    pub(crate) fn enqueue_seal(
+        &self,
+        kv: &mut DeviceKv<B>,
+        src: u32,
+        dst: u32,
+    ) -> Result<(), KernelError> {
         let l = kv.layout;
         if (src as usize + 1) * l.tail_block_bytes() > B::buf_len(&kv.tail)
             || (dst as usize + 1) * l.block_bytes() > B::buf_len(&kv.sealed)
@@ -582,8 +648,7 @@ impl<B: Backend> Kernels<B> {
         unsafe {
             self.backend
                 .launch(&format!("siliceo_kv_seal_{name}"), launch, &args)
-        }?;
-        self.backend.synchronize()
+        }
     }
 }
 
@@ -594,7 +659,8 @@ pub struct DecodeRun<B: Backend> {
     kernel: String,
     /// Query heads per KV head the kernel is built for (`GT`).
     group: usize,
-    out: B::Buf,
+    /// The output, unless the caller names one ([`DecodeRun::enqueue_into`]).
+    out: Option<B::Buf>,
     part_m: B::Buf,
     part_l: B::Buf,
     part_acc: B::Buf,
@@ -639,6 +705,24 @@ impl<B: Backend> DecodeRun<B> {
     /// Queues the decode kernel (and the reduction when there are several
     /// partitions) without waiting.
     pub fn enqueue(&self, k: &Kernels<B>, kv: &DeviceKv<B>) -> Result<(), KernelError> {
+        let out = self.out.as_ref().ok_or_else(|| {
+            KernelError::Shape("this decode run writes where its caller says".into())
+        })?;
+        // SAFETY: the run's own output buffer holds seqs × heads × head_dim f32.
+        unsafe { self.enqueue_into(k, kv, Arg::Buf(out)) }
+    }
+
+    /// [`DecodeRun::enqueue`] with the output written to `out`.
+    ///
+    /// # Safety
+    /// `out` must be a device buffer (or address) holding `seqs × heads ×
+    /// head_dim` f32.
+    pub(crate) unsafe fn enqueue_into(
+        &self,
+        k: &Kernels<B>,
+        kv: &DeviceKv<B>,
+        out: Arg<'_, B::Buf>,
+    ) -> Result<(), KernelError> {
         if (kv.layout, kv.pools.capacity()) != self.store {
             return Err(KernelError::Shape(
                 "a decode run launched on a store of another layout or size than it was prepared for"
@@ -646,8 +730,11 @@ impl<B: Backend> DecodeRun<B> {
             ));
         }
         let sh = self.shape;
+        if !matches!(out, Arg::Buf(_) | Arg::Ptr(_)) {
+            return Err(KernelError::Shape("a decode's output is a buffer".into()));
+        }
         let args = [
-            Arg::Buf(&self.out),
+            out.dup(),
             Arg::Buf(&self.part_m),
             Arg::Buf(&self.part_l),
             Arg::Buf(&self.part_acc),
@@ -675,7 +762,7 @@ impl<B: Backend> DecodeRun<B> {
         unsafe { k.backend.launch(&self.kernel, self.decode_launch(), &args) }?;
         if sh.partitions > 1 {
             let args = [
-                Arg::Buf(&self.out),
+                out,
                 Arg::Buf(&self.part_m),
                 Arg::Buf(&self.part_l),
                 Arg::Buf(&self.part_acc),
@@ -717,6 +804,11 @@ impl<B: Backend> DecodeRun<B> {
         Ok(self)
     }
 
+    /// The query buffer (`seqs × heads × head_dim` f32, pre-scaled).
+    pub(crate) fn query_buf(&self) -> &B::Buf {
+        &self.q
+    }
+
     /// Tokens per partition this run uses.
     pub fn partition_tokens(&self) -> usize {
         self.shape.partition_tokens as usize
@@ -730,7 +822,10 @@ impl<B: Backend> DecodeRun<B> {
 
     /// The output of the last launch (`seqs × n_heads × head_dim`).
     pub fn output(&self, k: &Kernels<B>) -> Result<Vec<f32>, KernelError> {
-        Ok(bytes_f32(&k.backend.download(&self.out)?))
+        let out = self.out.as_ref().ok_or_else(|| {
+            KernelError::Shape("this decode run wrote where its caller said".into())
+        })?;
+        Ok(bytes_f32(&k.backend.download(out)?))
     }
 }
 

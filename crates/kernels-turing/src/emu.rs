@@ -193,6 +193,25 @@ impl Backend for Emulator {
         buf.len
     }
 
+    fn addr(&self, buf: &EmuBuf) -> u64 {
+        buf.ptr.as_ptr() as u64
+    }
+
+    fn read_at(&self, buf: &EmuBuf, offset: usize, len: usize) -> Result<Vec<u8>, KernelError> {
+        buf.bytes()
+            .get(offset..offset + len)
+            .map(<[u8]>::to_vec)
+            .ok_or_else(|| KernelError::Shape("read past a buffer's end".into()))
+    }
+
+    fn write_at(&self, buf: &mut EmuBuf, offset: usize, bytes: &[u8]) -> Result<(), KernelError> {
+        buf.bytes_mut()
+            .get_mut(offset..offset + bytes.len())
+            .ok_or_else(|| KernelError::Shape("write past a buffer's end".into()))?
+            .copy_from_slice(bytes);
+        Ok(())
+    }
+
     unsafe fn launch(
         &self,
         kernel: &str,
@@ -207,6 +226,8 @@ impl Backend for Emulator {
                 Arg::Buf(b) => b.ptr.as_ptr() as u64,
                 Arg::I32(x) => u64::from(*x as u32),
                 Arg::U32(x) => u64::from(*x),
+                Arg::F32(x) => u64::from(x.to_bits()),
+                Arg::Ptr(p) => *p,
             })
             .collect();
         let mut ptrs: Vec<*mut c_void> =

@@ -58,6 +58,8 @@ pub mod cuda;
 pub mod device;
 #[cfg(feature = "cuda-emu")]
 pub mod emu;
+#[cfg(any(feature = "cuda", feature = "cuda-emu"))]
+pub mod graft;
 pub mod hadamard;
 pub mod membw;
 mod pool;

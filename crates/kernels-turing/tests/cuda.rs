@@ -312,6 +312,212 @@ fn append_and_seal_quantize_within_the_codec_bounds<B: Backend>(k: &Kernels<B>) 
     }
 }
 
+/// llama.cpp's tensors of one layer, as the grafted path finds them, in
+/// device memory: Q f32 `[d, n, heads]` with tokens outermost (llama.cpp's
+/// permuted view), K f16 cache rows (a token's heads side by side, in a
+/// cache of more cells than the step has) and V f32 with heads outermost.
+struct LayerTensors<B: Backend> {
+    q: B::Buf,
+    k: B::Buf,
+    v: B::Buf,
+    qv: Vec<f32>,
+    kv: (Vec<f32>, Vec<f32>),
+}
+
+fn layer_tensors<B: Backend>(
+    k: &Kernels<B>,
+    n: usize,
+    (heads, kv_heads, d): (usize, usize, usize),
+    seed: usize,
+) -> LayerTensors<B> {
+    let q = data(n * heads * d, seed);
+    // K through f16 (what llama.cpp's cache holds), so the host gets the
+    // same values.
+    let kx: Vec<f32> = data(n * kv_heads * d, seed + 1)
+        .iter()
+        .map(|&x| half::f16::from_f32(x).to_f32())
+        .collect();
+    let vx = data(n * kv_heads * d, seed + 2);
+    let cells = n + 5;
+    let mut kb = vec![0u8; cells * kv_heads * d * 2];
+    for (i, x) in kx.iter().enumerate() {
+        kb[2 * i..2 * i + 2].copy_from_slice(&half::f16::from_f32(*x).to_le_bytes());
+    }
+    // V heads-outermost: element (c, i, h) at ((h · n + i) · d + c) · 4.
+    let mut vb = vec![0u8; n * kv_heads * d * 4];
+    for i in 0..n {
+        for h in 0..kv_heads {
+            for c in 0..d {
+                let x = vx[(i * kv_heads + h) * d + c];
+                let at = ((h * n + i) * d + c) * 4;
+                vb[at..at + 4].copy_from_slice(&x.to_le_bytes());
+            }
+        }
+    }
+    let b = k.backend();
+    LayerTensors {
+        q: b.upload(&q.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<_>>())
+            .unwrap(),
+        k: b.upload(&kb).unwrap(),
+        v: b.upload(&vb).unwrap(),
+        qv: q,
+        kv: (kx, vx),
+    }
+}
+
+/// A grafted layer step on the device — K/V written straight from strided
+/// f16 and f32 tensors, a copy-on-write row copy, a seal, then causal
+/// attention for every batch token over query runs of three sequences —
+/// leaves exactly the bytes the CPU store (`KvPages`) holds after the same
+/// writes, copies and seals, for every format, with and without K rotation;
+/// each token's attention matches exact attention over the first tokens it
+/// may see. Two steps: a prefill of two sequences (one crossing a block and
+/// sealing it mid-step), then a mixed step with a sequence forked from a
+/// copied block. Out-of-pool writes and short tensors are shape errors.
+fn graft_layer_matches_the_cpu_pages<B: Backend>(k: &Kernels<B>) {
+    use siliceo_kernels_turing::KvPages;
+    use siliceo_kernels_turing::graft::{DeviceRows, DeviceSpan, QueryRun};
+    let (heads, kv_heads, d) = (6, 2, 64);
+    let row = kv_heads * d;
+    let b = k.backend();
+    for fmt in ["f16", "kv8", "k5v4"] {
+        for rotate_k in [false, true] {
+            let what = format!("{fmt} rotate={rotate_k}");
+            let mut layout = KvLayout::preset(fmt, kv_heads, d).unwrap();
+            layout.rotate_k = rotate_k;
+            let mut host = KvPages::new(layout, 8, 8).unwrap();
+            let mut dev = k.alloc(layout, 8, 8).unwrap();
+            let seq = |sealed: &[u32], tail: &[u32], len| SeqKv {
+                sealed: sealed.to_vec(),
+                tail: tail.to_vec(),
+                len,
+            };
+            // Step 1: A = batch 0..70 (positions 0..70, tail blocks 0 and 1;
+            // block 0 sealed into sealed block 5 this step: the first 40
+            // queries see it open, the rest sealed), B = batch 70..100
+            // (positions 0..30 in tail block 2), then B's first 10 rows are
+            // copied into tail block 3 (a fork, used in step 2).
+            let mut writes: Vec<(u32, u16)> =
+                (0..70).map(|p| ((p / 64) as u32, (p % 64) as u16)).collect();
+            writes.extend((0..30).map(|p| (2u32, p as u16)));
+            let (a_open, a_sealed, b1) = (seq(&[], &[0], 40), seq(&[5], &[1], 70), seq(&[], &[2], 30));
+            let runs1 = [(40, &a_open), (30, &a_sealed), (30, &b1)];
+            let step1 = (writes, vec![(2u32, 3u32, 0..10)], vec![(0u32, 5u32)]);
+            // Step 2: A decodes position 70 (tail 1 row 6), B positions 30..33,
+            // C (the fork: B's first 10 tokens in tail block 3) position 10.
+            let (a2, b2, c2) = (seq(&[5], &[1], 71), seq(&[], &[2], 33), seq(&[], &[3], 11));
+            let mut writes2 = vec![(1u32, 6u16)];
+            writes2.extend((30..33).map(|p| (2u32, p as u16)));
+            writes2.push((3, 10));
+            let runs2 = [(1, &a2), (3, &b2), (1, &c2)];
+            let step2 = (writes2, vec![], vec![]);
+            for (si, ((writes, copies, seals), runs)) in
+                [(step1, &runs1[..]), (step2, &runs2[..])].into_iter().enumerate()
+            {
+                let n = writes.len();
+                let t = layer_tensors(k, n, (heads, kv_heads, d), 10 * si + 1);
+                let qr: Vec<QueryRun<'_>> = runs
+                    .iter()
+                    .map(|&(tokens, kv)| QueryRun { tokens, kv })
+                    .collect();
+                let step = k.graft_step(&dev, heads, &writes, &qr).unwrap();
+                let out = b.zeros(n * heads * d * 4).unwrap();
+                let rows = |buf: &B::Buf, f16: bool, nb: [usize; 3]| DeviceRows {
+                    addr: b.addr(buf),
+                    f16,
+                    nb,
+                    bytes: B::buf_len(buf),
+                };
+                let scale = 0.125;
+                let (qt, kt, vt) = (
+                    rows(&t.q, false, [4, heads * d * 4, d * 4]),
+                    rows(&t.k, true, [2, row * 2, d * 2]),
+                    rows(&t.v, false, [4, d * 4, n * d * 4]),
+                );
+                let span = DeviceSpan {
+                    addr: b.addr(&out),
+                    bytes: B::buf_len(&out),
+                };
+                // A K tensor one token short is refused before anything runs.
+                let short = DeviceRows {
+                    bytes: kt.bytes - (5 + 1) * row * 2,
+                    ..kt
+                };
+                let e = k
+                    .graft_layer(&mut dev, &step, &copies, &seals, qt, short, vt, scale, span)
+                    .unwrap_err();
+                assert!(matches!(e, KernelError::Shape(_)), "{what}: {e}");
+                k.graft_layer(&mut dev, &step, &copies, &seals, qt, kt, vt, scale, span)
+                    .unwrap();
+                // The same step on the host store.
+                for (i, &(blk, r)) in writes.iter().enumerate() {
+                    host.write_token(
+                        blk,
+                        usize::from(r),
+                        &t.kv.0[i * row..(i + 1) * row],
+                        &t.kv.1[i * row..(i + 1) * row],
+                    );
+                }
+                for (src, dst, r) in &copies {
+                    host.copy_tail_rows(*src, *dst, r.clone());
+                }
+                for &(src, dst) in &seals {
+                    host.seal(src, dst);
+                }
+                let (sealed, tail) = k.download(&dev).unwrap();
+                for (name, a, bytes) in [
+                    ("sealed", host.sealed_bytes(), &sealed[..]),
+                    ("tail", host.tail_bytes(), &tail[..]),
+                ] {
+                    let differ = a.iter().zip(bytes).filter(|(x, y)| x != y).count();
+                    assert_eq!(differ, 0, "{what} step {si}: {differ} bytes of the {name} pool differ");
+                }
+                // Each token against exact attention over what it may see.
+                let got = bytes_f32(&b.download(&out).unwrap());
+                let mut want = Vec::new();
+                let mut at = 0;
+                for &(tokens, kv) in runs {
+                    let (rk, rv) = host.read(kv);
+                    for j in 0..tokens {
+                        let len = kv.len - tokens + 1 + j;
+                        let qi = &t.qv[(at + j) * heads * d..(at + j + 1) * heads * d];
+                        want.extend(naive_attention(
+                            qi,
+                            1,
+                            heads,
+                            &rk[..len * row],
+                            &rv[..len * row],
+                            kv_heads,
+                            d,
+                            scale,
+                        ));
+                    }
+                    at += tokens;
+                }
+                let worst = max_abs_diff(&got, &want);
+                assert!(worst < 2e-3, "{what} step {si}: attention differs by {worst}");
+            }
+            // A write outside the tail pool is refused.
+            let one = seq(&[], &[0], 1);
+            let e = k.graft_step(&dev, heads, &[(8, 0)], &[QueryRun { tokens: 1, kv: &one }]);
+            assert!(matches!(e, Err(KernelError::Shape(_))), "{what}: a write outside the pool");
+            // Blocks read back and written elsewhere (a swap-out and in).
+            let block = k.read_block(&dev, true, 5).unwrap();
+            assert_eq!(block, host.sealed_block(5), "{what}: sealed block read back");
+            k.write_block(&mut dev, true, 6, &block).unwrap();
+            let (sealed, _) = k.download(&dev).unwrap();
+            let size = layout.block_bytes();
+            assert_eq!(&sealed[6 * size..7 * size], &block[..], "{what}: block written back");
+        }
+    }
+}
+
+fn bytes_f32(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
 #[cfg(feature = "cuda")]
 mod gpu {
     use std::path::Path;
@@ -358,6 +564,12 @@ mod gpu {
     }
 
     #[test]
+    fn gpu_graft_layer_matches_the_cpu_pages() {
+        let Some(k) = device() else { return };
+        super::graft_layer_matches_the_cpu_pages(&k);
+    }
+
+    #[test]
     fn gpu_append_and_seal_quantize_within_the_codec_bounds() {
         let Some(k) = device() else { return };
         super::append_and_seal_quantize_within_the_codec_bounds(&k);
@@ -400,6 +612,11 @@ mod emulated {
             let worst = super::decode_difference(&k, &c);
             assert!(worst < 2e-3, "{heads}/{kv_heads} heads: {worst}");
         }
+    }
+
+    #[test]
+    fn emulated_graft_layer_matches_the_cpu_pages() {
+        super::graft_layer_matches_the_cpu_pages(&EmuKernels::emulated());
     }
 
     #[test]
