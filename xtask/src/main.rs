@@ -215,6 +215,20 @@ fn test_phases(rest: &[String], phases: &mut Phases) -> Result<()> {
             "cuda,cuda-emu",
         ]))
     })?;
+    // Grafted attention on the device, through the engine with real
+    // llama.cpp, on the emulator (and the CUDA glue compiled).
+    phases.run("engine --features cuda-emu,cuda-kernels", || {
+        run(cargo().args([
+            "test",
+            "-p",
+            "siliceo-engine",
+            "--features",
+            "cuda-emu,cuda-kernels",
+            "--test",
+            "it",
+            "device_layers",
+        ]))
+    })?;
     phases.run("check-layers", || layers::check_layers(&workspace_root()))
 }
 

@@ -24,8 +24,8 @@ use siliceo_core::{KvType, ModelGeometry, SeqId, TokenId};
 
 use crate::shadow::{ShadowContext, ShadowMode};
 use crate::{
-    Batch, BlockPlacer, Context, ContextOptions, EngineError, FlashAttention, GraftOptions,
-    GraftStep, GraftedContext, KvFormat, Model, SeqKv,
+    Batch, BlockPlacer, Context, ContextOptions, DeviceAttention, EngineError, FlashAttention,
+    GraftOptions, GraftStep, GraftedContext, KvFormat, Model, SeqKv,
 };
 
 /// One K/V format pair to measure.
@@ -438,6 +438,8 @@ pub fn eval_kv(
                         threads: opts.n_threads,
                         kernel_threads: None,
                         copy_tensors: false,
+                        device: DeviceAttention::Host,
+                        tap_layer: None,
                     },
                 )?;
                 let placer = BlockPlacer::new(ctx.layout(), blocks, blocks);

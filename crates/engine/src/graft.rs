@@ -29,6 +29,7 @@ use std::ops::Range;
 use llama_cpp_sys_2 as sys;
 use siliceo_kernels_turing::{AttnParams, KvLayout, KvPages, SeqKv, SeqQuery, SharedTail};
 
+use crate::graft_device::DeviceLayers;
 use crate::raw::RawContext;
 use crate::{Batch, EngineError, KvFormat, Model};
 
@@ -115,6 +116,40 @@ pub struct GraftOptions {
     /// memory: what an offloaded layer's device tensors always take, so a
     /// CPU can check that path. Slower; `false` in serving.
     pub copy_tensors: bool,
+    /// Where the attention (and store) of llama.cpp's offloaded layers live.
+    pub device: DeviceAttention,
+    /// Keep a copy of this layer's attention output after every decode
+    /// ([`GraftedContext::tapped`]): for tests and quality checks.
+    pub tap_layer: Option<usize>,
+}
+
+/// Where grafted attention runs for the layers llama.cpp offloads to a GPU.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum DeviceAttention {
+    /// Every layer's store and attention on the host; an offloaded layer's
+    /// Q, K, V and output cross through host memory each step.
+    #[default]
+    Host,
+    /// The layers llama.cpp offloads keep their store in the GPU's memory
+    /// and run siliceo's CUDA kernels on llama.cpp's device tensors (feature
+    /// `cuda-kernels`, and kernels built by `cargo xtask kernels`).
+    Cuda,
+    /// The CUDA kernels in the CPU emulator (feature `cuda-emu`) for the
+    /// layers named, reading llama.cpp's host tensors as device memory: the
+    /// device path tested without a GPU. Slow.
+    Emulated(Vec<usize>),
+}
+
+impl DeviceAttention {
+    /// What serving uses for `model`: the GPU's own store and kernels for
+    /// its offloaded layers where this build has them, else the host.
+    pub fn for_model(model: &Model) -> DeviceAttention {
+        if cfg!(feature = "cuda-kernels") && !model.offloaded_layers().is_empty() {
+            DeviceAttention::Cuda
+        } else {
+            DeviceAttention::Host
+        }
+    }
 }
 
 /// Saved rows of some blocks of every layer (swap-out), in the order asked.
@@ -143,7 +178,10 @@ pub enum StoreBlock {
 
 /// What the callback works on (boxed: llama.cpp holds a pointer to it).
 struct State {
-    layers: Vec<KvPages>,
+    /// Each layer's store on the host; `None` where it lives on the device.
+    layers: Vec<Option<KvPages>>,
+    /// The layers whose store lives on the device.
+    device: Option<Box<dyn DeviceLayers>>,
     /// The scratch blocks, lent to the layer being computed.
     scratch: SharedTail,
     /// Read and write attention tensors through ggml's copies even in host
@@ -165,6 +203,9 @@ struct State {
     /// Layers handled in the decode in flight.
     layers_done: usize,
     error: Option<String>,
+    /// The tapped layer and its last attention output.
+    tap: Option<usize>,
+    tapped: Vec<f32>,
 }
 
 /// Copies tokens `0..n` of a `[d, tokens, heads, 1]` view (any strides; f32 or
@@ -293,16 +334,28 @@ impl State {
                 ));
             }
         }
+        if let Some(dev) = self.device.as_mut().filter(|dev| dev.has(il)) {
+            // SAFETY: the op's inputs and output, computed (checked above).
+            unsafe { dev.layer(il, &self.step, nh, q, k, v, t, scale)? };
+            self.layers_done += 1;
+            self.tap_output(t, il);
+            return Ok(());
+        }
         let copy = self.copy_tensors;
         unsafe {
             gather(q, n, nh, d, &mut self.q, &mut self.staging, copy)?;
             gather(k, n, kvh, d, &mut self.k, &mut self.staging, copy)?;
             gather(v, n, kvh, d, &mut self.v, &mut self.staging, copy)?;
         }
+        let Some(pages) = self.layers[il].as_mut() else {
+            return Err(format!("layer {il} has no store"));
+        };
         // The scratch is this layer's while it is computed.
-        self.layers[il].swap_shared(&mut self.scratch);
+        pages.swap_shared(&mut self.scratch);
         let r = self.apply(il, scale);
-        self.layers[il].swap_shared(&mut self.scratch);
+        if let Some(pages) = self.layers[il].as_mut() {
+            pages.swap_shared(&mut self.scratch);
+        }
         r?;
         // SAFETY: a non-null buffer (checked by `check_kqv_out`).
         if unsafe { sys::ggml_backend_buffer_is_host(t.buffer) } && !copy {
@@ -316,14 +369,28 @@ impl State {
             }
         }
         self.layers_done += 1;
+        self.tap_output(t, il);
         Ok(())
+    }
+
+    /// Keeps a copy of layer `il`'s attention output when it is the tapped
+    /// layer ([`GraftOptions::tap_layer`]).
+    fn tap_output(&mut self, t: &sys::ggml_tensor, il: usize) {
+        if self.tap != Some(il) {
+            return;
+        }
+        let len = self.n_tokens * self.n_head * self.head_dim;
+        self.tapped.resize(len, 0.0);
+        // SAFETY: kqv_out holds exactly `len` contiguous f32 (checked by
+        // `check_kqv_out`), in host or device memory.
+        unsafe { sys::ggml_backend_tensor_get(t, self.tapped.as_mut_ptr().cast(), 0, len * 4) };
     }
 
     /// The step's writes, copies, seals and attention in layer `il` (its
     /// inputs gathered) into `self.out`.
     fn apply(&mut self, il: usize, scale: f32) -> Result<(), String> {
         let (nh, kvh, d, n) = (self.n_head, self.kv_heads, self.head_dim, self.n_tokens);
-        let pages = &mut self.layers[il];
+        let pages = self.layers[il].as_mut().expect("a host layer");
         let row = kvh * d;
         for (i, &(block, r)) in self.step.writes.iter().enumerate() {
             pages.write_token(
@@ -534,6 +601,8 @@ pub struct GraftedContext<'m> {
     n_ids: usize,
     /// Scratch tail blocks ([`GraftOptions::scratch_blocks`]).
     n_scratch: usize,
+    /// (sealed, tail) blocks per layer.
+    capacity: (usize, usize),
 }
 
 impl std::fmt::Debug for GraftedContext<'_> {
@@ -581,8 +650,37 @@ impl<'m> GraftedContext<'m> {
             .max_seqs
             .max(64)
             .clamp(1, (MAX_SEQS_PER_STEP as u32).min(opts.n_batch));
-        let layers = (0..g.n_layer)
-            .map(|_| KvPages::new(layout, opts.sealed_blocks, opts.tail_blocks))
+        let n_layer = g.n_layer as usize;
+        let on_device: Vec<usize> = match &opts.device {
+            DeviceAttention::Host => Vec::new(),
+            DeviceAttention::Cuda => model.offloaded_layers().collect(),
+            DeviceAttention::Emulated(layers) => layers.clone(),
+        };
+        let device = if on_device.is_empty() {
+            None
+        } else {
+            let pools = (opts.sealed_blocks, opts.tail_blocks + opts.scratch_blocks);
+            let dev = crate::graft_device::device_store(
+                &opts.device,
+                layout,
+                n_layer,
+                &on_device,
+                pools,
+                g.n_head as usize,
+            )
+            .map_err(|reason| EngineError::InvalidOption {
+                field: "device",
+                reason,
+            })?;
+            Some(dev)
+        };
+        let layers = (0..n_layer)
+            .map(|il| {
+                if device.as_ref().is_some_and(|d| d.has(il)) {
+                    return Ok(None);
+                }
+                KvPages::new(layout, opts.sealed_blocks, opts.tail_blocks).map(Some)
+            })
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| EngineError::InvalidOption {
                 field: "kv",
@@ -591,6 +689,7 @@ impl<'m> GraftedContext<'m> {
         let threads = opts.threads.unwrap_or_else(crate::context::default_threads);
         let mut state = Box::new(State {
             layers,
+            device,
             scratch: SharedTail::new(&layout, opts.scratch_blocks),
             copy_tensors: opts.copy_tensors,
             staging: Vec::new(),
@@ -613,6 +712,8 @@ impl<'m> GraftedContext<'m> {
             out: Vec::new(),
             layers_done: 0,
             error: None,
+            tap: opts.tap_layer,
+            tapped: Vec::new(),
         });
         // llama.cpp's own cache: one step, padded as llama.cpp pads it.
         let n_ctx = opts.n_batch.div_ceil(256) * 256;
@@ -643,6 +744,7 @@ impl<'m> GraftedContext<'m> {
             runs: Vec::new(),
             n_ids: n_ids as usize,
             n_scratch: opts.scratch_blocks,
+            capacity: (opts.sealed_blocks, opts.tail_blocks),
         })
     }
 
@@ -663,7 +765,7 @@ impl<'m> GraftedContext<'m> {
 
     /// (sealed, tail) blocks per layer (the scratch not counted).
     pub fn capacity(&self) -> (usize, usize) {
-        self.state.layers[0].capacity()
+        self.capacity
     }
 
     /// Scratch tail blocks (one set for all layers).
@@ -671,19 +773,63 @@ impl<'m> GraftedContext<'m> {
         self.n_scratch
     }
 
-    /// Bytes the store holds, all layers and the scratch.
+    /// Bytes the store holds, all layers and the scratch, on the host and
+    /// on the device.
     pub fn store_bytes(&self) -> usize {
+        self.host_store_bytes() + self.device_store_bytes()
+    }
+
+    /// Bytes of the store in host memory.
+    pub fn host_store_bytes(&self) -> usize {
         self.state
             .layers
             .iter()
+            .flatten()
             .map(KvPages::byte_len)
             .sum::<usize>()
             + self.state.scratch.byte_len()
     }
 
-    /// One layer's bytes, to read a sequence back (tests, quality checks).
-    pub fn layer(&self, il: usize) -> &KvPages {
-        &self.state.layers[il]
+    /// Bytes of the store in device memory (layers on the device, each with
+    /// its own scratch blocks).
+    pub fn device_store_bytes(&self) -> usize {
+        self.state.device.as_ref().map_or(0, |d| d.bytes())
+    }
+
+    /// Layers whose store and attention are on the device.
+    pub fn device_layers(&self) -> usize {
+        let dev = self.state.device.as_ref();
+        (0..self.state.layers.len())
+            .filter(|&il| dev.is_some_and(|d| d.has(il)))
+            .count()
+    }
+
+    /// One host layer's store, to read a sequence back (tests, quality
+    /// checks); `None` for a layer on the device.
+    pub fn layer(&self, il: usize) -> Option<&KvPages> {
+        self.state.layers.get(il)?.as_ref()
+    }
+
+    /// One layer's pools as bytes (sealed, tail: the scratch not included),
+    /// wherever the layer lives.
+    pub fn layer_pools(&self, il: usize) -> Result<(Vec<u8>, Vec<u8>), EngineError> {
+        if let Some(pages) = self.layer(il) {
+            let (sealed, tail) = self.capacity;
+            let (sb, tb) = (self.layout.block_bytes(), self.layout.tail_block_bytes());
+            let mut s = Vec::with_capacity(sealed * sb);
+            let mut t = Vec::with_capacity(tail * tb);
+            (0..sealed as u32).for_each(|b| s.extend_from_slice(pages.sealed_block(b)));
+            (0..tail as u32).for_each(|b| t.extend_from_slice(pages.tail_block(b)));
+            return Ok((s, t));
+        }
+        let dev = self
+            .state
+            .device
+            .as_ref()
+            .ok_or_else(|| EngineError::Graft(format!("no layer {il}")))?;
+        let (s, mut t) = dev.pools(il).map_err(EngineError::Graft)?;
+        t.truncate(self.capacity.1 * self.layout.tail_block_bytes());
+        Ok((s, t))
     }
 
     /// Cells llama.cpp's own KV cache holds right now (0 between decodes).
@@ -841,6 +987,9 @@ impl<'m> GraftedContext<'m> {
         self.state.n_tokens = batch.len();
         self.state.layers_done = 0;
         self.state.error = None;
+        if let Some(dev) = self.state.device.as_mut() {
+            dev.end_step();
+        }
         let rc = self.raw.decode();
         // llama.cpp keeps nothing between steps.
         self.raw.clear_memory(false);
@@ -848,11 +997,14 @@ impl<'m> GraftedContext<'m> {
         if error.is_some() {
             // A layer that panicked still holds the scratch.
             let state = &mut *self.state;
-            for pages in &mut state.layers {
+            for pages in state.layers.iter_mut().flatten() {
                 if pages.shared_blocks() > 0 {
                     pages.swap_shared(&mut state.scratch);
                 }
             }
+        }
+        if let Some(dev) = self.state.device.as_mut() {
+            dev.end_step();
         }
         let done = self.state.layers_done;
         if error.is_some() || rc != 0 || done != self.state.layers.len() {
@@ -883,23 +1035,42 @@ impl<'m> GraftedContext<'m> {
         Ok(self.raw.logits(index))
     }
 
+    /// The tapped layer's attention output in the last decode
+    /// (`tokens × heads × head_dim`; empty without [`GraftOptions::tap_layer`]).
+    pub fn tapped(&self) -> &[f32] {
+        &self.state.tapped
+    }
+
     /// Copies tail rows in every layer, between decodes (a token tree's kept
     /// branch into its request's blocks), in order.
     pub fn copy_rows(&mut self, copies: &[RowCopy]) -> Result<(), EngineError> {
         let (_, tail) = self.capacity();
         check_copies(copies, tail, self.layout.block_tokens)?;
-        for pages in &mut self.state.layers {
+        for pages in self.state.layers.iter_mut().flatten() {
             for c in copies {
                 pages.copy_tail_rows(c.src, c.dst, c.rows.clone());
             }
+        }
+        if let Some(dev) = self.state.device.as_mut() {
+            dev.copy_rows(copies).map_err(EngineError::Graft)?;
         }
         Ok(())
     }
 
     /// Copies `blocks` of every layer into host memory (a swapped-out sequence).
-    pub fn save_blocks(&self, blocks: &[StoreBlock]) -> SavedBlocks {
+    pub fn save_blocks(&self, blocks: &[StoreBlock]) -> Result<SavedBlocks, EngineError> {
         let mut bytes = Vec::new();
-        for pages in &self.state.layers {
+        for (il, pages) in self.state.layers.iter().enumerate() {
+            let Some(pages) = pages else {
+                let dev = self
+                    .state
+                    .device
+                    .as_ref()
+                    .expect("a layer not on the host is on the device");
+                dev.save(il, blocks, &mut bytes)
+                    .map_err(EngineError::Graft)?;
+                continue;
+            };
             for &b in blocks {
                 bytes.extend_from_slice(match b {
                     StoreBlock::Sealed(i) => pages.sealed_block(i),
@@ -907,13 +1078,13 @@ impl<'m> GraftedContext<'m> {
                 });
             }
         }
-        SavedBlocks {
+        Ok(SavedBlocks {
             kinds: blocks
                 .iter()
                 .map(|b| matches!(b, StoreBlock::Sealed(_)))
                 .collect(),
             bytes,
-        }
+        })
     }
 
     /// Writes saved blocks back, into `blocks` (same count and pools as saved).
@@ -934,7 +1105,18 @@ impl<'m> GraftedContext<'m> {
             )));
         }
         let mut at = 0;
-        for pages in &mut self.state.layers {
+        let state = &mut *self.state;
+        for (il, pages) in state.layers.iter_mut().enumerate() {
+            let Some(pages) = pages else {
+                let dev = state
+                    .device
+                    .as_mut()
+                    .expect("a layer not on the host is on the device");
+                at += dev
+                    .restore(il, blocks, &saved.bytes[at..])
+                    .map_err(EngineError::Graft)?;
+                continue;
+            };
             for &b in blocks {
                 let dst = match b {
                     StoreBlock::Sealed(i) => pages.sealed_block_mut(i),

@@ -44,6 +44,7 @@ pub mod eval;
 mod format;
 mod generate;
 mod graft;
+mod graft_device;
 mod model;
 mod omp;
 mod raw;
@@ -58,10 +59,14 @@ pub use error::EngineError;
 pub use format::KvFormat;
 pub use generate::{Generation, generate};
 pub use graft::{
-    BlockPlacer, GraftOptions, GraftQuery, GraftStep, GraftedContext, MAX_SEQS_PER_STEP, RowCopy,
-    SavedBlocks, StoreBlock,
+    BlockPlacer, DeviceAttention, GraftOptions, GraftQuery, GraftStep, GraftedContext,
+    MAX_SEQS_PER_STEP, RowCopy, SavedBlocks, StoreBlock,
 };
 pub use model::{ChatMessage, Model, ModelOptions};
+
+/// Whether this build serves llama.cpp's offloaded layers with siliceo's
+/// CUDA kernels and a store in device memory (feature `cuda-kernels`).
+pub const DEVICE_KERNELS: bool = cfg!(feature = "cuda-kernels");
 pub use reference::GreedyTrace;
 pub use siliceo_kernels_turing::{KvLayout, SeqKv};
 

@@ -53,6 +53,7 @@ pub struct Model {
     geometry: ModelGeometry,
     architecture: String,
     name: String,
+    gpu_layers: u32,
 }
 
 impl std::fmt::Debug for Model {
@@ -153,7 +154,21 @@ impl Model {
             geometry,
             architecture,
             name,
+            gpu_layers: if backend::supports_gpu_offload() {
+                opts.gpu_layers
+            } else {
+                0
+            },
         })
+    }
+
+    /// The repeating layers llama.cpp puts on the GPU: with `gpu_layers` =
+    /// N it offloads the output layer and the last N − 1 repeating layers
+    /// (`llama_model::load_tensors`: layers from n_layer + 1 − N on); none
+    /// without a GPU backend.
+    pub fn offloaded_layers(&self) -> std::ops::Range<usize> {
+        let n = self.geometry.n_layer as usize;
+        (n + 1).saturating_sub(self.gpu_layers as usize).min(n)..n
     }
 
     /// The file it was loaded from.

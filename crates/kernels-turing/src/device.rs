@@ -196,6 +196,11 @@ pub struct DeviceKv<B: Backend> {
 }
 
 impl<B: Backend> DeviceKv<B> {
+    /// The store's layout.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
     /// Bytes of the sealed and tail pools.
     pub fn bytes(&self) -> usize {
         B::buf_len(&self.sealed) + B::buf_len(&self.tail)

@@ -49,7 +49,9 @@ impl DeviceRows {
                 self.bytes
             )));
         }
-        if self.nb.iter().any(|&b| b > u32::MAX as usize) || !(self.addr as usize).is_multiple_of(elem) {
+        if self.nb.iter().any(|&b| b > u32::MAX as usize)
+            || !(self.addr as usize).is_multiple_of(elem)
+        {
             return Err(KernelError::Shape(format!(
                 "{what}: strides {:?} or address {:#x} the kernels cannot take",
                 self.nb, self.addr
@@ -120,8 +122,7 @@ impl<B: Backend> Kernels<B> {
                 "a write to row {r} of tail block {b}, outside the pool"
             )));
         }
-        if runs.iter().map(|r| r.tokens).sum::<usize>() != n || runs.iter().any(|r| r.tokens == 0)
-        {
+        if runs.iter().map(|r| r.tokens).sum::<usize>() != n || runs.iter().any(|r| r.tokens == 0) {
             return Err(KernelError::Shape(format!(
                 "query runs of {:?} tokens for a step of {n}",
                 runs.iter().map(|r| r.tokens).collect::<Vec<_>>()
@@ -200,7 +201,9 @@ impl<B: Backend> Kernels<B> {
         }
         let (_, tail) = kv.pools.capacity();
         if seals.iter().any(|&(s, _)| s as usize >= tail) {
-            return Err(KernelError::Shape("a seal from outside the tail pool".into()));
+            return Err(KernelError::Shape(
+                "a seal from outside the tail pool".into(),
+            ));
         }
         let b = self.backend();
         let norm = 1.0 / (d as f32).sqrt();

@@ -397,10 +397,12 @@ fn graft_layer_matches_the_cpu_pages<B: Backend>(k: &Kernels<B>) {
             // queries see it open, the rest sealed), B = batch 70..100
             // (positions 0..30 in tail block 2), then B's first 10 rows are
             // copied into tail block 3 (a fork, used in step 2).
-            let mut writes: Vec<(u32, u16)> =
-                (0..70).map(|p| ((p / 64) as u32, (p % 64) as u16)).collect();
+            let mut writes: Vec<(u32, u16)> = (0..70)
+                .map(|p| ((p / 64) as u32, (p % 64) as u16))
+                .collect();
             writes.extend((0..30).map(|p| (2u32, p as u16)));
-            let (a_open, a_sealed, b1) = (seq(&[], &[0], 40), seq(&[5], &[1], 70), seq(&[], &[2], 30));
+            let (a_open, a_sealed, b1) =
+                (seq(&[], &[0], 40), seq(&[5], &[1], 70), seq(&[], &[2], 30));
             let runs1 = [(40, &a_open), (30, &a_sealed), (30, &b1)];
             let step1 = (writes, vec![(2u32, 3u32, 0..10)], vec![(0u32, 5u32)]);
             // Step 2: A decodes position 70 (tail 1 row 6), B positions 30..33,
@@ -411,8 +413,9 @@ fn graft_layer_matches_the_cpu_pages<B: Backend>(k: &Kernels<B>) {
             writes2.push((3, 10));
             let runs2 = [(1, &a2), (3, &b2), (1, &c2)];
             let step2 = (writes2, vec![], vec![]);
-            for (si, ((writes, copies, seals), runs)) in
-                [(step1, &runs1[..]), (step2, &runs2[..])].into_iter().enumerate()
+            for (si, ((writes, copies, seals), runs)) in [(step1, &runs1[..]), (step2, &runs2[..])]
+                .into_iter()
+                .enumerate()
             {
                 let n = writes.len();
                 let t = layer_tensors(k, n, (heads, kv_heads, d), 10 * si + 1);
@@ -470,7 +473,10 @@ fn graft_layer_matches_the_cpu_pages<B: Backend>(k: &Kernels<B>) {
                     ("tail", host.tail_bytes(), &tail[..]),
                 ] {
                     let differ = a.iter().zip(bytes).filter(|(x, y)| x != y).count();
-                    assert_eq!(differ, 0, "{what} step {si}: {differ} bytes of the {name} pool differ");
+                    assert_eq!(
+                        differ, 0,
+                        "{what} step {si}: {differ} bytes of the {name} pool differ"
+                    );
                 }
                 // Each token against exact attention over what it may see.
                 let got = bytes_f32(&b.download(&out).unwrap());
@@ -495,19 +501,41 @@ fn graft_layer_matches_the_cpu_pages<B: Backend>(k: &Kernels<B>) {
                     at += tokens;
                 }
                 let worst = max_abs_diff(&got, &want);
-                assert!(worst < 2e-3, "{what} step {si}: attention differs by {worst}");
+                assert!(
+                    worst < 2e-3,
+                    "{what} step {si}: attention differs by {worst}"
+                );
             }
             // A write outside the tail pool is refused.
             let one = seq(&[], &[0], 1);
-            let e = k.graft_step(&dev, heads, &[(8, 0)], &[QueryRun { tokens: 1, kv: &one }]);
-            assert!(matches!(e, Err(KernelError::Shape(_))), "{what}: a write outside the pool");
+            let e = k.graft_step(
+                &dev,
+                heads,
+                &[(8, 0)],
+                &[QueryRun {
+                    tokens: 1,
+                    kv: &one,
+                }],
+            );
+            assert!(
+                matches!(e, Err(KernelError::Shape(_))),
+                "{what}: a write outside the pool"
+            );
             // Blocks read back and written elsewhere (a swap-out and in).
             let block = k.read_block(&dev, true, 5).unwrap();
-            assert_eq!(block, host.sealed_block(5), "{what}: sealed block read back");
+            assert_eq!(
+                block,
+                host.sealed_block(5),
+                "{what}: sealed block read back"
+            );
             k.write_block(&mut dev, true, 6, &block).unwrap();
             let (sealed, _) = k.download(&dev).unwrap();
             let size = layout.block_bytes();
-            assert_eq!(&sealed[6 * size..7 * size], &block[..], "{what}: block written back");
+            assert_eq!(
+                &sealed[6 * size..7 * size],
+                &block[..],
+                "{what}: block written back"
+            );
         }
     }
 }

@@ -572,6 +572,9 @@ pub struct OffloadInput {
     pub kv_bytes_per_token_per_layer: f64,
     /// Tokens of KV each layer holds.
     pub kv_tokens: u64,
+    /// Bytes of siliceo's store per offloaded layer in device memory (its
+    /// pools where grafted attention runs on the GPU; 0 otherwise).
+    pub store_bytes_per_layer: u64,
     /// Compute buffers (activations, logits) on the device.
     pub compute_reserve_bytes: u64,
     /// Share of the device kept free; must be in (0, 0.5).
@@ -615,8 +618,9 @@ pub fn plan_offload(i: &OffloadInput) -> Result<OffloadPlan, PlanError> {
     let layers = n_layer - first;
     let weight_bytes = i.layer_weight_bytes[first as usize..].iter().sum::<u64>()
         + if output { i.output_weight_bytes } else { 0 };
-    let kv_bytes =
-        (i.kv_bytes_per_token_per_layer * i.kv_tokens as f64 * f64::from(layers)).ceil() as u64;
+    let kv_bytes = (i.kv_bytes_per_token_per_layer * i.kv_tokens as f64 * f64::from(layers)).ceil()
+        as u64
+        + i.store_bytes_per_layer * u64::from(layers);
     let needed = weight_bytes + kv_bytes + if output { i.compute_reserve_bytes } else { 0 };
     let margin = (i.total_bytes as f64 * i.safety_margin).ceil() as u64;
     if needed + margin > i.free_bytes {
@@ -807,6 +811,7 @@ mod tests {
             gpu_layers: 0,
             kv_bytes_per_token_per_layer: 1024.0,
             kv_tokens: 4096,
+            store_bytes_per_layer: 0,
             compute_reserve_bytes: 256 * MB,
             safety_margin: 0.05,
             free_bytes: 2000 * MB,

@@ -242,7 +242,10 @@ impl Engine<'_> {
                         g.store_block(b)
                     })
                     .collect();
-                Ok(Saved::Graft(g.ctx.save_blocks(&blocks)))
+                g.ctx
+                    .save_blocks(&blocks)
+                    .map(Saved::Graft)
+                    .map_err(|e| RuntimeError::Engine(e.to_string()))
             }
         }
     }

@@ -7,7 +7,7 @@ use std::time::Instant;
 use crossbeam_channel::{Receiver, Sender};
 use siliceo_core::SeqId;
 use siliceo_engine::{
-    Batch, Context, ContextOptions, GraftOptions, GraftedContext, KvFormat, Model,
+    Batch, Context, ContextOptions, DeviceAttention, GraftOptions, GraftedContext, KvFormat, Model,
 };
 use siliceo_kv_paging::planner::{StoreInput, StorePlan, StoreSize, plan_store};
 use siliceo_kv_paging::{CacheKeys, KvConfig, Sealing};
@@ -96,13 +96,35 @@ fn check_offload(cfg: &RuntimeConfig) -> Result<(), RuntimeError> {
             .filter_map(|t| t.bytes())
             .sum::<u64>();
     }
-    // llama.cpp's own cache sits with its layers; our store in host memory.
-    let kv_per_layer = match cfg.kv {
-        KvBackend::Llama => {
+    // llama.cpp's own cache sits with its layers; our store too where this
+    // build serves offloaded layers with the CUDA kernels (each such layer's
+    // pools and its own scratch), else in host memory.
+    let (kv_per_layer, store_per_layer) = match &cfg.kv {
+        KvBackend::Llama => (
             g.kv_bytes_per_token(cfg.context.type_k, cfg.context.type_v) as f64
-                / f64::from(g.n_layer.max(1))
+                / f64::from(g.n_layer.max(1)),
+            0,
+        ),
+        KvBackend::Ours { format, size, .. } if siliceo_engine::DEVICE_KERNELS => {
+            let bs = cfg.block_size.max(1);
+            let max_running = cfg.scheduler.max_running_seqs.clamp(1, 256) as u32;
+            let n_batch = cfg.context.n_batch.max(1);
+            let size = size.unwrap_or(StoreSize::Tokens(u64::from(cfg.context.n_ctx)));
+            let (_, plan) = store_plan(
+                &g,
+                format,
+                size,
+                bs,
+                max_running,
+                (cfg.scheduler.max_batch_tokens as u32).clamp(1, n_batch),
+                cfg.speculative
+                    .as_ref()
+                    .map_or(0, |s| s.tree_branch_blocks(bs, max_running)),
+            )?;
+            let per_layer = (plan.bytes - plan.scratch_bytes) / u64::from(g.n_layer.max(1));
+            (0.0, per_layer + plan.scratch_bytes)
         }
-        KvBackend::Ours { .. } => 0.0,
+        KvBackend::Ours { .. } => (0.0, 0),
     };
     // Compute buffers: logits and activations of one micro-batch (an
     // estimate: llama.cpp sizes them when the context is made).
@@ -114,6 +136,7 @@ fn check_offload(cfg: &RuntimeConfig) -> Result<(), RuntimeError> {
             output_weight_bytes: output,
             gpu_layers: cfg.model.gpu_layers,
             kv_bytes_per_token_per_layer: kv_per_layer,
+            store_bytes_per_layer: store_per_layer,
             kv_tokens: u64::from(cfg.context.n_ctx),
             compute_reserve_bytes: reserve,
             safety_margin: siliceo_kv_paging::planner::DEFAULT_SAFETY_MARGIN,
@@ -272,15 +295,27 @@ impl<'m> Engine<'m> {
                         threads: cfg.context.n_threads,
                         kernel_threads: *kernel_threads,
                         copy_tensors: false,
+                        device: DeviceAttention::for_model(model),
+                        tap_layer: None,
                     },
                 )
                 .map_err(start)?;
-                if ctx.store_bytes() as u64 != plan.bytes {
+                // Each layer on the device has its own scratch blocks.
+                let device_layers = ctx.device_layers() as u64;
+                let planned = plan.bytes + device_layers * plan.scratch_bytes;
+                if ctx.store_bytes() as u64 != planned {
                     return Err(RuntimeError::Start(format!(
-                        "the store allocated {} bytes, the plan says {}",
+                        "the store allocated {} bytes, the plan says {planned}",
                         ctx.store_bytes(),
-                        plan.bytes
                     )));
+                }
+                if device_layers > 0 {
+                    tracing::info!(
+                        layers = device_layers,
+                        device_bytes = ctx.device_store_bytes(),
+                        host_bytes = ctx.host_store_bytes(),
+                        "grafted attention on the GPU for the offloaded layers"
+                    );
                 }
                 let kv_config = KvConfig {
                     num_blocks: plan.open_blocks,
