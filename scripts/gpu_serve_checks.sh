@@ -22,15 +22,16 @@
 #       2. `siliceo-bench synth-model --like qwen2.5-7b`: a 7B-class
 #          GGUF with random weights and a real tokenizer (its text is noise,
 #          its speed is a real 7B's: say so in every table that uses it);
-#       3. the CUDA kernels' tests and bench (scripts/gpu_checks.sh run's
-#          first parts);
+#       3. the CUDA kernels' tests (among them the grafted layer step on
+#          device memory against the CPU store: gpu_graft_layer_matches_the_cpu_pages)
+#          and bench (scripts/gpu_checks.sh run's first parts);
 #       4. decode tok/s at 1, 8 and 32 streams over 4k and 32k contexts,
 #          all layers on the GPU, llama.cpp's own KV (f16, q8_0, q5_1/q4_0);
-#          then ours (f16, kv8, k5v4+tail64) at 4k, 1 and 8 streams: every
-#          layer on the GPU but its attention on the CPU over our store in
-#          host memory (Q, K, V and the output copied per layer), which is
-#          what serves today until our CUDA kernels run on the device
-#          tensors: its speed is the baseline that path must beat.
+#          then ours (f16, kv8, k5v4+tail64) at 4k and 32k, 1 and 8 streams:
+#          every layer on the GPU with its store in VRAM and our CUDA kernels
+#          on llama.cpp's device tensors (grafted attention on the device);
+#          then, as the baseline, ours at 4k with SILICEO_DEVICE_ATTENTION=host
+#          (attention on the CPU over a host store, tensors copied per layer).
 #       Logs go to $OUT (or gpu-run/out); copy the tables into
 #       docs/BENCHMARKS.md.
 set -euo pipefail
@@ -88,10 +89,13 @@ run)
   timeout 120 "$dir/bench" --gpu --formats f16,kv8,k5v4 --ctx 4096,32768 --batch 1,8 \
     --reps 5 2>&1 | tee "$out/bench-gpu.log" || status=1
   # 4. Serving decode with every layer on the GPU: llama.cpp's KV, then ours.
-  timeout 200 "$dir/siliceo-bench" graft --model "$model" --gpu-layers 99 --threads 8 \
+  timeout 170 "$dir/siliceo-bench" graft --model "$model" --gpu-layers 99 --threads 8 \
     --reps 3 --contexts 4096,32768 --streams 1,8,32 --only llama.cpp 2>&1 | tee "$out/serve-gpu.log" || status=1
-  timeout 120 "$dir/siliceo-bench" graft --model "$model" --gpu-layers 99 --threads 16 \
-    --reps 2 --quick --contexts 4096 --streams 1,8 --only ours 2>&1 | tee "$out/serve-gpu-ours.log" || status=1
+  timeout 110 "$dir/siliceo-bench" graft --model "$model" --gpu-layers 99 --threads 8 \
+    --reps 2 --quick --contexts 4096,32768 --streams 1,8 --only ours 2>&1 | tee "$out/serve-gpu-ours.log" || status=1
+  SILICEO_DEVICE_ATTENTION=host timeout 50 "$dir/siliceo-bench" graft --model "$model" --gpu-layers 99 \
+    --threads 16 --reps 1 --quick --contexts 4096 --streams 1 --only 'ours kv8' 2>&1 |
+    tee "$out/serve-gpu-ours-host.log" || status=1
   echo "status $status" | tee -a "$out/summary.txt"
   exit $status
   ;;

@@ -143,8 +143,12 @@ pub enum DeviceAttention {
 impl DeviceAttention {
     /// What serving uses for `model`: the GPU's own store and kernels for
     /// its offloaded layers where this build has them, else the host.
+    /// `SILICEO_DEVICE_ATTENTION=host` keeps every layer's attention on the
+    /// host (a fallback, and the baseline the device path is measured
+    /// against).
     pub fn for_model(model: &Model) -> DeviceAttention {
-        if cfg!(feature = "cuda-kernels") && !model.offloaded_layers().is_empty() {
+        let host = std::env::var("SILICEO_DEVICE_ATTENTION").is_ok_and(|v| v == "host");
+        if cfg!(feature = "cuda-kernels") && !host && !model.offloaded_layers().is_empty() {
             DeviceAttention::Cuda
         } else {
             DeviceAttention::Host
