@@ -161,11 +161,13 @@ impl<B: Backend> DeviceStore<B> {
         }
         // SAFETY: a non-null buffer of a live tensor.
         let host = unsafe { sys::ggml_backend_buffer_is_host(t.buffer) };
-        if host == self.host_tensors {
-            return Ok(());
-        }
         // SAFETY: a non-null buffer; ggml's names are NUL-terminated.
         let name = unsafe { std::ffi::CStr::from_ptr(sys::ggml_backend_buffer_name(t.buffer)) };
+        // The kernels run on device 0: a tensor of another GPU, or split
+        // over several ("CUDA_Split"), is not theirs to read.
+        if host == self.host_tensors && (host || name.to_bytes() == b"CUDA0") {
+            return Ok(());
+        }
         Err(format!(
             "{what} is in {} memory ({}), where this layer's store expects {}",
             if host { "host" } else { "device" },
@@ -173,7 +175,7 @@ impl<B: Backend> DeviceStore<B> {
             if self.host_tensors {
                 "host memory (the emulator)"
             } else {
-                "the GPU's"
+                "GPU 0's (CUDA0)"
             }
         ))
     }
