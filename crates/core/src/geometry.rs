@@ -64,6 +64,15 @@ impl ModelGeometry {
     }
 }
 
+/// The repeating layers llama.cpp puts on the GPU for `--gpu-layers`
+/// `gpu_layers` out of `n_layer`: the count takes the output layer first (1
+/// offloads only the output, `n_layer + 1` or more every layer), then the
+/// last repeating layers (`llama_model::load_tensors`: layers from
+/// `n_layer + 1 − gpu_layers` on).
+pub fn offloaded_layers(n_layer: usize, gpu_layers: usize) -> std::ops::Range<usize> {
+    (n_layer + 1).saturating_sub(gpu_layers).min(n_layer)..n_layer
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

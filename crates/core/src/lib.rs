@@ -67,7 +67,7 @@ impl std::fmt::Debug for TlsIdentity {
             .finish_non_exhaustive()
     }
 }
-pub use geometry::ModelGeometry;
+pub use geometry::{ModelGeometry, offloaded_layers};
 pub use ids::{RequestId, SeqId, TokenId};
 pub use kv_type::KvType;
 pub use sampler::Sampler;

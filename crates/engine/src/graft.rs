@@ -338,7 +338,11 @@ impl State {
                 ));
             }
         }
-        if let Some(dev) = self.device.as_mut().filter(|dev| dev.has(il)) {
+        if self.layers[il].is_none() {
+            let dev = self
+                .device
+                .as_mut()
+                .expect("a layer without a host store is on the device");
             // SAFETY: the op's inputs and output, computed (checked above).
             unsafe { dev.layer(il, &self.step, nh, q, k, v, t, scale)? };
             self.layers_done += 1;
@@ -351,15 +355,10 @@ impl State {
             gather(k, n, kvh, d, &mut self.k, &mut self.staging, copy)?;
             gather(v, n, kvh, d, &mut self.v, &mut self.staging, copy)?;
         }
-        let Some(pages) = self.layers[il].as_mut() else {
-            return Err(format!("layer {il} has no store"));
-        };
         // The scratch is this layer's while it is computed.
-        pages.swap_shared(&mut self.scratch);
+        host_layer(&mut self.layers, il).swap_shared(&mut self.scratch);
         let r = self.apply(il, scale);
-        if let Some(pages) = self.layers[il].as_mut() {
-            pages.swap_shared(&mut self.scratch);
-        }
+        host_layer(&mut self.layers, il).swap_shared(&mut self.scratch);
         r?;
         // SAFETY: a non-null buffer (checked by `check_kqv_out`).
         if unsafe { sys::ggml_backend_buffer_is_host(t.buffer) } && !copy {
@@ -394,7 +393,7 @@ impl State {
     /// inputs gathered) into `self.out`.
     fn apply(&mut self, il: usize, scale: f32) -> Result<(), String> {
         let (nh, kvh, d, n) = (self.n_head, self.kv_heads, self.head_dim, self.n_tokens);
-        let pages = self.layers[il].as_mut().expect("a host layer");
+        let pages = host_layer(&mut self.layers, il);
         let row = kvh * d;
         for (i, &(block, r)) in self.step.writes.iter().enumerate() {
             pages.write_token(
@@ -433,6 +432,11 @@ impl State {
         )
         .map_err(|e| format!("layer {il}: {e}"))
     }
+}
+
+/// Layer `il`'s host store (a layer on the device has none).
+fn host_layer(layers: &mut [Option<KvPages>], il: usize) -> &mut KvPages {
+    layers[il].as_mut().expect("a host layer")
 }
 
 /// Copies within a pool of `tail` blocks of `t` rows.
@@ -680,7 +684,7 @@ impl<'m> GraftedContext<'m> {
         };
         let layers = (0..n_layer)
             .map(|il| {
-                if device.as_ref().is_some_and(|d| d.has(il)) {
+                if on_device.contains(&il) {
                     return Ok(None);
                 }
                 KvPages::new(layout, opts.sealed_blocks, opts.tail_blocks).map(Some)
@@ -802,10 +806,7 @@ impl<'m> GraftedContext<'m> {
 
     /// Layers whose store and attention are on the device.
     pub fn device_layers(&self) -> usize {
-        let dev = self.state.device.as_ref();
-        (0..self.state.layers.len())
-            .filter(|&il| dev.is_some_and(|d| d.has(il)))
-            .count()
+        self.state.layers.iter().filter(|l| l.is_none()).count()
     }
 
     /// One host layer's store, to read a sequence back (tests, quality
@@ -818,13 +819,7 @@ impl<'m> GraftedContext<'m> {
     /// wherever the layer lives.
     pub fn layer_pools(&self, il: usize) -> Result<(Vec<u8>, Vec<u8>), EngineError> {
         if let Some(pages) = self.layer(il) {
-            let (sealed, tail) = self.capacity;
-            let (sb, tb) = (self.layout.block_bytes(), self.layout.tail_block_bytes());
-            let mut s = Vec::with_capacity(sealed * sb);
-            let mut t = Vec::with_capacity(tail * tb);
-            (0..sealed as u32).for_each(|b| s.extend_from_slice(pages.sealed_block(b)));
-            (0..tail as u32).for_each(|b| t.extend_from_slice(pages.tail_block(b)));
-            return Ok((s, t));
+            return Ok((pages.sealed_bytes().to_vec(), pages.tail_bytes().to_vec()));
         }
         let dev = self
             .state

@@ -29,8 +29,6 @@ use crate::graft::{GraftStep, RowCopy, StoreBlock};
 /// The device side of a grafted context: the layers whose store lives on
 /// the device. Object-safe, so the context holds one whatever the backend.
 pub(crate) trait DeviceLayers {
-    /// Whether layer `il` lives on the device.
-    fn has(&self, il: usize) -> bool;
     /// Forgets the last decode's tables (a new decode begins).
     fn end_step(&mut self);
     /// Layer `il` of `step`: writes, copies, seals, attention into `out`.
@@ -112,7 +110,7 @@ impl<B: Backend> DeviceStore<B> {
                 kv: &one,
             }];
             kernels
-                .graft_step(kv, n_heads, &[(0, 0)], &run)
+                .graft_step(kv, n_heads, &[(0, 0)], Vec::new(), Vec::new(), &run)
                 .map_err(|e| format!("the device kernels cannot serve this model: {e}"))?;
         }
         Ok(DeviceStore {
@@ -183,10 +181,6 @@ impl<B: Backend> DeviceStore<B> {
 
 #[cfg(any(feature = "cuda-kernels", feature = "cuda-emu"))]
 impl<B: Backend> DeviceLayers for DeviceStore<B> {
-    fn has(&self, il: usize) -> bool {
-        self.layers.get(il).is_some_and(Option::is_some)
-    }
-
     fn end_step(&mut self) {
         self.step = None;
     }
@@ -212,10 +206,15 @@ impl<B: Backend> DeviceLayers for DeviceStore<B> {
                     kv: &g.kv,
                 })
                 .collect();
+            let copies = step
+                .copies
+                .iter()
+                .map(|c| (c.src, c.dst, c.rows.clone()))
+                .collect();
             let kv = self.kv(il)?;
             self.step = Some(
                 self.kernels
-                    .graft_step(kv, n_heads, &step.writes, &runs)
+                    .graft_step(kv, n_heads, &step.writes, copies, step.seals.clone(), &runs)
                     .map_err(err)?,
             );
         }
@@ -228,15 +227,10 @@ impl<B: Backend> DeviceLayers for DeviceStore<B> {
             addr: out.data as u64,
             bytes: unsafe { sys::ggml_nbytes(out) },
         };
-        let copies: Vec<(u32, u32, std::ops::Range<usize>)> = step
-            .copies
-            .iter()
-            .map(|c| (c.src, c.dst, c.rows.clone()))
-            .collect();
         let dev_step = self.step.as_ref().expect("uploaded above");
         let kv = self.layers[il].as_mut().expect("checked by kv()");
         self.kernels
-            .graft_layer(kv, dev_step, &copies, &step.seals, qr, kr, vr, scale, span)
+            .graft_layer(kv, dev_step, qr, kr, vr, scale, span)
             .map_err(err)
     }
 

@@ -162,13 +162,10 @@ impl Model {
         })
     }
 
-    /// The repeating layers llama.cpp puts on the GPU: with `gpu_layers` =
-    /// N it offloads the output layer and the last N − 1 repeating layers
-    /// (`llama_model::load_tensors`: layers from n_layer + 1 − N on); none
-    /// without a GPU backend.
+    /// The repeating layers llama.cpp puts on the GPU
+    /// ([`siliceo_core::offloaded_layers`]); none without a GPU backend.
     pub fn offloaded_layers(&self) -> std::ops::Range<usize> {
-        let n = self.geometry.n_layer as usize;
-        (n + 1).saturating_sub(self.gpu_layers as usize).min(n)..n
+        siliceo_core::offloaded_layers(self.geometry.n_layer as usize, self.gpu_layers as usize)
     }
 
     /// The file it was loaded from.

@@ -115,18 +115,16 @@ pub enum Arg<'a, B> {
     Ptr(u64),
 }
 
-impl<'a, B> Arg<'a, B> {
-    /// The same argument again (a buffer by reference).
-    pub fn dup(&self) -> Arg<'a, B> {
-        match *self {
-            Arg::Buf(b) => Arg::Buf(b),
-            Arg::I32(x) => Arg::I32(x),
-            Arg::U32(x) => Arg::U32(x),
-            Arg::F32(x) => Arg::F32(x),
-            Arg::Ptr(p) => Arg::Ptr(p),
-        }
+// Copy for any buffer type: an argument holds a buffer by reference.
+impl<B> Clone for Arg<'_, B> {
+    fn clone(&self) -> Self {
+        *self
     }
+}
 
+impl<B> Copy for Arg<'_, B> {}
+
+impl<B> Arg<'_, B> {
     /// The argument's kind as the emulator checks it: pointer, int, unsigned.
     pub fn kind(&self) -> char {
         match self {
@@ -739,7 +737,7 @@ impl<B: Backend> DecodeRun<B> {
             return Err(KernelError::Shape("a decode's output is a buffer".into()));
         }
         let args = [
-            out.dup(),
+            out,
             Arg::Buf(&self.part_m),
             Arg::Buf(&self.part_l),
             Arg::Buf(&self.part_acc),

@@ -90,6 +90,10 @@ pub struct DeviceStep<B: Backend> {
     heads: usize,
     write_blocks: B::Buf,
     write_rows: B::Buf,
+    /// Row copies (src, dst, rows), after the writes, in order.
+    copies: Vec<(u32, u32, Range<usize>)>,
+    /// Seals (tail, sealed), after the copies.
+    seals: Vec<(u32, u32)>,
     decode: DecodeRun<B>,
 }
 
@@ -102,18 +106,32 @@ impl<B: Backend> DeviceStep<B> {
 
 impl<B: Backend> Kernels<B> {
     /// Uploads a step's tables: `writes[i]` is batch token `i`'s (tail block,
-    /// row); `runs` cover the batch in order. `kv` is any layer's store (they
-    /// share layout and size).
+    /// row); `copies` (src, dst, rows) and `seals` (tail, sealed) follow the
+    /// writes in every layer, in order; `runs` cover the batch in order.
+    /// `kv` is any layer's store (they share layout and size).
     pub fn graft_step(
         &self,
         kv: &DeviceKv<B>,
         n_heads: usize,
         writes: &[(u32, u16)],
+        copies: Vec<(u32, u32, Range<usize>)>,
+        seals: Vec<(u32, u32)>,
         runs: &[QueryRun<'_>],
     ) -> Result<DeviceStep<B>, KernelError> {
         let l = kv.layout;
         let n = writes.len();
-        let (_, tail) = kv.pools.capacity();
+        let (sealed, tail) = kv.pools.capacity();
+        if copies
+            .iter()
+            .any(|&(s, d, _)| s as usize >= tail || d as usize >= tail)
+            || seals
+                .iter()
+                .any(|&(s, d)| s as usize >= tail || d as usize >= sealed)
+        {
+            return Err(KernelError::Shape(
+                "a copy or seal names a block outside the pools".into(),
+            ));
+        }
         if let Some(&(b, r)) = writes
             .iter()
             .find(|&&(b, r)| b as usize >= tail || usize::from(r) >= l.block_tokens)
@@ -164,24 +182,24 @@ impl<B: Backend> Kernels<B> {
             heads: n_heads,
             write_blocks: b.upload(&le_bytes(&blocks, |x| x.to_le_bytes()))?,
             write_rows: b.upload(&le_bytes(&rows, |x| x.to_le_bytes()))?,
+            copies,
+            seals,
             decode,
         })
     }
 
     /// One layer of a grafted step, in this order: the batch's K and V (`k`,
-    /// `v`: `[head_dim, ≥ tokens, kv_heads]`) into their tail rows, `copies`
-    /// (src, dst, rows) in order, `seals` (tail, sealed), then attention of
-    /// every batch token (`q`: `[head_dim, ≥ tokens, heads]`, × `scale`) into
-    /// `out`, contiguous `tokens × heads × head_dim` f32. Waits for the
-    /// kernels before it returns. A failure can leave rows written: the
-    /// caller frees the blocks the step wrote.
+    /// `v`: `[head_dim, ≥ tokens, kv_heads]`) into their tail rows, the step's
+    /// copies and seals, then attention of every batch token (`q`:
+    /// `[head_dim, ≥ tokens, heads]`, × `scale`) into `out`, contiguous
+    /// `tokens × heads × head_dim` f32. Waits for the kernels before it
+    /// returns. A failure can leave rows written: the caller frees the blocks
+    /// the step wrote.
     #[allow(clippy::too_many_arguments)]
     pub fn graft_layer(
         &self,
         kv: &mut DeviceKv<B>,
         step: &DeviceStep<B>,
-        copies: &[(u32, u32, Range<usize>)],
-        seals: &[(u32, u32)],
         q: DeviceRows,
         k: DeviceRows,
         v: DeviceRows,
@@ -198,12 +216,6 @@ impl<B: Backend> Kernels<B> {
                 "an attention output of {} bytes for {n} tokens",
                 out.bytes
             )));
-        }
-        let (_, tail) = kv.pools.capacity();
-        if seals.iter().any(|&(s, _)| s as usize >= tail) {
-            return Err(KernelError::Shape(
-                "a seal from outside the tail pool".into(),
-            ));
         }
         let b = self.backend();
         let norm = 1.0 / (d as f32).sqrt();
@@ -239,10 +251,10 @@ impl<B: Backend> Kernels<B> {
         if n > 0 {
             unsafe { b.launch("siliceo_kv_write_strided", rows, &args) }?;
         }
-        for (src, dst, rows) in copies {
+        for (src, dst, rows) in &step.copies {
             self.enqueue_copy_rows(kv, *src, *dst, rows.clone())?;
         }
-        for &(src, dst) in seals {
+        for &(src, dst) in &step.seals {
             self.enqueue_seal(kv, src, dst)?;
         }
         let gather = Launch {

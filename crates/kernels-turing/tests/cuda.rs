@@ -423,7 +423,9 @@ fn graft_layer_matches_the_cpu_pages<B: Backend>(k: &Kernels<B>) {
                     .iter()
                     .map(|&(tokens, kv)| QueryRun { tokens, kv })
                     .collect();
-                let step = k.graft_step(&dev, heads, &writes, &qr).unwrap();
+                let step = k
+                    .graft_step(&dev, heads, &writes, copies.clone(), seals.clone(), &qr)
+                    .unwrap();
                 let out = b.zeros(n * heads * d * 4).unwrap();
                 let rows = |buf: &B::Buf, f16: bool, nb: [usize; 3]| DeviceRows {
                     addr: b.addr(buf),
@@ -447,10 +449,10 @@ fn graft_layer_matches_the_cpu_pages<B: Backend>(k: &Kernels<B>) {
                     ..kt
                 };
                 let e = k
-                    .graft_layer(&mut dev, &step, &copies, &seals, qt, short, vt, scale, span)
+                    .graft_layer(&mut dev, &step, qt, short, vt, scale, span)
                     .unwrap_err();
                 assert!(matches!(e, KernelError::Shape(_)), "{what}: {e}");
-                k.graft_layer(&mut dev, &step, &copies, &seals, qt, kt, vt, scale, span)
+                k.graft_layer(&mut dev, &step, qt, kt, vt, scale, span)
                     .unwrap();
                 // The same step on the host store.
                 for (i, &(blk, r)) in writes.iter().enumerate() {
@@ -512,6 +514,8 @@ fn graft_layer_matches_the_cpu_pages<B: Backend>(k: &Kernels<B>) {
                 &dev,
                 heads,
                 &[(8, 0)],
+                Vec::new(),
+                Vec::new(),
                 &[QueryRun {
                     tokens: 1,
                     kv: &one,

@@ -614,9 +614,9 @@ pub fn plan_offload(i: &OffloadInput) -> Result<OffloadPlan, PlanError> {
     }
     let n_layer = i.layer_weight_bytes.len() as u32;
     let output = i.gpu_layers > 0;
-    let first = (n_layer + 1).saturating_sub(i.gpu_layers).min(n_layer);
-    let layers = n_layer - first;
-    let weight_bytes = i.layer_weight_bytes[first as usize..].iter().sum::<u64>()
+    let on_gpu = siliceo_core::offloaded_layers(n_layer as usize, i.gpu_layers as usize);
+    let layers = on_gpu.len() as u32;
+    let weight_bytes = i.layer_weight_bytes[on_gpu].iter().sum::<u64>()
         + if output { i.output_weight_bytes } else { 0 };
     let kv_bytes = (i.kv_bytes_per_token_per_layer * i.kv_tokens as f64 * f64::from(layers)).ceil()
         as u64

@@ -58,6 +58,35 @@ pub fn store_plan(
     Ok((input, plan))
 }
 
+/// Block size, most running sequences and most tokens per step, as the
+/// engine clamps a configuration's (llama.cpp allows 256 sequence ids;
+/// holders take some on its own cache).
+fn step_limits(cfg: &RuntimeConfig) -> (u32, u32, u32) {
+    let n_batch = cfg.context.n_batch.max(1);
+    (
+        cfg.block_size.max(1),
+        cfg.scheduler.max_running_seqs.clamp(1, 256) as u32,
+        (cfg.scheduler.max_batch_tokens as u32).clamp(1, n_batch),
+    )
+}
+
+/// [`store_plan`] for a runtime configuration serving our store in `format`
+/// (sized by `size`, else the context).
+fn our_store_plan(
+    cfg: &RuntimeConfig,
+    g: &siliceo_core::ModelGeometry,
+    format: &KvFormat,
+    size: Option<StoreSize>,
+) -> Result<(StoreInput, StorePlan), RuntimeError> {
+    let (bs, max_running, max_batch_tokens) = step_limits(cfg);
+    let size = size.unwrap_or(StoreSize::Tokens(u64::from(cfg.context.n_ctx)));
+    let branch = cfg
+        .speculative
+        .as_ref()
+        .map_or(0, |s| s.tree_branch_blocks(bs, max_running));
+    store_plan(g, format, size, bs, max_running, max_batch_tokens, branch)
+}
+
 /// With layers offloaded to a GPU: what they take there (weights, llama.cpp's
 /// KV of those layers, compute buffers) must leave the margin free, or the
 /// runtime refuses to start. Nothing to check without a GPU.
@@ -106,21 +135,7 @@ fn check_offload(cfg: &RuntimeConfig) -> Result<(), RuntimeError> {
             0,
         ),
         KvBackend::Ours { format, size, .. } if siliceo_engine::DEVICE_KERNELS => {
-            let bs = cfg.block_size.max(1);
-            let max_running = cfg.scheduler.max_running_seqs.clamp(1, 256) as u32;
-            let n_batch = cfg.context.n_batch.max(1);
-            let size = size.unwrap_or(StoreSize::Tokens(u64::from(cfg.context.n_ctx)));
-            let (_, plan) = store_plan(
-                &g,
-                format,
-                size,
-                bs,
-                max_running,
-                (cfg.scheduler.max_batch_tokens as u32).clamp(1, n_batch),
-                cfg.speculative
-                    .as_ref()
-                    .map_or(0, |s| s.tree_branch_blocks(bs, max_running)),
-            )?;
+            let (_, plan) = our_store_plan(cfg, &g, format, *size)?;
             let per_layer = (plan.bytes - plan.scratch_bytes) / u64::from(g.n_layer.max(1));
             (0.0, per_layer + plan.scratch_bytes)
         }
@@ -232,11 +247,8 @@ impl<'m> Engine<'m> {
         cfg: &RuntimeConfig,
     ) -> Result<(Engine<'m>, RuntimeInfo), RuntimeError> {
         let start = |e: siliceo_engine::EngineError| RuntimeError::Start(e.to_string());
-        // llama.cpp allows 256 sequence ids (holders take some on its own cache).
-        let max_running = cfg.scheduler.max_running_seqs.clamp(1, 256) as u32;
-        let bs = cfg.block_size.max(1);
+        let (bs, max_running, max_batch_tokens) = step_limits(cfg);
         let n_batch = cfg.context.n_batch.max(1);
-        let max_batch_tokens = (cfg.scheduler.max_batch_tokens as u32).clamp(1, n_batch);
         let (kv, kv_config, max_seq_len, kv_format, store) = match &cfg.kv {
             KvBackend::Llama => {
                 let n_holders = if cfg.prefix_caching {
@@ -270,18 +282,7 @@ impl<'m> Engine<'m> {
                 size,
                 kernel_threads,
             } => {
-                let size = size.unwrap_or(StoreSize::Tokens(u64::from(cfg.context.n_ctx)));
-                let (input, plan) = store_plan(
-                    &model.geometry(),
-                    format,
-                    size,
-                    bs,
-                    max_running,
-                    max_batch_tokens,
-                    cfg.speculative
-                        .as_ref()
-                        .map_or(0, |s| s.tree_branch_blocks(bs, max_running)),
-                )?;
+                let (input, plan) = our_store_plan(cfg, &model.geometry(), format, *size)?;
                 let ctx = GraftedContext::new(
                     model,
                     &GraftOptions {
