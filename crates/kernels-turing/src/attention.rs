@@ -285,12 +285,13 @@ pub fn paged_attention(
             merge(&mut acc, partials[i].take().expect("every item ran"), d);
             i += 1;
         }
-        // The item's rows are (its query tokens, its heads); `out` has every
-        // token and head.
-        let hn = heads.len() * group;
+        // The item's rows are (its heads, its query tokens, the group's query
+        // heads); `out` has every token and head.
+        let per_head = queries.len() * group;
         let dst = &mut out[offsets[si]..offsets[si] + seqs[si].q.len()];
         for (r, a) in acc.acc.chunks_exact(d).enumerate() {
-            let (qi, h) = (queries.start + r / hn, heads.start * group + r % hn);
+            let (kh, rem) = (heads.start + r / per_head, r % per_head);
+            let (qi, h) = (queries.start + rem / group, kh * group + rem % group);
             let o = &mut dst[(qi * n_heads + h) * d..(qi * n_heads + h + 1) * d];
             let inv = 1.0 / acc.l[r];
             for (o, a) in o.iter_mut().zip(a) {
@@ -312,6 +313,10 @@ struct Knobs {
     sub: usize,
     prefetch_ahead: usize,
 }
+
+/// Query tokens that see a whole sub-tile served by one kernel call (their
+/// rows × the sub-tile's scores stay in L1).
+const TOKENS_PER_CALL: usize = 8;
 
 /// Per-thread working memory (kept between calls, grown as needed).
 #[derive(Default)]
@@ -338,8 +343,8 @@ impl Scratch {
         grow(&mut self.k, sub * d);
         grow(&mut self.v, sub * d);
         grow(&mut self.q, max_q * n_heads * d);
-        grow(&mut self.s, sub * group);
-        grow(&mut self.corr, group);
+        grow(&mut self.s, sub * group * TOKENS_PER_CALL);
+        grow(&mut self.corr, group * TOKENS_PER_CALL);
         // KV8 scales (sub·d/g), K5 scale and minimum (2·d), V4's
         // (4·sub·d/g with its working half).
         grow(&mut self.k_scales, 2 * (sub + 1) * d);
@@ -365,16 +370,18 @@ fn run_item(
     let group = n_heads / l.kv_heads;
     let sq = &seqs[item.seq];
     let (n_q, len) = (sq.n_q, sq.kv.len);
-    // The item's query tokens and heads; row r = (qi − q0) · hn + (h − h0)
-    // here, in the scaled queries and in the partial.
+    // The item's query tokens and heads; row r = (kh − kh0) · nq · group +
+    // (qi − q0) · group + g here (query head h = kh · group + g), in the
+    // scaled queries and in the partial: a KV head's rows of consecutive
+    // query tokens are consecutive, so one kernel call serves them all.
     let (kh0, kh1) = (item.heads.start, item.heads.end);
-    let (h0, hn) = (kh0 * group, (kh1 - kh0) * group);
     let (q0, q1) = (item.queries.start, item.queries.end);
-    let rows = (q1 - q0) * hn;
-    let mine = sq.q[q0 * n_heads * d..q1 * n_heads * d]
-        .chunks_exact(n_heads * d)
-        .flat_map(|token| token[h0 * d..(h0 + hn) * d].chunks_exact(d));
-    for (dst, src) in sc.q[..rows * d].chunks_exact_mut(d).zip(mine) {
+    let nq = q1 - q0;
+    let rows = nq * (kh1 - kh0) * group;
+    for (r, dst) in sc.q[..rows * d].chunks_exact_mut(d).enumerate() {
+        let (kh, rem) = (kh0 + r / (nq * group), r % (nq * group));
+        let (qi, h) = (q0 + rem / group, kh * group + rem % group);
+        let src = &sq.q[(qi * n_heads + h) * d..(qi * n_heads + h + 1) * d];
         for (o, x) in dst.iter_mut().zip(src) {
             *o = x * scale;
         }
@@ -426,23 +433,35 @@ fn run_item(
                 &ahead_k[ahead_k.len() * r0 / t..ahead_k.len() * r1 / t],
                 &ahead_v[ahead_v.len() * r0 / t..ahead_v.len() * r1 / t],
             );
-            for qi in first_q..q1 {
-                let valid = r1.min(first_pos + qi + 1 - start) - r0;
-                // The group's query rows share every K and V load.
-                let base = (qi - q0) * hn + (kh - kh0) * group;
-                let s = &mut sc.s[..group * valid];
+            // Queries before `full` see part of the sub-tile (the causal
+            // diagonal), one token at a time; the rest see all of it, and
+            // are served `TOKENS_PER_CALL` tokens at a time. Every row gets
+            // the same operations in the same order either way.
+            let full = (start + r1)
+                .saturating_sub(first_pos + 1)
+                .clamp(first_q, q1);
+            let mut qa = first_q;
+            while qa < q1 {
+                let qb = if qa < full {
+                    qa + 1
+                } else {
+                    q1.min(qa + TOKENS_PER_CALL)
+                };
+                let valid = r1.min(first_pos + qa + 1 - start) - r0;
+                let base = (kh - kh0) * nq * group + (qa - q0) * group;
+                let n_rows = (qb - qa) * group;
+                let s = &mut sc.s[..n_rows * valid];
                 simd::group_scores(
-                    &sc.q[base * d..(base + group) * d],
-                    group,
+                    &sc.q[base * d..(base + n_rows) * d],
+                    n_rows,
                     k_rows,
                     valid,
                     d,
                     s,
                     pk,
                 );
-                for g in 0..group {
+                for (g, row) in s.chunks_exact_mut(valid).enumerate() {
                     let r = base + g;
-                    let row = &mut s[g * valid..(g + 1) * valid];
                     let m_new = p.m[r].max(simd::max(row));
                     sc.corr[g] = if p.m[r] == f32::NEG_INFINITY {
                         0.0
@@ -453,8 +472,8 @@ fn run_item(
                     p.m[r] = m_new;
                 }
                 simd::group_accumulate(
-                    &mut p.acc[base * d..(base + group) * d],
-                    &sc.corr[..group],
+                    &mut p.acc[base * d..(base + n_rows) * d],
+                    &sc.corr[..n_rows],
                     s,
                     v_rows,
                     valid,
@@ -462,6 +481,7 @@ fn run_item(
                     pv,
                 );
                 (pk, pv) = (&[], &[]);
+                qa = qb;
             }
         }
     }

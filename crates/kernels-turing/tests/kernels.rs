@@ -561,6 +561,82 @@ fn splitting_work_over_threads_changes_no_value() {
     }
 }
 
+/// The first `len` tokens of `seq`: the same blocks, as a shorter sequence.
+fn prefix_of(seq: &SeqKv, len: usize) -> SeqKv {
+    let blocks = len.div_ceil(64);
+    let sealed = blocks.min(seq.sealed.len());
+    SeqKv {
+        sealed: seq.sealed[..sealed].to_vec(),
+        tail: seq.tail[..blocks - sealed].to_vec(),
+        len,
+    }
+}
+
+/// The design's batch invariance, in the kernel: a query's output is the
+/// same bit for bit whether it runs alone (decode over what it sees), in a
+/// decode batch of many sequences, or as one token of a prefill chunk (served
+/// several query tokens per kernel call), with any thread count.
+#[test]
+fn a_query_gives_the_same_bits_alone_in_a_batch_and_in_a_chunk() {
+    let mut rng = Rng(41);
+    for (name, kv_heads, n_heads, d) in [
+        ("f16", 3, 9, 64),
+        ("kv8", 3, 9, 64),
+        ("k5v4", 3, 9, 64),
+        ("kv8", 2, 12, 128),
+        ("k5v4", 2, 14, 128),
+        ("f16", 8, 32, 128),
+        ("kv8/64:v4/16", 1, 5, 64),
+    ] {
+        let layout = KvLayout::preset(name, kv_heads, d).unwrap();
+        // 230 tokens, the last 100 a chunk: its queries cross a block
+        // boundary and the sub-tiles' causal diagonals.
+        let (len, n_q) = (230usize, 100);
+        let tail = KvStore::tail_blocks_per_seq(&layout);
+        let mut store = KvStore::new(layout, len.div_ceil(64), tail).unwrap();
+        let (k, v) = kv_data(&mut rng, len, kv_heads, d);
+        let mut seq = SeqKv::default();
+        store.append(&mut seq, &k, &v).unwrap();
+        let row = n_heads * d;
+        let q: Vec<f32> = (0..n_q * row).map(|_| rng.normal()).collect();
+        let params = |threads| AttnParams {
+            threads,
+            ..AttnParams::default()
+        };
+        let mut chunk = vec![0f32; n_q * row];
+        let one = [SeqQuery {
+            kv: &seq,
+            q: &q,
+            n_q,
+        }];
+        paged_attention(&store, n_heads, 0.11, &one, &mut chunk, &params(1)).unwrap();
+        assert!(chunk.iter().all(|x| x.is_finite()) && chunk.iter().any(|x| *x != 0.0));
+        let mut two = vec![0f32; n_q * row];
+        paged_attention(&store, n_heads, 0.11, &one, &mut two, &params(2)).unwrap();
+        assert!(two == chunk, "{name}: a chunk on 2 threads");
+        let views: Vec<SeqKv> = (0..n_q)
+            .map(|i| prefix_of(&seq, len - n_q + i + 1))
+            .collect();
+        let decodes: Vec<SeqQuery<'_>> = views
+            .iter()
+            .zip(q.chunks_exact(row))
+            .map(|(kv, q)| SeqQuery { kv, q, n_q: 1 })
+            .collect();
+        for (i, query) in decodes.iter().enumerate() {
+            let mut alone = vec![0f32; row];
+            paged_attention(&store, n_heads, 0.11, &[*query], &mut alone, &params(1)).unwrap();
+            assert!(
+                alone[..] == chunk[i * row..(i + 1) * row],
+                "{name} {kv_heads}/{n_heads}×{d}: query {i} alone"
+            );
+        }
+        let mut batch = vec![0f32; n_q * row];
+        paged_attention(&store, n_heads, 0.11, &decodes, &mut batch, &params(2)).unwrap();
+        assert!(batch == chunk, "{name}: a decode batch");
+        store.release(&mut seq);
+    }
+}
+
 /// A shared tail block behaves as an own one while lent: the same writes,
 /// seal and row copies give the same bytes, and attention over it reads
 /// it; taken back, the pages hold none.
