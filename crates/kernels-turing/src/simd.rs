@@ -249,10 +249,16 @@ impl Rows<'_> {
 /// Calls `f(first_row, rows)` for consecutive groups of at most 4 query rows
 /// (the x86 kernels keep 4 rows' accumulators in registers).
 #[cfg(target_arch = "x86_64")]
-fn for_row_groups(rows: usize, mut f: impl FnMut(usize, usize)) {
+fn for_row_groups(rows: usize, f: impl FnMut(usize, usize)) {
+    for_row_groups_of(4, rows, f);
+}
+
+/// [`for_row_groups`] with groups of at most `width` rows.
+#[cfg(target_arch = "x86_64")]
+fn for_row_groups_of(width: usize, rows: usize, mut f: impl FnMut(usize, usize)) {
     let mut r = 0;
     while r < rows {
-        let take = (rows - r).min(4);
+        let take = (rows - r).min(width);
         f(r, take);
         r += take;
     }
@@ -267,6 +273,20 @@ macro_rules! by_rows {
             3 => $($f)::+::<3>($($arg),*),
             2 => $($f)::+::<2>($($arg),*),
             _ => $($f)::+::<1>($($arg),*),
+        }
+    };
+}
+
+/// [`by_rows`] for kernels that hold up to 8 rows (`take` 1..=8).
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_rows8 {
+    ($take:expr, $($f:ident)::+ ($($arg:expr),*)) => {
+        match $take {
+            8 => $($f)::+::<8>($($arg),*),
+            7 => $($f)::+::<7>($($arg),*),
+            6 => $($f)::+::<6>($($arg),*),
+            5 => $($f)::+::<5>($($arg),*),
+            _ => by_rows!($take, $($f)::+ ($($arg),*)),
         }
     };
 }
@@ -418,13 +438,16 @@ pub fn group_accumulate(
     if has_avx2_fma()
         && let Some(v) = x86::Plain::of(v)
     {
-        for_row_groups(rows, |r, take| {
+        // AVX-512 has the registers for 8 rows' accumulators: each V load
+        // then serves twice the rows (a row's arithmetic does not change).
+        let zmm = d.is_multiple_of(16) && v.sixteen_wide() && has_avx512_vnni();
+        for_row_groups_of(if zmm { 8 } else { 4 }, rows, |r, take| {
             let (a, c, ws) = (&mut acc[r * d..], &corr[r..r + take], &w[r * n..]);
             let pf = x86::Ahead::of(if r == 0 { ahead } else { &[] });
             // SAFETY: as in `group_scores` (the AVX-512 kernel: also checked).
             unsafe {
-                if d.is_multiple_of(16) && v.sixteen_wide() && has_avx512_vnni() {
-                    by_rows!(take, x86::group_accumulate_zmm(a, c, ws, v, n, d, pf))
+                if zmm {
+                    by_rows8!(take, x86::group_accumulate_zmm(a, c, ws, v, n, d, pf))
                 } else {
                     by_rows!(take, x86::group_accumulate(a, c, ws, v, n, d, pf))
                 }
