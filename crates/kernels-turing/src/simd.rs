@@ -367,6 +367,13 @@ pub fn group_scores(
                         codes,
                         scales,
                         shift: 5,
+                    } if d == 64 && has_avx512_vnni() => {
+                        by_rows!(take, x86::kv8_scores_zmm64(qs, codes, scales, n, os, pf))
+                    }
+                    x86::Plain::Kv8 {
+                        codes,
+                        scales,
+                        shift: 5,
                     } if d <= crate::codec::MAX_HEAD_DIM => {
                         by_rows!(take, x86::kv8_scores_words(qs, codes, scales, n, d, os, pf))
                     }
@@ -1211,33 +1218,83 @@ mod x86 {
         out: &mut [f32],
         ahead: Ahead,
     ) {
-        const D: usize = 128;
+        // SAFETY: as `kv8_scores_zmm_of` (the caller's bounds).
+        unsafe { kv8_scores_zmm_of::<128, R>(q, codes, scales, n, out, ahead) }
+    }
+
+    /// [`kv8_scores_zmm`] for heads of exactly 64 (two groups): a token's
+    /// 64 codes as two vectors whose lanes 0–7 hold group 0's channels and
+    /// 8–15 group 1's (one 128-bit lane shuffle), the query words likewise.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    pub(super) unsafe fn kv8_scores_zmm64<const R: usize>(
+        q: &[f32],
+        codes: &[u8],
+        scales: &[f32],
+        n: usize,
+        out: &mut [f32],
+        ahead: Ahead,
+    ) {
+        // SAFETY: as `kv8_scores_zmm_of` (the caller's bounds).
+        unsafe { kv8_scores_zmm_of::<64, R>(q, codes, scales, n, out, ahead) }
+    }
+
+    /// The AVX-512 KV8 scores for heads of `D` = 64 or 128 channels.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+    #[inline]
+    unsafe fn kv8_scores_zmm_of<const D: usize, const R: usize>(
+        q: &[f32],
+        codes: &[u8],
+        scales: &[f32],
+        n: usize,
+        out: &mut [f32],
+        ahead: Ahead,
+    ) {
+        const { assert!(D == 64 || D == 128) };
+        let groups = D / 32;
         let per = ahead.per(n);
-        let mut qw = std::mem::MaybeUninit::<[i16; 4 * D]>::uninit();
+        let mut qw = std::mem::MaybeUninit::<[i16; 4 * 128]>::uninit();
         let qw = qw.as_mut_ptr().cast::<i16>();
-        // Regrouped order: vector k, word 8g + i = channel 32g + 8k + i, i.e.
-        // 64-bit pieces k, 4 + k, 8 + k, 12 + k of the row (two vectors per permute).
+        // D = 128, regrouped order: vector k, word 8g + i = channel 32g + 8k
+        // + i, i.e. 64-bit pieces k, 4 + k, 8 + k, 12 + k of the row (two
+        // vectors per permute). D = 64: vector k, word 16g + i = channel 32g
+        // + 16k + i, i.e. 128-bit lanes k and 2 + k of the row.
         let (pa, pb) = (
             _mm512_setr_epi64(0, 4, 8, 12, 1, 5, 9, 13),
             _mm512_setr_epi64(2, 6, 10, 14, 3, 7, 11, 15),
         );
-        let spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-        // SAFETY: R ≤ 4, so qw[r·128 + c] stays in the buffer (all written
-        // before read); q holds R·128 values, codes 128·n bytes, scales 4·n,
+        let spread = if D == 128 {
+            _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+        } else {
+            _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+        };
+        // SAFETY: R ≤ 4, so qw[r·D + c] stays in the buffer (all written
+        // before read); q holds R·D values, codes D·n bytes, scales D/32·n,
         // out R·n (the caller).
         unsafe {
             let row_scale = rows_to_words::<R>(q, D, qw);
-            // The query words regrouped like the codes: vector g holds group
-            // g's 32 words as four 128-bit pieces (8 channels each); vector k
-            // of the result takes piece k of every group — a 4 × 4 transpose
-            // of 128-bit lanes.
+            // Lane 2r + t: row r's scale.
+            let rs = |r: usize| row_scale.get(r).copied().unwrap_or(0.0);
+            let lane_scale = _mm256_setr_ps(rs(0), rs(0), rs(1), rs(1), rs(2), rs(2), rs(3), rs(3));
+            // The query words regrouped like the codes. D = 128: vector g
+            // holds group g's 32 words as four 128-bit pieces (8 channels
+            // each); vector k of the result takes piece k of every group — a
+            // 4 × 4 transpose of 128-bit lanes. D = 64: vector k takes the
+            // 256-bit half k of both groups.
             let qv: [[__m512i; 4]; R] = std::array::from_fn(|r| {
-                let w: [__m512i; 4] =
-                    std::array::from_fn(|g| _mm512_loadu_si512(qw.add(r * D + 32 * g).cast()));
+                let w: [__m512i; 4] = std::array::from_fn(|g| {
+                    if g < groups {
+                        _mm512_loadu_si512(qw.add(r * D + 32 * g).cast())
+                    } else {
+                        _mm512_setzero_si512()
+                    }
+                });
                 let (t0, t1) = (
                     _mm512_shuffle_i64x2::<0x44>(w[0], w[1]),
                     _mm512_shuffle_i64x2::<0xEE>(w[0], w[1]),
                 );
+                if D == 64 {
+                    return [t0, t1, w[2], w[3]];
+                }
                 let (t2, t3) = (
                     _mm512_shuffle_i64x2::<0x44>(w[2], w[3]),
                     _mm512_shuffle_i64x2::<0xEE>(w[2], w[3]),
@@ -1257,27 +1314,33 @@ mod x86 {
                 let mut f = [[_mm512_setzero_ps(); 2]; R];
                 for (t, &jj) in pair.iter().enumerate() {
                     let row = codes.as_ptr().add(jj * D);
-                    let (z0, z1) = (
-                        _mm512_loadu_si512(row.cast()),
-                        _mm512_loadu_si512(row.add(64).cast()),
-                    );
-                    let (a, b) = (
-                        _mm512_permutex2var_epi64(z0, pa, z1),
-                        _mm512_permutex2var_epi64(z0, pb, z1),
-                    );
+                    let z0 = _mm512_loadu_si512(row.cast());
+                    let (a, b) = if D == 128 {
+                        let z1 = _mm512_loadu_si512(row.add(64).cast());
+                        (
+                            _mm512_permutex2var_epi64(z0, pa, z1),
+                            _mm512_permutex2var_epi64(z0, pb, z1),
+                        )
+                    } else {
+                        // 128-bit lanes 0, 2 | 1, 3.
+                        (_mm512_shuffle_i64x2::<0xD8>(z0, z0), z0)
+                    };
                     let v = [
                         _mm512_cvtepi8_epi16(_mm512_castsi512_si256(a)),
                         _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64::<1>(a)),
                         _mm512_cvtepi8_epi16(_mm512_castsi512_si256(b)),
                         _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64::<1>(b)),
                     ];
-                    let s = _mm512_permutexvar_ps(
-                        spread,
-                        _mm512_castps128_ps512(_mm_loadu_ps(scales.as_ptr().add(jj * 4))),
-                    );
+                    let sp = scales.as_ptr().add(jj * groups);
+                    let s4 = if D == 128 {
+                        _mm_loadu_ps(sp)
+                    } else {
+                        _mm_castsi128_ps(_mm_loadl_epi64(sp.cast()))
+                    };
+                    let s = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
                     for (r, f) in f.iter_mut().enumerate() {
                         let mut acc = _mm512_setzero_si512();
-                        for (k, v) in v.iter().enumerate() {
+                        for (k, v) in v.iter().enumerate().take(groups) {
                             acc = _mm512_dpwssd_epi32(acc, *v, qv[r][k]);
                         }
                         f[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), s);
@@ -1305,12 +1368,24 @@ mod x86 {
                     _mm256_permute2f128_ps::<0x20>(g0, g1),
                     _mm256_permute2f128_ps::<0x31>(g0, g1),
                 );
-                let mut o = [0f32; 8];
-                _mm256_storeu_ps(o.as_mut_ptr(), sums);
+                // Each row's two scores scaled and stored as one 64-bit piece.
+                let scaled = _mm256_mul_ps(sums, lane_scale);
                 for r in 0..R {
-                    out[r * n + j] = o[2 * r] * row_scale[r];
+                    let half = if r < 2 {
+                        _mm256_castps256_ps128(scaled)
+                    } else {
+                        _mm256_extractf128_ps::<1>(scaled)
+                    };
+                    let x = if r % 2 == 0 {
+                        half
+                    } else {
+                        _mm_movehl_ps(half, half)
+                    };
+                    let o = out.as_mut_ptr().add(r * n + j);
                     if j + 1 < n {
-                        out[r * n + j + 1] = o[2 * r + 1] * row_scale[r];
+                        _mm_storel_epi64(o.cast(), _mm_castps_si128(x));
+                    } else {
+                        _mm_store_ss(o, x);
                     }
                 }
                 j += 2;
@@ -2119,7 +2194,7 @@ mod tests {
     }
 
     /// The integer KV8 scores (groups of 32: AVX2 for heads of 32–256,
-    /// AVX-512 for heads of 128) agree with exact dot products over the decoded keys within the documented bound for a
+    /// AVX-512 for heads of 64 and 128) agree with exact dot products over the decoded keys within the documented bound for a
     /// query rounded to 16-bit words: `max|q| / 65534 · Σ_c |k_c|`.
     #[test]
     #[cfg(target_arch = "x86_64")]
@@ -2147,7 +2222,7 @@ mod tests {
                     .collect();
                 for take in 1..=4 {
                     let mut kernels = vec![("AVX2", vec![0f32; take * n])];
-                    if d == 128 && has_avx512_vnni() {
+                    if (d == 64 || d == 128) && has_avx512_vnni() {
                         kernels.push(("AVX-512", vec![0f32; take * n]));
                     }
                     for (i, (name, got)) in kernels.iter_mut().enumerate() {
@@ -2160,6 +2235,11 @@ mod tests {
                                 by_rows!(
                                     take,
                                     x86::kv8_scores_words(&q, &codes, &scales, n, d, got, pf)
+                                );
+                            } else if d == 64 {
+                                by_rows!(
+                                    take,
+                                    x86::kv8_scores_zmm64(&q, &codes, &scales, n, got, pf)
                                 );
                             } else {
                                 by_rows!(
