@@ -440,6 +440,7 @@ pub fn eval_kv(
                         copy_tensors: false,
                         device: DeviceAttention::Host,
                         tap_layer: None,
+                        llama_attention: false,
                     },
                 )?;
                 let placer = BlockPlacer::new(ctx.layout(), blocks, blocks);

@@ -121,6 +121,11 @@ pub struct GraftOptions {
     /// Keep a copy of this layer's attention output after every decode
     /// ([`GraftedContext::tapped`]): for tests and quality checks.
     pub tap_layer: Option<usize>,
+    /// Let llama.cpp compute its own attention in the layers on the host
+    /// too, before ours overwrites it (for comparisons). `false` in serving:
+    /// the flash-attention node is switched off while the graph runs (its
+    /// inputs are still computed; see [`GraftedContext::llama_attention_off`]).
+    pub llama_attention: bool,
 }
 
 /// Where grafted attention runs for the layers llama.cpp offloads to a GPU.
@@ -210,6 +215,11 @@ struct State {
     /// The tapped layer and its last attention output.
     tap: Option<usize>,
     tapped: Vec<f32>,
+    /// Whether llama.cpp's own attention runs ([`GraftOptions::llama_attention`]).
+    llama_attention: bool,
+    /// Addresses of the flash-attention nodes switched off in the decode in
+    /// flight (restored after it).
+    switched_off: Vec<usize>,
 }
 
 /// Copies tokens `0..n` of a `[d, tokens, heads, 1]` view (any strides; f32 or
@@ -308,7 +318,11 @@ impl State {
         crate::raw::check_kqv_out(t, il, nh * d, Some(n))?;
         // SAFETY: a node's sources live as long as the graph.
         let fa = unsafe { t.src[0].as_ref() };
-        let Some(fa) = fa.filter(|f| f.op == sys::GGML_OP_FLASH_ATTN_EXT) else {
+        let ours = |f: &sys::ggml_tensor| {
+            self.switched_off
+                .contains(&(f as *const sys::ggml_tensor as usize))
+        };
+        let Some(fa) = fa.filter(|f| f.op == sys::GGML_OP_FLASH_ATTN_EXT || ours(f)) else {
             return Err(format!("kqv_out-{il} is not flash attention's output"));
         };
         let p = |i: usize| f32::from_bits(fa.op_params[i] as u32);
@@ -374,6 +388,41 @@ impl State {
         self.layers_done += 1;
         self.tap_output(t, il);
         Ok(())
+    }
+
+    /// Asked (before the graph computes) about `kqv_out-<il>` of a layer on
+    /// the host: switches llama.cpp's flash attention that feeds it off (the
+    /// CPU backend skips a `GGML_OP_NONE` node), unless it is to run. Its
+    /// inputs are still computed, and `on_layer` writes the whole output.
+    fn switch_off_llama_attention(&mut self, t: &sys::ggml_tensor, il: usize) {
+        if self.llama_attention || !matches!(self.layers.get(il), Some(Some(_))) {
+            return;
+        }
+        // SAFETY: a node's sources live as long as the graph; nothing reads
+        // the node while the callback runs.
+        let Some(fa) = (unsafe { t.src[0].as_mut() }) else {
+            return;
+        };
+        // Only a node in host memory, which the CPU backend computes.
+        // SAFETY: a live tensor's buffer (null before allocation).
+        if fa.op != sys::GGML_OP_FLASH_ATTN_EXT
+            || fa.buffer.is_null()
+            || !unsafe { sys::ggml_backend_buffer_is_host(fa.buffer) }
+        {
+            return;
+        }
+        fa.op = sys::GGML_OP_NONE;
+        self.switched_off.push(fa as *mut sys::ggml_tensor as usize);
+    }
+
+    /// Switches the nodes `switch_off_llama_attention` switched off back on
+    /// (llama.cpp may reuse the graph for the next decode).
+    fn restore_llama_attention(&mut self) {
+        for a in self.switched_off.drain(..) {
+            // SAFETY: the graph lives until llama.cpp builds the next one,
+            // after this decode returned.
+            unsafe { (*(a as *mut sys::ggml_tensor)).op = sys::GGML_OP_FLASH_ATTN_EXT };
+        }
     }
 
     /// Keeps a copy of layer `il`'s attention output when it is the tapped
@@ -473,11 +522,12 @@ unsafe extern "C" fn eval_callback(t: *mut sys::ggml_tensor, ask: bool, ud: *mut
     let Some(il) = node_name(t).and_then(parse_layer) else {
         return !ask;
     };
-    if ask {
-        return true;
-    }
     // SAFETY: the State outlives the context (GraftedContext owns both).
     let state = unsafe { &mut *(ud as *mut State) };
+    if ask {
+        state.switch_off_llama_attention(t, il);
+        return true;
+    }
     if state.error.is_some() {
         return true;
     }
@@ -611,6 +661,8 @@ pub struct GraftedContext<'m> {
     n_scratch: usize,
     /// (sealed, tail) blocks per layer.
     capacity: (usize, usize),
+    /// Layers whose llama.cpp attention was switched off in the last decode.
+    last_switched_off: usize,
 }
 
 impl std::fmt::Debug for GraftedContext<'_> {
@@ -722,6 +774,8 @@ impl<'m> GraftedContext<'m> {
             error: None,
             tap: opts.tap_layer,
             tapped: Vec::new(),
+            llama_attention: opts.llama_attention,
+            switched_off: Vec::new(),
         });
         // llama.cpp's own cache: one step, padded as llama.cpp pads it.
         let n_ctx = opts.n_batch.div_ceil(256) * 256;
@@ -753,6 +807,7 @@ impl<'m> GraftedContext<'m> {
             n_ids: n_ids as usize,
             n_scratch: opts.scratch_blocks,
             capacity: (opts.sealed_blocks, opts.tail_blocks),
+            last_switched_off: 0,
         })
     }
 
@@ -802,6 +857,12 @@ impl<'m> GraftedContext<'m> {
     /// its own scratch blocks).
     pub fn device_store_bytes(&self) -> usize {
         self.state.device.as_ref().map_or(0, |d| d.bytes())
+    }
+
+    /// Layers in which the last decode switched llama.cpp's own attention
+    /// off (every host layer unless [`GraftOptions::llama_attention`]).
+    pub fn llama_attention_off(&self) -> usize {
+        self.last_switched_off
     }
 
     /// Layers whose store and attention are on the device.
@@ -990,6 +1051,8 @@ impl<'m> GraftedContext<'m> {
             dev.end_step();
         }
         let rc = self.raw.decode();
+        self.last_switched_off = self.state.switched_off.len();
+        self.state.restore_llama_attention();
         // llama.cpp keeps nothing between steps.
         self.raw.clear_memory(false);
         let error = self.state.error.take();

@@ -17,14 +17,18 @@ const PROMPTS: [&str; 3] = [
 ];
 
 fn context(format: &str, blocks: usize, n_batch: u32) -> (GraftedContext<'static>, BlockPlacer) {
-    context_copying(format, blocks, n_batch, false)
+    context_copying(format, blocks, n_batch, false, false)
 }
 
+/// [`context`], reading and writing attention tensors through ggml's copies
+/// with `copy_tensors` (an offloaded layer's path), with llama.cpp's own
+/// attention left on with `llama_attention`.
 fn context_copying(
     format: &str,
     blocks: usize,
     n_batch: u32,
     copy_tensors: bool,
+    llama_attention: bool,
 ) -> (GraftedContext<'static>, BlockPlacer) {
     context_on(
         format,
@@ -33,12 +37,11 @@ fn context_copying(
         copy_tensors,
         DeviceAttention::Host,
         None,
+        llama_attention,
     )
 }
 
-/// [`context`], reading and writing attention tensors through ggml's copies
-/// with `copy_tensors` (an offloaded layer's path), with some layers' store
-/// and attention on a device.
+/// [`context_copying`] with some layers' store and attention on a device.
 fn context_on(
     format: &str,
     blocks: usize,
@@ -46,6 +49,7 @@ fn context_on(
     copy_tensors: bool,
     device: DeviceAttention,
     tap_layer: Option<usize>,
+    llama_attention: bool,
 ) -> (GraftedContext<'static>, BlockPlacer) {
     let format = KvFormat::parse(format).unwrap();
     let ctx = GraftedContext::new(
@@ -63,6 +67,7 @@ fn context_on(
             copy_tensors,
             device,
             tap_layer,
+            llama_attention,
         },
     )
     .unwrap();
@@ -243,12 +248,15 @@ fn a_bad_step_is_refused_and_the_context_keeps_serving() {
 
 /// An offloaded layer's attention tensors are in device memory: Q, K and V
 /// are read, and the output written, through ggml's tensor copies. On the
-/// CPU that path (forced) gives the same bits as reading them in place.
+/// CPU that path (forced) gives the same bits as reading them in place. And
+/// switching llama.cpp's own flash attention off (serving's default: ours
+/// overwrites its output) changes no bit either.
 #[test]
-fn attention_through_tensor_copies_gives_the_same_logits() {
+fn attention_through_tensor_copies_or_beside_llama_cpps_gives_the_same_logits() {
     let prompts: Vec<Vec<TokenId>> = PROMPTS.iter().map(|p| tokens(p)).collect();
-    let run = |copy: bool| {
-        let (mut ctx, mut placer) = context_copying("kv8", 32, 256, copy);
+    let n_layer = model().geometry().n_layer as usize;
+    let run = |copy: bool, llama_attention: bool| {
+        let (mut ctx, mut placer) = context_copying("kv8", 32, 256, copy, llama_attention);
         let mut seqs = vec![SeqKv::default(); prompts.len()];
         let items: Vec<(usize, &[TokenId])> = prompts
             .iter()
@@ -257,7 +265,9 @@ fn attention_through_tensor_copies_gives_the_same_logits() {
             .collect();
         let mut rows = Vec::new();
         let mut next: Vec<[TokenId; 1]> = Vec::new();
+        let off = if llama_attention { 0 } else { n_layer };
         let idx = step(&mut ctx, &mut placer, &mut seqs, &items).unwrap();
+        assert_eq!(ctx.llama_attention_off(), off, "prefill");
         for ix in idx {
             let l = ctx.logits(ix).unwrap().to_vec();
             next.push([argmax(&l)]);
@@ -267,6 +277,7 @@ fn attention_through_tensor_copies_gives_the_same_logits() {
             let items: Vec<(usize, &[TokenId])> =
                 next.iter().enumerate().map(|(s, t)| (s, &t[..])).collect();
             let idx = step(&mut ctx, &mut placer, &mut seqs, &items).unwrap();
+            assert_eq!(ctx.llama_attention_off(), off, "decode");
             next.clear();
             for ix in idx {
                 let l = ctx.logits(ix).unwrap().to_vec();
@@ -276,11 +287,15 @@ fn attention_through_tensor_copies_gives_the_same_logits() {
         }
         rows
     };
-    let (direct, copied) = (run(false), run(true));
+    let direct = run(false, false);
     assert_eq!(direct.len(), 15);
     assert!(
-        direct == copied,
+        direct == run(true, false),
         "logits differ between in-place and copied attention tensors"
+    );
+    assert!(
+        direct == run(false, true),
+        "logits differ with llama.cpp's own attention computed"
     );
 }
 
@@ -309,7 +324,7 @@ fn device_layers_on_the_emulator_match_the_host_store() {
     let on_device = vec![0, 1, 29];
     for fmt in ["kv8", "k5v4+rot"] {
         let run = |device: DeviceAttention| {
-            let (mut ctx, mut placer) = context_on(fmt, 32, 256, false, device, Some(0));
+            let (mut ctx, mut placer) = context_on(fmt, 32, 256, false, device, Some(0), false);
             let mut seqs = vec![SeqKv::default(); prompts.len()];
             let mut items: Vec<(usize, Vec<TokenId>)> = prompts
                 .iter()

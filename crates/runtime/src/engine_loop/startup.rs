@@ -298,6 +298,7 @@ impl<'m> Engine<'m> {
                         copy_tensors: false,
                         device: DeviceAttention::for_model(model),
                         tap_layer: None,
+                        llama_attention: false,
                     },
                 )
                 .map_err(start)?;
