@@ -456,7 +456,45 @@ pub struct StorePlan {
     pub sealed_block_bytes: u64,
 }
 
+/// Where a [`StorePlan`]'s bytes live when some layers' attention runs on a
+/// GPU (grafted attention on the device): each such layer holds its pools
+/// and a scratch of its own in device memory; the others, and one shared
+/// scratch, stay in host memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct StoreSplit {
+    /// Layers whose store is in device memory.
+    pub device_layers: u32,
+    /// Bytes in device memory.
+    pub device_bytes: u64,
+    /// Bytes in host memory.
+    pub host_bytes: u64,
+}
+
+impl StoreSplit {
+    /// Both memories together.
+    pub fn total(&self) -> u64 {
+        self.device_bytes + self.host_bytes
+    }
+}
+
 impl StorePlan {
+    /// One layer's pools (sealed and open blocks, without the scratch).
+    pub fn pool_bytes_per_layer(&self, n_layer: u32) -> u64 {
+        (self.bytes - self.scratch_bytes) / u64::from(n_layer.max(1))
+    }
+
+    /// The plan with `device_layers` of the model's `n_layer` layers on the
+    /// device.
+    pub fn split(&self, n_layer: u32, device_layers: u32) -> StoreSplit {
+        let d = device_layers.min(n_layer);
+        let per_layer = self.pool_bytes_per_layer(n_layer);
+        StoreSplit {
+            device_layers: d,
+            device_bytes: u64::from(d) * (per_layer + self.scratch_bytes),
+            host_bytes: u64::from(n_layer - d) * per_layer + self.scratch_bytes,
+        }
+    }
+
     /// KV bytes per token of context: a sealed block's (an open block's for a
     /// format that never seals) over its tokens.
     pub fn bytes_per_token(&self, block_size: u32) -> f64 {

@@ -53,7 +53,7 @@ pub use types::{
 
 pub use engine_loop::store_plan;
 pub use siliceo_chat::{Message, Tool, ToolCall, ToolChoice, ToolSyntax};
-pub use siliceo_kv_paging::planner::{StorePlan, StoreSize};
+pub use siliceo_kv_paging::planner::{StorePlan, StoreSize, StoreSplit};
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -43,6 +43,11 @@ pub struct PlanArgs {
     /// `serve --spec-max-draft`) [default: 8].
     #[arg(long, requires = "spec_tree_width")]
     spec_max_draft: Option<usize>,
+    /// With --kv: llama.cpp's layers on the GPU (as `serve --gpu-layers`):
+    /// where a build with the CUDA kernels keeps the store (each offloaded
+    /// layer's pools and a scratch of its own in device memory).
+    #[arg(long, requires = "kv")]
+    gpu_layers: Option<u32>,
     /// K format: f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl, kv8, k5.
     #[arg(long, default_value = "f16")]
     kv_k: String,
@@ -310,11 +315,20 @@ fn plan_store_cmd(a: &PlanArgs, kv: &str, g: &ModelGeometry, name: &str) -> Resu
         branch_blocks,
     )
     .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let split = a.gpu_layers.map(|n| {
+        let layers = siliceo_core::offloaded_layers(g.n_layer as usize, n as usize);
+        p.split(g.n_layer, layers.len() as u32)
+    });
     if a.json {
         let mut out = serde_json::to_value(p)?;
         out["model"] = serde_json::json!(name);
         out["format"] = serde_json::json!(format.name());
         out["input"] = serde_json::to_value(input)?;
+        if let Some(split) = split {
+            out["gpu_layers"] = serde_json::json!(a.gpu_layers);
+            out["split"] = serde_json::to_value(split)?;
+            out["device_kernels_in_this_build"] = serde_json::json!(siliceo_engine::DEVICE_KERNELS);
+        }
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
@@ -345,6 +359,24 @@ fn plan_store_cmd(a: &PlanArgs, kv: &str, g: &ModelGeometry, name: &str) -> Resu
         )
     );
     println!("store              {} ({} B)", gib(p.bytes as f64), p.bytes);
+    if let Some(split) = split {
+        let n = g.n_layer as usize;
+        let layers = siliceo_core::offloaded_layers(n, a.gpu_layers.unwrap_or(0) as usize);
+        println!(
+            "on the GPU         layers {}..{} ({} of {n}), each with its own scratch: {} in device memory, {} in host memory ({} B in all){}",
+            layers.start,
+            layers.end,
+            split.device_layers,
+            gib(split.device_bytes as f64),
+            gib(split.host_bytes as f64),
+            split.total(),
+            if siliceo_engine::DEVICE_KERNELS {
+                ""
+            } else {
+                "; as a build with the CUDA kernels places it (`cargo xtask build --cuda`): this one keeps every layer's store in host memory"
+            }
+        );
+    }
     println!(
         "context            {} tokens, {:.0} B per token",
         p.tokens,

@@ -445,6 +445,52 @@ fn the_store_serve_allocates_is_what_plan_says() {
     }
 }
 
+/// `plan --kv … --gpu-layers N`: the offloaded layers (llama.cpp's last
+/// ones; 1 is only the output layer) hold their pools and a scratch each in
+/// device memory, the rest and one scratch stay on the host.
+#[test]
+fn plan_splits_the_store_between_host_and_gpu_layers() {
+    let plan = |extra: &[&str]| {
+        let mut args = vec!["plan", "--json", "--kv", "kv8", "--context", "4096"];
+        args.extend_from_slice(extra);
+        let out = siliceo(&args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let base = plan(&[]);
+    assert!(base.get("split").is_none(), "{base}");
+    let (bytes, scratch) = (
+        base["bytes"].as_u64().unwrap(),
+        base["scratch_bytes"].as_u64().unwrap(),
+    );
+    assert!(scratch > 0, "{base}");
+    // SmolLM2: 30 layers.
+    let per_layer = (bytes - scratch) / 30;
+    assert_eq!(per_layer * 30 + scratch, bytes);
+    for (gpu_layers, on_device) in [(0u64, 0u64), (1, 0), (11, 10), (31, 30), (99, 30)] {
+        let p = plan(&["--gpu-layers", &gpu_layers.to_string()]);
+        assert_eq!(p["bytes"], base["bytes"], "the plan itself does not change");
+        let s = &p["split"];
+        assert_eq!(s["device_layers"].as_u64().unwrap(), on_device, "{p}");
+        assert_eq!(
+            s["device_bytes"].as_u64().unwrap(),
+            on_device * (per_layer + scratch),
+            "{p}"
+        );
+        assert_eq!(
+            s["host_bytes"].as_u64().unwrap(),
+            (30 - on_device) * per_layer + scratch,
+            "{p}"
+        );
+    }
+    let out = siliceo(&["plan", "--kv", "kv8", "--gpu-layers", "11"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let table = text(&out.stdout);
+    assert!(table.contains("layers 20..30 (10 of 30)"), "{table}");
+    let out = siliceo(&["plan", "--gpu-layers", "11", "--budget", "8GiB"]);
+    assert!(!out.status.success(), "--gpu-layers needs --kv");
+}
+
 #[test]
 fn serve_refuses_what_it_cannot_do_with_a_clear_error() {
     let listen = ["--listen", "127.0.0.1:0"];

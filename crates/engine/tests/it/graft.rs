@@ -325,6 +325,14 @@ fn device_layers_on_the_emulator_match_the_host_store() {
     for fmt in ["kv8", "k5v4+rot"] {
         let run = |device: DeviceAttention| {
             let (mut ctx, mut placer) = context_on(fmt, 32, 256, false, device, Some(0), false);
+            // What `StorePlan::split` (the plan and serve's start-up check)
+            // counts: a device layer holds a host layer's pools (this test
+            // gives no scratch).
+            let n_layer = model().geometry().n_layer as usize;
+            let per_layer = ctx.layer(2).unwrap().byte_len();
+            let d = ctx.device_layers();
+            assert_eq!(ctx.device_store_bytes(), d * per_layer);
+            assert_eq!(ctx.host_store_bytes(), (n_layer - d) * per_layer);
             let mut seqs = vec![SeqKv::default(); prompts.len()];
             let mut items: Vec<(usize, Vec<TokenId>)> = prompts
                 .iter()

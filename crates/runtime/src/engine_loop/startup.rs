@@ -136,8 +136,7 @@ fn check_offload(cfg: &RuntimeConfig) -> Result<(), RuntimeError> {
         ),
         KvBackend::Ours { format, size, .. } if siliceo_engine::DEVICE_KERNELS => {
             let (_, plan) = our_store_plan(cfg, &g, format, *size)?;
-            let per_layer = (plan.bytes - plan.scratch_bytes) / u64::from(g.n_layer.max(1));
-            (0.0, per_layer + plan.scratch_bytes)
+            (0.0, plan.split(g.n_layer, 1).device_bytes)
         }
         KvBackend::Ours { .. } => (0.0, 0),
     };
@@ -303,12 +302,14 @@ impl<'m> Engine<'m> {
                 )
                 .map_err(start)?;
                 // Each layer on the device has its own scratch blocks.
-                let device_layers = ctx.device_layers() as u64;
-                let planned = plan.bytes + device_layers * plan.scratch_bytes;
-                if ctx.store_bytes() as u64 != planned {
+                let device_layers = ctx.device_layers() as u32;
+                let split = plan.split(model.geometry().n_layer, device_layers);
+                let (host, device) = (ctx.host_store_bytes(), ctx.device_store_bytes());
+                if (host as u64, device as u64) != (split.host_bytes, split.device_bytes) {
                     return Err(RuntimeError::Start(format!(
-                        "the store allocated {} bytes, the plan says {planned}",
-                        ctx.store_bytes(),
+                        "the store allocated {host} bytes in host memory and {device} in device \
+                         memory, the plan says {} and {}",
+                        split.host_bytes, split.device_bytes
                     )));
                 }
                 if device_layers > 0 {
