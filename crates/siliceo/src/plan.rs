@@ -315,16 +315,17 @@ fn plan_store_cmd(a: &PlanArgs, kv: &str, g: &ModelGeometry, name: &str) -> Resu
         branch_blocks,
     )
     .map_err(|e| anyhow::anyhow!("{e}"))?;
+    // The layers llama.cpp offloads, and where the store then lives.
     let split = a.gpu_layers.map(|n| {
         let layers = siliceo_core::offloaded_layers(g.n_layer as usize, n as usize);
-        p.split(g.n_layer, layers.len() as u32)
+        (p.split(g.n_layer, layers.len() as u32), layers)
     });
     if a.json {
         let mut out = serde_json::to_value(p)?;
         out["model"] = serde_json::json!(name);
         out["format"] = serde_json::json!(format.name());
         out["input"] = serde_json::to_value(input)?;
-        if let Some(split) = split {
+        if let Some((split, _)) = &split {
             out["gpu_layers"] = serde_json::json!(a.gpu_layers);
             out["split"] = serde_json::to_value(split)?;
             out["device_kernels_in_this_build"] = serde_json::json!(siliceo_engine::DEVICE_KERNELS);
@@ -359,14 +360,13 @@ fn plan_store_cmd(a: &PlanArgs, kv: &str, g: &ModelGeometry, name: &str) -> Resu
         )
     );
     println!("store              {} ({} B)", gib(p.bytes as f64), p.bytes);
-    if let Some(split) = split {
-        let n = g.n_layer as usize;
-        let layers = siliceo_core::offloaded_layers(n, a.gpu_layers.unwrap_or(0) as usize);
+    if let Some((split, layers)) = split {
         println!(
-            "on the GPU         layers {}..{} ({} of {n}), each with its own scratch: {} in device memory, {} in host memory ({} B in all){}",
+            "on the GPU         layers {}..{} ({} of {}), each with its own scratch: {} in device memory, {} in host memory ({} B in all){}",
             layers.start,
             layers.end,
             split.device_layers,
+            g.n_layer,
             gib(split.device_bytes as f64),
             gib(split.host_bytes as f64),
             split.total(),
