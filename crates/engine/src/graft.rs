@@ -217,8 +217,8 @@ struct State {
     tapped: Vec<f32>,
     /// Whether llama.cpp's own attention runs ([`GraftOptions::llama_attention`]).
     llama_attention: bool,
-    /// Addresses of the flash-attention nodes switched off in the decode in
-    /// flight (restored after it).
+    /// Addresses of the flash-attention nodes switched off in the last (or
+    /// in-flight) decode; switched back on after it, cleared before the next.
     switched_off: Vec<usize>,
 }
 
@@ -318,9 +318,9 @@ impl State {
         crate::raw::check_kqv_out(t, il, nh * d, Some(n))?;
         // SAFETY: a node's sources live as long as the graph.
         let fa = unsafe { t.src[0].as_ref() };
+        // Switched off when this very node was asked about, just before.
         let ours = |f: &sys::ggml_tensor| {
-            self.switched_off
-                .contains(&(f as *const sys::ggml_tensor as usize))
+            self.switched_off.last() == Some(&(f as *const sys::ggml_tensor as usize))
         };
         let Some(fa) = fa.filter(|f| f.op == sys::GGML_OP_FLASH_ATTN_EXT || ours(f)) else {
             return Err(format!("kqv_out-{il} is not flash attention's output"));
@@ -417,8 +417,8 @@ impl State {
 
     /// Switches the nodes `switch_off_llama_attention` switched off back on
     /// (llama.cpp may reuse the graph for the next decode).
-    fn restore_llama_attention(&mut self) {
-        for a in self.switched_off.drain(..) {
+    fn restore_llama_attention(&self) {
+        for &a in &self.switched_off {
             // SAFETY: the graph lives until llama.cpp builds the next one,
             // after this decode returned.
             unsafe { (*(a as *mut sys::ggml_tensor)).op = sys::GGML_OP_FLASH_ATTN_EXT };
@@ -589,13 +589,8 @@ impl BlockPlacer {
         let start = seq.len;
         let mut run = start;
         let view = |seq: &SeqKv, len: usize| {
-            let blocks = len.div_ceil(t);
-            let tail = blocks.saturating_sub(seq.sealed.len());
-            SeqKv {
-                sealed: seq.sealed[..blocks.min(seq.sealed.len())].to_vec(),
-                tail: seq.tail[..tail].to_vec(),
-                len,
-            }
+            seq.prefix(len, t)
+                .expect("a query's tokens are placed before its view is taken")
         };
         for _ in 0..n {
             let p = seq.len;
@@ -661,8 +656,6 @@ pub struct GraftedContext<'m> {
     n_scratch: usize,
     /// (sealed, tail) blocks per layer.
     capacity: (usize, usize),
-    /// Layers whose llama.cpp attention was switched off in the last decode.
-    last_switched_off: usize,
 }
 
 impl std::fmt::Debug for GraftedContext<'_> {
@@ -807,7 +800,6 @@ impl<'m> GraftedContext<'m> {
             n_ids: n_ids as usize,
             n_scratch: opts.scratch_blocks,
             capacity: (opts.sealed_blocks, opts.tail_blocks),
-            last_switched_off: 0,
         })
     }
 
@@ -862,7 +854,7 @@ impl<'m> GraftedContext<'m> {
     /// Layers in which the last decode switched llama.cpp's own attention
     /// off (every host layer unless [`GraftOptions::llama_attention`]).
     pub fn llama_attention_off(&self) -> usize {
-        self.last_switched_off
+        self.state.switched_off.len()
     }
 
     /// Layers whose store and attention are on the device.
@@ -974,6 +966,7 @@ impl<'m> GraftedContext<'m> {
     /// most [`GraftOptions::max_seqs`] sequences (runs of consecutive tokens).
     pub fn decode(&mut self, batch: &Batch, step: GraftStep) -> Result<(), EngineError> {
         self.logits_mask.clear();
+        self.state.switched_off.clear();
         if batch.is_empty() {
             return Ok(());
         }
@@ -1051,7 +1044,6 @@ impl<'m> GraftedContext<'m> {
             dev.end_step();
         }
         let rc = self.raw.decode();
-        self.last_switched_off = self.state.switched_off.len();
         self.state.restore_llama_attention();
         // llama.cpp keeps nothing between steps.
         self.raw.clear_memory(false);

@@ -157,19 +157,13 @@ impl<B: Backend> Kernels<B> {
             }
             for j in 0..r.tokens {
                 let len = r.kv.len - r.tokens + 1 + j;
-                let blocks = len.div_ceil(l.block_tokens);
-                let sealed = blocks.min(r.kv.sealed.len());
-                if blocks - sealed > r.kv.tail.len() {
-                    return Err(KernelError::Shape(format!(
+                let seq = r.kv.prefix(len, l.block_tokens).ok_or_else(|| {
+                    KernelError::Shape(format!(
                         "a block table of {} blocks for {len} tokens",
                         r.kv.blocks()
-                    )));
-                }
-                seqs.push(SeqKv {
-                    sealed: r.kv.sealed[..sealed].to_vec(),
-                    tail: r.kv.tail[..blocks - sealed].to_vec(),
-                    len,
-                });
+                    ))
+                })?;
+                seqs.push(seq);
             }
         }
         let refs: Vec<&SeqKv> = seqs.iter().collect();

@@ -264,7 +264,8 @@ fn for_row_groups_of(width: usize, rows: usize, mut f: impl FnMut(usize, usize))
     }
 }
 
-/// `path::func::<R>(args)` with `R` = `take` (1..=4) as a const generic.
+/// `path::func::<R>(args)` with `R` = `take` (1..=4) as a const generic
+/// (after the function's own, as in `path::func::<64>(args)`).
 #[cfg(target_arch = "x86_64")]
 macro_rules! by_rows {
     ($take:expr, $($f:ident)::+ ($($arg:expr),*)) => {
@@ -273,6 +274,14 @@ macro_rules! by_rows {
             3 => $($f)::+::<3>($($arg),*),
             2 => $($f)::+::<2>($($arg),*),
             _ => $($f)::+::<1>($($arg),*),
+        }
+    };
+    ($take:expr, $($f:ident)::+ ::<$g:literal> ($($arg:expr),*)) => {
+        match $take {
+            4 => $($f)::+::<$g, 4>($($arg),*),
+            3 => $($f)::+::<$g, 3>($($arg),*),
+            2 => $($f)::+::<$g, 2>($($arg),*),
+            _ => $($f)::+::<$g, 1>($($arg),*),
         }
     };
 }
@@ -361,14 +370,20 @@ pub fn group_scores(
                         scales,
                         shift: 5,
                     } if d == 128 && has_avx512_vnni() => {
-                        by_rows!(take, x86::kv8_scores_zmm(qs, codes, scales, n, os, pf))
+                        by_rows!(
+                            take,
+                            x86::kv8_scores_zmm::<128>(qs, codes, scales, n, os, pf)
+                        )
                     }
                     x86::Plain::Kv8 {
                         codes,
                         scales,
                         shift: 5,
                     } if d == 64 && has_avx512_vnni() => {
-                        by_rows!(take, x86::kv8_scores_zmm64(qs, codes, scales, n, os, pf))
+                        by_rows!(
+                            take,
+                            x86::kv8_scores_zmm::<64>(qs, codes, scales, n, os, pf)
+                        )
                     }
                     x86::Plain::Kv8 {
                         codes,
@@ -1201,47 +1216,17 @@ mod x86 {
         }
     }
 
-    /// KV8 scores for heads of exactly 128 in groups of 32 with AVX-512
-    /// (BW, VNNI): each query row rounded to 16-bit words with one scale per
-    /// row (as for K5: an error of at most `max|q| / 65534 · Σ_c |k_c|` per
-    /// score), a token's 128 codes regrouped with two 64-bit permutes so that
-    /// every 32-bit lane of `vpdpwssd` sums channels of one group (lanes
-    /// 4g..4g+4: group g), then one multiply by the four group scales per row
-    /// and token. The query words are regrouped the same way once per call
-    /// (a transpose of 128-bit lanes).
+    /// KV8 scores for heads of exactly `D` = 64 or 128 in groups of 32 with
+    /// AVX-512 (BW, VNNI): each query row rounded to 16-bit words with one
+    /// scale per row (as for K5: an error of at most `max|q| / 65534 · Σ_c
+    /// |k_c|` per score), a token's codes regrouped so that every 32-bit lane
+    /// of `vpdpwssd` sums channels of one group — D = 128: two 64-bit
+    /// permutes, lanes 4g..4g+4 group g; D = 64: one 128-bit lane shuffle,
+    /// lanes 0–7 group 0 and 8–15 group 1 — then one multiply by the group
+    /// scales per row and token. The query words are regrouped the same way
+    /// once per call (a transpose of 128-bit lanes).
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-    pub(super) unsafe fn kv8_scores_zmm<const R: usize>(
-        q: &[f32],
-        codes: &[u8],
-        scales: &[f32],
-        n: usize,
-        out: &mut [f32],
-        ahead: Ahead,
-    ) {
-        // SAFETY: as `kv8_scores_zmm_of` (the caller's bounds).
-        unsafe { kv8_scores_zmm_of::<128, R>(q, codes, scales, n, out, ahead) }
-    }
-
-    /// [`kv8_scores_zmm`] for heads of exactly 64 (two groups): a token's
-    /// 64 codes as two vectors whose lanes 0–7 hold group 0's channels and
-    /// 8–15 group 1's (one 128-bit lane shuffle), the query words likewise.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-    pub(super) unsafe fn kv8_scores_zmm64<const R: usize>(
-        q: &[f32],
-        codes: &[u8],
-        scales: &[f32],
-        n: usize,
-        out: &mut [f32],
-        ahead: Ahead,
-    ) {
-        // SAFETY: as `kv8_scores_zmm_of` (the caller's bounds).
-        unsafe { kv8_scores_zmm_of::<64, R>(q, codes, scales, n, out, ahead) }
-    }
-
-    /// The AVX-512 KV8 scores for heads of `D` = 64 or 128 channels.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-    #[inline]
-    unsafe fn kv8_scores_zmm_of<const D: usize, const R: usize>(
+    pub(super) unsafe fn kv8_scores_zmm<const D: usize, const R: usize>(
         q: &[f32],
         codes: &[u8],
         scales: &[f32],
@@ -2239,12 +2224,12 @@ mod tests {
                             } else if d == 64 {
                                 by_rows!(
                                     take,
-                                    x86::kv8_scores_zmm64(&q, &codes, &scales, n, got, pf)
+                                    x86::kv8_scores_zmm::<64>(&q, &codes, &scales, n, got, pf)
                                 );
                             } else {
                                 by_rows!(
                                     take,
-                                    x86::kv8_scores_zmm(&q, &codes, &scales, n, got, pf)
+                                    x86::kv8_scores_zmm::<128>(&q, &codes, &scales, n, got, pf)
                                 );
                             }
                         }

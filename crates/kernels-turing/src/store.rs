@@ -188,6 +188,19 @@ impl SeqKv {
     pub fn blocks(&self) -> usize {
         self.sealed.len() + self.tail.len()
     }
+
+    /// The sequence's first `len` tokens, as a sequence of their own over
+    /// the same blocks (blocks of `block_tokens`): what a query at position
+    /// `len − 1` sees. `None` if the table holds fewer blocks than that.
+    pub fn prefix(&self, len: usize, block_tokens: usize) -> Option<SeqKv> {
+        let blocks = len.div_ceil(block_tokens.max(1));
+        let sealed = blocks.min(self.sealed.len());
+        Some(SeqKv {
+            sealed: self.sealed[..sealed].to_vec(),
+            tail: self.tail.get(..blocks - sealed)?.to_vec(),
+            len,
+        })
+    }
 }
 
 /// Aligned byte storage (f16 views need 2-byte alignment; 64-byte chunks keep

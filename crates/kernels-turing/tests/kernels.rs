@@ -561,17 +561,6 @@ fn splitting_work_over_threads_changes_no_value() {
     }
 }
 
-/// The first `len` tokens of `seq`: the same blocks, as a shorter sequence.
-fn prefix_of(seq: &SeqKv, len: usize) -> SeqKv {
-    let blocks = len.div_ceil(64);
-    let sealed = blocks.min(seq.sealed.len());
-    SeqKv {
-        sealed: seq.sealed[..sealed].to_vec(),
-        tail: seq.tail[..blocks - sealed].to_vec(),
-        len,
-    }
-}
-
 /// The design's batch invariance, in the kernel: a query's output is the
 /// same bit for bit whether it runs alone (decode over what it sees), in a
 /// decode batch of many sequences, or as one token of a prefill chunk (served
@@ -615,7 +604,7 @@ fn a_query_gives_the_same_bits_alone_in_a_batch_and_in_a_chunk() {
         paged_attention(&store, n_heads, 0.11, &one, &mut two, &params(2)).unwrap();
         assert!(two == chunk, "{name}: a chunk on 2 threads");
         let views: Vec<SeqKv> = (0..n_q)
-            .map(|i| prefix_of(&seq, len - n_q + i + 1))
+            .map(|i| seq.prefix(len - n_q + i + 1, 64).unwrap())
             .collect();
         let decodes: Vec<SeqQuery<'_>> = views
             .iter()
