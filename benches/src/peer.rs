@@ -5,7 +5,8 @@
 //! Measurements alternate between the two, rep by rep, while the other
 //! server idles; every figure is the client's (streamed responses).
 //!
-//! - decode tok/s of one stream, and the aggregate of eight;
+//! - decode tok/s of one stream, and the aggregate of eight, over short
+//!   prompts and over 800-token contexts of their own (cached first);
 //! - a cold 1,700-token prompt: time to first token and prompt tok/s;
 //! - the same prompt again with another ending (warm prefix): TTFT.
 //!
@@ -74,6 +75,10 @@ fn start_llama_server(bin: &Path, model: &Path, threads: u32) -> Result<LlamaSer
     bail!("llama-server did not become healthy in 2 minutes")
 }
 
+/// Each stream's own context in the long-context decode row: eight of them
+/// and their 128 generated tokens fit both servers' 8,192 KV tokens.
+const CTX_TOKENS: usize = 800;
+
 /// Options of `siliceo-bench peer`.
 #[derive(Debug, Clone)]
 pub struct PeerBench {
@@ -112,20 +117,21 @@ pub fn peer(b: &PeerBench) -> Result<()> {
             true,
         )?)
     };
-    let long = |tag: &str, suffix: &str| -> Result<Vec<TokenId>> {
+    let long_of = |len: usize, tag: &str, suffix: &str| -> Result<Vec<TokenId>> {
         let mut t = model.tokenize(&format!("Session {tag}. "), true)?;
         let piece = model.tokenize(
             " The harbour committee reviewed the accounts, the pier repairs, the ferry \
              timetable and the letters about the market square.",
             false,
         )?;
-        while t.len() < 1700 {
+        while t.len() < len {
             t.extend(&piece);
         }
-        t.truncate(1700);
+        t.truncate(len);
         t.extend(model.tokenize(suffix, false)?);
         Ok(t)
     };
+    let long = |tag: &str, suffix: &str| long_of(1700, tag, suffix);
     // Each side runs its prompts at once.
     let run_llama = |prompts: Vec<Vec<TokenId>>, n_gen: u32| completions(theirs, prompts, n_gen);
     let run_ours = |prompts: Vec<Vec<TokenId>>, n_gen: u32| completions(ours, prompts, n_gen);
@@ -139,6 +145,7 @@ pub fn peer(b: &PeerBench) -> Result<()> {
         f64::from(n) * 1000.0 / (last - first).max(1e-9)
     };
     let (mut l1, mut o1, mut l8, mut o8) = (vec![], vec![], vec![], vec![]);
+    let (mut l8c, mut o8c) = (vec![], vec![]);
     let (mut lc, mut oc, mut lw, mut ow) = (vec![], vec![], vec![], vec![]);
     for rep in 0..b.reps {
         l1.push(decode_rate(&run_llama(vec![short(rep)?], 128)?));
@@ -146,6 +153,18 @@ pub fn peer(b: &PeerBench) -> Result<()> {
         let eight = |k: usize| (0..8).map(|i| short(k * 8 + i)).collect::<Result<Vec<_>>>();
         l8.push(decode_rate(&run_llama(eight(rep)?, 128)?));
         o8.push(decode_rate(&run_ours(eight(rep)?, 128)?));
+        // Eight streams over contexts of their own: each prompt is sent
+        // once first (both servers cache it), so the timed run is decode.
+        let ctx = |side: &str| {
+            (0..8)
+                .map(|i| long_of(CTX_TOKENS, &format!("{side}{rep}-{i}"), crate::PROMPTS[i % 4]))
+                .collect::<Result<Vec<_>>>()
+        };
+        let (cl, co) = (ctx("CL")?, ctx("CO")?);
+        run_llama(cl.clone(), 1)?;
+        run_ours(co.clone(), 1)?;
+        l8c.push(decode_rate(&run_llama(cl, 128)?));
+        o8c.push(decode_rate(&run_ours(co, 128)?));
         // A cold prompt each, then the same with another ending.
         let (tag_l, tag_o) = (format!("L{rep}"), format!("O{rep}"));
         lc.push(run_llama(vec![long(&tag_l, " First question?")?], 8)?[0].ttft_ms);
@@ -154,6 +173,7 @@ pub fn peer(b: &PeerBench) -> Result<()> {
         ow.push(run_ours(vec![long(&tag_o, " Second question, please?")?], 8)?[0].ttft_ms);
     }
     let (l1, o1, l8, o8) = (median(l1), median(o1), median(l8), median(o8));
+    let (l8c, o8c) = (median(l8c), median(o8c));
     let (lc, oc, lw, ow) = (median(lc), median(oc), median(lw), median(ow));
     println!();
     println!(
@@ -175,6 +195,10 @@ pub fn peer(b: &PeerBench) -> Result<()> {
     println!(
         "| decode, 8 streams (tok/s, all) | {l8:.1} | {o8:.1} | {:.2}× |",
         o8 / l8
+    );
+    println!(
+        "| decode, 8 streams over {CTX_TOKENS}-token contexts of their own (tok/s, all) | {l8c:.1} | {o8c:.1} | {:.2}× |",
+        o8c / l8c
     );
     println!(
         "| cold 1,700-token prompt: TTFT ms (prompt tok/s) | {lc:.0} ({:.0}) | {oc:.0} ({:.0}) | {:.2}× speed |",
