@@ -157,7 +157,13 @@ pub fn peer(b: &PeerBench) -> Result<()> {
         // once first (both servers cache it), so the timed run is decode.
         let ctx = |side: &str| {
             (0..8)
-                .map(|i| long_of(CTX_TOKENS, &format!("{side}{rep}-{i}"), crate::PROMPTS[i % 4]))
+                .map(|i| {
+                    long_of(
+                        CTX_TOKENS,
+                        &format!("{side}{rep}-{i}"),
+                        crate::PROMPTS[i % 4],
+                    )
+                })
                 .collect::<Result<Vec<_>>>()
         };
         let (cl, co) = (ctx("CL")?, ctx("CO")?);
