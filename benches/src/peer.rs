@@ -161,7 +161,7 @@ pub fn peer(b: &PeerBench) -> Result<()> {
                     long_of(
                         CTX_TOKENS,
                         &format!("{side}{rep}-{i}"),
-                        crate::PROMPTS[i % 4],
+                        crate::PROMPTS[i % crate::PROMPTS.len()],
                     )
                 })
                 .collect::<Result<Vec<_>>>()
