@@ -441,6 +441,7 @@ pub fn eval_kv(
                         device: DeviceAttention::Host,
                         tap_layer: None,
                         llama_attention: false,
+                        q4_1_kernel: true,
                     },
                 )?;
                 let placer = BlockPlacer::new(ctx.layout(), blocks, blocks);

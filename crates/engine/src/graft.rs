@@ -126,6 +126,12 @@ pub struct GraftOptions {
     /// the flash-attention node is switched off while the graph runs (its
     /// inputs are still computed; see [`GraftedContext::llama_attention_off`]).
     pub llama_attention: bool,
+    /// Compute the host layers' Q4_1 weight products with siliceo's kernel
+    /// (llama.cpp's exact bits, each weight block unpacked once for up to 8
+    /// tokens; see `q4_1.rs`) where the CPU has AVX-512 VNNI and the kernel
+    /// passed its start-up check against llama.cpp's own. `true` in serving;
+    /// `SILICEO_LLAMA_MATMUL=1` turns it off for the whole process.
+    pub q4_1_kernel: bool,
 }
 
 /// Where grafted attention runs for the layers llama.cpp offloads to a GPU.
@@ -220,6 +226,9 @@ struct State {
     /// Addresses of the flash-attention nodes switched off in the last (or
     /// in-flight) decode; switched back on after it, cleared before the next.
     switched_off: Vec<usize>,
+    /// Host Q4_1 weight products on siliceo's kernel (llama.cpp's bits,
+    /// fewer unpacks: see `q4_1.rs`); `None` where the CPU lacks it.
+    q4_1: Option<Box<crate::q4_1::Shared>>,
 }
 
 /// Copies tokens `0..n` of a `[d, tokens, heads, 1]` view (any strides; f32 or
@@ -519,6 +528,17 @@ fn node_name(t: &sys::ggml_tensor) -> Option<&[u8]> {
 unsafe extern "C" fn eval_callback(t: *mut sys::ggml_tensor, ask: bool, ud: *mut c_void) -> bool {
     // SAFETY: llama.cpp passes a live tensor and our user data.
     let t = unsafe { &mut *t };
+    if ask && t.op == sys::GGML_OP_MUL_MAT {
+        // SAFETY: the State outlives the context (GraftedContext owns both);
+        // asked before the graph computes, so nothing else touches it.
+        let state = unsafe { &mut *(ud as *mut State) };
+        if let Some(k) = state.q4_1.as_mut() {
+            // SAFETY: a node of the graph about to compute; the Shared is
+            // boxed in the State, which outlives the graph's computation.
+            unsafe { k.take(t) };
+        }
+        return false;
+    }
     let Some(il) = node_name(t).and_then(parse_layer) else {
         return !ask;
     };
@@ -769,6 +789,9 @@ impl<'m> GraftedContext<'m> {
             tapped: Vec::new(),
             llama_attention: opts.llama_attention,
             switched_off: Vec::new(),
+            q4_1: crate::q4_1::Q41Kernel::probe()
+                .filter(|_| opts.q4_1_kernel)
+                .map(|k| Box::new(crate::q4_1::Shared::new(k))),
         });
         // llama.cpp's own cache: one step, padded as llama.cpp pads it.
         let n_ctx = opts.n_batch.div_ceil(256) * 256;
@@ -855,6 +878,14 @@ impl<'m> GraftedContext<'m> {
     /// off (every host layer unless [`GraftOptions::llama_attention`]).
     pub fn llama_attention_off(&self) -> usize {
         self.state.switched_off.len()
+    }
+
+    /// Weight products of the last decode computed by siliceo's Q4_1 kernel
+    /// instead of llama.cpp's `vec_dot` (the same bits; 0 where this CPU
+    /// lacks AVX-512 VNNI, the model has no Q4_1 weights, or
+    /// `SILICEO_LLAMA_MATMUL=1`).
+    pub fn q4_1_products(&self) -> usize {
+        self.state.q4_1.as_ref().map_or(0, |k| k.last_switched())
     }
 
     /// Layers whose store and attention are on the device.
@@ -1045,6 +1076,9 @@ impl<'m> GraftedContext<'m> {
         }
         let rc = self.raw.decode();
         self.state.restore_llama_attention();
+        if let Some(e) = self.state.q4_1.as_mut().and_then(|k| k.restore()) {
+            self.state.error.get_or_insert(e);
+        }
         // llama.cpp keeps nothing between steps.
         self.raw.clear_memory(false);
         let error = self.state.error.take();

@@ -47,6 +47,7 @@ mod graft;
 mod graft_device;
 mod model;
 mod omp;
+mod q4_1;
 mod raw;
 mod reference;
 mod shadow;

@@ -17,18 +17,20 @@ const PROMPTS: [&str; 3] = [
 ];
 
 fn context(format: &str, blocks: usize, n_batch: u32) -> (GraftedContext<'static>, BlockPlacer) {
-    context_copying(format, blocks, n_batch, false, false)
+    context_copying(format, blocks, n_batch, false, false, true)
 }
 
 /// [`context`], reading and writing attention tensors through ggml's copies
 /// with `copy_tensors` (an offloaded layer's path), with llama.cpp's own
-/// attention left on with `llama_attention`.
+/// attention left on with `llama_attention`, and llama.cpp's own Q4_1
+/// products without `q4_1_kernel`.
 fn context_copying(
     format: &str,
     blocks: usize,
     n_batch: u32,
     copy_tensors: bool,
     llama_attention: bool,
+    q4_1_kernel: bool,
 ) -> (GraftedContext<'static>, BlockPlacer) {
     context_on(
         format,
@@ -38,10 +40,12 @@ fn context_copying(
         DeviceAttention::Host,
         None,
         llama_attention,
+        q4_1_kernel,
     )
 }
 
 /// [`context_copying`] with some layers' store and attention on a device.
+#[allow(clippy::too_many_arguments)]
 fn context_on(
     format: &str,
     blocks: usize,
@@ -50,6 +54,7 @@ fn context_on(
     device: DeviceAttention,
     tap_layer: Option<usize>,
     llama_attention: bool,
+    q4_1_kernel: bool,
 ) -> (GraftedContext<'static>, BlockPlacer) {
     let format = KvFormat::parse(format).unwrap();
     let ctx = GraftedContext::new(
@@ -68,6 +73,7 @@ fn context_on(
             device,
             tap_layer,
             llama_attention,
+            q4_1_kernel,
         },
     )
     .unwrap();
@@ -246,17 +252,47 @@ fn a_bad_step_is_refused_and_the_context_keeps_serving() {
     assert!(ctx.logits(ix[0]).is_ok());
 }
 
+/// Whether this CPU has what siliceo's Q4_1 kernel needs (so it must run,
+/// unless `SILICEO_LLAMA_MATMUL=1`).
+fn cpu_runs_q4_1_kernel() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::env::var("SILICEO_LLAMA_MATMUL").as_deref() != Ok("1")
+            && std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+            && std::arch::is_x86_feature_detected!("avx512vnni")
+            && std::arch::is_x86_feature_detected!("f16c")
+            && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// An offloaded layer's attention tensors are in device memory: Q, K and V
 /// are read, and the output written, through ggml's tensor copies. On the
 /// CPU that path (forced) gives the same bits as reading them in place. And
 /// switching llama.cpp's own flash attention off (serving's default: ours
-/// overwrites its output) changes no bit either.
+/// overwrites its output) changes no bit either; nor does computing the
+/// Q4_1 weight products with siliceo's kernel instead of llama.cpp's
+/// `vec_dot` (serving's default where the CPU has AVX-512 VNNI), over a
+/// prefill of three prompts and decode steps of three tokens.
 #[test]
 fn attention_through_tensor_copies_or_beside_llama_cpps_gives_the_same_logits() {
     let prompts: Vec<Vec<TokenId>> = PROMPTS.iter().map(|p| tokens(p)).collect();
     let n_layer = model().geometry().n_layer as usize;
-    let run = |copy: bool, llama_attention: bool| {
-        let (mut ctx, mut placer) = context_copying("kv8", 32, 256, copy, llama_attention);
+    let kernel = cpu_runs_q4_1_kernel();
+    let run = |copy: bool, llama_attention: bool, q4_1: bool| {
+        let (mut ctx, mut placer) = context_copying("kv8", 32, 256, copy, llama_attention, q4_1);
+        let products = |ctx: &GraftedContext<'_>| {
+            if q4_1 && kernel {
+                assert!(ctx.q4_1_products() > 0, "the Q4_1 kernel did not run");
+            } else {
+                assert_eq!(ctx.q4_1_products(), 0, "the Q4_1 kernel ran");
+            }
+        };
         let mut seqs = vec![SeqKv::default(); prompts.len()];
         let items: Vec<(usize, &[TokenId])> = prompts
             .iter()
@@ -268,6 +304,7 @@ fn attention_through_tensor_copies_or_beside_llama_cpps_gives_the_same_logits() 
         let off = if llama_attention { 0 } else { n_layer };
         let idx = step(&mut ctx, &mut placer, &mut seqs, &items).unwrap();
         assert_eq!(ctx.llama_attention_off(), off, "prefill");
+        products(&ctx);
         for ix in idx {
             let l = ctx.logits(ix).unwrap().to_vec();
             next.push([argmax(&l)]);
@@ -278,6 +315,7 @@ fn attention_through_tensor_copies_or_beside_llama_cpps_gives_the_same_logits() 
                 next.iter().enumerate().map(|(s, t)| (s, &t[..])).collect();
             let idx = step(&mut ctx, &mut placer, &mut seqs, &items).unwrap();
             assert_eq!(ctx.llama_attention_off(), off, "decode");
+            products(&ctx);
             next.clear();
             for ix in idx {
                 let l = ctx.logits(ix).unwrap().to_vec();
@@ -287,15 +325,19 @@ fn attention_through_tensor_copies_or_beside_llama_cpps_gives_the_same_logits() 
         }
         rows
     };
-    let direct = run(false, false);
+    let direct = run(false, false, true);
     assert_eq!(direct.len(), 15);
     assert!(
-        direct == run(true, false),
+        direct == run(true, false, true),
         "logits differ between in-place and copied attention tensors"
     );
     assert!(
-        direct == run(false, true),
+        direct == run(false, true, true),
         "logits differ with llama.cpp's own attention computed"
+    );
+    assert!(
+        direct == run(false, false, false),
+        "logits differ between siliceo's Q4_1 kernel and llama.cpp's vec_dot"
     );
 }
 
@@ -324,7 +366,8 @@ fn device_layers_on_the_emulator_match_the_host_store() {
     let on_device = vec![0, 1, 29];
     for fmt in ["kv8", "k5v4+rot"] {
         let run = |device: DeviceAttention| {
-            let (mut ctx, mut placer) = context_on(fmt, 32, 256, false, device, Some(0), false);
+            let (mut ctx, mut placer) =
+                context_on(fmt, 32, 256, false, device, Some(0), false, true);
             // What `StorePlan::split` (the plan and serve's start-up check)
             // counts: a device layer holds a host layer's pools (this test
             // gives no scratch).

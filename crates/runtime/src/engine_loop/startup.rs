@@ -298,6 +298,7 @@ impl<'m> Engine<'m> {
                         device: DeviceAttention::for_model(model),
                         tap_layer: None,
                         llama_attention: false,
+                        q4_1_kernel: true,
                     },
                 )
                 .map_err(start)?;

@@ -1,0 +1,729 @@
+//! Q4_1 weight products for many tokens at once, on llama.cpp's own threads,
+//! with llama.cpp's exact bits.
+//!
+//! llama.cpp has no batched Q4_1 product on x86 (llamafile's tinyBLAS and
+//! the repacked and tiled paths do not take Q4_1), so a `MUL_MAT` over Q4_1
+//! weights runs `ggml_vec_dot_q4_1_q8_1` once per (row, token): a step of 8
+//! tokens costs about 4.8× a step of one, and each token unpacks every
+//! weight block again. This kernel unpacks a block once for up to
+//! [`TILE`] tokens and two rows at a time (one AVX-512 register), and keeps
+//! every (row, token) sum in the order and the arithmetic of llama.cpp's
+//! AVX2/VNNI `vec_dot` — the same 8 lanes of 4-product integer sums, the
+//! same `fma(d_w·d_a, sum, acc)` per block, the same horizontal sum, the
+//! same `m·s` terms — on activations quantized by ggml's own `from_float`.
+//! Its output is llama.cpp's bit for bit, which [`Q41Kernel::probe`] checks
+//! against ggml's `vec_dot` at start-up (the kernel is used only if it
+//! matches), so batch invariance and every comparison with the llama.cpp
+//! path are unchanged.
+//!
+//! How it runs: while llama.cpp asks the evaluation callback about each node
+//! before computing it, a host `MUL_MAT` over Q4_1 weights is turned into a
+//! `GGML_OP_CUSTOM` node calling [`mul_mat`] (and turned back after the
+//! decode). ggml's CPU backend calls it on each of its threads (`ith` of
+//! `nth`) as it calls its own ops: every thread quantizes its share of the
+//! tokens, a barrier, then rows in chunks of [`CHUNK_ROWS`] from a shared
+//! counter. No graph split, no thread of our own.
+
+use std::cell::UnsafeCell;
+use std::ffi::{c_int, c_void};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use llama_cpp_sys_2 as sys;
+
+/// Tokens per tile: one accumulator register per token.
+pub(crate) const TILE: usize = 8;
+/// Rows per work item (weights of one chunk stay in L1 across the tiles).
+pub(crate) const CHUNK_ROWS: usize = 16;
+const QK: usize = 32;
+/// `block_q4_1`: f16 d, f16 m, 16 bytes of nibbles.
+const Q4_1_BYTES: usize = 20;
+/// `block_q8_1`: f16 d, f16 s, 32 signed bytes.
+const Q8_1_BYTES: usize = 36;
+
+/// The kernel, once checked against llama.cpp's own `vec_dot` (see
+/// [`Q41Kernel::probe`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Q41Kernel {
+    /// ggml's `from_float` for Q8_1 (`quantize_row_q8_1`).
+    quantize: unsafe extern "C" fn(*const f32, *mut c_void, i64),
+}
+
+/// Activations of one product as ggml quantizes them (Q8_1), in tiles of
+/// [`TILE`] tokens: per tile, per block, per token, 32 bytes (and `d`, `s`
+/// as f32, exactly as ggml widens them). Tokens past the end are zero.
+#[derive(Debug, Default)]
+struct Acts {
+    qs: Vec<i8>,
+    d: Vec<f32>,
+    s: Vec<f32>,
+}
+
+impl Acts {
+    fn reserve(&mut self, blocks: usize, tokens: usize) {
+        let n = tokens.div_ceil(TILE) * blocks * TILE;
+        if self.d.len() < n {
+            self.qs.resize(n * QK, 0);
+            self.d.resize(n, 0.0);
+            self.s.resize(n, 0.0);
+        }
+    }
+}
+
+/// A barrier for the `nth` threads of one node.
+#[derive(Debug, Default)]
+struct SpinBarrier {
+    count: AtomicUsize,
+    generation: AtomicUsize,
+}
+
+impl SpinBarrier {
+    fn wait(&self, n: usize) {
+        if n <= 1 {
+            return;
+        }
+        let g = self.generation.load(Ordering::Acquire);
+        if self.count.fetch_add(1, Ordering::AcqRel) + 1 == n {
+            self.count.store(0, Ordering::Relaxed);
+            self.generation.fetch_add(1, Ordering::Release);
+            return;
+        }
+        let mut spins = 0u32;
+        while self.generation.load(Ordering::Acquire) == g {
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(1 << 14) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+}
+
+/// What every custom node of a context shares (the node's user data).
+#[derive(Debug)]
+pub(crate) struct Shared {
+    kernel: Q41Kernel,
+    /// Written by the threads of a node, each its own tokens, between the
+    /// node's start and its barrier; sized before the graph computes.
+    acts: UnsafeCell<Acts>,
+    barrier: SpinBarrier,
+    next_chunk: AtomicUsize,
+    failed: AtomicBool,
+    error: Mutex<Option<String>>,
+    /// Nodes switched to this kernel in the decode in flight, with the op
+    /// parameters they had.
+    switched: Vec<(usize, [i32; 16])>,
+    /// Nodes the last decode switched.
+    last_switched: usize,
+}
+
+// SAFETY: `acts` is written only at disjoint places by the threads of one
+// node (each its own tokens), read after the node's barrier, and resized
+// only while no graph computes (the callback's question about a node).
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    pub(crate) fn new(kernel: Q41Kernel) -> Shared {
+        Shared {
+            kernel,
+            acts: UnsafeCell::new(Acts::default()),
+            barrier: SpinBarrier::default(),
+            next_chunk: AtomicUsize::new(0),
+            failed: AtomicBool::new(false),
+            error: Mutex::new(None),
+            switched: Vec::new(),
+            last_switched: 0,
+        }
+    }
+
+    /// Asked about `t` before the graph computes: a product this kernel
+    /// takes becomes a custom node calling it. Returns whether it did.
+    ///
+    /// # Safety
+    /// `t` is a live node of the graph about to compute, `self` outlives
+    /// the graph's computation (the pointer is the node's user data), and
+    /// no graph computes while this runs.
+    pub(crate) unsafe fn take(&mut self, t: &mut sys::ggml_tensor) -> bool {
+        // SAFETY: a node's sources live as long as the graph.
+        let (Some(w), Some(x)) = (unsafe { t.src[0].as_ref() }, unsafe { t.src[1].as_ref() })
+        else {
+            return false;
+        };
+        let host = |b: *mut sys::ggml_backend_buffer| {
+            // SAFETY: a live tensor's buffer, checked non-null first.
+            !b.is_null() && unsafe { sys::ggml_backend_buffer_is_host(b) }
+        };
+        // Only a node the CPU backend computes: its output in a CPU buffer
+        // (a GPU backend's nodes live in its own buffers).
+        // SAFETY: as above; the CPU buffer type is a static of ggml.
+        let cpu = !t.buffer.is_null()
+            && unsafe {
+                sys::ggml_backend_buffer_get_type(t.buffer) == sys::ggml_backend_cpu_buffer_type()
+            };
+        let k = x.ne[0] as usize;
+        let fits = w.type_ == sys::GGML_TYPE_Q4_1
+            && x.type_ == sys::GGML_TYPE_F32
+            && t.type_ == sys::GGML_TYPE_F32
+            && k.is_multiple_of(QK)
+            && w.ne[0] == x.ne[0]
+            && t.ne[0] == w.ne[1]
+            && t.ne[1] == x.ne[1]
+            && w.ne[2] == 1
+            && w.ne[3] == 1
+            && x.ne[2] == 1
+            && x.ne[3] == 1
+            && w.nb[0] == Q4_1_BYTES
+            && x.nb[0] == 4
+            && t.nb[0] == 4
+            && t.src[2].is_null()
+            && host(w.buffer)
+            && host(x.buffer)
+            && cpu
+            && !w.data.is_null()
+            && !t.data.is_null();
+        if !fits {
+            return false;
+        }
+        self.acts.get_mut().reserve(k / QK, x.ne[1] as usize);
+        self.switched
+            .push((t as *mut sys::ggml_tensor as usize, t.op_params));
+        let p = CustomOpParams {
+            fun: Some(mul_mat),
+            n_tasks: -1,
+            userdata: self as *mut Shared as *mut c_void,
+        };
+        t.op_params = [0; 16];
+        // SAFETY: the struct (24 bytes) fits in the 64 bytes of op_params,
+        // where ggml's CPU backend reads it for GGML_OP_CUSTOM.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                &p as *const _ as *const u8,
+                t.op_params.as_mut_ptr() as *mut u8,
+                std::mem::size_of_val(&p),
+            );
+        }
+        t.op = sys::GGML_OP_CUSTOM;
+        true
+    }
+
+    /// After the decode: the switched nodes are llama.cpp's again (it may
+    /// reuse the graph). Returns the first failure of the decode, if any.
+    pub(crate) fn restore(&mut self) -> Option<String> {
+        self.last_switched = self.switched.len();
+        for (a, params) in self.switched.drain(..) {
+            // SAFETY: the graph lives until llama.cpp builds the next one,
+            // after the decode returned.
+            let t = unsafe { &mut *(a as *mut sys::ggml_tensor) };
+            t.op = sys::GGML_OP_MUL_MAT;
+            t.op_params = params;
+        }
+        if self.failed.swap(false, Ordering::Relaxed) {
+            let mut e = self.error.lock().unwrap_or_else(|p| p.into_inner());
+            return Some(e.take().unwrap_or_else(|| "the Q4_1 product failed".into()));
+        }
+        None
+    }
+
+    /// Products the last decode computed with this kernel.
+    pub(crate) fn last_switched(&self) -> usize {
+        self.last_switched
+    }
+
+    fn fail(&self, what: String) {
+        self.failed.store(true, Ordering::Relaxed);
+        let mut e = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        e.get_or_insert(what);
+    }
+}
+
+/// ggml's `struct ggml_custom_op_params` (ggml-impl.h, not in the bindings).
+#[repr(C)]
+struct CustomOpParams {
+    fun: sys::ggml_custom_op_t,
+    n_tasks: c_int,
+    userdata: *mut c_void,
+}
+
+/// The custom node's function: thread `ith` of `nth`.
+///
+/// # Safety
+/// Called by ggml's CPU backend for a node [`Shared::take`] switched, on all
+/// `nth` threads of the graph at once.
+unsafe extern "C" fn mul_mat(dst: *mut sys::ggml_tensor, ith: c_int, nth: c_int, ud: *mut c_void) {
+    // SAFETY: the user data `take` set, alive while the graph computes.
+    let sh = unsafe { &*(ud as *const Shared) };
+    let (ith, nth) = (ith.max(0) as usize, nth.max(1) as usize);
+    // SAFETY: the node and its sources, live while the graph computes.
+    let (t, w, x) = unsafe { (&*dst, &*(*dst).src[0], &*(*dst).src[1]) };
+    let (k, tokens, rows) = (x.ne[0] as usize, x.ne[1] as usize, w.ne[1] as usize);
+    let blocks = k / QK;
+    // SAFETY: sized for this node while it was asked about; each thread
+    // writes its own tokens only.
+    let acts = unsafe { &*sh.acts.get() };
+    let (qs, d, s) = (
+        acts.qs.as_ptr() as *mut i8,
+        acts.d.as_ptr() as *mut f32,
+        acts.s.as_ptr() as *mut f32,
+    );
+    let quantized = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut row = vec![0u8; blocks * Q8_1_BYTES];
+        for tok in (ith..tokens.div_ceil(TILE) * TILE).step_by(nth) {
+            let (tile, tt) = (tok / TILE, tok % TILE);
+            for b in 0..blocks {
+                let i = (tile * blocks + b) * TILE + tt;
+                if tok >= tokens {
+                    // SAFETY: within the reserved tiles; this thread's token.
+                    unsafe {
+                        std::ptr::write_bytes(qs.add(i * QK), 0, QK);
+                        *d.add(i) = 0.0;
+                        *s.add(i) = 0.0;
+                    }
+                    continue;
+                }
+                if b == 0 {
+                    // SAFETY: token `tok`'s row of k f32 (contiguous: nb0 = 4).
+                    unsafe {
+                        (sh.kernel.quantize)(
+                            (x.data as *const u8).add(tok * x.nb[1]) as *const f32,
+                            row.as_mut_ptr().cast(),
+                            k as i64,
+                        )
+                    };
+                }
+                let blk = &row[b * Q8_1_BYTES..(b + 1) * Q8_1_BYTES];
+                // SAFETY: as above.
+                unsafe {
+                    *d.add(i) = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+                    *s.add(i) = half::f16::from_le_bytes([blk[2], blk[3]]).to_f32();
+                    std::ptr::copy_nonoverlapping(
+                        blk[4..].as_ptr() as *const i8,
+                        qs.add(i * QK),
+                        QK,
+                    );
+                }
+            }
+        }
+    }));
+    if quantized.is_err() {
+        sh.fail("a panic while quantizing a Q4_1 product's activations".into());
+    }
+    if ith == 0 {
+        sh.next_chunk.store(nth, Ordering::Relaxed);
+    }
+    sh.barrier.wait(nth);
+    if sh.failed.load(Ordering::Relaxed) {
+        return;
+    }
+    let chunks = rows.div_ceil(CHUNK_ROWS);
+    let computed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut c = ith;
+        while c < chunks {
+            let r0 = c * CHUNK_ROWS;
+            let r1 = (r0 + CHUNK_ROWS).min(rows);
+            for tile in 0..tokens.div_ceil(TILE) {
+                let nt = (tokens - tile * TILE).min(TILE);
+                let base = tile * blocks * TILE;
+                for r in (r0..r1).step_by(2) {
+                    let ra = r;
+                    let rb = (r + 1).min(rows - 1);
+                    let mut out = [[0f32; 2]; TILE];
+                    // SAFETY: rows `ra`, `rb` of the weights, this tile's
+                    // activations (filled before the barrier).
+                    unsafe {
+                        pair(
+                            nt,
+                            (w.data as *const u8).add(ra * w.nb[1]),
+                            (w.data as *const u8).add(rb * w.nb[1]),
+                            blocks,
+                            qs.add(base * QK),
+                            d.add(base),
+                            s.add(base),
+                            &mut out,
+                        )
+                    };
+                    for (tt, o) in out.iter().enumerate().take(nt) {
+                        let tok = tile * TILE + tt;
+                        // SAFETY: dst is [rows, tokens] f32 with row stride nb1.
+                        unsafe {
+                            let p = (t.data as *mut u8).add(tok * t.nb[1]) as *mut f32;
+                            *p.add(ra) = o[0];
+                            if rb != ra {
+                                *p.add(rb) = o[1];
+                            }
+                        }
+                    }
+                }
+            }
+            c = sh.next_chunk.fetch_add(1, Ordering::Relaxed);
+        }
+    }));
+    if computed.is_err() {
+        sh.fail("a panic in a Q4_1 product".into());
+    }
+}
+
+/// Rows `a` and `b` (`blocks` Q4_1 blocks each) against the `nt` tokens of
+/// one tile (`qs`, `d`, `s` at the tile's first block): `out[t] = [row a ·
+/// token t, row b · token t]`, each exactly as ggml's `vec_dot_q4_1_q8_1`.
+///
+/// # Safety
+/// The pointers hold what they say; the CPU has the features [`available`]
+/// checks.
+#[allow(clippy::too_many_arguments)]
+unsafe fn pair(
+    nt: usize,
+    a: *const u8,
+    b: *const u8,
+    blocks: usize,
+    qs: *const i8,
+    d: *const f32,
+    s: *const f32,
+    out: &mut [[f32; 2]; TILE],
+) {
+    macro_rules! go {
+        ($($n:literal)*) => {
+            match nt {
+                $(
+                    $n => unsafe { avx512::pair::<$n>(a, b, blocks, qs, d, s, out) },
+                )*
+                _ => unreachable!("a tile holds 1 to {TILE} tokens"),
+            }
+        };
+    }
+    go!(1 2 3 4 5 6 7 8)
+}
+
+/// Whether this CPU runs the kernel (AVX-512 F/BW/VL/VNNI, F16C, FMA).
+pub(crate) fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+            && std::arch::is_x86_feature_detected!("avx512vnni")
+            && std::arch::is_x86_feature_detected!("f16c")
+            && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{Q4_1_BYTES, QK, TILE};
+
+    /// ggml's `hsum_float_8`, in its order.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
+    fn hsum8(x: __m256) -> f32 {
+        let r = _mm_add_ps(_mm256_extractf128_ps::<1>(x), _mm256_castps256_ps128(x));
+        let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+        let r = _mm_add_ss(r, _mm_movehdup_ps(r));
+        _mm_cvtss_f32(r)
+    }
+
+    /// See [`super::pair`]: lanes 0–7 are row `a`, 8–15 row `b`; per token
+    /// one accumulator, as ggml's `acc` for each of the two rows.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
+    pub(super) unsafe fn pair<const NT: usize>(
+        a: *const u8,
+        b: *const u8,
+        blocks: usize,
+        qs: *const i8,
+        d: *const f32,
+        s: *const f32,
+        out: &mut [[f32; 2]; TILE],
+    ) {
+        let mut acc = [_mm512_setzero_ps(); NT];
+        // Lanes 0–7: row a's `summs` for tokens 0–7; 8–15: row b's.
+        let mut summs = _mm512_setzero_ps();
+        let nibbles = _mm512_set1_epi8(0x0F);
+        let zero = _mm512_setzero_si512();
+        let idx_d = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+        let idx_m = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
+        for blk in 0..blocks {
+            // SAFETY (whole block): the caller's pointers hold `blocks`
+            // blocks of each row and of each of the tile's tokens.
+            unsafe {
+                let pa = a.add(blk * Q4_1_BYTES);
+                let pb = b.add(blk * Q4_1_BYTES);
+                let dm = _mm_set_epi32(
+                    0,
+                    0,
+                    (pb as *const i32).read_unaligned(),
+                    (pa as *const i32).read_unaligned(),
+                );
+                // [d_a, m_a, d_b, m_b] as f32 (exact, as ggml widens them).
+                let f = _mm512_castps128_ps512(_mm_cvtph_ps(dm));
+                let dw = _mm512_permutexvar_ps(idx_d, f);
+                let mw = _mm512_permutexvar_ps(idx_m, f);
+                // ggml's bytes_from_nibbles_32 for both rows: [a lo, a hi | b lo, b hi].
+                let lo = _mm256_inserti128_si256::<1>(
+                    _mm256_castsi128_si256(_mm_loadu_si128(pa.add(4) as *const __m128i)),
+                    _mm_loadu_si128(pb.add(4) as *const __m128i),
+                );
+                let hi = _mm256_srli_epi16::<4>(lo);
+                let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                let qx = _mm512_and_si512(_mm512_shuffle_i64x2::<0b11_01_10_00>(z, z), nibbles);
+                let sv = _mm512_broadcast_f32x8(_mm256_loadu_ps(s.add(blk * TILE)));
+                // ggml's `summs += m * s`: the product of two f16 values is
+                // exact in f32, so fused or not, the same bits.
+                summs = _mm512_fmadd_ps(mw, sv, summs);
+                let tok = qs.add(blk * TILE * QK);
+                let dt = d.add(blk * TILE);
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    let qy = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                        tok.add(t * QK) as *const __m256i
+                    ));
+                    let xy = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, qx, qy));
+                    let dd = _mm512_mul_ps(dw, _mm512_set1_ps(*dt.add(t)));
+                    *acc = _mm512_fmadd_ps(dd, xy, *acc);
+                }
+            }
+        }
+        let mut sm = [0f32; 16];
+        // SAFETY: 16 f32 of room.
+        unsafe { _mm512_storeu_ps(sm.as_mut_ptr(), summs) };
+        for (t, acc) in acc.iter().enumerate() {
+            let ra = hsum8(_mm512_castps512_ps256(*acc));
+            let rb = hsum8(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(
+                _mm512_castps_pd(*acc),
+            )));
+            out[t] = [ra + sm[t], rb + sm[TILE + t]];
+        }
+    }
+}
+
+impl Q41Kernel {
+    /// The kernel, if this CPU runs it and it reproduces llama.cpp's own
+    /// `vec_dot_q4_1_q8_1` bit for bit on random data (`None` when it does
+    /// not, or when `SILICEO_LLAMA_MATMUL=1` asks for llama.cpp's products).
+    pub(crate) fn probe() -> Option<Q41Kernel> {
+        static PROBED: std::sync::OnceLock<Option<Q41Kernel>> = std::sync::OnceLock::new();
+        *PROBED.get_or_init(|| {
+            if std::env::var("SILICEO_LLAMA_MATMUL").is_ok_and(|v| v == "1") || !available() {
+                return None;
+            }
+            // SAFETY: ggml's type-traits tables; ggml_cpu_init is idempotent.
+            let quantize = unsafe {
+                sys::ggml_cpu_init();
+                (*sys::ggml_get_type_traits_cpu(sys::GGML_TYPE_Q8_1)).from_float?
+            };
+            let k = Q41Kernel { quantize };
+            let found = [(7, 6, 11, 1), (18, 4, 8, 2), (48, 2, 3, 3)]
+                .into_iter()
+                .all(|(b, r, t, seed)| k.compare(&probe_case(b, r, t, seed)).is_ok())
+                .then_some(k);
+            if found.is_none() {
+                tracing::info!(
+                    "the Q4_1 kernel does not reproduce llama.cpp's vec_dot here; \
+                     llama.cpp computes Q4_1 products"
+                );
+            }
+            found
+        })
+    }
+
+    /// Runs the kernel over `c` on one thread and compares every output
+    /// with ggml's `vec_dot`: `Err` names the first difference.
+    fn compare(&self, c: &ProbeCase) -> Result<(), String> {
+        let mut sh = Shared::new(*self);
+        let ours = c.run(&mut sh)?;
+        let theirs = c.reference()?;
+        match ours
+            .iter()
+            .zip(&theirs)
+            .position(|(a, b)| a.to_bits() != b.to_bits())
+        {
+            Some(i) => Err(format!(
+                "output {i}: {} (ours) against {} (ggml)",
+                ours[i], theirs[i]
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Random Q4_1 weights and f32 activations, as a node of ggml would hold
+/// them.
+pub(crate) struct ProbeCase {
+    blocks: usize,
+    rows: usize,
+    tokens: usize,
+    w: Vec<u8>,
+    x: Vec<f32>,
+}
+
+/// `rows` × `blocks·32` weights and `tokens` activation rows from `seed`
+/// (values of a few scales and offsets, as real weights and activations
+/// have).
+pub(crate) fn probe_case(blocks: usize, rows: usize, tokens: usize, seed: u64) -> ProbeCase {
+    let k = blocks * QK;
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+    };
+    let wf: Vec<f32> = (0..rows * k)
+        .map(|i| (next() * (0.02 + (i / QK % 5) as f64 * 0.03) + 0.01) as f32)
+        .collect();
+    let x: Vec<f32> = (0..tokens * k)
+        .map(|i| (next() * (1.0 + (i % 7) as f64)) as f32)
+        .collect();
+    let mut w = vec![0u8; rows * blocks * Q4_1_BYTES];
+    // SAFETY: ggml's Q4_1 quantization of `rows` rows into room for them.
+    unsafe {
+        sys::ggml_cpu_init();
+        let q = (*sys::ggml_get_type_traits_cpu(sys::GGML_TYPE_Q4_1))
+            .from_float
+            .expect("ggml quantizes Q4_1");
+        q(wf.as_ptr(), w.as_mut_ptr().cast(), (rows * k) as i64);
+    }
+    ProbeCase {
+        blocks,
+        rows,
+        tokens,
+        w,
+        x,
+    }
+}
+
+impl ProbeCase {
+    /// The kernel's outputs, `[token][row]`, through a real ggml tensor
+    /// node on one thread.
+    pub(crate) fn run(&self, sh: &mut Shared) -> Result<Vec<f32>, String> {
+        let k = self.blocks * QK;
+        let mut out = vec![0f32; self.rows * self.tokens];
+        // SAFETY: zeroed tensors are valid plain data; we set what the
+        // kernel reads (type, shape, strides, data, sources).
+        let mut wt: sys::ggml_tensor = unsafe { std::mem::zeroed() };
+        let mut xt: sys::ggml_tensor = unsafe { std::mem::zeroed() };
+        let mut dt: sys::ggml_tensor = unsafe { std::mem::zeroed() };
+        wt.type_ = sys::GGML_TYPE_Q4_1;
+        wt.ne = [k as i64, self.rows as i64, 1, 1];
+        wt.nb[0] = Q4_1_BYTES;
+        wt.nb[1] = self.blocks * Q4_1_BYTES;
+        wt.data = self.w.as_ptr() as *mut c_void;
+        xt.type_ = sys::GGML_TYPE_F32;
+        xt.ne = [k as i64, self.tokens as i64, 1, 1];
+        xt.nb[0] = 4;
+        xt.nb[1] = k * 4;
+        xt.data = self.x.as_ptr() as *mut c_void;
+        dt.type_ = sys::GGML_TYPE_F32;
+        dt.ne = [self.rows as i64, self.tokens as i64, 1, 1];
+        dt.nb[0] = 4;
+        dt.nb[1] = self.rows * 4;
+        dt.data = out.as_mut_ptr() as *mut c_void;
+        dt.src[0] = &mut wt;
+        dt.src[1] = &mut xt;
+        sh.acts.get_mut().reserve(self.blocks, self.tokens);
+        // SAFETY: a node as `take` would have switched it, one thread.
+        unsafe { mul_mat(&mut dt, 0, 1, sh as *mut Shared as *mut c_void) };
+        match sh.restore() {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+
+    /// ggml's own outputs: `from_float` then `vec_dot` per (row, token).
+    pub(crate) fn reference(&self) -> Result<Vec<f32>, String> {
+        let k = self.blocks * QK;
+        // SAFETY: ggml's type traits; buffers sized for k values.
+        unsafe {
+            sys::ggml_cpu_init();
+            let q4 = &*sys::ggml_get_type_traits_cpu(sys::GGML_TYPE_Q4_1);
+            let q8 = &*sys::ggml_get_type_traits_cpu(sys::GGML_TYPE_Q8_1);
+            let (Some(dot), Some(quantize)) = (q4.vec_dot, q8.from_float) else {
+                return Err("ggml has no Q4_1 vec_dot".into());
+            };
+            if q4.vec_dot_type != sys::GGML_TYPE_Q8_1 || q4.nrows != 1 {
+                return Err("ggml's Q4_1 product is not vec_dot over Q8_1".into());
+            }
+            let mut y = vec![0u8; self.blocks * Q8_1_BYTES];
+            let mut out = vec![0f32; self.rows * self.tokens];
+            for t in 0..self.tokens {
+                quantize(self.x[t * k..].as_ptr(), y.as_mut_ptr().cast(), k as i64);
+                for r in 0..self.rows {
+                    dot(
+                        k as c_int,
+                        &mut out[t * self.rows + r],
+                        0,
+                        self.w[r * self.blocks * Q4_1_BYTES..].as_ptr().cast(),
+                        0,
+                        y.as_ptr().cast(),
+                        0,
+                        1,
+                    );
+                }
+            }
+            Ok(out)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kernel_gives_ggml_vec_dot_bits_for_every_tile_width() {
+        let Some(kernel) = Q41Kernel::probe() else {
+            assert!(
+                !available() || std::env::var("SILICEO_LLAMA_MATMUL").is_ok(),
+                "the CPU runs the kernel, yet it does not reproduce ggml's vec_dot"
+            );
+            return;
+        };
+        for (blocks, rows, tokens) in [(1, 1, 1), (2, 3, 9), (18, 17, 16), (48, 5, 23), (3, 2, 8)] {
+            for seed in 10..13 {
+                let c = probe_case(blocks, rows, tokens, seed);
+                kernel.compare(&c).unwrap_or_else(|e| {
+                    panic!("{blocks} blocks, {rows} rows, {tokens} tokens: {e}")
+                });
+            }
+        }
+    }
+
+    #[test]
+    #[ignore = "a timing, not a check: cargo test --release -p siliceo-engine q4_1_speed -- --ignored --nocapture"]
+    fn q4_1_speed() {
+        let Some(kernel) = Q41Kernel::probe() else {
+            return;
+        };
+        for (blocks, rows) in [(18, 1536), (48, 576)] {
+            for tokens in [1, 2, 4, 8, 16, 64] {
+                let c = probe_case(blocks, rows, tokens, 5);
+                let mut sh = Shared::new(kernel);
+                let reps = 20;
+                let mut ours = Vec::new();
+                let mut theirs = Vec::new();
+                for _ in 0..reps {
+                    let t0 = std::time::Instant::now();
+                    std::hint::black_box(c.run(&mut sh).unwrap());
+                    ours.push(t0.elapsed().as_secs_f64());
+                    let t0 = std::time::Instant::now();
+                    std::hint::black_box(c.reference().unwrap());
+                    theirs.push(t0.elapsed().as_secs_f64());
+                }
+                ours.sort_by(f64::total_cmp);
+                theirs.sort_by(f64::total_cmp);
+                let (o, t) = (ours[reps / 2], theirs[reps / 2]);
+                println!(
+                    "k={} rows={rows} tokens={tokens}: ours {:.1} us, ggml vec_dot {:.1} us, {:.2}x",
+                    blocks * QK,
+                    o * 1e6,
+                    t * 1e6,
+                    t / o
+                );
+            }
+        }
+    }
+}
