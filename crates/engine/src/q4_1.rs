@@ -21,8 +21,8 @@
 //! `GGML_OP_CUSTOM` node calling [`mul_mat`] (and turned back after the
 //! decode). ggml's CPU backend calls it on each of its threads (`ith` of
 //! `nth`) as it calls its own ops: every thread quantizes its share of the
-//! tokens, a barrier, then rows in chunks of [`CHUNK_ROWS`] from a shared
-//! counter. No graph split, no thread of our own.
+//! blocks, a barrier, then rows in chunks (see [`chunk_rows`]) from a
+//! shared counter. No graph split, no thread of our own.
 
 use std::cell::UnsafeCell;
 use std::ffi::{c_int, c_void};
@@ -31,10 +31,35 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use llama_cpp_sys_2 as sys;
 
+/// Fewest tokens a product must have to be taken (see [`Shared::take`]).
+pub(crate) const MIN_TOKENS: usize = 2;
 /// Tokens per tile: one accumulator register per token.
 pub(crate) const TILE: usize = 8;
-/// Rows per work item (weights of one chunk stay in L1 across the tiles).
+/// Rows per work item over many tiles (a chunk's weights stay in L1 across
+/// them); over one or two tiles, where the weights stream from memory,
+/// [`STREAM_ROWS`] (longer runs for the prefetcher, fewer turns at the
+/// shared counter: with 16, two threads decoding one token ran slower than
+/// one).
 pub(crate) const CHUNK_ROWS: usize = 16;
+/// Rows per work item over one or two tiles (ggml's own decode chunk).
+pub(crate) const STREAM_ROWS: usize = 64;
+
+/// Rows per work item for `rows` × `tokens` on `nth` threads: at least four
+/// items per thread where the rows allow, an even count (rows go in pairs).
+fn chunk_rows(rows: usize, tokens: usize, nth: usize) -> usize {
+    let want = if tokens <= 2 * TILE {
+        STREAM_ROWS
+    } else {
+        CHUNK_ROWS
+    };
+    let most = (rows / (4 * nth)).max(2);
+    (want.min(most) + 1) & !1
+}
+
+/// An atomic alone on its cache line (the threads of a node hit it).
+#[derive(Debug, Default)]
+#[repr(align(64))]
+struct Line<T>(T);
 const QK: usize = 32;
 /// `block_q4_1`: f16 d, f16 m, 16 bytes of nibbles.
 const Q4_1_BYTES: usize = 20;
@@ -107,9 +132,9 @@ pub(crate) struct Shared {
     /// Written by the threads of a node, each its own tokens, between the
     /// node's start and its barrier; sized before the graph computes.
     acts: UnsafeCell<Acts>,
-    barrier: SpinBarrier,
-    next_chunk: AtomicUsize,
-    failed: AtomicBool,
+    barrier: Line<SpinBarrier>,
+    next_chunk: Line<AtomicUsize>,
+    failed: Line<AtomicBool>,
     error: Mutex<Option<String>>,
     /// Nodes switched to this kernel in the decode in flight, with the op
     /// parameters they had.
@@ -128,9 +153,9 @@ impl Shared {
         Shared {
             kernel,
             acts: UnsafeCell::new(Acts::default()),
-            barrier: SpinBarrier::default(),
-            next_chunk: AtomicUsize::new(0),
-            failed: AtomicBool::new(false),
+            barrier: Line::default(),
+            next_chunk: Line::default(),
+            failed: Line::default(),
             error: Mutex::new(None),
             switched: Vec::new(),
             last_switched: 0,
@@ -162,7 +187,11 @@ impl Shared {
                 sys::ggml_backend_buffer_get_type(t.buffer) == sys::ggml_backend_cpu_buffer_type()
             };
         let k = x.ne[0] as usize;
-        let fits = w.type_ == sys::GGML_TYPE_Q4_1
+        // One token is left to llama.cpp: its `vec_dot` streams the weights
+        // from memory as fast as this kernel does (measured: within noise, or
+        // ahead by up to 15 % on two threads), and there is nothing to share.
+        let fits = x.ne[1] >= MIN_TOKENS as i64
+            && w.type_ == sys::GGML_TYPE_Q4_1
             && x.type_ == sys::GGML_TYPE_F32
             && t.type_ == sys::GGML_TYPE_F32
             && k.is_multiple_of(QK)
@@ -218,7 +247,7 @@ impl Shared {
             t.op = sys::GGML_OP_MUL_MAT;
             t.op_params = params;
         }
-        if self.failed.swap(false, Ordering::Relaxed) {
+        if self.failed.0.swap(false, Ordering::Relaxed) {
             let mut e = self.error.lock().unwrap_or_else(|p| p.into_inner());
             return Some(e.take().unwrap_or_else(|| "the Q4_1 product failed".into()));
         }
@@ -231,7 +260,7 @@ impl Shared {
     }
 
     fn fail(&self, what: String) {
-        self.failed.store(true, Ordering::Relaxed);
+        self.failed.0.store(true, Ordering::Relaxed);
         let mut e = self.error.lock().unwrap_or_else(|p| p.into_inner());
         e.get_or_insert(what);
     }
@@ -266,34 +295,38 @@ unsafe extern "C" fn mul_mat(dst: *mut sys::ggml_tensor, ith: c_int, nth: c_int,
         acts.d.as_ptr() as *mut f32,
         acts.s.as_ptr() as *mut f32,
     );
+    // Each thread quantizes its own range of blocks of every token (Q8_1
+    // blocks are independent, so a part of a row quantizes as the whole row
+    // does): in the tiled layout that range is one contiguous run per tile,
+    // so no two threads write one cache line but at its ends. (Split by
+    // token instead, two threads wrote interleaved floats of the same lines:
+    // decode on two threads ran slower than on one.)
+    let (b0, b1) = (ith * blocks / nth, (ith + 1) * blocks / nth);
     let quantized = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let mut row = vec![0u8; blocks * Q8_1_BYTES];
-        for tok in (ith..tokens.div_ceil(TILE) * TILE).step_by(nth) {
+        let mut part = vec![0u8; (b1 - b0) * Q8_1_BYTES];
+        for tok in 0..tokens.div_ceil(TILE) * TILE {
             let (tile, tt) = (tok / TILE, tok % TILE);
-            for b in 0..blocks {
+            if tok < tokens && b1 > b0 {
+                // SAFETY: token `tok`'s row of k f32 (nb0 = 4), from block b0.
+                unsafe {
+                    (sh.kernel.quantize)(
+                        ((x.data as *const u8).add(tok * x.nb[1]) as *const f32).add(b0 * QK),
+                        part.as_mut_ptr().cast(),
+                        ((b1 - b0) * QK) as i64,
+                    )
+                };
+            }
+            for b in b0..b1 {
                 let i = (tile * blocks + b) * TILE + tt;
-                if tok >= tokens {
-                    // SAFETY: within the reserved tiles; this thread's token.
-                    unsafe {
+                // SAFETY: within the reserved tiles; this thread's blocks.
+                unsafe {
+                    if tok >= tokens {
                         std::ptr::write_bytes(qs.add(i * QK), 0, QK);
                         *d.add(i) = 0.0;
                         *s.add(i) = 0.0;
+                        continue;
                     }
-                    continue;
-                }
-                if b == 0 {
-                    // SAFETY: token `tok`'s row of k f32 (contiguous: nb0 = 4).
-                    unsafe {
-                        (sh.kernel.quantize)(
-                            (x.data as *const u8).add(tok * x.nb[1]) as *const f32,
-                            row.as_mut_ptr().cast(),
-                            k as i64,
-                        )
-                    };
-                }
-                let blk = &row[b * Q8_1_BYTES..(b + 1) * Q8_1_BYTES];
-                // SAFETY: as above.
-                unsafe {
+                    let blk = &part[(b - b0) * Q8_1_BYTES..(b - b0 + 1) * Q8_1_BYTES];
                     *d.add(i) = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
                     *s.add(i) = half::f16::from_le_bytes([blk[2], blk[3]]).to_f32();
                     std::ptr::copy_nonoverlapping(
@@ -309,18 +342,19 @@ unsafe extern "C" fn mul_mat(dst: *mut sys::ggml_tensor, ith: c_int, nth: c_int,
         sh.fail("a panic while quantizing a Q4_1 product's activations".into());
     }
     if ith == 0 {
-        sh.next_chunk.store(nth, Ordering::Relaxed);
+        sh.next_chunk.0.store(nth, Ordering::Relaxed);
     }
-    sh.barrier.wait(nth);
-    if sh.failed.load(Ordering::Relaxed) {
+    sh.barrier.0.wait(nth);
+    if sh.failed.0.load(Ordering::Relaxed) {
         return;
     }
-    let chunks = rows.div_ceil(CHUNK_ROWS);
+    let chunk = chunk_rows(rows, tokens, nth);
+    let chunks = rows.div_ceil(chunk);
     let computed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let mut c = ith;
         while c < chunks {
-            let r0 = c * CHUNK_ROWS;
-            let r1 = (r0 + CHUNK_ROWS).min(rows);
+            let r0 = c * chunk;
+            let r1 = (r0 + chunk).min(rows);
             for tile in 0..tokens.div_ceil(TILE) {
                 let nt = (tokens - tile * TILE).min(TILE);
                 let base = tile * blocks * TILE;
@@ -355,7 +389,7 @@ unsafe extern "C" fn mul_mat(dst: *mut sys::ggml_tensor, ith: c_int, nth: c_int,
                     }
                 }
             }
-            c = sh.next_chunk.fetch_add(1, Ordering::Relaxed);
+            c = sh.next_chunk.0.fetch_add(1, Ordering::Relaxed);
         }
     }));
     if computed.is_err() {
@@ -633,6 +667,101 @@ impl ProbeCase {
         }
     }
 
+    /// [`ProbeCase::run`] on `nth` threads at once (a timing aid).
+    #[cfg(test)]
+    pub(crate) fn run_threads(&self, sh: &mut Shared, nth: usize) -> Vec<f32> {
+        let k = self.blocks * QK;
+        let mut out = vec![0f32; self.rows * self.tokens];
+        // SAFETY: as in `run`.
+        let mut wt: sys::ggml_tensor = unsafe { std::mem::zeroed() };
+        let mut xt: sys::ggml_tensor = unsafe { std::mem::zeroed() };
+        let mut dt: sys::ggml_tensor = unsafe { std::mem::zeroed() };
+        wt.type_ = sys::GGML_TYPE_Q4_1;
+        wt.ne = [k as i64, self.rows as i64, 1, 1];
+        wt.nb[0] = Q4_1_BYTES;
+        wt.nb[1] = self.blocks * Q4_1_BYTES;
+        wt.data = self.w.as_ptr() as *mut c_void;
+        xt.type_ = sys::GGML_TYPE_F32;
+        xt.ne = [k as i64, self.tokens as i64, 1, 1];
+        xt.nb[0] = 4;
+        xt.nb[1] = k * 4;
+        xt.data = self.x.as_ptr() as *mut c_void;
+        dt.type_ = sys::GGML_TYPE_F32;
+        dt.ne = [self.rows as i64, self.tokens as i64, 1, 1];
+        dt.nb[0] = 4;
+        dt.nb[1] = self.rows * 4;
+        dt.data = out.as_mut_ptr() as *mut c_void;
+        dt.src[0] = &mut wt;
+        dt.src[1] = &mut xt;
+        sh.acts.get_mut().reserve(self.blocks, self.tokens);
+        let dst = &mut dt as *mut sys::ggml_tensor as usize;
+        let ud = sh as *mut Shared as usize;
+        std::thread::scope(|sc| {
+            for ith in 0..nth {
+                sc.spawn(move || unsafe {
+                    mul_mat(dst as *mut _, ith as c_int, nth as c_int, ud as *mut c_void)
+                });
+            }
+        });
+        out
+    }
+
+    /// ggml's `vec_dot` over the rows on `nth` threads (contiguous row
+    /// ranges in chunks of 64, as ggml's decode does), the activations
+    /// quantized once (a timing aid).
+    #[cfg(test)]
+    pub(crate) fn reference_threads(&self, nth: usize) -> Vec<f32> {
+        let k = self.blocks * QK;
+        let mut out = vec![0f32; self.rows * self.tokens];
+        unsafe {
+            let q4 = &*sys::ggml_get_type_traits_cpu(sys::GGML_TYPE_Q4_1);
+            let q8 = &*sys::ggml_get_type_traits_cpu(sys::GGML_TYPE_Q8_1);
+            let (dot, quantize) = (q4.vec_dot.unwrap(), q8.from_float.unwrap());
+            let mut y = vec![0u8; self.tokens * self.blocks * Q8_1_BYTES];
+            for t in 0..self.tokens {
+                quantize(
+                    self.x[t * k..].as_ptr(),
+                    y[t * self.blocks * Q8_1_BYTES..].as_mut_ptr().cast(),
+                    k as i64,
+                );
+            }
+            let next = AtomicUsize::new(nth);
+            let chunks = self.rows.div_ceil(64);
+            let (op, yp, wp) = (
+                out.as_mut_ptr() as usize,
+                y.as_ptr() as usize,
+                self.w.as_ptr() as usize,
+            );
+            let (rows, blocks, tokens) = (self.rows, self.blocks, self.tokens);
+            std::thread::scope(|sc| {
+                for ith in 0..nth {
+                    let next = &next;
+                    sc.spawn(move || {
+                        let mut c = ith;
+                        while c < chunks {
+                            for r in c * 64..((c + 1) * 64).min(rows) {
+                                for t in 0..tokens {
+                                    dot(
+                                        k as c_int,
+                                        (op as *mut f32).add(t * rows + r),
+                                        0,
+                                        (wp as *const u8).add(r * blocks * Q4_1_BYTES).cast(),
+                                        0,
+                                        (yp as *const u8).add(t * blocks * Q8_1_BYTES).cast(),
+                                        0,
+                                        1,
+                                    );
+                                }
+                            }
+                            c = next.fetch_add(1, Ordering::Relaxed);
+                        }
+                    });
+                }
+            });
+        }
+        out
+    }
+
     /// ggml's own outputs: `from_float` then `vec_dot` per (row, token).
     pub(crate) fn reference(&self) -> Result<Vec<f32>, String> {
         let k = self.blocks * QK;
@@ -698,8 +827,37 @@ mod tests {
         let Some(kernel) = Q41Kernel::probe() else {
             return;
         };
-        for (blocks, rows) in [(18, 1536), (48, 576)] {
-            for tokens in [1, 2, 4, 8, 16, 64] {
+        for nth in [1, 2] {
+            for (blocks, rows) in [(18, 100_000), (48, 40_000)] {
+                for tokens in [1, 2, 3, 4, 8] {
+                    let c = probe_case(blocks, rows, tokens, 5);
+                    let mut sh = Shared::new(kernel);
+                    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+                    for _ in 0..9 {
+                        let t0 = std::time::Instant::now();
+                        let a = c.run_threads(&mut sh, nth);
+                        ours.push(t0.elapsed().as_secs_f64());
+                        let t0 = std::time::Instant::now();
+                        let b = c.reference_threads(nth);
+                        theirs.push(t0.elapsed().as_secs_f64());
+                        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+                    }
+                    ours.sort_by(f64::total_cmp);
+                    theirs.sort_by(f64::total_cmp);
+                    let gb = (rows * blocks * Q4_1_BYTES) as f64 / 1e9;
+                    println!(
+                        "{nth} threads, k={} rows={rows} tokens={tokens}: ours {:.2} ms ({:.1} GB/s), ggml {:.2} ms ({:.1} GB/s)",
+                        blocks * QK,
+                        ours[4] * 1e3,
+                        gb / ours[4],
+                        theirs[4] * 1e3,
+                        gb / theirs[4]
+                    );
+                }
+            }
+        }
+        for (blocks, rows) in [(18, 1536)] {
+            for tokens in [1, 2, 8] {
                 let c = probe_case(blocks, rows, tokens, 5);
                 let mut sh = Shared::new(kernel);
                 let reps = 20;
