@@ -634,6 +634,12 @@ impl ProbeCase {
     /// The kernel's outputs, `[token][row]`, through a real ggml tensor
     /// node on one thread.
     pub(crate) fn run(&self, sh: &mut Shared) -> Result<Vec<f32>, String> {
+        self.run_on(sh, 1)
+    }
+
+    /// [`ProbeCase::run`] on `nth` threads at once, as ggml's backend runs
+    /// a node.
+    pub(crate) fn run_on(&self, sh: &mut Shared, nth: usize) -> Result<Vec<f32>, String> {
         let k = self.blocks * QK;
         let mut out = vec![0f32; self.rows * self.tokens];
         // SAFETY: zeroed tensors are valid plain data; we set what the
@@ -659,51 +665,33 @@ impl ProbeCase {
         dt.src[0] = &mut wt;
         dt.src[1] = &mut xt;
         sh.acts.get_mut().reserve(self.blocks, self.tokens);
-        // SAFETY: a node as `take` would have switched it, one thread.
-        unsafe { mul_mat(&mut dt, 0, 1, sh as *mut Shared as *mut c_void) };
+        let (node, ud) = (
+            &mut dt as *mut sys::ggml_tensor as usize,
+            sh as *mut Shared as usize,
+        );
+        // SAFETY: a node as `take` would have switched it, on `nth` threads
+        // at once; it and `sh` outlive them (scoped).
+        let call = move |ith: usize| unsafe {
+            mul_mat(
+                node as *mut _,
+                ith as c_int,
+                nth as c_int,
+                ud as *mut c_void,
+            )
+        };
+        if nth <= 1 {
+            call(0);
+        } else {
+            std::thread::scope(|sc| {
+                for ith in 0..nth {
+                    sc.spawn(move || call(ith));
+                }
+            });
+        }
         match sh.restore() {
             Some(e) => Err(e),
             None => Ok(out),
         }
-    }
-
-    /// [`ProbeCase::run`] on `nth` threads at once (a timing aid).
-    #[cfg(test)]
-    pub(crate) fn run_threads(&self, sh: &mut Shared, nth: usize) -> Vec<f32> {
-        let k = self.blocks * QK;
-        let mut out = vec![0f32; self.rows * self.tokens];
-        // SAFETY: as in `run`.
-        let mut wt: sys::ggml_tensor = unsafe { std::mem::zeroed() };
-        let mut xt: sys::ggml_tensor = unsafe { std::mem::zeroed() };
-        let mut dt: sys::ggml_tensor = unsafe { std::mem::zeroed() };
-        wt.type_ = sys::GGML_TYPE_Q4_1;
-        wt.ne = [k as i64, self.rows as i64, 1, 1];
-        wt.nb[0] = Q4_1_BYTES;
-        wt.nb[1] = self.blocks * Q4_1_BYTES;
-        wt.data = self.w.as_ptr() as *mut c_void;
-        xt.type_ = sys::GGML_TYPE_F32;
-        xt.ne = [k as i64, self.tokens as i64, 1, 1];
-        xt.nb[0] = 4;
-        xt.nb[1] = k * 4;
-        xt.data = self.x.as_ptr() as *mut c_void;
-        dt.type_ = sys::GGML_TYPE_F32;
-        dt.ne = [self.rows as i64, self.tokens as i64, 1, 1];
-        dt.nb[0] = 4;
-        dt.nb[1] = self.rows * 4;
-        dt.data = out.as_mut_ptr() as *mut c_void;
-        dt.src[0] = &mut wt;
-        dt.src[1] = &mut xt;
-        sh.acts.get_mut().reserve(self.blocks, self.tokens);
-        let dst = &mut dt as *mut sys::ggml_tensor as usize;
-        let ud = sh as *mut Shared as usize;
-        std::thread::scope(|sc| {
-            for ith in 0..nth {
-                sc.spawn(move || unsafe {
-                    mul_mat(dst as *mut _, ith as c_int, nth as c_int, ud as *mut c_void)
-                });
-            }
-        });
-        out
     }
 
     /// ggml's `vec_dot` over the rows on `nth` threads (contiguous row
@@ -821,6 +809,32 @@ mod tests {
         }
     }
 
+    /// Several threads share a node as ggml's backend runs it: each
+    /// quantizes its blocks, a barrier, then row chunks from the counter —
+    /// still ggml's bits, for any thread count (chunks of 2 to 64 rows).
+    #[test]
+    fn threads_sharing_a_node_give_the_same_bits() {
+        let Some(kernel) = Q41Kernel::probe() else {
+            return;
+        };
+        for nth in [2, 3, 5] {
+            for (blocks, rows, tokens) in [(18, 600, 1), (3, 10, 9), (48, 130, 17), (5, 2, 8)] {
+                let c = probe_case(blocks, rows, tokens, nth as u64);
+                let mut sh = Shared::new(kernel);
+                let want = c.reference().unwrap();
+                for _ in 0..3 {
+                    let got = c.run_on(&mut sh, nth).unwrap();
+                    assert!(
+                        got.iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{nth} threads, {blocks} blocks, {rows} rows, {tokens} tokens"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     #[ignore = "a timing, not a check: cargo test --release -p siliceo-engine q4_1_speed -- --ignored --nocapture"]
     fn q4_1_speed() {
@@ -835,7 +849,7 @@ mod tests {
                     let (mut ours, mut theirs) = (Vec::new(), Vec::new());
                     for _ in 0..9 {
                         let t0 = std::time::Instant::now();
-                        let a = c.run_threads(&mut sh, nth);
+                        let a = c.run_on(&mut sh, nth).unwrap();
                         ours.push(t0.elapsed().as_secs_f64());
                         let t0 = std::time::Instant::now();
                         let b = c.reference_threads(nth);
