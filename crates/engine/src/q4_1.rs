@@ -22,10 +22,10 @@
 //! decode). ggml's CPU backend calls it on each of its threads (`ith` of
 //! `nth`) as it calls its own ops: every thread quantizes its share of the
 //! blocks, a barrier, then rows in chunks (see [`chunk_rows`]) from a
-//! shared counter. No graph split, no thread of our own. A product of one
-//! token is left to llama.cpp ([`MIN_TOKENS`]): streaming the weights from
-//! memory, its `vec_dot` is as fast (this kernel's two rows at once, two
-//! streams, measured slower there).
+//! shared counter. No graph split, no thread of our own. A tile of one
+//! token (decode of one stream) takes one row at a time, two blocks per
+//! register, so that the weights stream from memory in one run per thread:
+//! two rows at once, two streams, measured slower than ggml there.
 
 use std::cell::UnsafeCell;
 use std::ffi::{c_int, c_void};
@@ -34,8 +34,6 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use llama_cpp_sys_2 as sys;
 
-/// Fewest tokens a product must have to be taken (see [`Shared::take`]).
-pub(crate) const MIN_TOKENS: usize = 2;
 /// Tokens per tile: one accumulator register per token.
 pub(crate) const TILE: usize = 8;
 /// Rows per work item over many tiles (a chunk's weights stay in L1 across
@@ -190,10 +188,7 @@ impl Shared {
                 sys::ggml_backend_buffer_get_type(t.buffer) == sys::ggml_backend_cpu_buffer_type()
             };
         let k = x.ne[0] as usize;
-        // One token is left to llama.cpp: its `vec_dot` streams the weights
-        // from memory as fast as this kernel does (measured: within noise, or
-        // ahead by up to 15 % on two threads), and there is nothing to share.
-        let fits = x.ne[1] >= MIN_TOKENS as i64
+        let fits = x.ne[1] >= 1
             && w.type_ == sys::GGML_TYPE_Q4_1
             && x.type_ == sys::GGML_TYPE_F32
             && t.type_ == sys::GGML_TYPE_F32
@@ -361,6 +356,24 @@ unsafe extern "C" fn mul_mat(dst: *mut sys::ggml_tensor, ith: c_int, nth: c_int,
             for tile in 0..tokens.div_ceil(TILE) {
                 let nt = (tokens - tile * TILE).min(TILE);
                 let base = tile * blocks * TILE;
+                if nt == 1 {
+                    // One token: a row at a time, one stream of weights.
+                    for r in r0..r1 {
+                        // SAFETY: row `r` of the weights, the tile's one token.
+                        unsafe {
+                            let o = avx512::single(
+                                (w.data as *const u8).add(r * w.nb[1]),
+                                blocks,
+                                qs.add(base * QK),
+                                d.add(base),
+                                s.add(base),
+                            );
+                            let p = (t.data as *mut u8).add(tile * TILE * t.nb[1]) as *mut f32;
+                            *p.add(r) = o;
+                        }
+                    }
+                    continue;
+                }
                 for r in (r0..r1).step_by(2) {
                     let ra = r;
                     let rb = (r + 1).min(rows - 1);
@@ -462,6 +475,87 @@ mod avx512 {
         let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
         let r = _mm_add_ss(r, _mm_movehdup_ps(r));
         _mm_cvtss_f32(r)
+    }
+
+    /// One row against one token: two blocks per register (lanes 0–7 block
+    /// 2j, 8–15 block 2j+1), one stream of weights; block 2j's fma before
+    /// 2j+1's, on the two halves, as ggml's one accumulator.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
+    pub(super) unsafe fn single(
+        a: *const u8,
+        blocks: usize,
+        qs: *const i8,
+        d: *const f32,
+        s: *const f32,
+    ) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let mut summs = 0f32;
+        let nibbles = _mm512_set1_epi8(0x0F);
+        let zero = _mm512_setzero_si512();
+        let idx_d = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+        let high = |v: __m512| _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+        let mut blk = 0;
+        // SAFETY (whole loop): `blocks` blocks of the row and of the token.
+        unsafe {
+            while blk + 2 <= blocks {
+                let pa = a.add(blk * Q4_1_BYTES);
+                let pb = pa.add(Q4_1_BYTES);
+                let dm = _mm_set_epi32(
+                    0,
+                    0,
+                    (pb as *const i32).read_unaligned(),
+                    (pa as *const i32).read_unaligned(),
+                );
+                // [d_2j, m_2j, d_2j+1, m_2j+1] as f32.
+                let f4 = _mm_cvtph_ps(dm);
+                let mut fm = [0f32; 4];
+                _mm_storeu_ps(fm.as_mut_ptr(), f4);
+                let dw = _mm512_permutexvar_ps(idx_d, _mm512_castps128_ps512(f4));
+                let lo = _mm256_inserti128_si256::<1>(
+                    _mm256_castsi128_si256(_mm_loadu_si128(pa.add(4) as *const __m128i)),
+                    _mm_loadu_si128(pb.add(4) as *const __m128i),
+                );
+                let hi = _mm256_srli_epi16::<4>(lo);
+                let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                let qx = _mm512_and_si512(_mm512_shuffle_i64x2::<0b11_01_10_00>(z, z), nibbles);
+                let qy = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(
+                        qs.add(blk * TILE * QK) as *const __m256i
+                    )),
+                    _mm256_loadu_si256(qs.add((blk + 1) * TILE * QK) as *const __m256i),
+                );
+                let xy = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, qx, qy));
+                let d1 = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                    _mm512_castps_pd(_mm512_castps256_ps512(_mm256_set1_ps(*d.add(blk * TILE)))),
+                    _mm256_castps_pd(_mm256_set1_ps(*d.add((blk + 1) * TILE))),
+                ));
+                let dd = _mm512_mul_ps(dw, d1);
+                acc = _mm256_fmadd_ps(_mm512_castps512_ps256(dd), _mm512_castps512_ps256(xy), acc);
+                acc = _mm256_fmadd_ps(high(dd), high(xy), acc);
+                // Exact products (f16 × f16), so as ggml's `summs += m * s`.
+                summs += fm[1] * *s.add(blk * TILE);
+                summs += fm[3] * *s.add((blk + 1) * TILE);
+                blk += 2;
+            }
+            if blk < blocks {
+                let pa = a.add(blk * Q4_1_BYTES);
+                let f4 = _mm_cvtph_ps(_mm_set_epi32(0, 0, 0, (pa as *const i32).read_unaligned()));
+                let mut fm = [0f32; 4];
+                _mm_storeu_ps(fm.as_mut_ptr(), f4);
+                let t = _mm_loadu_si128(pa.add(4) as *const __m128i);
+                let qx = _mm256_and_si256(
+                    _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(t), _mm_srli_epi16::<4>(t)),
+                    _mm256_set1_epi8(0x0F),
+                );
+                let qy = _mm256_loadu_si256(qs.add(blk * TILE * QK) as *const __m256i);
+                let xy = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), qx, qy));
+                let dd = _mm256_mul_ps(_mm256_set1_ps(fm[0]), _mm256_set1_ps(*d.add(blk * TILE)));
+                acc = _mm256_fmadd_ps(dd, xy, acc);
+                summs += fm[1] * *s.add(blk * TILE);
+            }
+        }
+        hsum8(acc) + summs
     }
 
     /// See [`super::pair`]: lanes 0–7 are row `a`, 8–15 row `b`; per token
