@@ -493,3 +493,28 @@ fn device_layers_on_the_emulator_match_the_host_store() {
         }
     }
 }
+
+/// One stream: every decode step is one token, which the Q4_1 kernel runs
+/// one row at a time; its logits are llama.cpp's `vec_dot`'s bit for bit.
+#[test]
+fn one_stream_decode_on_the_q4_1_kernel_gives_llama_cpps_logits() {
+    let prompt = tokens(PROMPTS[2]);
+    let run = |q4_1: bool| {
+        let (mut ctx, mut placer) = context_copying("kv8", 8, 64, false, false, q4_1);
+        let mut seqs = vec![SeqKv::default()];
+        let mut rows = Vec::new();
+        let mut ix = step(&mut ctx, &mut placer, &mut seqs, &[(0, &prompt[..])]).unwrap()[0];
+        for _ in 0..6 {
+            let l = ctx.logits(ix).unwrap().to_vec();
+            let next = [argmax(&l)];
+            rows.push(l);
+            ix = step(&mut ctx, &mut placer, &mut seqs, &[(0, &next[..])]).unwrap()[0];
+            assert_eq!(ctx.q4_1_products() > 0, q4_1 && cpu_runs_q4_1_kernel());
+        }
+        rows
+    };
+    assert!(
+        run(true) == run(false),
+        "one-token logits differ between siliceo's Q4_1 kernel and llama.cpp's vec_dot"
+    );
+}
