@@ -789,8 +789,10 @@ impl<'m> GraftedContext<'m> {
             tapped: Vec::new(),
             llama_attention: opts.llama_attention,
             switched_off: Vec::new(),
-            q4_1: crate::q4_1::Q41Kernel::probe()
-                .filter(|_| opts.q4_1_kernel)
+            q4_1: opts
+                .q4_1_kernel
+                .then(crate::q4_1::Q41Kernel::probe)
+                .flatten()
                 .map(|k| Box::new(crate::q4_1::Shared::new(k))),
         });
         // llama.cpp's own cache: one step, padded as llama.cpp pads it.

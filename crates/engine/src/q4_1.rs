@@ -130,7 +130,7 @@ impl SpinBarrier {
 #[derive(Debug)]
 pub(crate) struct Shared {
     kernel: Q41Kernel,
-    /// Written by the threads of a node, each its own tokens, between the
+    /// Written by the threads of a node, each its own blocks, between the
     /// node's start and its barrier; sized before the graph computes.
     acts: UnsafeCell<Acts>,
     barrier: Line<SpinBarrier>,
@@ -145,7 +145,7 @@ pub(crate) struct Shared {
 }
 
 // SAFETY: `acts` is written only at disjoint places by the threads of one
-// node (each its own tokens), read after the node's barrier, and resized
+// node (each its own blocks), read after the node's barrier, and resized
 // only while no graph computes (the callback's question about a node).
 unsafe impl Sync for Shared {}
 
@@ -164,17 +164,17 @@ impl Shared {
     }
 
     /// Asked about `t` before the graph computes: a product this kernel
-    /// takes becomes a custom node calling it. Returns whether it did.
+    /// takes becomes a custom node calling it.
     ///
     /// # Safety
     /// `t` is a live node of the graph about to compute, `self` outlives
     /// the graph's computation (the pointer is the node's user data), and
     /// no graph computes while this runs.
-    pub(crate) unsafe fn take(&mut self, t: &mut sys::ggml_tensor) -> bool {
+    pub(crate) unsafe fn take(&mut self, t: &mut sys::ggml_tensor) {
         // SAFETY: a node's sources live as long as the graph.
         let (Some(w), Some(x)) = (unsafe { t.src[0].as_ref() }, unsafe { t.src[1].as_ref() })
         else {
-            return false;
+            return;
         };
         let host = |b: *mut sys::ggml_backend_buffer| {
             // SAFETY: a live tensor's buffer, checked non-null first.
@@ -188,8 +188,7 @@ impl Shared {
                 sys::ggml_backend_buffer_get_type(t.buffer) == sys::ggml_backend_cpu_buffer_type()
             };
         let k = x.ne[0] as usize;
-        let fits = x.ne[1] >= 1
-            && w.type_ == sys::GGML_TYPE_Q4_1
+        let fits = w.type_ == sys::GGML_TYPE_Q4_1
             && x.type_ == sys::GGML_TYPE_F32
             && t.type_ == sys::GGML_TYPE_F32
             && k.is_multiple_of(QK)
@@ -210,7 +209,7 @@ impl Shared {
             && !w.data.is_null()
             && !t.data.is_null();
         if !fits {
-            return false;
+            return;
         }
         self.acts.get_mut().reserve(k / QK, x.ne[1] as usize);
         self.switched
@@ -231,7 +230,6 @@ impl Shared {
             );
         }
         t.op = sys::GGML_OP_CUSTOM;
-        true
     }
 
     /// After the decode: the switched nodes are llama.cpp's again (it may
@@ -286,7 +284,7 @@ unsafe extern "C" fn mul_mat(dst: *mut sys::ggml_tensor, ith: c_int, nth: c_int,
     let (k, tokens, rows) = (x.ne[0] as usize, x.ne[1] as usize, w.ne[1] as usize);
     let blocks = k / QK;
     // SAFETY: sized for this node while it was asked about; each thread
-    // writes its own tokens only.
+    // writes its own blocks only.
     let acts = unsafe { &*sh.acts.get() };
     let (qs, d, s) = (
         acts.qs.as_ptr() as *mut i8,
@@ -301,40 +299,42 @@ unsafe extern "C" fn mul_mat(dst: *mut sys::ggml_tensor, ith: c_int, nth: c_int,
     // decode on two threads ran slower than on one.)
     let (b0, b1) = (ith * blocks / nth, (ith + 1) * blocks / nth);
     let quantized = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let mut part = vec![0u8; (b1 - b0) * Q8_1_BYTES];
-        for tok in 0..tokens.div_ceil(TILE) * TILE {
-            let (tile, tt) = (tok / TILE, tok % TILE);
-            if tok < tokens && b1 > b0 {
-                // SAFETY: token `tok`'s row of k f32 (nb0 = 4), from block b0.
-                unsafe {
-                    (sh.kernel.quantize)(
-                        ((x.data as *const u8).add(tok * x.nb[1]) as *const f32).add(b0 * QK),
-                        part.as_mut_ptr().cast(),
-                        ((b1 - b0) * QK) as i64,
-                    )
-                };
-            }
-            for b in b0..b1 {
-                let i = (tile * blocks + b) * TILE + tt;
-                // SAFETY: within the reserved tiles; this thread's blocks.
-                unsafe {
-                    if tok >= tokens {
-                        std::ptr::write_bytes(qs.add(i * QK), 0, QK);
-                        *d.add(i) = 0.0;
-                        *s.add(i) = 0.0;
-                        continue;
+        PART.with_borrow_mut(|part| {
+            part.resize((b1 - b0) * Q8_1_BYTES, 0);
+            for tok in 0..tokens.div_ceil(TILE) * TILE {
+                let (tile, tt) = (tok / TILE, tok % TILE);
+                if tok < tokens && b1 > b0 {
+                    // SAFETY: token `tok`'s row of k f32 (nb0 = 4), from block b0.
+                    unsafe {
+                        (sh.kernel.quantize)(
+                            ((x.data as *const u8).add(tok * x.nb[1]) as *const f32).add(b0 * QK),
+                            part.as_mut_ptr().cast(),
+                            ((b1 - b0) * QK) as i64,
+                        )
+                    };
+                }
+                for b in b0..b1 {
+                    let i = (tile * blocks + b) * TILE + tt;
+                    // SAFETY: within the reserved tiles; this thread's blocks.
+                    unsafe {
+                        if tok >= tokens {
+                            std::ptr::write_bytes(qs.add(i * QK), 0, QK);
+                            *d.add(i) = 0.0;
+                            *s.add(i) = 0.0;
+                            continue;
+                        }
+                        let blk = &part[(b - b0) * Q8_1_BYTES..(b - b0 + 1) * Q8_1_BYTES];
+                        *d.add(i) = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+                        *s.add(i) = half::f16::from_le_bytes([blk[2], blk[3]]).to_f32();
+                        std::ptr::copy_nonoverlapping(
+                            blk[4..].as_ptr() as *const i8,
+                            qs.add(i * QK),
+                            QK,
+                        );
                     }
-                    let blk = &part[(b - b0) * Q8_1_BYTES..(b - b0 + 1) * Q8_1_BYTES];
-                    *d.add(i) = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-                    *s.add(i) = half::f16::from_le_bytes([blk[2], blk[3]]).to_f32();
-                    std::ptr::copy_nonoverlapping(
-                        blk[4..].as_ptr() as *const i8,
-                        qs.add(i * QK),
-                        QK,
-                    );
                 }
             }
-        }
+        })
     }));
     if quantized.is_err() {
         sh.fail("a panic while quantizing a Q4_1 product's activations".into());
@@ -361,7 +361,7 @@ unsafe extern "C" fn mul_mat(dst: *mut sys::ggml_tensor, ith: c_int, nth: c_int,
                     for r in r0..r1 {
                         // SAFETY: row `r` of the weights, the tile's one token.
                         unsafe {
-                            let o = avx512::single(
+                            let o = single(
                                 (w.data as *const u8).add(r * w.nb[1]),
                                 blocks,
                                 qs.add(base * QK),
@@ -413,13 +413,33 @@ unsafe extern "C" fn mul_mat(dst: *mut sys::ggml_tensor, ith: c_int, nth: c_int,
     }
 }
 
-/// Rows `a` and `b` (`blocks` Q4_1 blocks each) against the `nt` tokens of
-/// one tile (`qs`, `d`, `s` at the tile's first block): `out[t] = [row a ·
-/// token t, row b · token t]`, each exactly as ggml's `vec_dot_q4_1_q8_1`.
+thread_local! {
+    /// One thread's Q8_1 blocks of one token row, reused node after node
+    /// (not allocated per product: a decode step runs hundreds).
+    static PART: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Row `a` (`blocks` Q4_1 blocks) against a tile's one token (`qs`, `d`,
+/// `s` at the tile's first block), exactly as ggml's `vec_dot_q4_1_q8_1`.
 ///
 /// # Safety
 /// The pointers hold what they say; the CPU has the features [`available`]
-/// checks.
+/// checks (no product is taken elsewhere: [`Q41Kernel::probe`]).
+unsafe fn single(a: *const u8, blocks: usize, qs: *const i8, d: *const f32, s: *const f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: as the caller promises.
+    return unsafe { avx512::single(a, blocks, qs, d, s) };
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("no Q4_1 product is taken without the kernel's CPU features");
+}
+
+/// Rows `a` and `b` (`blocks` Q4_1 blocks each) against the `nt` (2 to
+/// [`TILE`]) tokens of one tile (`qs`, `d`, `s` at the tile's first block):
+/// `out[t] = [row a · token t, row b · token t]`, each exactly as ggml's
+/// `vec_dot_q4_1_q8_1`.
+///
+/// # Safety
+/// As [`single`].
 #[allow(clippy::too_many_arguments)]
 unsafe fn pair(
     nt: usize,
@@ -431,17 +451,22 @@ unsafe fn pair(
     s: *const f32,
     out: &mut [[f32; 2]; TILE],
 ) {
+    #[cfg(target_arch = "x86_64")]
     macro_rules! go {
         ($($n:literal)*) => {
             match nt {
                 $(
+                    // SAFETY: as the caller promises.
                     $n => unsafe { avx512::pair::<$n>(a, b, blocks, qs, d, s, out) },
                 )*
-                _ => unreachable!("a tile holds 1 to {TILE} tokens"),
+                _ => unreachable!("a tile of two rows holds 2 to {TILE} tokens"),
             }
         };
     }
-    go!(1 2 3 4 5 6 7 8)
+    #[cfg(target_arch = "x86_64")]
+    go!(2 3 4 5 6 7 8);
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("no Q4_1 product is taken without the kernel's CPU features");
 }
 
 /// Whether this CPU runs the kernel (AVX-512 F/BW/VL/VNNI, F16C, FMA).
@@ -467,6 +492,43 @@ mod avx512 {
 
     use super::{Q4_1_BYTES, QK, TILE};
 
+    /// The f16 `d` and `m` of blocks `pa` and `pb`: `[d_a, m_a, d_b, m_b]`
+    /// as f32 (exact, as ggml widens them).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
+    unsafe fn scales(pa: *const u8, pb: *const u8) -> __m128 {
+        // SAFETY: two Q4_1 blocks, as the caller promises.
+        let dm = unsafe {
+            _mm_set_epi32(
+                0,
+                0,
+                (pb as *const i32).read_unaligned(),
+                (pa as *const i32).read_unaligned(),
+            )
+        };
+        _mm_cvtph_ps(dm)
+    }
+
+    /// ggml's `bytes_from_nibbles_32` for blocks `pa` and `pb` at once:
+    /// `[a lo, a hi | b lo, b hi]`, one byte per weight.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
+    unsafe fn nibbles(pa: *const u8, pb: *const u8) -> __m512i {
+        // SAFETY: two Q4_1 blocks (16 bytes of nibbles after d and m).
+        let lo = unsafe {
+            _mm256_inserti128_si256::<1>(
+                _mm256_castsi128_si256(_mm_loadu_si128(pa.add(4) as *const __m128i)),
+                _mm_loadu_si128(pb.add(4) as *const __m128i),
+            )
+        };
+        let hi = _mm256_srli_epi16::<4>(lo);
+        let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+        _mm512_and_si512(
+            _mm512_shuffle_i64x2::<0b11_01_10_00>(z, z),
+            _mm512_set1_epi8(0x0F),
+        )
+    }
+
     /// ggml's `hsum_float_8`, in its order.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
@@ -491,7 +553,6 @@ mod avx512 {
     ) -> f32 {
         let mut acc = _mm256_setzero_ps();
         let mut summs = 0f32;
-        let nibbles = _mm512_set1_epi8(0x0F);
         let zero = _mm512_setzero_si512();
         let idx_d = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
         let high = |v: __m512| _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
@@ -501,24 +562,12 @@ mod avx512 {
             while blk + 2 <= blocks {
                 let pa = a.add(blk * Q4_1_BYTES);
                 let pb = pa.add(Q4_1_BYTES);
-                let dm = _mm_set_epi32(
-                    0,
-                    0,
-                    (pb as *const i32).read_unaligned(),
-                    (pa as *const i32).read_unaligned(),
-                );
-                // [d_2j, m_2j, d_2j+1, m_2j+1] as f32.
-                let f4 = _mm_cvtph_ps(dm);
+                // [d_2j, m_2j, d_2j+1, m_2j+1].
+                let f4 = scales(pa, pb);
                 let mut fm = [0f32; 4];
                 _mm_storeu_ps(fm.as_mut_ptr(), f4);
                 let dw = _mm512_permutexvar_ps(idx_d, _mm512_castps128_ps512(f4));
-                let lo = _mm256_inserti128_si256::<1>(
-                    _mm256_castsi128_si256(_mm_loadu_si128(pa.add(4) as *const __m128i)),
-                    _mm_loadu_si128(pb.add(4) as *const __m128i),
-                );
-                let hi = _mm256_srli_epi16::<4>(lo);
-                let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
-                let qx = _mm512_and_si512(_mm512_shuffle_i64x2::<0b11_01_10_00>(z, z), nibbles);
+                let qx = nibbles(pa, pb);
                 let qy = _mm512_inserti64x4::<1>(
                     _mm512_castsi256_si512(_mm256_loadu_si256(
                         qs.add(blk * TILE * QK) as *const __m256i
@@ -574,7 +623,6 @@ mod avx512 {
         let mut acc = [_mm512_setzero_ps(); NT];
         // Lanes 0–7: row a's `summs` for tokens 0–7; 8–15: row b's.
         let mut summs = _mm512_setzero_ps();
-        let nibbles = _mm512_set1_epi8(0x0F);
         let zero = _mm512_setzero_si512();
         let idx_d = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
         let idx_m = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
@@ -584,24 +632,10 @@ mod avx512 {
             unsafe {
                 let pa = a.add(blk * Q4_1_BYTES);
                 let pb = b.add(blk * Q4_1_BYTES);
-                let dm = _mm_set_epi32(
-                    0,
-                    0,
-                    (pb as *const i32).read_unaligned(),
-                    (pa as *const i32).read_unaligned(),
-                );
-                // [d_a, m_a, d_b, m_b] as f32 (exact, as ggml widens them).
-                let f = _mm512_castps128_ps512(_mm_cvtph_ps(dm));
+                let f = _mm512_castps128_ps512(scales(pa, pb));
                 let dw = _mm512_permutexvar_ps(idx_d, f);
                 let mw = _mm512_permutexvar_ps(idx_m, f);
-                // ggml's bytes_from_nibbles_32 for both rows: [a lo, a hi | b lo, b hi].
-                let lo = _mm256_inserti128_si256::<1>(
-                    _mm256_castsi128_si256(_mm_loadu_si128(pa.add(4) as *const __m128i)),
-                    _mm_loadu_si128(pb.add(4) as *const __m128i),
-                );
-                let hi = _mm256_srli_epi16::<4>(lo);
-                let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
-                let qx = _mm512_and_si512(_mm512_shuffle_i64x2::<0b11_01_10_00>(z, z), nibbles);
+                let qx = nibbles(pa, pb);
                 let sv = _mm512_broadcast_f32x8(_mm256_loadu_ps(s.add(blk * TILE)));
                 // ggml's `summs += m * s`: the product of two f16 values is
                 // exact in f32, so fused or not, the same bits.
