@@ -128,8 +128,9 @@ pub struct GraftOptions {
     pub llama_attention: bool,
     /// Compute the host layers' Q4_1 weight products with siliceo's kernel
     /// (llama.cpp's exact bits, each weight block unpacked once for up to 8
-    /// tokens; see `q4_1.rs`) where the CPU has AVX-512 VNNI and the kernel
-    /// passed its start-up check against llama.cpp's own. `true` in serving;
+    /// tokens; see `q4_1.rs`) where the CPU has AVX-512 VNNI (any product)
+    /// or AVX2 (products of two or more tokens) and the kernel passed its
+    /// start-up check against llama.cpp's own. `true` in serving;
     /// `SILICEO_LLAMA_MATMUL=1` turns it off for the whole process.
     pub q4_1_kernel: bool,
 }
@@ -884,8 +885,8 @@ impl<'m> GraftedContext<'m> {
 
     /// Weight products of the last decode computed by siliceo's Q4_1 kernel
     /// instead of llama.cpp's `vec_dot` (the same bits; 0 where this CPU
-    /// lacks AVX-512 VNNI, the model has no Q4_1 weights, or
-    /// `SILICEO_LLAMA_MATMUL=1`).
+    /// lacks AVX2, for one-token products without AVX-512 VNNI, where the
+    /// model has no Q4_1 weights, or with `SILICEO_LLAMA_MATMUL=1`).
     pub fn q4_1_products(&self) -> usize {
         self.state.q4_1.as_ref().map_or(0, |k| k.last_switched())
     }

@@ -6,7 +6,8 @@
 //! weights runs `ggml_vec_dot_q4_1_q8_1` once per (row, token): a step of 8
 //! tokens costs about 4.8× a step of one, and each token unpacks every
 //! weight block again. This kernel unpacks a block once for up to
-//! [`TILE`] tokens and two rows at a time (one AVX-512 register), and keeps
+//! [`TILE`] tokens, two rows at a time (one AVX-512 register) or one row
+//! (AVX2 without AVX-512, the CPUs of most consumer machines), and keeps
 //! every (row, token) sum in the order and the arithmetic of llama.cpp's
 //! AVX2/VNNI `vec_dot` — the same 8 lanes of 4-product integer sums, the
 //! same `fma(d_w·d_a, sum, acc)` per block, the same horizontal sum, the
@@ -25,7 +26,9 @@
 //! shared counter. No graph split, no thread of our own. A tile of one
 //! token (decode of one stream) takes one row at a time, two blocks per
 //! register, so that the weights stream from memory in one run per thread:
-//! two rows at once, two streams, measured slower than ggml there.
+//! two rows at once, two streams, measured slower than ggml there. On AVX2
+//! a one-token product stays llama.cpp's: unpacking once gains nothing for
+//! one token, and its loop would be ggml's own.
 
 use std::cell::UnsafeCell;
 use std::ffi::{c_int, c_void};
@@ -73,6 +76,28 @@ const Q8_1_BYTES: usize = 36;
 pub(crate) struct Q41Kernel {
     /// ggml's `from_float` for Q8_1 (`quantize_row_q8_1`).
     quantize: unsafe extern "C" fn(*const f32, *mut c_void, i64),
+    isa: Isa,
+}
+
+/// The instructions the kernel runs on (see [`isa`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Isa {
+    /// AVX-512 F/BW/VL/VNNI, F16C, FMA: two rows per register, one-token
+    /// products too.
+    Avx512,
+    /// AVX2, F16C, FMA: one row per register, products of two or more
+    /// tokens.
+    Avx2,
+}
+
+impl Isa {
+    /// The fewest tokens of a product this kernel takes from llama.cpp.
+    pub(crate) fn min_tokens(self) -> usize {
+        match self {
+            Isa::Avx512 => 1,
+            Isa::Avx2 => 2,
+        }
+    }
 }
 
 /// Activations of one product as ggml quantizes them (Q8_1), in tiles of
@@ -189,6 +214,7 @@ impl Shared {
             };
         let k = x.ne[0] as usize;
         let fits = w.type_ == sys::GGML_TYPE_Q4_1
+            && x.ne[1] as usize >= self.kernel.isa.min_tokens()
             && x.type_ == sys::GGML_TYPE_F32
             && t.type_ == sys::GGML_TYPE_F32
             && k.is_multiple_of(QK)
@@ -356,6 +382,57 @@ unsafe extern "C" fn mul_mat(dst: *mut sys::ggml_tensor, ith: c_int, nth: c_int,
             for tile in 0..tokens.div_ceil(TILE) {
                 let nt = (tokens - tile * TILE).min(TILE);
                 let base = tile * blocks * TILE;
+                if sh.kernel.isa == Isa::Avx2 {
+                    let mut r = r0;
+                    #[cfg(target_arch = "x86_64")]
+                    if nt == 1 {
+                        // One token: four rows at once.
+                        while r + 4 <= r1 {
+                            // SAFETY: rows r..r + 4 of the weights, the
+                            // tile's one token.
+                            unsafe {
+                                let o = avx2::rows4(
+                                    (w.data as *const u8).add(r * w.nb[1]),
+                                    w.nb[1],
+                                    blocks,
+                                    qs.add(base * QK),
+                                    d.add(base),
+                                    s.add(base),
+                                );
+                                let p = (t.data as *mut u8).add(tile * TILE * t.nb[1]) as *mut f32;
+                                std::ptr::copy_nonoverlapping(o.as_ptr(), p.add(r), 4);
+                            }
+                            r += 4;
+                        }
+                    }
+                    // One row at a time, each block unpacked once for the
+                    // tile's tokens.
+                    for r in r..r1 {
+                        let mut out = [0f32; TILE];
+                        // SAFETY: row `r` of the weights, this tile's
+                        // activations (filled before the barrier).
+                        unsafe {
+                            row(
+                                nt,
+                                (w.data as *const u8).add(r * w.nb[1]),
+                                blocks,
+                                qs.add(base * QK),
+                                d.add(base),
+                                s.add(base),
+                                &mut out,
+                            )
+                        };
+                        for (tt, o) in out.iter().enumerate().take(nt) {
+                            // SAFETY: dst is [rows, tokens] f32 with row stride nb1.
+                            unsafe {
+                                let p = (t.data as *mut u8).add((tile * TILE + tt) * t.nb[1])
+                                    as *mut f32;
+                                *p.add(r) = *o;
+                            }
+                        }
+                    }
+                    continue;
+                }
                 if nt == 1 {
                     // One token: a row at a time, one stream of weights.
                     for r in r0..r1 {
@@ -423,8 +500,9 @@ thread_local! {
 /// `s` at the tile's first block), exactly as ggml's `vec_dot_q4_1_q8_1`.
 ///
 /// # Safety
-/// The pointers hold what they say; the CPU has the features [`available`]
-/// checks (no product is taken elsewhere: [`Q41Kernel::probe`]).
+/// The pointers hold what they say; the CPU has the features of the
+/// kernel's [`Isa`] (AVX-512 here; no product is taken elsewhere:
+/// [`Q41Kernel::probe`]).
 unsafe fn single(a: *const u8, blocks: usize, qs: *const i8, d: *const f32, s: *const f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: as the caller promises.
@@ -469,20 +547,185 @@ unsafe fn pair(
     unreachable!("no Q4_1 product is taken without the kernel's CPU features");
 }
 
-/// Whether this CPU runs the kernel (AVX-512 F/BW/VL/VNNI, F16C, FMA).
-pub(crate) fn available() -> bool {
+/// Row `a` (`blocks` Q4_1 blocks) against the `nt` (1 to [`TILE`]) tokens
+/// of one tile (`qs`, `d`, `s` at the tile's first block): `out[t]` = row ·
+/// token t, exactly as ggml's `vec_dot_q4_1_q8_1`.
+///
+/// # Safety
+/// As [`single`], with [`Isa::Avx2`]'s features.
+#[allow(clippy::too_many_arguments)]
+unsafe fn row(
+    nt: usize,
+    a: *const u8,
+    blocks: usize,
+    qs: *const i8,
+    d: *const f32,
+    s: *const f32,
+    out: &mut [f32; TILE],
+) {
+    #[cfg(target_arch = "x86_64")]
+    macro_rules! go {
+        ($($n:literal)*) => {
+            match nt {
+                $(
+                    // SAFETY: as the caller promises.
+                    $n => unsafe { avx2::row::<$n>(a, blocks, qs, d, s, out) },
+                )*
+                _ => unreachable!("a tile holds 1 to {TILE} tokens"),
+            }
+        };
+    }
+    #[cfg(target_arch = "x86_64")]
+    go!(1 2 3 4 5 6 7 8);
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("no Q4_1 product is taken without the kernel's CPU features");
+}
+
+/// The instructions this CPU runs the kernel on: AVX-512 F/BW/VL/VNNI with
+/// F16C and FMA, else AVX2 with F16C and FMA (also where
+/// `SILICEO_KERNELS_NO_AVX512` is set, as for the attention kernels, so
+/// that tests check the AVX2 kernel on machines with AVX-512), else none.
+pub(crate) fn isa() -> Option<Isa> {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-            && std::arch::is_x86_feature_detected!("avx512vl")
-            && std::arch::is_x86_feature_detected!("avx512vnni")
-            && std::arch::is_x86_feature_detected!("f16c")
-            && std::arch::is_x86_feature_detected!("fma")
+        use std::arch::is_x86_feature_detected as has;
+        if !(has!("avx2") && has!("f16c") && has!("fma")) {
+            return None;
+        }
+        let avx512 = has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni");
+        Some(
+            if avx512 && std::env::var_os("SILICEO_KERNELS_NO_AVX512").is_none() {
+                Isa::Avx512
+            } else {
+                Isa::Avx2
+            },
+        )
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        false
+        None
+    }
+}
+
+/// ggml's `hsum_float_8`, in its order (both kernels end with it).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx")]
+fn hsum8(x: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let r = _mm_add_ps(_mm256_extractf128_ps::<1>(x), _mm256_castps256_ps128(x));
+    let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    let r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    _mm_cvtss_f32(r)
+}
+
+/// The AVX2 kernel: ggml's AVX2 `vec_dot_q4_1_q8_1` (`maddubs` pairs summed
+/// by `madd` into the same 8 lanes of 4-product sums as VNNI's `dpbusd`:
+/// nibbles times bytes cannot saturate 16 bits), each weight block
+/// unpacked once for all the tile's tokens.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{Q4_1_BYTES, QK, TILE, hsum8};
+
+    /// See [`super::row`]: one accumulator per token, as ggml's `acc`.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    pub(super) unsafe fn row<const NT: usize>(
+        a: *const u8,
+        blocks: usize,
+        qs: *const i8,
+        d: *const f32,
+        s: *const f32,
+        out: &mut [f32; TILE],
+    ) {
+        let mut acc = [_mm256_setzero_ps(); NT];
+        // Lane t: token t's `summs`.
+        let mut summs = _mm256_setzero_ps();
+        let ones = _mm256_set1_epi16(1);
+        let low = _mm256_set1_epi8(0x0F);
+        for blk in 0..blocks {
+            // SAFETY (whole block): the caller's pointers hold `blocks`
+            // blocks of the row and of each of the tile's tokens.
+            unsafe {
+                let pa = a.add(blk * Q4_1_BYTES);
+                // [d, m] as f32 (exact, as ggml widens them).
+                let dm = _mm_cvtph_ps(_mm_cvtsi32_si128((pa as *const i32).read_unaligned()));
+                let dw = _mm256_broadcastss_ps(dm);
+                let mw = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+                // ggml's `bytes_from_nibbles_32`: low nibbles, then high.
+                let t = _mm_loadu_si128(pa.add(4) as *const __m128i);
+                let qx = _mm256_and_si256(
+                    _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(t), _mm_srli_epi16::<4>(t)),
+                    low,
+                );
+                // ggml's `summs += m * s`: a product of two f16 values is
+                // exact in f32, so fused or not, the same bits.
+                summs = _mm256_fmadd_ps(mw, _mm256_loadu_ps(s.add(blk * TILE)), summs);
+                let tok = qs.add(blk * TILE * QK);
+                let dt = d.add(blk * TILE);
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    let qy = _mm256_loadu_si256(tok.add(t * QK) as *const __m256i);
+                    let xy =
+                        _mm256_cvtepi32_ps(_mm256_madd_epi16(ones, _mm256_maddubs_epi16(qx, qy)));
+                    let dd = _mm256_mul_ps(dw, _mm256_broadcast_ss(&*dt.add(t)));
+                    *acc = _mm256_fmadd_ps(dd, xy, *acc);
+                }
+            }
+        }
+        let mut sm = [0f32; TILE];
+        // SAFETY: TILE (8) f32 of room.
+        unsafe { _mm256_storeu_ps(sm.as_mut_ptr(), summs) };
+        for (t, acc) in acc.iter().enumerate() {
+            out[t] = hsum8(*acc) + sm[t];
+        }
+    }
+
+    /// Four rows (`a`, then every `stride` bytes) against one token: four
+    /// independent accumulator chains, where one row's chain waits on its
+    /// fma's latency block after block.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    pub(super) unsafe fn rows4(
+        a: *const u8,
+        stride: usize,
+        blocks: usize,
+        qs: *const i8,
+        d: *const f32,
+        s: *const f32,
+    ) -> [f32; 4] {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut summs = [0f32; 4];
+        let ones = _mm256_set1_epi16(1);
+        let low = _mm256_set1_epi8(0x0F);
+        for blk in 0..blocks {
+            // SAFETY (whole block): four rows of `blocks` blocks, and the
+            // token's.
+            unsafe {
+                let qy = _mm256_loadu_si256(qs.add(blk * TILE * QK) as *const __m256i);
+                let dy = _mm256_broadcast_ss(&*d.add(blk * TILE));
+                let sy = *s.add(blk * TILE);
+                for (r, (acc, summs)) in acc.iter_mut().zip(&mut summs).enumerate() {
+                    let pa = a.add(r * stride + blk * Q4_1_BYTES);
+                    let dm = _mm_cvtph_ps(_mm_cvtsi32_si128((pa as *const i32).read_unaligned()));
+                    let dw = _mm256_broadcastss_ps(dm);
+                    *summs += _mm_cvtss_f32(_mm_movehdup_ps(dm)) * sy;
+                    let t = _mm_loadu_si128(pa.add(4) as *const __m128i);
+                    let qx = _mm256_and_si256(
+                        _mm256_inserti128_si256::<1>(
+                            _mm256_castsi128_si256(t),
+                            _mm_srli_epi16::<4>(t),
+                        ),
+                        low,
+                    );
+                    let xy =
+                        _mm256_cvtepi32_ps(_mm256_madd_epi16(ones, _mm256_maddubs_epi16(qx, qy)));
+                    *acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, dy), xy, *acc);
+                }
+            }
+        }
+        std::array::from_fn(|r| hsum8(acc[r]) + summs[r])
     }
 }
 
@@ -490,7 +733,7 @@ pub(crate) fn available() -> bool {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{Q4_1_BYTES, QK, TILE};
+    use super::{Q4_1_BYTES, QK, TILE, hsum8};
 
     /// The f16 `d` and `m` of blocks `pa` and `pb`: `[d_a, m_a, d_b, m_b]`
     /// as f32 (exact, as ggml widens them).
@@ -527,16 +770,6 @@ mod avx512 {
             _mm512_shuffle_i64x2::<0b11_01_10_00>(z, z),
             _mm512_set1_epi8(0x0F),
         )
-    }
-
-    /// ggml's `hsum_float_8`, in its order.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
-    fn hsum8(x: __m256) -> f32 {
-        let r = _mm_add_ps(_mm256_extractf128_ps::<1>(x), _mm256_castps256_ps128(x));
-        let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-        let r = _mm_add_ss(r, _mm_movehdup_ps(r));
-        _mm_cvtss_f32(r)
     }
 
     /// One row against one token: two blocks per register (lanes 0–7 block
@@ -672,16 +905,17 @@ impl Q41Kernel {
     pub(crate) fn probe() -> Option<Q41Kernel> {
         static PROBED: std::sync::OnceLock<Option<Q41Kernel>> = std::sync::OnceLock::new();
         *PROBED.get_or_init(|| {
-            if std::env::var("SILICEO_LLAMA_MATMUL").is_ok_and(|v| v == "1") || !available() {
+            if std::env::var("SILICEO_LLAMA_MATMUL").is_ok_and(|v| v == "1") {
                 return None;
             }
+            let isa = isa()?;
             // SAFETY: ggml's type-traits tables; ggml_cpu_init is idempotent.
             let quantize = unsafe {
                 sys::ggml_cpu_init();
                 (*sys::ggml_get_type_traits_cpu(sys::GGML_TYPE_Q8_1)).from_float?
             };
-            let k = Q41Kernel { quantize };
-            let found = [(7, 6, 11, 1), (18, 4, 8, 2), (48, 2, 3, 3)]
+            let k = Q41Kernel { quantize, isa };
+            let found = [(7, 6, 11, 1), (18, 4, 8, 2), (48, 2, 3, 3), (18, 40, 1, 4)]
                 .into_iter()
                 .all(|(b, r, t, seed)| k.compare(&probe_case(b, r, t, seed)).is_ok())
                 .then_some(k);
@@ -925,12 +1159,19 @@ mod tests {
     fn the_kernel_gives_ggml_vec_dot_bits_for_every_tile_width() {
         let Some(kernel) = Q41Kernel::probe() else {
             assert!(
-                !available() || std::env::var("SILICEO_LLAMA_MATMUL").is_ok(),
+                isa().is_none() || std::env::var("SILICEO_LLAMA_MATMUL").is_ok(),
                 "the CPU runs the kernel, yet it does not reproduce ggml's vec_dot"
             );
             return;
         };
-        for (blocks, rows, tokens) in [(1, 1, 1), (2, 3, 9), (18, 17, 16), (48, 5, 23), (3, 2, 8)] {
+        for (blocks, rows, tokens) in [
+            (1, 1, 1),
+            (2, 3, 9),
+            (18, 17, 16),
+            (48, 5, 23),
+            (3, 2, 8),
+            (18, 42, 1),
+        ] {
             for seed in 10..13 {
                 let c = probe_case(blocks, rows, tokens, seed);
                 kernel.compare(&c).unwrap_or_else(|e| {
