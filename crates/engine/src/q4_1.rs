@@ -385,6 +385,17 @@ unsafe extern "C" fn mul_mat(dst: *mut sys::ggml_tensor, ith: c_int, nth: c_int,
             for tile in 0..tokens.div_ceil(TILE) {
                 let nt = (tokens - tile * TILE).min(TILE);
                 let base = tile * blocks * TILE;
+                // Weight row `r`; this tile's activations (filled before the
+                // barrier); the output row of the tile's token `tt`.
+                let wrow = |r: usize| (w.data as *const u8).wrapping_add(r * w.nb[1]);
+                let (tq, td, ts) = (
+                    qs.wrapping_add(base * QK) as *const i8,
+                    d.wrapping_add(base) as *const f32,
+                    s.wrapping_add(base) as *const f32,
+                );
+                let dst = |tt: usize| {
+                    (t.data as *mut u8).wrapping_add((tile * TILE + tt) * t.nb[1]) as *mut f32
+                };
                 if sh.kernel.isa == Isa::Avx2 {
                     let mut r = r0;
                     #[cfg(target_arch = "x86_64")]
@@ -392,18 +403,10 @@ unsafe extern "C" fn mul_mat(dst: *mut sys::ggml_tensor, ith: c_int, nth: c_int,
                         // One token: four rows at once.
                         while r + 4 <= r1 {
                             // SAFETY: rows r..r + 4 of the weights, the
-                            // tile's one token.
+                            // tile's one token, four outputs of its row.
                             unsafe {
-                                let o = avx2::rows4(
-                                    (w.data as *const u8).add(r * w.nb[1]),
-                                    w.nb[1],
-                                    blocks,
-                                    qs.add(base * QK),
-                                    d.add(base),
-                                    s.add(base),
-                                );
-                                let p = (t.data as *mut u8).add(tile * TILE * t.nb[1]) as *mut f32;
-                                std::ptr::copy_nonoverlapping(o.as_ptr(), p.add(r), 4);
+                                let o = avx2::rows4(wrow(r), w.nb[1], blocks, tq, td, ts);
+                                std::ptr::copy_nonoverlapping(o.as_ptr(), dst(0).add(r), 4);
                             }
                             r += 4;
                         }
@@ -412,25 +415,12 @@ unsafe extern "C" fn mul_mat(dst: *mut sys::ggml_tensor, ith: c_int, nth: c_int,
                     // tile's tokens.
                     for r in r..r1 {
                         let mut out = [0f32; TILE];
-                        // SAFETY: row `r` of the weights, this tile's
-                        // activations (filled before the barrier).
+                        // SAFETY: row `r` of the weights and the tile's
+                        // activations; dst is [rows, tokens] f32.
                         unsafe {
-                            row(
-                                nt,
-                                (w.data as *const u8).add(r * w.nb[1]),
-                                blocks,
-                                qs.add(base * QK),
-                                d.add(base),
-                                s.add(base),
-                                &mut out,
-                            )
-                        };
-                        for (tt, o) in out.iter().enumerate().take(nt) {
-                            // SAFETY: dst is [rows, tokens] f32 with row stride nb1.
-                            unsafe {
-                                let p = (t.data as *mut u8).add((tile * TILE + tt) * t.nb[1])
-                                    as *mut f32;
-                                *p.add(r) = *o;
+                            row(nt, wrow(r), blocks, tq, td, ts, &mut out);
+                            for (tt, o) in out.iter().enumerate().take(nt) {
+                                *dst(tt).add(r) = *o;
                             }
                         }
                     }
@@ -439,47 +429,23 @@ unsafe extern "C" fn mul_mat(dst: *mut sys::ggml_tensor, ith: c_int, nth: c_int,
                 if nt == 1 {
                     // One token: a row at a time, one stream of weights.
                     for r in r0..r1 {
-                        // SAFETY: row `r` of the weights, the tile's one token.
-                        unsafe {
-                            let o = single(
-                                (w.data as *const u8).add(r * w.nb[1]),
-                                blocks,
-                                qs.add(base * QK),
-                                d.add(base),
-                                s.add(base),
-                            );
-                            let p = (t.data as *mut u8).add(tile * TILE * t.nb[1]) as *mut f32;
-                            *p.add(r) = o;
-                        }
+                        // SAFETY: row `r` of the weights, the tile's one
+                        // token, one output of its row.
+                        unsafe { *dst(0).add(r) = single(wrow(r), blocks, tq, td, ts) };
                     }
                     continue;
                 }
                 for r in (r0..r1).step_by(2) {
-                    let ra = r;
                     let rb = (r + 1).min(rows - 1);
                     let mut out = [[0f32; 2]; TILE];
-                    // SAFETY: rows `ra`, `rb` of the weights, this tile's
-                    // activations (filled before the barrier).
+                    // SAFETY: rows `r`, `rb` of the weights and the tile's
+                    // activations; dst is [rows, tokens] f32.
                     unsafe {
-                        pair(
-                            nt,
-                            (w.data as *const u8).add(ra * w.nb[1]),
-                            (w.data as *const u8).add(rb * w.nb[1]),
-                            blocks,
-                            qs.add(base * QK),
-                            d.add(base),
-                            s.add(base),
-                            &mut out,
-                        )
-                    };
-                    for (tt, o) in out.iter().enumerate().take(nt) {
-                        let tok = tile * TILE + tt;
-                        // SAFETY: dst is [rows, tokens] f32 with row stride nb1.
-                        unsafe {
-                            let p = (t.data as *mut u8).add(tok * t.nb[1]) as *mut f32;
-                            *p.add(ra) = o[0];
-                            if rb != ra {
-                                *p.add(rb) = o[1];
+                        pair(nt, wrow(r), wrow(rb), blocks, tq, td, ts, &mut out);
+                        for (tt, o) in out.iter().enumerate().take(nt) {
+                            *dst(tt).add(r) = o[0];
+                            if rb != r {
+                                *dst(tt).add(rb) = o[1];
                             }
                         }
                     }
