@@ -28,10 +28,9 @@
 //! register, so that the weights stream from memory in one run per thread:
 //! two rows at once, two streams, measured slower than ggml there. On AVX2
 //! a one-token product stays llama.cpp's: there is nothing to unpack once
-//! for many tokens, and four rows at once (four accumulator chains), faster
-//! than `vec_dot` on weights in cache, measured no faster on two threads
-//! streaming them from memory; that loop serves a product's last tile when
-//! it holds one token.
+//! for many tokens (four rows at once, four accumulator chains, was tried:
+//! faster than `vec_dot` on weights in cache, no faster on two threads
+//! streaming them from memory).
 
 use std::cell::UnsafeCell;
 use std::ffi::{c_int, c_void};
@@ -397,23 +396,9 @@ unsafe extern "C" fn mul_mat(dst: *mut sys::ggml_tensor, ith: c_int, nth: c_int,
                     (t.data as *mut u8).wrapping_add((tile * TILE + tt) * t.nb[1]) as *mut f32
                 };
                 if sh.kernel.isa == Isa::Avx2 {
-                    let mut r = r0;
-                    #[cfg(target_arch = "x86_64")]
-                    if nt == 1 {
-                        // One token: four rows at once.
-                        while r + 4 <= r1 {
-                            // SAFETY: rows r..r + 4 of the weights, the
-                            // tile's one token, four outputs of its row.
-                            unsafe {
-                                let o = avx2::rows4(wrow(r), w.nb[1], blocks, tq, td, ts);
-                                std::ptr::copy_nonoverlapping(o.as_ptr(), dst(0).add(r), 4);
-                            }
-                            r += 4;
-                        }
-                    }
                     // One row at a time, each block unpacked once for the
                     // tile's tokens.
-                    for r in r..r1 {
+                    for r in r0..r1 {
                         let mut out = [0f32; TILE];
                         // SAFETY: row `r` of the weights and the tile's
                         // activations; dst is [rows, tokens] f32.
@@ -598,6 +583,29 @@ mod avx2 {
 
     use super::{Q4_1_BYTES, QK, TILE, hsum8};
 
+    /// One Q4_1 block at `pa`: `[d, m, 0, 0]` as f32 (exact, as ggml widens
+    /// them) and its 32 weights, one byte each, as ggml's
+    /// `bytes_from_nibbles_32` lays them out (low nibbles, then high).
+    ///
+    /// # Safety
+    /// `pa` holds a Q4_1 block.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    pub(super) unsafe fn block(pa: *const u8) -> (__m128, __m256i) {
+        // SAFETY: a Q4_1 block: f16 d, f16 m, 16 bytes of nibbles.
+        let (dm, t) = unsafe {
+            (
+                (pa as *const i32).read_unaligned(),
+                _mm_loadu_si128(pa.add(4) as *const __m128i),
+            )
+        };
+        let qx = _mm256_and_si256(
+            _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(t), _mm_srli_epi16::<4>(t)),
+            _mm256_set1_epi8(0x0F),
+        );
+        (_mm_cvtph_ps(_mm_cvtsi32_si128(dm)), qx)
+    }
+
     /// See [`super::row`]: one accumulator per token, as ggml's `acc`.
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma")]
@@ -613,22 +621,13 @@ mod avx2 {
         // Lane t: token t's `summs`.
         let mut summs = _mm256_setzero_ps();
         let ones = _mm256_set1_epi16(1);
-        let low = _mm256_set1_epi8(0x0F);
         for blk in 0..blocks {
             // SAFETY (whole block): the caller's pointers hold `blocks`
             // blocks of the row and of each of the tile's tokens.
             unsafe {
-                let pa = a.add(blk * Q4_1_BYTES);
-                // [d, m] as f32 (exact, as ggml widens them).
-                let dm = _mm_cvtph_ps(_mm_cvtsi32_si128((pa as *const i32).read_unaligned()));
+                let (dm, qx) = block(a.add(blk * Q4_1_BYTES));
                 let dw = _mm256_broadcastss_ps(dm);
                 let mw = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
-                // ggml's `bytes_from_nibbles_32`: low nibbles, then high.
-                let t = _mm_loadu_si128(pa.add(4) as *const __m128i);
-                let qx = _mm256_and_si256(
-                    _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(t), _mm_srli_epi16::<4>(t)),
-                    low,
-                );
                 // ggml's `summs += m * s`: a product of two f16 values is
                 // exact in f32, so fused or not, the same bits.
                 summs = _mm256_fmadd_ps(mw, _mm256_loadu_ps(s.add(blk * TILE)), summs);
@@ -649,52 +648,6 @@ mod avx2 {
         for (t, acc) in acc.iter().enumerate() {
             out[t] = hsum8(*acc) + sm[t];
         }
-    }
-
-    /// Four rows (`a`, then every `stride` bytes) against one token: four
-    /// independent accumulator chains, where one row's chain waits on its
-    /// fma's latency block after block.
-    #[inline]
-    #[target_feature(enable = "avx2,f16c,fma")]
-    pub(super) unsafe fn rows4(
-        a: *const u8,
-        stride: usize,
-        blocks: usize,
-        qs: *const i8,
-        d: *const f32,
-        s: *const f32,
-    ) -> [f32; 4] {
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut summs = [0f32; 4];
-        let ones = _mm256_set1_epi16(1);
-        let low = _mm256_set1_epi8(0x0F);
-        for blk in 0..blocks {
-            // SAFETY (whole block): four rows of `blocks` blocks, and the
-            // token's.
-            unsafe {
-                let qy = _mm256_loadu_si256(qs.add(blk * TILE * QK) as *const __m256i);
-                let dy = _mm256_broadcast_ss(&*d.add(blk * TILE));
-                let sy = *s.add(blk * TILE);
-                for (r, (acc, summs)) in acc.iter_mut().zip(&mut summs).enumerate() {
-                    let pa = a.add(r * stride + blk * Q4_1_BYTES);
-                    let dm = _mm_cvtph_ps(_mm_cvtsi32_si128((pa as *const i32).read_unaligned()));
-                    let dw = _mm256_broadcastss_ps(dm);
-                    *summs += _mm_cvtss_f32(_mm_movehdup_ps(dm)) * sy;
-                    let t = _mm_loadu_si128(pa.add(4) as *const __m128i);
-                    let qx = _mm256_and_si256(
-                        _mm256_inserti128_si256::<1>(
-                            _mm256_castsi128_si256(t),
-                            _mm_srli_epi16::<4>(t),
-                        ),
-                        low,
-                    );
-                    let xy =
-                        _mm256_cvtepi32_ps(_mm256_madd_epi16(ones, _mm256_maddubs_epi16(qx, qy)));
-                    *acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, dy), xy, *acc);
-                }
-            }
-        }
-        std::array::from_fn(|r| hsum8(acc[r]) + summs[r])
     }
 }
 
@@ -790,15 +743,9 @@ mod avx512 {
                 blk += 2;
             }
             if blk < blocks {
-                let pa = a.add(blk * Q4_1_BYTES);
-                let f4 = _mm_cvtph_ps(_mm_set_epi32(0, 0, 0, (pa as *const i32).read_unaligned()));
+                let (f4, qx) = super::avx2::block(a.add(blk * Q4_1_BYTES));
                 let mut fm = [0f32; 4];
                 _mm_storeu_ps(fm.as_mut_ptr(), f4);
-                let t = _mm_loadu_si128(pa.add(4) as *const __m128i);
-                let qx = _mm256_and_si256(
-                    _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(t), _mm_srli_epi16::<4>(t)),
-                    _mm256_set1_epi8(0x0F),
-                );
                 let qy = _mm256_loadu_si256(qs.add(blk * TILE * QK) as *const __m256i);
                 let xy = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), qx, qy));
                 let dd = _mm256_mul_ps(_mm256_set1_ps(fm[0]), _mm256_set1_ps(*d.add(blk * TILE)));
