@@ -194,7 +194,8 @@ struct Partition {
 // Shared memory: qs[GT][D] | scores[GT][part_tokens] | red[WARPS][GT][D].
 template <int D, int KC, int VC, int GT, int U>
 __device__ void attn_decode(float* out, float* part_m, float* part_l, float* part_acc, const float* q,
-                            Tables tb, int H, int KVH, int T, int kg, int vg, int part_tokens, int P) {
+                            Tables tb, int H, int KVH, int T, int kg, int vg, int part_tokens, int P,
+                            const int* tokens) {
     constexpr int LPT = D / 8, TPW = 32 / LPT, STEP = WARPS * TPW * U;
     DYNAMIC_SHARED(float, smem);
     float* qs = smem;
@@ -206,6 +207,8 @@ __device__ void attn_decode(float* out, float* part_m, float* part_l, float* par
     const int G = H / KVH;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int sub = lane / LPT, c0 = (lane % LPT) * 8;
+    // The batch token whose query, output and partial rows are sequence s's.
+    const size_t tok = tokens ? tokens[s] : s;
     const int len = tb.seq_len[s];
     const int start = p * part_tokens;
     const int n = max(0, min(len, start + part_tokens) - start);
@@ -214,7 +217,7 @@ __device__ void attn_decode(float* out, float* part_m, float* part_l, float* par
                           KVH * 2 * T * D * 2};
 
     for (int i = threadIdx.x; i < GT * D; i += THREADS)
-        qs[i] = i < G * D ? q[((size_t)s * H + kh * G) * D + i] : 0.f;
+        qs[i] = i < G * D ? q[(tok * H + kh * G) * D + i] : 0.f;
     __syncthreads();
 
     float qr[GT][8];
@@ -307,7 +310,7 @@ __device__ void attn_decode(float* out, float* part_m, float* part_l, float* par
         float v = 0.f;
 #pragma unroll
         for (int w = 0; w < WARPS; w++) v += red[(w * GT + g) * D + c];
-        size_t row = (size_t)s * H + kh * G + g;
+        size_t row = tok * H + kh * G + g;
         if (P == 1) {
             out[row * D + c] = v / l_s[g];
         } else {
@@ -329,10 +332,10 @@ __device__ void attn_decode(float* out, float* part_m, float* part_l, float* par
         float* out, float* part_m, float* part_l, float* part_acc, const float* q, const uint8_t* sealed,      \
         const uint8_t* tail, const uint32_t* sealed_tab, const uint32_t* tail_tab, const int* seq_len,        \
         const int* n_sealed, int max_sealed, int max_tail, int H, int KVH, int T, int kg, int vg,             \
-        int part_tokens, int P) {                                                                             \
+        int part_tokens, int P, const int* tokens) {                                                          \
         Tables tb = {sealed, tail, sealed_tab, tail_tab, seq_len, n_sealed, max_sealed, max_tail};            \
         attn_decode<D, KC, VC, GT, U>(out, part_m, part_l, part_acc, q, tb, H, KVH, T, kg, vg, part_tokens,    \
-                                      P);                                                                     \
+                                      P, tokens);                                                             \
     }
 #define DECODE(NAME, KC, VC, D, GT) DECODE_U(NAME, KC, VC, D, GT, (GT >= 8 ? 2 : 4), )
 
@@ -363,10 +366,224 @@ DECODE_GROUPS(k5_v4, K5, V4, 64)
 DECODE_GROUPS(k5_v4, K5, V4, 128)
 DECODE_GROUPS(k5_v4, K5, V4, 256)
 
-// Grid (H, S), D threads: merges P partial rows per head.
+// Prefill attention: one CTA serves R query rows of one KV head — consecutive
+// (token, query head) pairs of one query run, the run's tokens in order and
+// the G heads of the KV head within each — over one partition of the run's
+// context. The partition is read KT keys at a time: a tile's K rows are
+// dequantized into shared memory once for all R rows (where the decode
+// kernel reads them once per token), its scores masked causally (token j of
+// the run sees the first len0 + j tokens), an online softmax keeps each
+// row's running maximum and sum, then the tile's V rows are read the same way
+// and summed into the rows' outputs.
+//
+// tiles[5·y]: the run's sequence (its block table), the tile's first row in
+// the run (row x is token x / G, head x % G), the tile's rows (≤ R), the
+// run's first batch token, and the tokens the run's first token sees (len0).
+// Queries, outputs and partial rows are the batch token's (as the decode
+// kernel's with a token map). With several partitions it writes partial
+// (max, sum, acc) rows for siliceo_attn_reduce.
+//
+// Threads: scores as 16 row groups × 8 key lanes (RM rows × KM keys each,
+// keys k·8 + lane so a row group's 8 lanes read 8 different K rows in
+// different banks); V as D/8 channel groups × 128/(D/8) row groups (eight
+// channels × RO rows each).
+//
+// Shared memory: qs[R][D + 4] | kvs[KT][D + 4] | ps[R][KT], f32 (rows padded
+// by 4 floats so 16-byte reads of neighbouring rows fall in other banks).
+template <int D>
+struct PrefillTile {
+    static constexpr int R = D <= 128 ? 32 : 16;  // query rows per CTA
+    static constexpr int KT = 4096 / D;           // keys per tile: 64, 32, 16
+    static constexpr int RP = D + 4;              // a padded row in shared memory
+    static constexpr int RM = R / 16, KM = KT / 8;
+    static constexpr int CG = D / 8, RO = R / (THREADS / CG);
+};
+
+// The partition's keys kb.. kb + KT (K or V rows) into kvs, dequantized.
+template <int D, int KC, int VC, bool V>
+__device__ __forceinline__ void prefill_tile_rows(const Partition& pt, int kb, float* kvs) {
+    using P = PrefillTile<D>;
+    const int c0 = (threadIdx.x % P::CG) * 8;
+    for (int t = threadIdx.x / P::CG; t < P::KT; t += THREADS / P::CG) {
+        float x[8];
+        pt.row<D, KC, VC, V>(kb + t, c0, x);
+        float4* dst = reinterpret_cast<float4*>(kvs + t * P::RP + c0);
+        dst[0] = make_float4(x[0], x[1], x[2], x[3]);
+        dst[1] = make_float4(x[4], x[5], x[6], x[7]);
+    }
+}
+
+template <int D, int KC, int VC>
+__device__ void attn_prefill(float* out, float* part_m, float* part_l, float* part_acc, const float* q,
+                             Tables tb, const int* tiles, int H, int KVH, int T, int kg, int vg,
+                             int part_tokens, int P) {
+    using PT = PrefillTile<D>;
+    constexpr int R = PT::R, KT = PT::KT, RP = PT::RP, RM = PT::RM, KM = PT::KM, CG = PT::CG, RO = PT::RO;
+    DYNAMIC_SHARED(float, smem);
+    float* qs = smem;
+    float* kvs = qs + R * RP;
+    float* ps = kvs + KT * RP;
+    __shared__ float corr_s[R], m_s[R], l_s[R];
+
+    const int kh = blockIdx.x, p = blockIdx.z;
+    const int* tile = tiles + 5 * blockIdx.y;
+    const int seq = tile[0], row0 = tile[1], rows = tile[2], token0 = tile[3], len0 = tile[4];
+    const int G = H / KVH, tid = threadIdx.x;
+    const int start = p * part_tokens;
+    // Tokens of the partition the tile's last row sees (the most of any).
+    const int n = max(0, min(len0 + (row0 + rows - 1) / G, start + part_tokens) - start);
+    const int ksb = seg_bytes(KC, T, D, kg), vsb = seg_bytes(VC, T, D, vg);
+    const Partition pt = {tb, seq, kh, start, n, T, tb.n_sealed[seq], kg, vg, ksb, vsb, KVH * (ksb + vsb), T * D * 2,
+                          KVH * 2 * T * D * 2};
+
+    for (int i = tid; i < R * D; i += THREADS) {
+        const int r = i / D, x = row0 + r;
+        qs[r * RP + i % D] =
+            r < rows ? q[((size_t)(token0 + x / G) * H + kh * G + x % G) * D + i % D] : 0.f;
+    }
+
+    // Scores: rows sr.. sr + RM, keys lane + 8·k of each tile.
+    const int sr = (tid / 8) * RM, lane8 = tid % 8;
+    float m[RM], l[RM];
+    int sees[RM];  // keys of the partition row sr + i sees
+#pragma unroll
+    for (int i = 0; i < RM; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0.f;
+        sees[i] = sr + i < rows ? min(n, len0 + (row0 + sr + i) / G - start) : 0;
+    }
+    // V: rows vr.. vr + RO, channels c0.. c0 + 8.
+    const int vr = (tid / CG) * RO, c0 = (tid % CG) * 8;
+    float acc[RO][8];
+#pragma unroll
+    for (int i = 0; i < RO; i++)
+#pragma unroll
+        for (int c = 0; c < 8; c++) acc[i][c] = 0.f;
+
+    for (int kb = 0; kb < n; kb += KT) {
+        __syncthreads();  // the last tile's V and weights are used up (and qs is written)
+        prefill_tile_rows<D, KC, VC, false>(pt, kb, kvs);
+        __syncthreads();
+        float s[RM][KM];
+#pragma unroll
+        for (int i = 0; i < RM; i++)
+#pragma unroll
+            for (int k = 0; k < KM; k++) s[i][k] = 0.f;
+        for (int d = 0; d < D; d += 4) {
+            float4 qv[RM], kv[KM];
+#pragma unroll
+            for (int i = 0; i < RM; i++) qv[i] = *reinterpret_cast<const float4*>(qs + (sr + i) * RP + d);
+#pragma unroll
+            for (int k = 0; k < KM; k++) kv[k] = *reinterpret_cast<const float4*>(kvs + (k * 8 + lane8) * RP + d);
+#pragma unroll
+            for (int i = 0; i < RM; i++)
+#pragma unroll
+                for (int k = 0; k < KM; k++)
+                    s[i][k] += qv[i].x * kv[k].x + qv[i].y * kv[k].y + qv[i].z * kv[k].z + qv[i].w * kv[k].w;
+        }
+#pragma unroll
+        for (int i = 0; i < RM; i++) {
+            float tmax = -INFINITY;
+#pragma unroll
+            for (int k = 0; k < KM; k++) {
+                if (kb + k * 8 + lane8 >= sees[i]) s[i][k] = -INFINITY;
+                tmax = fmaxf(tmax, s[i][k]);
+            }
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, o));
+            const float mn = fmaxf(m[i], tmax);
+            // Nothing seen yet: the row keeps its zeros.
+            const float corr = mn == -INFINITY ? 1.f : __expf(m[i] - mn);
+            float sum = 0.f;
+#pragma unroll
+            for (int k = 0; k < KM; k++) {
+                const float e = mn == -INFINITY ? 0.f : __expf(s[i][k] - mn);
+                ps[(sr + i) * KT + k * 8 + lane8] = e;
+                sum += e;
+            }
+#pragma unroll
+            for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            l[i] = l[i] * corr + sum;
+            m[i] = mn;
+            if (lane8 == 0) corr_s[sr + i] = corr;
+        }
+        __syncthreads();  // K used up; weights and corrections written
+        prefill_tile_rows<D, KC, VC, true>(pt, kb, kvs);
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < RO; i++) {
+            const float corr = corr_s[vr + i];
+#pragma unroll
+            for (int c = 0; c < 8; c++) acc[i][c] *= corr;
+        }
+        for (int t = 0; t < KT; t++) {
+            const float4 v0 = *reinterpret_cast<const float4*>(kvs + t * RP + c0);
+            const float4 v1 = *reinterpret_cast<const float4*>(kvs + t * RP + c0 + 4);
+#pragma unroll
+            for (int i = 0; i < RO; i++) {
+                const float w = ps[(vr + i) * KT + t];
+                acc[i][0] += w * v0.x;
+                acc[i][1] += w * v0.y;
+                acc[i][2] += w * v0.z;
+                acc[i][3] += w * v0.w;
+                acc[i][4] += w * v1.x;
+                acc[i][5] += w * v1.y;
+                acc[i][6] += w * v1.z;
+                acc[i][7] += w * v1.w;
+            }
+        }
+    }
+    if (lane8 == 0) {
+#pragma unroll
+        for (int i = 0; i < RM; i++) {
+            m_s[sr + i] = m[i];
+            l_s[sr + i] = l[i];
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < RO; i++) {
+        const int r = vr + i, x = row0 + r;
+        if (r >= rows) continue;
+        const size_t row = (size_t)(token0 + x / G) * H + kh * G + x % G;
+        if (P == 1) {
+#pragma unroll
+            for (int c = 0; c < 8; c++) out[row * D + c0 + c] = acc[i][c] / l_s[r];
+        } else {
+#pragma unroll
+            for (int c = 0; c < 8; c++) part_acc[(row * P + p) * D + c0 + c] = acc[i][c];
+            if (c0 == 0) {
+                part_m[row * P + p] = m_s[r];
+                part_l[row * P + p] = l_s[r];
+            }
+        }
+    }
+}
+
+#define PREFILL(NAME, KC, VC, D)                                                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS) siliceo_attn_prefill_##NAME##_d##D(                \
+        float* out, float* part_m, float* part_l, float* part_acc, const float* q, const uint8_t* sealed,      \
+        const uint8_t* tail, const uint32_t* sealed_tab, const uint32_t* tail_tab, const int* seq_len,        \
+        const int* n_sealed, int max_sealed, int max_tail, const int* tiles, int H, int KVH, int T, int kg,   \
+        int vg, int part_tokens, int P) {                                                                     \
+        Tables tb = {sealed, tail, sealed_tab, tail_tab, seq_len, n_sealed, max_sealed, max_tail};            \
+        attn_prefill<D, KC, VC>(out, part_m, part_l, part_acc, q, tb, tiles, H, KVH, T, kg, vg, part_tokens, \
+                                P);                                                                           \
+    }
+#define PREFILL_DIMS(NAME, KC, VC) \
+    PREFILL(NAME, KC, VC, 64)      \
+    PREFILL(NAME, KC, VC, 128)     \
+    PREFILL(NAME, KC, VC, 256)
+
+PREFILL_DIMS(f16_f16, F16, F16)
+PREFILL_DIMS(kv8_kv8, KV8, KV8)
+PREFILL_DIMS(k5_v4, K5, V4)
+
+// Grid (H, S), D threads: merges P partial rows per head. Row y's batch
+// token is tokens[y] (y itself when tokens is null).
 extern "C" __global__ void siliceo_attn_reduce(float* out, const float* part_m, const float* part_l,
-                                               const float* part_acc, int H, int D, int P) {
-    const size_t row = (size_t)blockIdx.y * H + blockIdx.x;
+                                               const float* part_acc, int H, int D, int P, const int* tokens) {
+    const size_t row = (size_t)(tokens ? tokens[blockIdx.y] : blockIdx.y) * H + blockIdx.x;
     const int c = threadIdx.x;
     if (c >= D) return;
     float m = -INFINITY;

@@ -66,11 +66,15 @@ run)
   SILICEO_KERNELS_DIR="$PWD/$dir/ptx-only" "$dir/cuda-tests" --test-threads=1 --nocapture 2>&1 |
     tee "$out/test-gpu-ptx.log" || status=1
   # Partitions are in blocks of 64 tokens (the GPU caps them at 16: 1024 tokens).
-  "$dir/bench" --gpu --formats f16,kv8,k5v4 --ctx 4096,32768 --batch 1,8 \
+  "$dir/bench" --gpu --mode decode --formats f16,kv8,k5v4 --ctx 4096,32768 --batch 1,8 \
     --partition 2,4,8,16 --reps 9 2>&1 | tee "$out/bench-gpu.log" || status=1
+  # A 512-token prefill chunk's attention, alone and after 4k and 32k tokens:
+  # the decode kernel a token at a time against the prefill kernel.
+  "$dir/bench" --gpu --mode prefill --formats f16,kv8,k5v4 --ctx 0,4096,32768 --chunk 512 \
+    --reps 5 2>&1 | tee -a "$out/bench-gpu.log" || status=1
   # The F16 kernel's loads-in-flight variants at 32k, so one run can pick
   # the best (the table above uses the default, 4; 2 for eight heads).
-  "$dir/bench" --gpu --formats f16 --ctx 32768 --batch 1,8 --partition 4,8 --loads 1,2,4,8 \
+  "$dir/bench" --gpu --mode decode --formats f16 --ctx 32768 --batch 1,8 --partition 4,8 --loads 1,2,4,8 \
     --reps 9 2>&1 | tee -a "$out/bench-gpu.log" || status=1
   # The GPU's own checkers on the decode and append/seal tests (what the CPU
   # emulator cannot see: real out-of-bounds accesses, shared-memory races

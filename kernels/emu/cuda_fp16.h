@@ -68,6 +68,9 @@ struct alignas(8) uint2 {
 struct alignas(16) uint4 {
     unsigned x, y, z, w;
 };
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
 
 inline float __half2float(__half h) {
     _Float16 f;
@@ -81,6 +84,7 @@ inline __half __float2half(float x) {
     return h;
 }
 inline float2 make_float2(float x, float y) { return {x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 inline float2 __half22float2(__half2 h) { return {__half2float(h.x), __half2float(h.y)}; }
 inline __half __ushort_as_half(unsigned short u) { return __half{u}; }
 inline unsigned short __half_as_ushort(__half h) { return h.bits; }

@@ -362,6 +362,12 @@ const Entry ENTRIES[] = {
     LOAD_KERNELS(2),
     LOAD_KERNELS(4),
     LOAD_KERNELS(8),
+#define PREFILL_KERNELS(fmt) \
+    KERNEL(siliceo_attn_prefill_##fmt##_d64), KERNEL(siliceo_attn_prefill_##fmt##_d128), \
+        KERNEL(siliceo_attn_prefill_##fmt##_d256)
+    PREFILL_KERNELS(f16_f16),
+    PREFILL_KERNELS(kv8_kv8),
+    PREFILL_KERNELS(k5_v4),
     KERNEL(siliceo_attn_reduce),
     KERNEL(siliceo_kv_append),
     KERNEL(siliceo_kv_seal_f16_f16),

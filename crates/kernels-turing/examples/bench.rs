@@ -5,7 +5,10 @@
 //! the swept parameters (threads, partition size, block size) it times the
 //! CPU kernel and the naive reference, and reports the bytes of KV the kernel
 //! reads per second against the machine's read bandwidth measured in the
-//! same run. With `--gpu` (feature `cuda`) it also runs the CUDA kernels.
+//! same run. With `--gpu` (feature `cuda`) it runs the CUDA kernels instead:
+//! decode as above, and prefill as one layer's attention for a chunk of
+//! `--chunk` tokens after each context, on the decode kernel a token at a
+//! time against the prefill kernel.
 //!
 //! ```text
 //! cargo run --release -p siliceo-kernels-turing --example bench -- \
@@ -422,6 +425,33 @@ fn gpu(_: &Opts) {
 
 #[cfg(feature = "cuda")]
 fn gpu(o: &Opts) {
+    if o.modes.iter().any(|m| m == "prefill") {
+        // A chunk's attention on the decode kernel against the prefill
+        // kernel (one sequence; partitions are the kernels' own choice).
+        for &block in &o.block {
+            let shape = siliceo_kernels_turing::device::BenchShape {
+                ctxs: &o.ctx,
+                formats: &o.formats,
+                heads: o.heads,
+                kv_heads: o.kv_heads,
+                head_dim: o.head_dim,
+                reps: o.reps,
+                partitions: &[0],
+                batch: 1,
+                block_tokens: block,
+                loads: &[0],
+            };
+            siliceo_kernels_turing::cuda::bench::run_prefill(&shape, o.chunk)
+                .unwrap_or_else(|e| die(&e.to_string()));
+        }
+    }
+    if o.modes.iter().any(|m| m == "decode") {
+        gpu_decode(o);
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_decode(o: &Opts) {
     // Partition sizes are in tokens on the GPU: blocks × block size, at most
     // what the decode kernel's shared memory holds (its scores live there);
     // 0 leaves it to the kernels (device::auto_partition_tokens).

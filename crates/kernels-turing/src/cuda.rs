@@ -348,4 +348,37 @@ pub mod bench {
             );
         })
     }
+
+    /// Times a prefill chunk's attention on the decode kernel (a token at a
+    /// time) and on the prefill kernel, per format and context, and prints
+    /// both and their ratio, a row as each is done.
+    pub fn run_prefill(shape: &BenchShape<'_>, chunk: usize) -> Result<(), KernelError> {
+        let k = CudaKernels::new(0)?;
+        println!(
+            "device: {}; one layer's attention for a chunk of {chunk} tokens after the context, \
+             {} query heads over {} KV heads of {}",
+            k.device_name(),
+            shape.heads,
+            shape.kv_heads,
+            shape.head_dim
+        );
+        println!(
+            "| format | context | chunk | decode kernel ms | prefill kernel ms | prefill speed-up | prefill partition × count | max |prefill − decode| |"
+        );
+        println!("|---|---|---|---|---|---|---|---|");
+        crate::graft::bench_prefill(&k, shape, chunk, |r| {
+            println!(
+                "| {} | {} | {} | {:.3} | {:.3} | {:.2}× | {} × {} | {:.2e} |",
+                r.format,
+                r.ctx,
+                r.chunk,
+                r.decode_seconds * 1e3,
+                r.prefill_seconds * 1e3,
+                r.decode_seconds / r.prefill_seconds,
+                r.partition.0,
+                r.partition.1,
+                r.max_diff
+            );
+        })
+    }
 }

@@ -421,13 +421,15 @@ impl<B: Backend> Kernels<B> {
                 hadamard(row);
             }
         }
-        self.decode_run(kv, seqs, n_heads, partition_tokens, Some(&qh))
+        self.decode_run(kv, seqs, n_heads, partition_tokens, Some(&qh), None)
     }
 
     /// A decode run over `seqs`: checks, block tables, partitions. With
-    /// `q` (pre-scaled and rotated) it owns its output buffer; without, its
-    /// query buffer is left for a kernel to fill ([`Kernels::graft_layer`])
-    /// and the output goes where the caller points it.
+    /// `q` (pre-scaled and rotated) it owns its query and output buffers;
+    /// without, a caller's query buffer is read and the output goes where
+    /// the caller points it ([`Kernels::graft_layer`]). With `tokens`
+    /// (`map`, `batch`) sequence `i`'s query, output and partial rows are
+    /// those of batch token `map[i]` of a batch of `batch` tokens.
     pub(crate) fn decode_run(
         &self,
         kv: &DeviceKv<B>,
@@ -435,43 +437,15 @@ impl<B: Backend> Kernels<B> {
         n_heads: usize,
         partition_tokens: usize,
         q: Option<&[f32]>,
+        tokens: Option<(&[i32], usize)>,
     ) -> Result<DecodeRun<B>, KernelError> {
         let l = kv.layout;
         let d = l.head_dim;
-        if d != 64 && d != 128 && d != 256 {
-            return Err(KernelError::Layout(format!(
-                "the CUDA kernels are built for head dimensions 64, 128 and 256, not {d}"
-            )));
-        }
-        if n_heads == 0 || !n_heads.is_multiple_of(l.kv_heads) || n_heads / l.kv_heads > MAX_GROUP {
-            return Err(KernelError::Shape(format!(
-                "{n_heads} query heads over {} KV heads (at most {MAX_GROUP} per KV head on CUDA)",
-                l.kv_heads
-            )));
-        }
-        if seqs.is_empty() {
-            return Err(KernelError::Shape("a decode needs a sequence".into()));
-        }
-        let (name, kg, vg) = codec_names(&l)?;
-        if kg % 8 != 0 || vg % 8 != 0 {
-            return Err(KernelError::Layout(format!(
-                "the CUDA kernels read groups of a multiple of 8 channels, not {kg}/{vg}"
-            )));
-        }
+        let (name, kg, vg) = self.check_attention(&l, n_heads)?;
         // Query heads per KV head, rounded up to the kernel's 1, 2, 4 or 8.
         let group = (n_heads / l.kv_heads).next_power_of_two();
         let max_len = seqs.iter().map(|s| s.len).max().unwrap_or(0);
-        if seqs
-            .iter()
-            .any(|s| s.len == 0 || s.blocks() != s.len.div_ceil(l.block_tokens))
-        {
-            return Err(KernelError::Shape(
-                "every sequence needs tokens and a matching block table".into(),
-            ));
-        }
-        for s in seqs {
-            kv.check_blocks(s)?;
-        }
+        let tables = BlockTables::new(self, kv, seqs)?;
         let most = max_partition_tokens(group, d);
         let part = if partition_tokens == 0 {
             auto_partition_tokens(max_len, l.kv_heads, seqs.len(), most)
@@ -485,23 +459,20 @@ impl<B: Backend> Kernels<B> {
             )));
         }
         let p = max_len.div_ceil(part);
-        let max_sealed = seqs
-            .iter()
-            .map(|s| s.sealed.len())
-            .max()
-            .unwrap_or(0)
-            .max(1);
-        let max_tail = seqs.iter().map(|s| s.tail.len()).max().unwrap_or(0).max(1);
-        let mut sealed_tab = vec![0u32; seqs.len() * max_sealed];
-        let mut tail_tab = vec![0u32; seqs.len() * max_tail];
-        for (i, s) in seqs.iter().enumerate() {
-            sealed_tab[i * max_sealed..i * max_sealed + s.sealed.len()].copy_from_slice(&s.sealed);
-            tail_tab[i * max_tail..i * max_tail + s.tail.len()].copy_from_slice(&s.tail);
-        }
-        let lens: Vec<i32> = seqs.iter().map(|s| s.len as i32).collect();
-        let n_sealed: Vec<i32> = seqs.iter().map(|s| s.sealed.len() as i32).collect();
-        let rows = seqs.len() * n_heads;
         let b = &self.backend;
+        let (map, rows) = match tokens {
+            Some((map, batch)) => {
+                if map.len() != seqs.len() || map.iter().any(|&t| t < 0 || t as usize >= batch) {
+                    return Err(KernelError::Shape(format!(
+                        "a token map of {} entries for {} sequences in a batch of {batch}",
+                        map.len(),
+                        seqs.len()
+                    )));
+                }
+                (Some(upload_i32(b, map)?), batch * n_heads)
+            }
+            None => (None, seqs.len() * n_heads),
+        };
         Ok(DecodeRun {
             kernel: format!("siliceo_attn_decode_{name}_d{d}_g{group}"),
             group,
@@ -513,16 +484,12 @@ impl<B: Backend> Kernels<B> {
             part_l: b.zeros(rows * p * 4)?,
             part_acc: b.zeros(rows * p * d * 4)?,
             q: match q {
-                Some(q) => b.upload(&le_bytes(q, |x| x.to_le_bytes()))?,
-                None => b.zeros(rows * d * 4)?,
+                Some(q) => Some(b.upload(&le_bytes(q, |x| x.to_le_bytes()))?),
+                None => None,
             },
-            sealed_tab: b.upload(&le_bytes(&sealed_tab, |x| x.to_le_bytes()))?,
-            tail_tab: b.upload(&le_bytes(&tail_tab, |x| x.to_le_bytes()))?,
-            lens: b.upload(&le_bytes(&lens, |x| x.to_le_bytes()))?,
-            n_sealed: b.upload(&le_bytes(&n_sealed, |x| x.to_le_bytes()))?,
+            tokens: map,
+            tables,
             shape: DecodeShape {
-                max_sealed: max_sealed as i32,
-                max_tail: max_tail as i32,
                 heads: n_heads as i32,
                 kv_heads: l.kv_heads as i32,
                 block_tokens: l.block_tokens as i32,
@@ -535,6 +502,36 @@ impl<B: Backend> Kernels<B> {
             d,
             store: (l, kv.pools.capacity()),
         })
+    }
+
+    /// What the attention kernels take: head dimensions 64, 128 and 256, up
+    /// to [`MAX_GROUP`] query heads per KV head, the layout's codecs in
+    /// groups of a multiple of 8 channels. Returns the codecs' kernel name
+    /// and groups.
+    pub(crate) fn check_attention(
+        &self,
+        l: &KvLayout,
+        n_heads: usize,
+    ) -> Result<(&'static str, i32, i32), KernelError> {
+        let d = l.head_dim;
+        if d != 64 && d != 128 && d != 256 {
+            return Err(KernelError::Layout(format!(
+                "the CUDA kernels are built for head dimensions 64, 128 and 256, not {d}"
+            )));
+        }
+        if n_heads == 0 || !n_heads.is_multiple_of(l.kv_heads) || n_heads / l.kv_heads > MAX_GROUP {
+            return Err(KernelError::Shape(format!(
+                "{n_heads} query heads over {} KV heads (at most {MAX_GROUP} per KV head on CUDA)",
+                l.kv_heads
+            )));
+        }
+        let (name, kg, vg) = codec_names(l)?;
+        if kg % 8 != 0 || vg % 8 != 0 {
+            return Err(KernelError::Layout(format!(
+                "the CUDA kernels read groups of a multiple of 8 channels, not {kg}/{vg}"
+            )));
+        }
+        Ok((name, kg, vg))
     }
 
     /// Writes `n` new tokens' K and V (`n × kv_heads × head_dim` f32 each)
@@ -606,6 +603,41 @@ impl<B: Backend> Kernels<B> {
         b.synchronize()
     }
 
+    /// Queues `siliceo_attn_reduce`: merges the `P` partial rows of each of
+    /// `rows` rows' `heads` heads of `d` into `out`; row `i` is batch token
+    /// `tokens[i]` (`Arg::Ptr(0)`: token `i`).
+    ///
+    /// # Safety
+    /// The partial buffers (max, sum, acc) hold `P` (× `d`) f32 for every
+    /// (token, head) row named, and `out` `d` f32 for each.
+    pub(crate) unsafe fn reduce(
+        &self,
+        out: Arg<'_, B::Buf>,
+        [m, l, acc]: [&B::Buf; 3],
+        (heads, d, p): (i32, usize, i32),
+        rows: usize,
+        tokens: Arg<'_, B::Buf>,
+    ) -> Result<(), KernelError> {
+        let args = [
+            out,
+            Arg::Buf(m),
+            Arg::Buf(l),
+            Arg::Buf(acc),
+            Arg::I32(heads),
+            Arg::I32(d as i32),
+            Arg::I32(p),
+            tokens,
+        ];
+        let launch = Launch {
+            grid: (heads as u32, rows as u32, 1),
+            block: d as u32,
+            shared_bytes: 0,
+        };
+        // SAFETY: arguments match `siliceo_attn_reduce`; sizes as the caller
+        // promised.
+        unsafe { self.backend.launch("siliceo_attn_reduce", launch, &args) }
+    }
+
     /// Quantizes tail block `src` (full, F16) into sealed block `dst` with the
     /// layout's codecs (the tail block ageing out). A raw step like
     /// [`Kernels::write_rows`]: the pools' bookkeeping is left alone.
@@ -655,6 +687,88 @@ impl<B: Backend> Kernels<B> {
     }
 }
 
+/// The block tables of a kernel launch's sequences on the device: each
+/// sequence's sealed and tail blocks (rows of the longest's length), its
+/// length and its sealed blocks' count — the `Tables` of the .cu file.
+#[derive(Debug)]
+pub(crate) struct BlockTables<B: Backend> {
+    sealed_tab: B::Buf,
+    tail_tab: B::Buf,
+    lens: B::Buf,
+    n_sealed: B::Buf,
+    max_sealed: i32,
+    max_tail: i32,
+}
+
+impl<B: Backend> BlockTables<B> {
+    /// Checks `seqs` against `kv`'s pools (tokens, tables that match their
+    /// lengths, blocks inside the pools) and uploads their tables.
+    pub(crate) fn new(
+        k: &Kernels<B>,
+        kv: &DeviceKv<B>,
+        seqs: &[&SeqKv],
+    ) -> Result<BlockTables<B>, KernelError> {
+        let bt = kv.layout.block_tokens;
+        if seqs.is_empty() {
+            return Err(KernelError::Shape("a decode needs a sequence".into()));
+        }
+        if seqs
+            .iter()
+            .any(|s| s.len == 0 || s.blocks() != s.len.div_ceil(bt))
+        {
+            return Err(KernelError::Shape(
+                "every sequence needs tokens and a matching block table".into(),
+            ));
+        }
+        for s in seqs {
+            kv.check_blocks(s)?;
+        }
+        let max_sealed = seqs
+            .iter()
+            .map(|s| s.sealed.len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let max_tail = seqs.iter().map(|s| s.tail.len()).max().unwrap_or(0).max(1);
+        let mut sealed_tab = vec![0u32; seqs.len() * max_sealed];
+        let mut tail_tab = vec![0u32; seqs.len() * max_tail];
+        for (i, s) in seqs.iter().enumerate() {
+            sealed_tab[i * max_sealed..i * max_sealed + s.sealed.len()].copy_from_slice(&s.sealed);
+            tail_tab[i * max_tail..i * max_tail + s.tail.len()].copy_from_slice(&s.tail);
+        }
+        let lens: Vec<i32> = seqs.iter().map(|s| s.len as i32).collect();
+        let n_sealed: Vec<i32> = seqs.iter().map(|s| s.sealed.len() as i32).collect();
+        let b = k.backend();
+        Ok(BlockTables {
+            sealed_tab: b.upload(&le_bytes(&sealed_tab, |x| x.to_le_bytes()))?,
+            tail_tab: b.upload(&le_bytes(&tail_tab, |x| x.to_le_bytes()))?,
+            lens: upload_i32(b, &lens)?,
+            n_sealed: upload_i32(b, &n_sealed)?,
+            max_sealed: max_sealed as i32,
+            max_tail: max_tail as i32,
+        })
+    }
+
+    /// The kernels' arguments from `sealed` to `max_tail`, in their order.
+    pub(crate) fn args<'a>(&'a self, kv: &'a DeviceKv<B>) -> [Arg<'a, B::Buf>; 8] {
+        [
+            Arg::Buf(&kv.sealed),
+            Arg::Buf(&kv.tail),
+            Arg::Buf(&self.sealed_tab),
+            Arg::Buf(&self.tail_tab),
+            Arg::Buf(&self.lens),
+            Arg::Buf(&self.n_sealed),
+            Arg::I32(self.max_sealed),
+            Arg::I32(self.max_tail),
+        ]
+    }
+}
+
+/// `x` in a new device buffer.
+pub(crate) fn upload_i32<B: Backend>(b: &B, x: &[i32]) -> Result<B::Buf, KernelError> {
+    b.upload(&le_bytes(x, |v| v.to_le_bytes()))
+}
+
 /// A decode call with its inputs on the device, ready to launch again and
 /// again (the benchmark times [`DecodeRun::enqueue`]).
 #[derive(Debug)]
@@ -667,11 +781,11 @@ pub struct DecodeRun<B: Backend> {
     part_m: B::Buf,
     part_l: B::Buf,
     part_acc: B::Buf,
-    q: B::Buf,
-    sealed_tab: B::Buf,
-    tail_tab: B::Buf,
-    lens: B::Buf,
-    n_sealed: B::Buf,
+    /// The queries, unless the caller's buffer holds them.
+    q: Option<B::Buf>,
+    /// Each sequence's batch token (none: sequence i is token i).
+    tokens: Option<B::Buf>,
+    tables: BlockTables<B>,
     shape: DecodeShape,
     seqs: usize,
     d: usize,
@@ -679,11 +793,9 @@ pub struct DecodeRun<B: Backend> {
     store: (KvLayout, (usize, usize)),
 }
 
-/// The decode kernel's integer arguments, in its order.
+/// The decode kernel's integer arguments after the block tables, in its order.
 #[derive(Debug, Clone, Copy)]
 struct DecodeShape {
-    max_sealed: i32,
-    max_tail: i32,
     heads: i32,
     kv_heads: i32,
     block_tokens: i32,
@@ -708,23 +820,29 @@ impl<B: Backend> DecodeRun<B> {
     /// Queues the decode kernel (and the reduction when there are several
     /// partitions) without waiting.
     pub fn enqueue(&self, k: &Kernels<B>, kv: &DeviceKv<B>) -> Result<(), KernelError> {
-        let out = self.out.as_ref().ok_or_else(|| {
-            KernelError::Shape("this decode run writes where its caller says".into())
-        })?;
-        // SAFETY: the run's own output buffer holds seqs × heads × head_dim f32.
-        unsafe { self.enqueue_into(k, kv, Arg::Buf(out)) }
+        let (Some(out), Some(q)) = (self.out.as_ref(), self.q.as_ref()) else {
+            return Err(KernelError::Shape(
+                "this decode run reads and writes where its caller says".into(),
+            ));
+        };
+        // SAFETY: the run's own buffers: queries and output of seqs × heads ×
+        // head_dim f32.
+        unsafe { self.enqueue_into(k, kv, Arg::Buf(out), Arg::Buf(q)) }
     }
 
-    /// [`DecodeRun::enqueue`] with the output written to `out`.
+    /// [`DecodeRun::enqueue`] with the queries read from `q` and the output
+    /// written to `out`.
     ///
     /// # Safety
-    /// `out` must be a device buffer (or address) holding `seqs × heads ×
-    /// head_dim` f32.
+    /// `q` and `out` must be device buffers (or addresses) holding `rows ×
+    /// heads × head_dim` f32, `rows` the run's sequences or, with a token
+    /// map, its batch's tokens.
     pub(crate) unsafe fn enqueue_into(
         &self,
         k: &Kernels<B>,
         kv: &DeviceKv<B>,
         out: Arg<'_, B::Buf>,
+        q: Arg<'_, B::Buf>,
     ) -> Result<(), KernelError> {
         if (kv.layout, kv.pools.capacity()) != self.store {
             return Err(KernelError::Shape(
@@ -733,23 +851,30 @@ impl<B: Backend> DecodeRun<B> {
             ));
         }
         let sh = self.shape;
-        if !matches!(out, Arg::Buf(_) | Arg::Ptr(_)) {
-            return Err(KernelError::Shape("a decode's output is a buffer".into()));
+        if !matches!(out, Arg::Buf(_) | Arg::Ptr(_)) || !matches!(q, Arg::Buf(_) | Arg::Ptr(_)) {
+            return Err(KernelError::Shape(
+                "a decode's queries and output are buffers".into(),
+            ));
         }
+        let tokens = match &self.tokens {
+            Some(t) => Arg::Buf(t),
+            None => Arg::Ptr(0),
+        };
+        let [sealed, tail, st, tt, lens, ns, ms, mt] = self.tables.args(kv);
         let args = [
             out,
             Arg::Buf(&self.part_m),
             Arg::Buf(&self.part_l),
             Arg::Buf(&self.part_acc),
-            Arg::Buf(&self.q),
-            Arg::Buf(&kv.sealed),
-            Arg::Buf(&kv.tail),
-            Arg::Buf(&self.sealed_tab),
-            Arg::Buf(&self.tail_tab),
-            Arg::Buf(&self.lens),
-            Arg::Buf(&self.n_sealed),
-            Arg::I32(sh.max_sealed),
-            Arg::I32(sh.max_tail),
+            q,
+            sealed,
+            tail,
+            st,
+            tt,
+            lens,
+            ns,
+            ms,
+            mt,
             Arg::I32(sh.heads),
             Arg::I32(sh.kv_heads),
             Arg::I32(sh.block_tokens),
@@ -757,29 +882,25 @@ impl<B: Backend> DecodeRun<B> {
             Arg::I32(sh.v_group),
             Arg::I32(sh.partition_tokens),
             Arg::I32(sh.partitions),
+            tokens,
         ];
         // SAFETY: the arguments match `siliceo_attn_decode_*` in
         // paged_attention.cu; the tables were checked against pools of this
-        // layout and size (above and in `prepare_decode`), so every block
-        // index is inside the pools.
+        // layout and size (above and in `BlockTables::new`), so every block
+        // index is inside the pools, and every mapped token inside the batch.
         unsafe { k.backend.launch(&self.kernel, self.decode_launch(), &args) }?;
         if sh.partitions > 1 {
-            let args = [
-                out,
-                Arg::Buf(&self.part_m),
-                Arg::Buf(&self.part_l),
-                Arg::Buf(&self.part_acc),
-                Arg::I32(sh.heads),
-                Arg::I32(self.d as i32),
-                Arg::I32(sh.partitions),
-            ];
-            let launch = Launch {
-                grid: (sh.heads as u32, self.seqs as u32, 1),
-                block: self.d as u32,
-                shared_bytes: 0,
-            };
-            // SAFETY: arguments match `siliceo_attn_reduce`; buffers sized rows × P (× D).
-            unsafe { k.backend.launch("siliceo_attn_reduce", launch, &args) }?;
+            // SAFETY: the partial buffers hold rows × P (× D) for every row
+            // the kernel wrote; `out` as the caller promised.
+            unsafe {
+                k.reduce(
+                    out,
+                    [&self.part_m, &self.part_l, &self.part_acc],
+                    (sh.heads, self.d, sh.partitions),
+                    self.seqs,
+                    tokens,
+                )
+            }?;
         }
         Ok(())
     }
@@ -805,11 +926,6 @@ impl<B: Backend> DecodeRun<B> {
         }
         self.kernel = format!("{}_u{loads}", self.kernel);
         Ok(self)
-    }
-
-    /// The query buffer (`seqs × heads × head_dim` f32, pre-scaled).
-    pub(crate) fn query_buf(&self) -> &B::Buf {
-        &self.q
     }
 
     /// Tokens per partition this run uses.

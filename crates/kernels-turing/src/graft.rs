@@ -6,10 +6,14 @@
 //! but the step's small tables, uploaded once per decode ([`DeviceStep`]) and
 //! used by every layer.
 //!
-//! The decode kernel serves each batch token as a sequence of its own: token
-//! `j` of a query run of `n` tokens over a sequence of `len` tokens sees the
-//! first `len - n + 1 + j` tokens (causal), through the first blocks of the
-//! run's block table. One launch covers a whole prefill chunk.
+//! Token `j` of a query run of `n` tokens over a sequence of `len` tokens
+//! sees the first `len - n + 1 + j` tokens (causal). A run of at least
+//! [`StepTuning::prefill_min_tokens`] tokens (a prefill chunk) goes to the
+//! prefill kernel: tiles of the run's (token, query head) rows, each reading
+//! the context's K and V once for all its rows. Shorter runs (decode steps,
+//! short speculative runs) go to the decode kernel, each token as a sequence
+//! of its own over the first blocks of the run's block table. Both write
+//! their tokens' rows of the same output, in one launch each per layer.
 //!
 //! The layout and codecs are the CPU store's ([`crate::KvPages`]): a block
 //! written and sealed here holds the bytes the CPU store would hold for the
@@ -18,8 +22,60 @@
 use std::ops::Range;
 
 use crate::KernelError;
-use crate::device::{Arg, Backend, DecodeRun, DeviceKv, Kernels, Launch, le_bytes};
+use crate::device::{
+    Arg, Backend, BlockTables, DecodeRun, DeviceKv, Kernels, Launch, auto_partition_tokens,
+    le_bytes, upload_i32,
+};
 use crate::store::{KvLayout, SeqKv};
+
+/// Runs of this many tokens or more go to the prefill kernel by default.
+pub const PREFILL_MIN_TOKENS: usize = 8;
+
+/// How a grafted step splits its query runs between the kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepTuning {
+    /// Runs of at least this many tokens go to the prefill kernel; shorter
+    /// ones to the decode kernel, a token at a time. `usize::MAX`: the
+    /// decode kernel only.
+    pub prefill_min_tokens: usize,
+    /// The prefill kernel's partition of the context, in tokens (0: enough
+    /// partitions to give the GPU [`crate::device::TARGET_CTAS`] CTAs).
+    pub prefill_partition_tokens: usize,
+}
+
+impl Default for StepTuning {
+    fn default() -> Self {
+        StepTuning {
+            prefill_min_tokens: PREFILL_MIN_TOKENS,
+            prefill_partition_tokens: 0,
+        }
+    }
+}
+
+impl StepTuning {
+    /// The default, with `SILICEO_DEVICE_PREFILL_MIN_TOKENS` (a count, or
+    /// `off` for the decode kernel only) where it is set.
+    pub fn from_env() -> Result<StepTuning, KernelError> {
+        let mut t = StepTuning::default();
+        if let Ok(v) = std::env::var("SILICEO_DEVICE_PREFILL_MIN_TOKENS") {
+            t.prefill_min_tokens = match v.trim() {
+                "off" => usize::MAX,
+                n => n.parse().ok().filter(|&n| n > 0).ok_or_else(|| {
+                    KernelError::Shape(format!(
+                        "SILICEO_DEVICE_PREFILL_MIN_TOKENS={v}: a count of tokens (≥ 1) or `off`"
+                    ))
+                })?,
+            };
+        }
+        Ok(t)
+    }
+}
+
+/// Query rows per prefill CTA and keys per tile, for heads of `d` (the
+/// kernel's `PrefillTile<D>`).
+fn prefill_tile(d: usize) -> (usize, usize) {
+    (if d <= 128 { 32 } else { 16 }, 4096 / d)
+}
 
 /// A `[head_dim, tokens, heads]` tensor in device memory, as llama.cpp lays
 /// it out: its address, element type (f16 or f32), byte strides of the three
@@ -94,7 +150,13 @@ pub struct DeviceStep<B: Backend> {
     copies: Vec<(u32, u32, Range<usize>)>,
     /// Seals (tail, sealed), after the copies.
     seals: Vec<(u32, u32)>,
-    decode: DecodeRun<B>,
+    /// The batch's queries (`tokens × heads × head_dim` f32, pre-scaled and
+    /// rotated), gathered from llama.cpp's Q in each layer.
+    q: B::Buf,
+    /// The tokens of short runs, a sequence each.
+    decode: Option<DecodeRun<B>>,
+    /// The runs of the prefill kernel.
+    prefill: Option<PrefillRun<B>>,
 }
 
 impl<B: Backend> DeviceStep<B> {
@@ -102,13 +164,189 @@ impl<B: Backend> DeviceStep<B> {
     pub fn tokens(&self) -> usize {
         self.tokens
     }
+
+    /// Batch tokens the decode and the prefill kernel serve.
+    pub fn split(&self) -> (usize, usize) {
+        let pre = self.prefill.as_ref().map_or(0, |p| p.tokens);
+        (self.tokens - pre, pre)
+    }
+}
+
+/// The prefill kernel's launch over a step's long runs: its tiles of query
+/// rows, the runs' block tables, and the partial rows when the context is
+/// split into several partitions.
+#[derive(Debug)]
+struct PrefillRun<B: Backend> {
+    kernel: String,
+    tables: BlockTables<B>,
+    /// Five i32 per tile: run, first row, rows, first batch token, len0.
+    tiles: B::Buf,
+    n_tiles: usize,
+    /// Batch tokens served (the reduction's rows).
+    tokens: usize,
+    token_map: B::Buf,
+    /// Partial max, sum and acc rows (`batch tokens × heads × P` (× D)).
+    partials: Option<[B::Buf; 3]>,
+    heads: i32,
+    kv_heads: i32,
+    block_tokens: i32,
+    k_group: i32,
+    v_group: i32,
+    partition_tokens: i32,
+    partitions: i32,
+    d: usize,
+}
+
+impl<B: Backend> PrefillRun<B> {
+    /// The runs `(run, first batch token)` of a step of `batch` tokens.
+    fn new(
+        k: &Kernels<B>,
+        kv: &DeviceKv<B>,
+        n_heads: usize,
+        runs: &[(QueryRun<'_>, usize)],
+        batch: usize,
+        tuning: &StepTuning,
+    ) -> Result<PrefillRun<B>, KernelError> {
+        let l = kv.layout;
+        let d = l.head_dim;
+        let (name, kg, vg) = k.check_attention(&l, n_heads)?;
+        let g = n_heads / l.kv_heads;
+        let seqs: Vec<&SeqKv> = runs.iter().map(|(r, _)| r.kv).collect();
+        let tables = BlockTables::new(k, kv, &seqs)?;
+        let (rows_per_tile, _) = prefill_tile(d);
+        let mut tiles = Vec::new();
+        let mut token_map = Vec::new();
+        for (i, (r, at)) in runs.iter().enumerate() {
+            let rows = r.tokens * g;
+            for row0 in (0..rows).step_by(rows_per_tile) {
+                tiles.extend([
+                    i as i32,
+                    row0 as i32,
+                    rows_per_tile.min(rows - row0) as i32,
+                    *at as i32,
+                    (r.kv.len - r.tokens + 1) as i32,
+                ]);
+            }
+            token_map.extend((*at..at + r.tokens).map(|t| t as i32));
+        }
+        let n_tiles = tiles.len() / 5;
+        let max_len = seqs.iter().map(|s| s.len).max().unwrap_or(0);
+        let part = match tuning.prefill_partition_tokens {
+            0 => auto_partition_tokens(max_len, l.kv_heads, n_tiles, usize::MAX),
+            p => p,
+        }
+        .min(max_len)
+        .max(1);
+        let p = max_len.div_ceil(part);
+        let b = k.backend();
+        let rows = batch * n_heads;
+        let partials = if p > 1 {
+            Some([
+                b.zeros(rows * p * 4)?,
+                b.zeros(rows * p * 4)?,
+                b.zeros(rows * p * d * 4)?,
+            ])
+        } else {
+            None
+        };
+        Ok(PrefillRun {
+            kernel: format!("siliceo_attn_prefill_{name}_d{d}"),
+            tables,
+            tiles: upload_i32(b, &tiles)?,
+            n_tiles,
+            tokens: token_map.len(),
+            token_map: upload_i32(b, &token_map)?,
+            partials,
+            heads: n_heads as i32,
+            kv_heads: l.kv_heads as i32,
+            block_tokens: l.block_tokens as i32,
+            k_group: kg,
+            v_group: vg,
+            partition_tokens: part as i32,
+            partitions: p as i32,
+            d,
+        })
+    }
+
+    /// Queues the prefill kernel (and the reduction of its partitions),
+    /// reading the queries from `q` and writing the runs' rows of `out`.
+    ///
+    /// # Safety
+    /// `q` and `out` hold `batch × heads × head_dim` f32 (the batch the run
+    /// was made for); `kv` is the store its tables were checked against.
+    unsafe fn enqueue(
+        &self,
+        k: &Kernels<B>,
+        kv: &DeviceKv<B>,
+        q: &B::Buf,
+        out: Arg<'_, B::Buf>,
+    ) -> Result<(), KernelError> {
+        let (d, rows, keys) = (self.d, prefill_tile(self.d).0, prefill_tile(self.d).1);
+        let launch = Launch {
+            grid: (
+                self.kv_heads as u32,
+                self.n_tiles as u32,
+                self.partitions as u32,
+            ),
+            block: 128,
+            // qs[R][D + 4] | kvs[KT][D + 4] | ps[R][KT], f32.
+            shared_bytes: ((rows + keys) * (d + 4) * 4 + rows * keys * 4) as u32,
+        };
+        let (pm, pl, pa) = match &self.partials {
+            Some([m, l, a]) => (Arg::Buf(m), Arg::Buf(l), Arg::Buf(a)),
+            None => (Arg::Ptr(0), Arg::Ptr(0), Arg::Ptr(0)),
+        };
+        let [sealed, tail, st, tt, lens, ns, ms, mt] = self.tables.args(kv);
+        let args = [
+            out,
+            pm,
+            pl,
+            pa,
+            Arg::Buf(q),
+            sealed,
+            tail,
+            st,
+            tt,
+            lens,
+            ns,
+            ms,
+            mt,
+            Arg::Buf(&self.tiles),
+            Arg::I32(self.heads),
+            Arg::I32(self.kv_heads),
+            Arg::I32(self.block_tokens),
+            Arg::I32(self.k_group),
+            Arg::I32(self.v_group),
+            Arg::I32(self.partition_tokens),
+            Arg::I32(self.partitions),
+        ];
+        // SAFETY: the arguments match `siliceo_attn_prefill_*`; the tables
+        // were checked against the store's pools, every tile's rows lie in
+        // its run and every run's tokens in the batch (`graft_step_with`).
+        unsafe { k.backend().launch(&self.kernel, launch, &args) }?;
+        if let Some([m, l, a]) = &self.partials {
+            // SAFETY: the kernel wrote every partition's partial row of the
+            // runs' tokens, which the map names.
+            unsafe {
+                k.reduce(
+                    out,
+                    [m, l, a],
+                    (self.heads, d, self.partitions),
+                    self.tokens,
+                    Arg::Buf(&self.token_map),
+                )
+            }?;
+        }
+        Ok(())
+    }
 }
 
 impl<B: Backend> Kernels<B> {
     /// Uploads a step's tables: `writes[i]` is batch token `i`'s (tail block,
     /// row); `copies` (src, dst, rows) and `seals` (tail, sealed) follow the
     /// writes in every layer, in order; `runs` cover the batch in order.
-    /// `kv` is any layer's store (they share layout and size).
+    /// `kv` is any layer's store (they share layout and size). Runs are
+    /// split between the kernels as [`StepTuning::default`] says.
     pub fn graft_step(
         &self,
         kv: &DeviceKv<B>,
@@ -117,6 +355,22 @@ impl<B: Backend> Kernels<B> {
         copies: Vec<(u32, u32, Range<usize>)>,
         seals: Vec<(u32, u32)>,
         runs: &[QueryRun<'_>],
+    ) -> Result<DeviceStep<B>, KernelError> {
+        let tuning = StepTuning::default();
+        self.graft_step_with(kv, n_heads, writes, copies, seals, runs, &tuning)
+    }
+
+    /// [`Kernels::graft_step`] with the runs split as `tuning` says.
+    #[allow(clippy::too_many_arguments)]
+    pub fn graft_step_with(
+        &self,
+        kv: &DeviceKv<B>,
+        n_heads: usize,
+        writes: &[(u32, u16)],
+        copies: Vec<(u32, u32, Range<usize>)>,
+        seals: Vec<(u32, u32)>,
+        runs: &[QueryRun<'_>],
+        tuning: &StepTuning,
     ) -> Result<DeviceStep<B>, KernelError> {
         let l = kv.layout;
         let n = writes.len();
@@ -146,8 +400,12 @@ impl<B: Backend> Kernels<B> {
                 runs.iter().map(|r| r.tokens).collect::<Vec<_>>()
             )));
         }
-        // Each batch token as a sequence of its own: the run's first blocks.
+        // Long runs to the prefill kernel; each token of the others as a
+        // sequence of its own over the run's first blocks.
         let mut seqs = Vec::with_capacity(n);
+        let mut seq_tokens = Vec::with_capacity(n);
+        let mut long = Vec::new();
+        let mut at = 0;
         for r in runs {
             if r.kv.len < r.tokens {
                 return Err(KernelError::Shape(format!(
@@ -155,19 +413,36 @@ impl<B: Backend> Kernels<B> {
                     r.tokens, r.kv.len
                 )));
             }
-            for j in 0..r.tokens {
-                let len = r.kv.len - r.tokens + 1 + j;
-                let seq = r.kv.prefix(len, l.block_tokens).ok_or_else(|| {
-                    KernelError::Shape(format!(
-                        "a block table of {} blocks for {len} tokens",
-                        r.kv.blocks()
-                    ))
-                })?;
-                seqs.push(seq);
+            if r.tokens >= tuning.prefill_min_tokens {
+                long.push((*r, at));
+            } else {
+                for j in 0..r.tokens {
+                    let len = r.kv.len - r.tokens + 1 + j;
+                    let seq = r.kv.prefix(len, l.block_tokens).ok_or_else(|| {
+                        KernelError::Shape(format!(
+                            "a block table of {} blocks for {len} tokens",
+                            r.kv.blocks()
+                        ))
+                    })?;
+                    seqs.push(seq);
+                    seq_tokens.push((at + j) as i32);
+                }
             }
+            at += r.tokens;
         }
-        let refs: Vec<&SeqKv> = seqs.iter().collect();
-        let decode = self.decode_run(kv, &refs, n_heads, 0, None)?;
+        let decode = if seqs.is_empty() {
+            None
+        } else {
+            let refs: Vec<&SeqKv> = seqs.iter().collect();
+            // Every token a sequence in batch order: no map.
+            let map = (seqs.len() < n).then_some((&seq_tokens[..], n));
+            Some(self.decode_run(kv, &refs, n_heads, 0, None, map)?)
+        };
+        let prefill = if long.is_empty() {
+            None
+        } else {
+            Some(PrefillRun::new(self, kv, n_heads, &long, n, tuning)?)
+        };
         let (blocks, rows): (Vec<u32>, Vec<i32>) =
             writes.iter().map(|&(b, r)| (b, i32::from(r))).unzip();
         let b = self.backend();
@@ -175,10 +450,12 @@ impl<B: Backend> Kernels<B> {
             tokens: n,
             heads: n_heads,
             write_blocks: b.upload(&le_bytes(&blocks, |x| x.to_le_bytes()))?,
-            write_rows: b.upload(&le_bytes(&rows, |x| x.to_le_bytes()))?,
+            write_rows: upload_i32(b, &rows)?,
             copies,
             seals,
+            q: b.zeros(n * n_heads * l.head_dim * 4)?,
             decode,
+            prefill,
         })
     }
 
@@ -257,7 +534,7 @@ impl<B: Backend> Kernels<B> {
             shared_bytes: (d * 4) as u32,
         };
         let args = [
-            Arg::Buf(step.decode.query_buf()),
+            Arg::Buf(&step.q),
             Arg::Ptr(q.addr),
             Arg::I32(i32::from(q.f16)),
             Arg::U32(q.nb[0] as u32),
@@ -272,9 +549,37 @@ impl<B: Backend> Kernels<B> {
         // SAFETY: the arguments match `siliceo_gather_q`; Q holds n tokens of
         // h heads (checked) and the query buffer n × h × d f32.
         unsafe { b.launch("siliceo_gather_q", gather, &args) }?;
-        // SAFETY: `out` holds n × h × d f32 (checked above).
-        unsafe { step.decode.enqueue_into(self, kv, Arg::Ptr(out.addr)) }?;
+        self.attend(kv, step, out)?;
         b.synchronize()
+    }
+
+    /// Queues the step's attention over the queries its last layer gathered
+    /// (decode and prefill kernels) into `out`, without waiting: what
+    /// [`Kernels::graft_layer`] runs after the writes (and what a benchmark
+    /// times).
+    pub fn attend(
+        &self,
+        kv: &DeviceKv<B>,
+        step: &DeviceStep<B>,
+        out: DeviceSpan,
+    ) -> Result<(), KernelError> {
+        let (n, h, d) = (step.tokens, step.heads, kv.layout.head_dim);
+        if out.addr == 0 || out.bytes < n * h * d * 4 || B::buf_len(&step.q) != n * h * d * 4 {
+            return Err(KernelError::Shape(format!(
+                "an attention output of {} bytes for {n} tokens",
+                out.bytes
+            )));
+        }
+        if let Some(dec) = &step.decode {
+            // SAFETY: `out` and the step's queries hold n × h × d f32
+            // (checked above), the batch the run was made for.
+            unsafe { dec.enqueue_into(self, kv, Arg::Ptr(out.addr), Arg::Buf(&step.q)) }?;
+        }
+        if let Some(pre) = &step.prefill {
+            // SAFETY: as above.
+            unsafe { pre.enqueue(self, kv, &step.q, Arg::Ptr(out.addr)) }?;
+        }
+        Ok(())
     }
 
     /// Copies token rows `rows` of tail block `src` into tail block `dst`
@@ -380,4 +685,113 @@ fn block_range<B: Backend>(
         )));
     }
     Ok((block as usize * size, size))
+}
+
+/// One row of [`bench_prefill`].
+#[derive(Debug, Clone)]
+pub struct PrefillBench {
+    /// Layout preset.
+    pub format: String,
+    /// Tokens before the chunk.
+    pub ctx: usize,
+    /// Tokens in the chunk (one query run).
+    pub chunk: usize,
+    /// Median seconds of the chunk's attention on the decode kernel, a
+    /// token at a time.
+    pub decode_seconds: f64,
+    /// The same on the prefill kernel.
+    pub prefill_seconds: f64,
+    /// The prefill kernel's partition (tokens) and partitions.
+    pub partition: (usize, usize),
+    /// Largest difference between the two kernels' outputs.
+    pub max_diff: f32,
+}
+
+/// Times one layer's attention for a prefill chunk of `chunk` tokens after
+/// `ctx` tokens, for every format and context of `shape` (one sequence; its
+/// geometry and reps), on the decode kernel a token at a time and on the
+/// prefill kernel; `row` gets each result as it is measured. The queries are
+/// the same random rows for both (what the timing does not depend on).
+pub fn bench_prefill<B: Backend>(
+    k: &Kernels<B>,
+    shape: &crate::device::BenchShape<'_>,
+    chunk: usize,
+    mut row: impl FnMut(&PrefillBench),
+) -> Result<(), KernelError> {
+    use std::time::Instant;
+    let (heads, d) = (shape.heads, shape.head_dim);
+    for fmt in shape.formats {
+        let mut layout = KvLayout::preset(fmt, shape.kv_heads, d)?;
+        layout.block_tokens = shape.block_tokens;
+        for &ctx in shape.ctxs {
+            let total = ctx + chunk;
+            let mut store = crate::KvStore::new(
+                layout,
+                total.div_ceil(layout.block_tokens),
+                crate::KvStore::tail_blocks_per_seq(&layout),
+            )?;
+            let width = shape.kv_heads * d;
+            let mut seq = SeqKv::default();
+            let mut at = 0;
+            while at < total {
+                let n = (total - at).min(4096);
+                let kv: Vec<f32> = (0..n * width)
+                    .map(|i| (((i + at * width) * 2_654_435_761) % 2001) as f32 / 1000.0 - 1.0)
+                    .collect();
+                store.append(&mut seq, &kv, &kv)?;
+                at += n;
+            }
+            let dev = k.upload(&store)?;
+            let run = [QueryRun {
+                tokens: chunk,
+                kv: &seq,
+            }];
+            // The step's writes are not run (only its attention is timed).
+            let writes = vec![(0u32, 0u16); chunk];
+            let q: Vec<f32> = (0..chunk * heads * d)
+                .map(|i| ((i * 40_503) % 997) as f32 / 500.0 - 1.0)
+                .collect();
+            let b = k.backend();
+            let out = b.zeros(chunk * heads * d * 4)?;
+            let span = DeviceSpan {
+                addr: b.addr(&out),
+                bytes: B::buf_len(&out),
+            };
+            let mut results = Vec::new();
+            for min_tokens in [usize::MAX, 1] {
+                let tuning = StepTuning {
+                    prefill_min_tokens: min_tokens,
+                    prefill_partition_tokens: 0,
+                };
+                let mut step =
+                    k.graft_step_with(&dev, heads, &writes, Vec::new(), Vec::new(), &run, &tuning)?;
+                step.q = b.upload(&le_bytes(&q, |x| x.to_le_bytes()))?;
+                k.attend(&dev, &step, span)?;
+                b.synchronize()?;
+                let got = crate::device::bytes_f32(&b.download(&out)?);
+                let mut times = Vec::new();
+                for _ in 0..shape.reps.max(1) {
+                    let t0 = Instant::now();
+                    k.attend(&dev, &step, span)?;
+                    b.synchronize()?;
+                    times.push(t0.elapsed().as_secs_f64());
+                }
+                times.sort_by(f64::total_cmp);
+                let part = step.prefill.as_ref().map_or((0, 0), |p| {
+                    (p.partition_tokens as usize, p.partitions as usize)
+                });
+                results.push((times[times.len() / 2], got, part));
+            }
+            row(&PrefillBench {
+                format: fmt.clone(),
+                ctx,
+                chunk,
+                decode_seconds: results[0].0,
+                prefill_seconds: results[1].0,
+                partition: results[1].2,
+                max_diff: crate::device::max_abs_diff(&results[1].1, &results[0].1),
+            });
+        }
+    }
+    Ok(())
 }

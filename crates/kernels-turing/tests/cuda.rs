@@ -376,7 +376,7 @@ fn layer_tensors<B: Backend>(
 /// copied block. Out-of-pool writes and short tensors are shape errors.
 fn graft_layer_matches_the_cpu_pages<B: Backend>(k: &Kernels<B>) {
     use siliceo_kernels_turing::KvPages;
-    use siliceo_kernels_turing::graft::{DeviceRows, DeviceSpan, QueryRun};
+    use siliceo_kernels_turing::graft::{DeviceRows, DeviceSpan, QueryRun, StepTuning};
     let (heads, kv_heads, d) = (6, 2, 64);
     let row = kv_heads * d;
     let b = k.backend();
@@ -423,9 +423,6 @@ fn graft_layer_matches_the_cpu_pages<B: Backend>(k: &Kernels<B>) {
                     .iter()
                     .map(|&(tokens, kv)| QueryRun { tokens, kv })
                     .collect();
-                let step = k
-                    .graft_step(&dev, heads, &writes, copies.clone(), seals.clone(), &qr)
-                    .unwrap();
                 let out = b.zeros(n * heads * d * 4).unwrap();
                 let rows = |buf: &B::Buf, f16: bool, nb: [usize; 3]| DeviceRows {
                     addr: b.addr(buf),
@@ -448,12 +445,43 @@ fn graft_layer_matches_the_cpu_pages<B: Backend>(k: &Kernels<B>) {
                     bytes: kt.bytes - (5 + 1) * row * 2,
                     ..kt
                 };
-                let e = k
-                    .graft_layer(&mut dev, &step, qt, short, vt, scale, span)
-                    .unwrap_err();
-                assert!(matches!(e, KernelError::Shape(_)), "{what}: {e}");
-                k.graft_layer(&mut dev, &step, qt, kt, vt, scale, span)
-                    .unwrap();
+                // Step 1's runs (40, 30, 30 tokens) go to the prefill kernel
+                // by default; step 2's (1, 3, 1) to the decode kernel. With
+                // runs of 2 tokens or more on the prefill kernel and
+                // partitions of 32 tokens, step 1 is reduced from 3
+                // partitions and step 2 splits its runs between the kernels.
+                // Each step runs under both (same writes, copies and seals:
+                // the same bytes).
+                let mixed = StepTuning {
+                    prefill_min_tokens: 2,
+                    prefill_partition_tokens: 32,
+                };
+                let tunings = [
+                    (StepTuning::default(), [(0, n), (n, 0)][si]),
+                    (mixed, [(0, n), (2, 3)][si]),
+                ];
+                let mut gots = Vec::new();
+                for (tuning, split) in tunings {
+                    let step = k
+                        .graft_step_with(
+                            &dev,
+                            heads,
+                            &writes,
+                            copies.clone(),
+                            seals.clone(),
+                            &qr,
+                            &tuning,
+                        )
+                        .unwrap();
+                    assert_eq!(step.split(), split, "{what} step {si}: {tuning:?}");
+                    let e = k
+                        .graft_layer(&mut dev, &step, qt, short, vt, scale, span)
+                        .unwrap_err();
+                    assert!(matches!(e, KernelError::Shape(_)), "{what}: {e}");
+                    k.graft_layer(&mut dev, &step, qt, kt, vt, scale, span)
+                        .unwrap();
+                    gots.push((tuning, bytes_f32(&b.download(&out).unwrap())));
+                }
                 // The same step on the host store.
                 for (i, &(blk, r)) in writes.iter().enumerate() {
                     host.write_token(
@@ -481,7 +509,6 @@ fn graft_layer_matches_the_cpu_pages<B: Backend>(k: &Kernels<B>) {
                     );
                 }
                 // Each token against exact attention over what it may see.
-                let got = bytes_f32(&b.download(&out).unwrap());
                 let mut want = Vec::new();
                 let mut at = 0;
                 for &(tokens, kv) in runs {
@@ -502,11 +529,13 @@ fn graft_layer_matches_the_cpu_pages<B: Backend>(k: &Kernels<B>) {
                     }
                     at += tokens;
                 }
-                let worst = max_abs_diff(&got, &want);
-                assert!(
-                    worst < 2e-3,
-                    "{what} step {si}: attention differs by {worst}"
-                );
+                for (tuning, got) in &gots {
+                    let worst = max_abs_diff(got, &want);
+                    assert!(
+                        worst < 2e-3,
+                        "{what} step {si} {tuning:?}: attention differs by {worst}"
+                    );
+                }
             }
             // A write outside the tail pool is refused.
             let one = seq(&[], &[0], 1);
@@ -541,6 +570,175 @@ fn graft_layer_matches_the_cpu_pages<B: Backend>(k: &Kernels<B>) {
                 "{what}: block written back"
             );
         }
+    }
+}
+
+/// The prefill kernel against the decode kernel and exact attention: a
+/// context of `ctx` tokens (full blocks sealed), then a chunk of `chunk`
+/// tokens as one query run, served by the decode kernel a token at a time,
+/// by the prefill kernel in one partition, and by it in partitions of 48
+/// tokens (not a multiple of its key tiles; the reduction merges them).
+/// Every format, heads of 64, 128 and 256, one to eight query heads per KV
+/// head (7: tiles end mid-token), K rotated or not. The two kernels agree to
+/// 2e-5 and each is within 2e-3 of exact attention over the stored K/V.
+fn prefill_matches_decode_and_exact_attention<B: Backend>(k: &Kernels<B>) {
+    use siliceo_kernels_turing::KvPages;
+    use siliceo_kernels_turing::graft::{DeviceRows, DeviceSpan, QueryRun, StepTuning};
+    let b = k.backend();
+    let cases: [(&str, usize, usize, usize, bool, usize, usize); 5] = [
+        ("f16", 64, 2, 6, false, 130, 24),
+        ("kv8", 128, 2, 14, true, 70, 13),
+        ("k5v4", 128, 1, 8, false, 70, 12),
+        ("kv8", 256, 1, 2, false, 64, 9),
+        ("k5v4", 64, 4, 4, true, 100, 40),
+    ];
+    for (fmt, d, kv_heads, heads, rotate_k, ctx, chunk) in cases {
+        let what = format!("{fmt} d={d} {heads}/{kv_heads} heads rotate={rotate_k}");
+        let mut layout = KvLayout::preset(fmt, kv_heads, d).unwrap();
+        layout.rotate_k = rotate_k;
+        let total = ctx + chunk;
+        let blocks = total.div_ceil(64);
+        let mut host = KvPages::new(layout, blocks, blocks).unwrap();
+        let mut dev = k.alloc(layout, blocks, blocks).unwrap();
+        let row = kv_heads * d;
+        // Token p in row p % 64 of tail block p / 64; the context's full
+        // blocks sealed into sealed blocks of the same index.
+        let full = ctx / 64;
+        let view = |len: usize| SeqKv {
+            sealed: (0..full as u32).collect(),
+            tail: (full as u32..len.div_ceil(64) as u32).collect(),
+            len,
+        };
+        let mut outputs = Vec::new();
+        for (si, (from, to)) in [(0, ctx), (ctx, total)].into_iter().enumerate() {
+            let n = to - from;
+            let t = layer_tensors(k, n, (heads, kv_heads, d), 100 * si + d);
+            let writes: Vec<(u32, u16)> = (from..to)
+                .map(|p| ((p / 64) as u32, (p % 64) as u16))
+                .collect();
+            let seals: Vec<(u32, u32)> = if si == 0 {
+                (0..full as u32).map(|i| (i, i)).collect()
+            } else {
+                Vec::new()
+            };
+            let kv = if si == 0 {
+                SeqKv {
+                    sealed: Vec::new(),
+                    tail: (0..ctx.div_ceil(64) as u32).collect(),
+                    len: ctx,
+                }
+            } else {
+                view(total)
+            };
+            let run = [QueryRun { tokens: n, kv: &kv }];
+            let rows = |buf: &B::Buf, f16: bool, nb: [usize; 3]| DeviceRows {
+                addr: b.addr(buf),
+                f16,
+                nb,
+                bytes: B::buf_len(buf),
+            };
+            let (qt, kt, vt) = (
+                rows(&t.q, false, [4, heads * d * 4, d * 4]),
+                rows(&t.k, true, [2, row * 2, d * 2]),
+                rows(&t.v, false, [4, d * 4, n * d * 4]),
+            );
+            let scale = 1.0 / (d as f32).sqrt();
+            let tunings: &[(StepTuning, (usize, usize))] = if si == 0 {
+                &[(StepTuning::default(), (0, n))]
+            } else {
+                &[
+                    (
+                        StepTuning {
+                            prefill_min_tokens: usize::MAX,
+                            prefill_partition_tokens: 0,
+                        },
+                        (n, 0),
+                    ),
+                    (
+                        StepTuning {
+                            prefill_min_tokens: 1,
+                            prefill_partition_tokens: 1 << 20,
+                        },
+                        (0, n),
+                    ),
+                    (
+                        StepTuning {
+                            prefill_min_tokens: 2,
+                            prefill_partition_tokens: 48,
+                        },
+                        (0, n),
+                    ),
+                ]
+            };
+            for (tuning, split) in tunings {
+                // The writes and seals are the same each time: the store's
+                // bytes do not change after the first.
+                let step = k
+                    .graft_step_with(
+                        &dev,
+                        heads,
+                        &writes,
+                        Vec::new(),
+                        seals.clone(),
+                        &run,
+                        tuning,
+                    )
+                    .unwrap();
+                assert_eq!(step.split(), *split, "{what}: {tuning:?}");
+                let out = b.zeros(n * heads * d * 4).unwrap();
+                let span = DeviceSpan {
+                    addr: b.addr(&out),
+                    bytes: B::buf_len(&out),
+                };
+                k.graft_layer(&mut dev, &step, qt, kt, vt, scale, span)
+                    .unwrap();
+                if si == 1 {
+                    outputs.push((*tuning, bytes_f32(&b.download(&out).unwrap())));
+                }
+            }
+            for (i, p) in (from..to).enumerate() {
+                host.write_token(
+                    (p / 64) as u32,
+                    p % 64,
+                    &t.kv.0[i * row..(i + 1) * row],
+                    &t.kv.1[i * row..(i + 1) * row],
+                );
+            }
+            for &(src, dst) in &seals {
+                host.seal(src, dst);
+            }
+            if si == 1 {
+                let (rk, rv) = host.read(&view(total));
+                let mut want = Vec::new();
+                for j in 0..n {
+                    let len = ctx + 1 + j;
+                    want.extend(naive_attention(
+                        &t.qv[j * heads * d..(j + 1) * heads * d],
+                        1,
+                        heads,
+                        &rk[..len * row],
+                        &rv[..len * row],
+                        kv_heads,
+                        d,
+                        scale,
+                    ));
+                }
+                for (tuning, got) in &outputs {
+                    let worst = max_abs_diff(got, &want);
+                    assert!(worst < 2e-3, "{what} {tuning:?}: {worst} from exact");
+                    let apart = max_abs_diff(got, &outputs[0].1);
+                    assert!(
+                        apart < 2e-5,
+                        "{what} {tuning:?}: {apart} from the decode kernel"
+                    );
+                }
+            }
+        }
+        let (sealed, tail) = k.download(&dev).unwrap();
+        assert!(
+            sealed == host.sealed_bytes() && tail == host.tail_bytes(),
+            "{what}: the device store's bytes differ from the CPU pages'"
+        );
     }
 }
 
@@ -596,6 +794,12 @@ mod gpu {
     }
 
     #[test]
+    fn gpu_prefill_matches_decode_and_exact_attention() {
+        let Some(k) = device() else { return };
+        super::prefill_matches_decode_and_exact_attention(&k);
+    }
+
+    #[test]
     fn gpu_graft_layer_matches_the_cpu_pages() {
         let Some(k) = device() else { return };
         super::graft_layer_matches_the_cpu_pages(&k);
@@ -614,6 +818,7 @@ mod emulated {
         Arg, Backend, BenchShape, Launch, auto_partition_tokens, bench_decode, max_partition_tokens,
     };
     use siliceo_kernels_turing::emu::EmuKernels;
+    use siliceo_kernels_turing::graft::bench_prefill;
     use siliceo_kernels_turing::{KernelError, KvLayout, KvStore, SeqKv};
 
     use super::Case;
@@ -649,6 +854,11 @@ mod emulated {
     #[test]
     fn emulated_graft_layer_matches_the_cpu_pages() {
         super::graft_layer_matches_the_cpu_pages(&EmuKernels::emulated());
+    }
+
+    #[test]
+    fn emulated_prefill_matches_decode_and_exact_attention() {
+        super::prefill_matches_decode_and_exact_attention(&EmuKernels::emulated());
     }
 
     #[test]
@@ -861,6 +1071,23 @@ mod emulated {
             let max = r.batch * blocks * layout.block_bytes().max(layout.tail_block_bytes());
             assert!(r.kv_bytes >= min && r.kv_bytes <= max, "{r:?}");
         }
+        // Its prefill rows (`--gpu --mode prefill`): a chunk of 20 tokens
+        // after 70, the two kernels on the same queries.
+        let mut rows = Vec::new();
+        let shape = BenchShape {
+            ctxs: &[70],
+            ..shape
+        };
+        bench_prefill(&EmuKernels::emulated(), &shape, 20, |r| {
+            rows.push(r.clone())
+        })
+        .unwrap();
+        assert_eq!(rows.len(), 2);
+        for r in &rows {
+            assert!(r.max_diff < 2e-5, "{r:?}");
+            assert!(r.decode_seconds > 0.0 && r.prefill_seconds > 0.0, "{r:?}");
+            assert_eq!(r.partition.1, (r.ctx + 20).div_ceil(r.partition.0), "{r:?}");
+        }
     }
 
     #[test]
@@ -937,6 +1164,7 @@ mod emulated {
             Arg::I32(1),
             Arg::I32(4),
             Arg::I32(1),
+            Arg::Ptr(0),
         ];
         // SAFETY: refused before running.
         let e = unsafe { b.launch("siliceo_attn_reduce", big, &args) }.unwrap_err();
