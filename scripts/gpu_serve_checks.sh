@@ -23,8 +23,11 @@
 #          GGUF with random weights and a real tokenizer (its text is noise,
 #          its speed is a real 7B's: say so in every table that uses it);
 #       3. the CUDA kernels' tests (among them the grafted layer step on
-#          device memory against the CPU store: gpu_graft_layer_matches_the_cpu_pages)
-#          and bench (scripts/gpu_checks.sh run's first parts);
+#          device memory against the CPU store: gpu_graft_layer_matches_the_cpu_pages,
+#          and the prefill kernel against the decode kernel:
+#          gpu_prefill_matches_decode_and_exact_attention) and bench
+#          (decode, then a 512-token chunk on the prefill kernel against the
+#          decode kernel a token at a time);
 #       4. decode tok/s at 1, 8 and 32 streams over 4k and 32k contexts,
 #          all layers on the GPU, llama.cpp's own KV (f16, q8_0, q5_1/q4_0);
 #          then ours (f16, kv8, k5v4+tail64) at 4k and 32k, 1 and 8 streams:
@@ -86,10 +89,15 @@ run)
   export SILICEO_KERNELS_DIR="$PWD/$dir/kernels" SILICEO_REQUIRE_GPU=1
   timeout 120 "$dir/cuda-tests" --test-threads=1 --nocapture >"$out/test-gpu.log" 2>&1 || status=1
   tail -5 "$out/test-gpu.log"
-  timeout 120 "$dir/bench" --gpu --formats f16,kv8,k5v4 --ctx 4096,32768 --batch 1,8 \
+  timeout 110 "$dir/bench" --gpu --mode decode --formats f16,kv8,k5v4 --ctx 4096,32768 --batch 1,8 \
     --reps 5 2>&1 | tee "$out/bench-gpu.log" || status=1
+  # A 512-token prefill chunk's attention after 4k and 32k tokens, Qwen2.5-7B's
+  # heads (28 over 4 of 128): the decode kernel a token at a time against the
+  # prefill kernel.
+  timeout 40 "$dir/bench" --gpu --mode prefill --formats f16,kv8,k5v4 --ctx 4096,32768 --chunk 512 \
+    --heads 28 --kv-heads 4 --reps 3 2>&1 | tee -a "$out/bench-gpu.log" || status=1
   # 4. Serving decode with every layer on the GPU: llama.cpp's KV, then ours.
-  timeout 170 "$dir/siliceo-bench" graft --model "$model" --gpu-layers 99 --threads 8 \
+  timeout 140 "$dir/siliceo-bench" graft --model "$model" --gpu-layers 99 --threads 8 \
     --reps 3 --contexts 4096,32768 --streams 1,8,32 --only llama.cpp 2>&1 | tee "$out/serve-gpu.log" || status=1
   timeout 110 "$dir/siliceo-bench" graft --model "$model" --gpu-layers 99 --threads 8 \
     --reps 2 --quick --contexts 4096,32768 --streams 1,8 --only ours 2>&1 | tee "$out/serve-gpu-ours.log" || status=1

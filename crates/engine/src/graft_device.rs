@@ -20,7 +20,7 @@ use siliceo_kernels_turing::KvLayout;
 #[cfg(any(feature = "cuda-kernels", feature = "cuda-emu"))]
 use siliceo_kernels_turing::device::{Backend, DeviceKv, Kernels};
 #[cfg(any(feature = "cuda-kernels", feature = "cuda-emu"))]
-use siliceo_kernels_turing::graft::{DeviceRows, DeviceSpan, DeviceStep, QueryRun};
+use siliceo_kernels_turing::graft::{DeviceRows, DeviceSpan, DeviceStep, QueryRun, StepTuning};
 
 use llama_cpp_sys_2 as sys;
 
@@ -72,6 +72,8 @@ pub(crate) struct DeviceStore<B: Backend> {
     /// llama.cpp's tensors for these layers are host memory (the emulator);
     /// else they must be in the device's own buffers (CUDA0).
     host_tensors: bool,
+    /// Which runs the prefill kernel serves (`SILICEO_DEVICE_PREFILL_MIN_TOKENS`).
+    tuning: StepTuning,
 }
 
 #[cfg(any(feature = "cuda-kernels", feature = "cuda-emu"))]
@@ -97,6 +99,7 @@ impl<B: Backend> DeviceStore<B> {
                     .map_err(|e| format!("layer {il}'s store on the device: {e}"))?,
             );
         }
+        let tuning = StepTuning::from_env().map_err(|e| e.to_string())?;
         // What the kernels refuse (head sizes, query heads per KV head,
         // codecs) is refused now, not at the first decode.
         if let Some(kv) = layers.iter().flatten().next() {
@@ -118,6 +121,7 @@ impl<B: Backend> DeviceStore<B> {
             layers,
             step: None,
             host_tensors,
+            tuning,
         })
     }
 
@@ -214,7 +218,15 @@ impl<B: Backend> DeviceLayers for DeviceStore<B> {
             let kv = self.kv(il)?;
             self.step = Some(
                 self.kernels
-                    .graft_step(kv, n_heads, &step.writes, copies, step.seals.clone(), &runs)
+                    .graft_step_with(
+                        kv,
+                        n_heads,
+                        &step.writes,
+                        copies,
+                        step.seals.clone(),
+                        &runs,
+                        &self.tuning,
+                    )
                     .map_err(err)?,
             );
         }

@@ -53,21 +53,27 @@ impl Default for StepTuning {
 }
 
 impl StepTuning {
-    /// The default, with `SILICEO_DEVICE_PREFILL_MIN_TOKENS` (a count, or
-    /// `off` for the decode kernel only) where it is set.
+    /// The default, with `SILICEO_DEVICE_PREFILL_MIN_TOKENS` where it is set
+    /// ([`StepTuning::with_prefill_min_tokens`]).
     pub fn from_env() -> Result<StepTuning, KernelError> {
-        let mut t = StepTuning::default();
-        if let Ok(v) = std::env::var("SILICEO_DEVICE_PREFILL_MIN_TOKENS") {
-            t.prefill_min_tokens = match v.trim() {
-                "off" => usize::MAX,
-                n => n.parse().ok().filter(|&n| n > 0).ok_or_else(|| {
-                    KernelError::Shape(format!(
-                        "SILICEO_DEVICE_PREFILL_MIN_TOKENS={v}: a count of tokens (≥ 1) or `off`"
-                    ))
-                })?,
-            };
+        match std::env::var("SILICEO_DEVICE_PREFILL_MIN_TOKENS") {
+            Ok(v) => StepTuning::default().with_prefill_min_tokens(&v),
+            Err(_) => Ok(StepTuning::default()),
         }
-        Ok(t)
+    }
+
+    /// `self` with [`StepTuning::prefill_min_tokens`] from `v`: a count of
+    /// tokens (≥ 1), or `off` for the decode kernel only.
+    pub fn with_prefill_min_tokens(mut self, v: &str) -> Result<StepTuning, KernelError> {
+        self.prefill_min_tokens = match v.trim() {
+            "off" => usize::MAX,
+            n => n.parse().ok().filter(|&n| n > 0).ok_or_else(|| {
+                KernelError::Shape(format!(
+                    "SILICEO_DEVICE_PREFILL_MIN_TOKENS={v}: a count of tokens (≥ 1) or `off`"
+                ))
+            })?,
+        };
+        Ok(self)
     }
 }
 
@@ -75,6 +81,13 @@ impl StepTuning {
 /// kernel's `PrefillTile<D>`).
 fn prefill_tile(d: usize) -> (usize, usize) {
     (if d <= 128 { 32 } else { 16 }, 4096 / d)
+}
+
+/// The prefill kernel's dynamic shared memory for heads of `d`:
+/// `qs[R][D + 4] | kvs[KT][D + 4] | ps[R][KT]`, f32.
+fn prefill_shared_bytes(d: usize) -> usize {
+    let (rows, keys) = prefill_tile(d);
+    (rows + keys) * (d + 4) * 4 + rows * keys * 4
 }
 
 /// A `[head_dim, tokens, heads]` tensor in device memory, as llama.cpp lays
@@ -281,7 +294,7 @@ impl<B: Backend> PrefillRun<B> {
         q: &B::Buf,
         out: Arg<'_, B::Buf>,
     ) -> Result<(), KernelError> {
-        let (d, rows, keys) = (self.d, prefill_tile(self.d).0, prefill_tile(self.d).1);
+        let d = self.d;
         let launch = Launch {
             grid: (
                 self.kv_heads as u32,
@@ -289,8 +302,7 @@ impl<B: Backend> PrefillRun<B> {
                 self.partitions as u32,
             ),
             block: 128,
-            // qs[R][D + 4] | kvs[KT][D + 4] | ps[R][KT], f32.
-            shared_bytes: ((rows + keys) * (d + 4) * 4 + rows * keys * 4) as u32,
+            shared_bytes: prefill_shared_bytes(d) as u32,
         };
         let (pm, pl, pa) = match &self.partials {
             Some([m, l, a]) => (Arg::Buf(m), Arg::Buf(l), Arg::Buf(a)),
@@ -794,4 +806,47 @@ pub fn bench_prefill<B: Backend>(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prefill_threshold_is_a_count_or_off() {
+        let t = StepTuning::default();
+        assert_eq!(t.prefill_min_tokens, PREFILL_MIN_TOKENS);
+        assert_eq!(
+            t.with_prefill_min_tokens(" 16 ")
+                .unwrap()
+                .prefill_min_tokens,
+            16
+        );
+        assert_eq!(
+            t.with_prefill_min_tokens("off").unwrap().prefill_min_tokens,
+            usize::MAX
+        );
+        for bad in ["0", "-1", "eight", ""] {
+            let e = t.with_prefill_min_tokens(bad).unwrap_err();
+            assert!(
+                e.to_string().contains("SILICEO_DEVICE_PREFILL_MIN_TOKENS"),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn prefill_tiles_fit_sm75_shared_memory() {
+        // The kernel's PrefillTile<D>: rows × keys split over 16 row groups
+        // and 8 key lanes, rows over the V mapping's row groups, and the
+        // shared memory launch() asks for within sm_75's default 48 KiB.
+        for d in [64, 128, 256] {
+            let (rows, keys) = prefill_tile(d);
+            assert_eq!(rows % 16, 0, "{d}");
+            assert_eq!(keys % 8, 0, "{d}");
+            assert_eq!(rows % (128 / (d / 8)), 0, "{d}");
+            let bytes = prefill_shared_bytes(d);
+            assert!(bytes <= 48 * 1024, "{d}: {bytes}");
+        }
+    }
 }
