@@ -26,13 +26,25 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=gpu-run
 
+# The kernels travel as kernels.tar.xz; unpacked into $dir/kernels.
+unpack_kernels() {
+  if [ -f "$dir/kernels.tar.xz" ]; then
+    rm -rf "$dir/kernels" && mkdir -p "$dir/kernels"
+    xz -dc "$dir/kernels.tar.xz" | tar -C "$dir/kernels" --strip-components=1 -xf -
+  fi
+  [ -f "$dir/kernels/paged_attention.compute_75.ptx" ] ||
+    { echo "no kernels in $dir/kernels.tar.xz: run prepare again" >&2; exit 2; }
+}
+
 case "${1:-}" in
 prepare)
   base=${CARGO_TARGET_DIR:-$PWD/target}
   cargo xtask kernels
   rm -rf "$dir"
-  mkdir -p "$dir/kernels"
-  cp kernels/build/* "$dir/kernels/"
+  mkdir -p "$dir"
+  # xz-compressed: the PTX and three cubins are ~13 MB, ~1.2 MB packed (a
+  # device run carries at most 64 MiB); `run` unpacks them.
+  tar -C kernels -cf - build | xz -T2 -6 >"$dir/kernels.tar.xz"
   # Baseline x86-64 in its own target directory (the workspace builds with
   # target-cpu=native; only this crate and its few dependencies are built).
   export CARGO_ENCODED_RUSTFLAGS="" CARGO_TARGET_DIR="$base/gpu-portable"
@@ -52,6 +64,7 @@ for line in sys.stdin:
   ;;
 run)
   [ -x "$dir/bench" ] || { echo "no $dir/bench: run 'scripts/gpu_checks.sh prepare' first" >&2; exit 2; }
+  unpack_kernels
   out=${OUT:-$dir/out}
   mkdir -p "$out"
   export SILICEO_KERNELS_DIR="$PWD/$dir/kernels" SILICEO_REQUIRE_GPU=1

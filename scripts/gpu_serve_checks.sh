@@ -6,7 +6,7 @@
 #   scripts/gpu_serve_checks.sh prepare
 #       here: into gpu-run/ (git-ignored), everything the run needs:
 #       - what scripts/gpu_checks.sh prepares (our CUDA kernels as PTX and
-#         cubins, their GPU test binary and the kernel bench);
+#         cubins, xz-compressed; their GPU test binary and the kernel bench);
 #       - `siliceo-bench` with llama.cpp's CUDA backend for sm_90 plus PTX
 #         (`cargo xtask build --cuda --arch ${GPU_ARCH:-90}`: CUDA 13 from
 #         PyPI, portable x86-64, cuBLAS linked dynamically), xz-compressed:
@@ -68,6 +68,9 @@ prepare)
 run)
   [ -f "$dir/siliceo-bench.xz" ] || { echo "no $dir/siliceo-bench.xz: run 'scripts/gpu_serve_checks.sh prepare' first" >&2; exit 2; }
   xz -d -k -f "$dir/siliceo-bench.xz"
+  # The kernels travel xz-compressed too (scripts/gpu_checks.sh prepare).
+  mkdir -p "$dir/kernels"
+  xz -dc "$dir/kernels.tar.xz" | tar -C "$dir/kernels" --strip-components=1 -xf -
   out=${OUT:-$dir/out}
   mkdir -p "$out"
   status=0
