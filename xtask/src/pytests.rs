@@ -82,6 +82,8 @@ pub fn run() -> Result<()> {
                 "-q",
                 "-p",
                 "no:cacheprovider",
+                // Where the phase's minutes go, in every run's log.
+                "--durations=12",
                 "tests/python",
             ])
             .env("SILICEO_BIN", bin),
