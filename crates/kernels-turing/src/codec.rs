@@ -230,8 +230,8 @@ impl Codec {
     ) {
         let (t, d) = (tokens, head_dim);
         let (r0, r1) = (rows.start, rows.end);
-        debug_assert_eq!(seg.len(), self.segment_bytes(t, d));
-        debug_assert!(r0 <= r1 && r1 <= t);
+        assert_eq!(seg.len(), self.segment_bytes(t, d));
+        assert!(r0 <= r1 && r1 <= t);
         let out = &mut out[..(r1 - r0) * d];
         match self {
             Codec::F16 => {

@@ -7,7 +7,7 @@
 /// `x.len()` must be a power of two (checked by [`crate::KvLayout::check`]).
 pub fn hadamard(x: &mut [f32]) {
     let n = x.len();
-    debug_assert!(n.is_power_of_two());
+    assert!(n.is_power_of_two());
     let mut h = 1;
     while h < n {
         for block in x.chunks_exact_mut(2 * h) {

@@ -353,7 +353,7 @@ impl BlockPools {
                 self.tail_free.push(src);
             }
         }
-        debug_assert_eq!((seq.tail.len(), seq.sealed.len()), (tail_n, sealed_n));
+        assert_eq!((seq.tail.len(), seq.sealed.len()), (tail_n, sealed_n));
         Ok(steps)
     }
 
