@@ -206,6 +206,9 @@ fn test_phases(rest: &[String], phases: &mut Phases) -> Result<()> {
     // the kernels' source must agree with the CPU kernel when emulated on
     // the CPU (`cuda-emu`).
     phases.run("kernels (nvcc)", || kernels::build().map(drop))?;
+    // The library's unit tests (the graft and device modules need the
+    // features) and the emulated kernels; `tests/kernels.rs` does not change
+    // with them and ran in the workspace phase.
     phases.run("kernels-turing --features cuda,cuda-emu", || {
         run(cargo().args([
             "test",
@@ -213,6 +216,9 @@ fn test_phases(rest: &[String], phases: &mut Phases) -> Result<()> {
             "siliceo-kernels-turing",
             "--features",
             "cuda,cuda-emu",
+            "--lib",
+            "--test",
+            "cuda",
         ]))
     })?;
     // Grafted attention on the device, through the engine with real

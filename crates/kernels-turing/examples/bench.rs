@@ -440,6 +440,7 @@ fn gpu(o: &Opts) {
                 batch: 1,
                 block_tokens: block,
                 loads: &[0],
+                launches: siliceo_kernels_turing::device::LAUNCHES_PER_REP,
             };
             siliceo_kernels_turing::cuda::bench::run_prefill(&shape, o.chunk)
                 .unwrap_or_else(|e| die(&e.to_string()));
@@ -475,6 +476,7 @@ fn gpu_decode(o: &Opts) {
                 batch,
                 block_tokens: block,
                 loads: &o.loads,
+                launches: siliceo_kernels_turing::device::LAUNCHES_PER_REP,
             };
             siliceo_kernels_turing::cuda::bench::run(&shape)
                 .unwrap_or_else(|e| die(&e.to_string()));

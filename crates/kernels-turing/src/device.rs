@@ -972,6 +972,11 @@ pub struct BenchShape<'a> {
     /// Loads in flight per lane to try (0: the kernel's default; others only
     /// where [`DecodeRun::with_loads_in_flight`] has a variant).
     pub loads: &'a [usize],
+    /// Decode calls queued back to back per timed rep, so that the host's
+    /// launch and wait latency (several µs, as long as a short call) is not
+    /// counted as kernel time: [`LAUNCHES_PER_REP`] on a GPU, 1 in the
+    /// emulator (where a call takes a while and only the code path matters).
+    pub launches: usize,
 }
 
 /// One row of [`bench_decode`].
@@ -1013,7 +1018,8 @@ pub fn max_abs_diff(got: &[f32], want: &[f32]) -> f32 {
 }
 
 /// Decode calls queued per timed rep.
-const LAUNCHES_PER_REP: usize = 20;
+/// Decode calls per timed rep on a GPU ([`BenchShape::launches`]).
+pub const LAUNCHES_PER_REP: usize = 20;
 
 /// Times the decode kernel on `k` for every format, context and partition
 /// size of `shape`, and checks each against the CPU kernel; `row` gets each
@@ -1092,17 +1098,16 @@ pub fn bench_decode<B: Backend>(
                 };
                 run.launch(k, &dev)?;
                 let max_diff = max_abs_diff(&run.output(k)?, &want);
-                // Each rep queues LAUNCHES_PER_REP calls back to back and
-                // waits once, so the host's launch and wait latency (several
-                // µs, as long as a short call) is not counted as kernel time.
+                // Each rep queues `launches` calls back to back and waits once.
+                let launches = shape.launches.max(1);
                 let mut times = Vec::new();
                 for _ in 0..shape.reps.max(1) {
                     let t0 = Instant::now();
-                    for _ in 0..LAUNCHES_PER_REP {
+                    for _ in 0..launches {
                         run.enqueue(k, &dev)?;
                     }
                     k.backend.synchronize()?;
-                    times.push(t0.elapsed().as_secs_f64() / LAUNCHES_PER_REP as f64);
+                    times.push(t0.elapsed().as_secs_f64() / launches as f64);
                 }
                 times.sort_by(f64::total_cmp);
                 row(&DecodeBench {

@@ -914,6 +914,7 @@ mod emulated {
             batch: 1,
             block_tokens: 64,
             loads: &[1, 2, 4, 8],
+            launches: 1,
         };
         let mut rows = Vec::new();
         bench_decode(&EmuKernels::emulated(), &shape, |r| rows.push(r.clone())).unwrap();
@@ -1051,6 +1052,7 @@ mod emulated {
             batch: 2,
             block_tokens: 32,
             loads: &[0],
+            launches: 1,
         };
         let mut rows = Vec::new();
         bench_decode(&EmuKernels::emulated(), &shape, |r| rows.push(r.clone())).unwrap();
