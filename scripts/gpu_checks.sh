@@ -26,14 +26,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=gpu-run
 
-# The kernels travel as kernels.tar.xz; unpacked into $dir/kernels.
+# The kernels travel as kernels.tar.xz (`prepare`), unpacked into
+# $dir/kernels by `run` and by scripts/gpu_serve_checks.sh (`unpack`).
 unpack_kernels() {
-  if [ -f "$dir/kernels.tar.xz" ]; then
-    rm -rf "$dir/kernels" && mkdir -p "$dir/kernels"
-    xz -dc "$dir/kernels.tar.xz" | tar -C "$dir/kernels" --strip-components=1 -xf -
-  fi
-  [ -f "$dir/kernels/paged_attention.compute_75.ptx" ] ||
-    { echo "no kernels in $dir/kernels.tar.xz: run prepare again" >&2; exit 2; }
+  [ -f "$dir/kernels.tar.xz" ] || { echo "no $dir/kernels.tar.xz: run prepare first" >&2; exit 2; }
+  rm -rf "$dir/kernels" && mkdir -p "$dir/kernels"
+  xz -dc "$dir/kernels.tar.xz" | tar -C "$dir/kernels" --strip-components=1 -xf -
 }
 
 case "${1:-}" in
@@ -111,8 +109,11 @@ run)
     --threads 1,2,4,8,16 --reps 5 --naive-max-ctx 0 2>&1 | tee "$out/bench-cpu.log" || true
   exit $status
   ;;
+unpack)
+  unpack_kernels
+  ;;
 *)
-  echo "usage: scripts/gpu_checks.sh prepare|run" >&2
+  echo "usage: scripts/gpu_checks.sh prepare|run|unpack" >&2
   exit 2
   ;;
 esac

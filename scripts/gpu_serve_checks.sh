@@ -68,9 +68,7 @@ prepare)
 run)
   [ -f "$dir/siliceo-bench.xz" ] || { echo "no $dir/siliceo-bench.xz: run 'scripts/gpu_serve_checks.sh prepare' first" >&2; exit 2; }
   xz -d -k -f "$dir/siliceo-bench.xz"
-  # The kernels travel xz-compressed too (scripts/gpu_checks.sh prepare).
-  mkdir -p "$dir/kernels"
-  xz -dc "$dir/kernels.tar.xz" | tar -C "$dir/kernels" --strip-components=1 -xf -
+  scripts/gpu_checks.sh unpack
   out=${OUT:-$dir/out}
   mkdir -p "$out"
   status=0

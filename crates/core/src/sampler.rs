@@ -235,18 +235,15 @@ impl Sampler {
         // same token) unless top_p reaches past the head. Sorting the whole
         // vocabulary (49k–152k tokens) for every sampled token cost more
         // than the step's output head on the test models.
-        if cands.len() > PARTIAL_SORT {
-            cands.select_nth_unstable_by(PARTIAL_SORT - 1, by_prob_desc);
-            cands[..PARTIAL_SORT].sort_unstable_by(by_prob_desc);
-            if p.top_p < 1.0 {
-                let head: f32 = cands[..PARTIAL_SORT].iter().map(|c| c.1).sum();
-                if head >= p.top_p {
-                    cands.truncate(PARTIAL_SORT);
-                } else {
-                    cands.sort_unstable_by(by_prob_desc);
-                }
-            }
-        } else {
+        let head = PARTIAL_SORT.min(cands.len());
+        if head < cands.len() {
+            cands.select_nth_unstable_by(head - 1, by_prob_desc);
+        }
+        cands[..head].sort_unstable_by(by_prob_desc);
+        if p.top_p < 1.0
+            && head < cands.len()
+            && cands[..head].iter().map(|c| c.1).sum::<f32>() < p.top_p
+        {
             cands.sort_unstable_by(by_prob_desc);
         }
         if p.top_p < 1.0 {
@@ -407,6 +404,21 @@ mod tests {
         assert!((full[0].1 - 0.636).abs() < 1e-3);
     }
 
+    /// Every token's probability at temperature `t`, in f64, most likely
+    /// first (ties by token id, as the sampler orders them).
+    fn exact_distribution(logits: &[f32], t: f32) -> Vec<(u32, f64)> {
+        let x: Vec<f64> = logits.iter().map(|&l| f64::from(l / t)).collect();
+        let max = x.iter().copied().fold(f64::MIN, f64::max);
+        let sum: f64 = x.iter().map(|x| (x - max).exp()).sum();
+        let mut probs: Vec<(u32, f64)> = x
+            .iter()
+            .enumerate()
+            .map(|(i, x)| (i as u32, (x - max).exp() / sum))
+            .collect();
+        probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        probs
+    }
+
     #[test]
     fn partial_sort_matches_full_sort_for_top_p() {
         let logits: Vec<f32> = (0..5000)
@@ -419,17 +431,7 @@ mod tests {
         };
         let got = Sampler::new(&p).distribution(&logits);
         // Reference: everything sorted, cut at 0.9.
-        let mut probs: Vec<(u32, f64)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as u32, f64::from(l / 0.7)))
-            .collect();
-        let max = probs.iter().map(|c| c.1).fold(f64::MIN, f64::max);
-        let sum: f64 = probs.iter().map(|c| (c.1 - max).exp()).sum();
-        for c in probs.iter_mut() {
-            c.1 = (c.1 - max).exp() / sum;
-        }
-        probs.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let probs = exact_distribution(&logits, 0.7);
         let mut acc = 0.0;
         let keep = probs
             .iter()
@@ -454,17 +456,10 @@ mod tests {
             ..params()
         };
         let got = Sampler::new(&p).distribution(&logits);
-        // Reference: every token's probability, min-p applied, sorted.
-        let probs: Vec<f64> = logits.iter().map(|&l| f64::from(l / 0.7)).collect();
-        let max = probs.iter().copied().fold(f64::MIN, f64::max);
-        let sum: f64 = probs.iter().map(|x| (x - max).exp()).sum();
-        let mut want: Vec<(u32, f64)> = probs
-            .iter()
-            .enumerate()
-            .map(|(i, x)| (i as u32, (x - max).exp() / sum))
-            .filter(|c| c.1 >= 0.01 / sum) // min-p: 0.01 of the likeliest, exp(0) / sum
-            .collect();
-        want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        // Reference: every token's probability, sorted, min-p applied.
+        let mut want = exact_distribution(&logits, 0.7);
+        let floor = 0.01 * want[0].1;
+        want.retain(|c| c.1 >= floor);
         assert!(
             want.len() > PARTIAL_SORT,
             "the case must reach past the head"

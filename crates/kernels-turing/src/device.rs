@@ -1017,7 +1017,6 @@ pub fn max_abs_diff(got: &[f32], want: &[f32]) -> f32 {
         .fold(0f32, f32::max)
 }
 
-/// Decode calls queued per timed rep.
 /// Decode calls per timed rep on a GPU ([`BenchShape::launches`]).
 pub const LAUNCHES_PER_REP: usize = 20;
 
