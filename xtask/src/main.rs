@@ -196,7 +196,17 @@ fn test_phases(rest: &[String], phases: &mut Phases) -> Result<()> {
     // The embedding model (converted to GGUF) the embedding tests load.
     phases.run("embedding model", || embed::fetch(&models::models_dir()))?;
     phases.run("cargo test --workspace", || {
-        run(cargo().args(["test", "--workspace"]).args(rest))
+        let mut cmd = cargo();
+        cmd.args(["test", "--workspace"]).args(rest);
+        // The harness runs as many tests at once as there are cores: one
+        // llama.cpp thread each, where a test names no count. Each on every
+        // core oversubscribes them, and ggml's spinning barriers then wait
+        // on descheduled threads: the runtime's suite took 182 s that way on
+        // 2 cores, 111 s with one thread per test.
+        if std::env::var_os("SILICEO_THREADS").is_none() {
+            cmd.env("SILICEO_THREADS", "1");
+        }
+        run(&mut cmd)
     })?;
     // The clients users have against the real server: the `openai` package
     // on the HTTP API, grpcio on gRPC.

@@ -107,10 +107,34 @@ fn kv_cache_type(t: KvType) -> KvCacheType {
     }
 }
 
+/// Threads for llama.cpp and our attention kernel where a configuration
+/// names none: `SILICEO_THREADS` when it holds a positive number, else every
+/// core this process may use. The variable is for processes that share the
+/// cores: a test harness running several tests at once (oversubscribed,
+/// ggml's spinning barriers wait on threads the OS has descheduled), or a
+/// container whose CPU quota is below the cores it sees. Read once.
 pub(crate) fn default_threads() -> u32 {
-    std::thread::available_parallelism()
-        .map(|n| n.get() as u32)
-        .unwrap_or(1)
+    static THREADS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(|| {
+        let cores = std::thread::available_parallelism()
+            .map(|n| n.get() as u32)
+            .unwrap_or(1);
+        let var = std::env::var("SILICEO_THREADS").ok();
+        threads_from_env(var.as_deref()).unwrap_or_else(|| {
+            if let Some(v) = &var {
+                tracing::warn!(
+                    "SILICEO_THREADS={v:?} is not a positive number: using all {cores} cores"
+                );
+            }
+            cores
+        })
+    })
+}
+
+/// `SILICEO_THREADS`' value as a thread count: `None` when unset, zero or
+/// not a number.
+fn threads_from_env(var: Option<&str>) -> Option<u32> {
+    var?.trim().parse().ok().filter(|&n| n > 0)
 }
 
 /// The tokens of one `decode` call: each at a position in one or more sequences,
@@ -537,5 +561,20 @@ impl<'m> Context<'m> {
                 seq: seq.0,
                 source,
             })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::threads_from_env;
+
+    #[test]
+    fn siliceo_threads_takes_positive_numbers_only() {
+        assert_eq!(threads_from_env(Some("3")), Some(3));
+        assert_eq!(threads_from_env(Some(" 1\n")), Some(1));
+        for bad in ["0", "-2", "two", "", "1.5"] {
+            assert_eq!(threads_from_env(Some(bad)), None, "{bad:?}");
+        }
+        assert_eq!(threads_from_env(None), None);
     }
 }

@@ -30,6 +30,11 @@ fn config() -> RuntimeConfig {
     let mut cfg = RuntimeConfig::new(qwen());
     cfg.model.deterministic = true;
     cfg.context.n_ctx = 2048;
+    // The binary's one test runs alone: every core, whatever
+    // `SILICEO_THREADS` (`cargo xtask test` sets 1 for tests run side by side).
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+    cfg.context.n_threads = Some(cores);
+    cfg.context.n_threads_batch = Some(cores);
     cfg
 }
 

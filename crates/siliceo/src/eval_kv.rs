@@ -47,7 +47,7 @@ pub struct EvalKvArgs {
     /// llama.cpp's caches, which quantize on write).
     #[arg(long, default_value_t = 1)]
     shadow_chunk: usize,
-    /// Threads [default: all cores].
+    /// Threads [default: $SILICEO_THREADS, else all cores].
     #[arg(long)]
     threads: Option<u32>,
     /// Print JSON instead of a markdown table.

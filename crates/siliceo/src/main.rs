@@ -120,7 +120,7 @@ struct GenerateArgs {
     /// Context length in tokens.
     #[arg(long, default_value_t = 4096)]
     ctx: u32,
-    /// Threads (default: all cores).
+    /// Threads (default: $SILICEO_THREADS, else all cores).
     #[arg(long)]
     threads: Option<u32>,
     /// KV format: ours (f16, kv8, k5v4, K:V codecs, +rot, +tailN) [default:

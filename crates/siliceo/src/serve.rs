@@ -97,7 +97,7 @@ pub struct ServeArgs {
     /// Tokens computed per engine step (decodes + prefill chunks) [default: 512].
     #[arg(long)]
     batch_tokens: Option<usize>,
-    /// Threads for llama.cpp [default: all cores].
+    /// Threads for llama.cpp [default: $SILICEO_THREADS, else all cores].
     #[arg(long)]
     threads: Option<u32>,
     /// Turn prefix caching off.
