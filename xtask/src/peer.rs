@@ -74,6 +74,9 @@ pub fn llama_server() -> Result<PathBuf> {
     );
     crate::run(
         Command::new("cmake")
+            // `.cargo/config.toml` sets it for our own llama.cpp build (no
+            // `common` library); llama-server needs that library.
+            .env_remove("CMAKE_PROJECT_INCLUDE")
             .arg("-S")
             .arg(&src)
             .arg("-B")
