@@ -419,11 +419,17 @@ mod tests {
         probs
     }
 
+    /// 5,000 distinct logits in scrambled token order, 0 to about 16.7: a
+    /// distribution with a long tail past the sorted head.
+    fn spread_logits() -> Vec<f32> {
+        (0..5000)
+            .map(|i| ((i * 7919) % 5003) as f32 / 300.0)
+            .collect()
+    }
+
     #[test]
     fn partial_sort_matches_full_sort_for_top_p() {
-        let logits: Vec<f32> = (0..5000)
-            .map(|i| ((i * 7919) % 5003) as f32 / 300.0)
-            .collect();
+        let logits = spread_logits();
         let p = SamplingParams {
             top_p: 0.9,
             temperature: 0.7,
@@ -447,9 +453,7 @@ mod tests {
 
     #[test]
     fn without_top_p_the_head_is_sorted_and_the_tail_complete() {
-        let logits: Vec<f32> = (0..5000)
-            .map(|i| ((i * 7919) % 5003) as f32 / 300.0)
-            .collect();
+        let logits = spread_logits();
         let p = SamplingParams {
             temperature: 0.7,
             min_p: 0.01,
