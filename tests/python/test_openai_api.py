@@ -3,6 +3,7 @@
 import json
 import math
 import subprocess
+import urllib.error
 import urllib.request
 
 import grpc
@@ -254,6 +255,61 @@ def test_greedy_over_http_equals_grpc(server, grpc_api):
             model=model_id(server), prompt=prompt, max_tokens=20, temperature=0
         )
         assert http.choices[0].text == grpc_text, prompt
+
+
+def test_developer_messages_are_system_messages(server, grpc_api):
+    """OpenAI's `developer` role (its newer name for `system`, which its docs
+    now use in its place) reaches the template as `system`: the same
+    greedy answer on both protocols. A message without content is refused,
+    naming it, unless an assistant message calls tools."""
+    pb, stub, meta = grpc_api
+    c = client(server)
+
+    def ask(role):
+        msgs = [
+            {"role": role, "content": "Answer in one word."},
+            {"role": "user", "content": "What colour is the sky?"},
+        ]
+        r = c.chat.completions.create(
+            model=model_id(server), messages=msgs, max_tokens=12, temperature=0
+        )
+        return r.choices[0].message.content, r.usage.prompt_tokens
+
+    # SmolLM2's template adds its own system turn when the first message is
+    # not `system`: a `developer` turn passed through as it came would
+    # change the prompt, not only its role's name.
+    as_system, as_developer = ask("system"), ask("developer")
+    assert as_developer == as_system
+    req = pb.GenerateRequest(
+        chat=pb.ChatMessages(
+            messages=[
+                pb.ChatMessage(role="developer", content="Answer in one word."),
+                pb.ChatMessage(role="user", content="What colour is the sky?"),
+            ]
+        ),
+        max_tokens=12,
+    )
+    assert "".join(r.text for r in stub.Generate(req, metadata=meta)) == as_system[0]
+    for msgs, param in [
+        ([{"role": "user", "content": None}], "messages[0].content"),
+        (
+            [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}],
+            "messages[1].content",
+        ),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=model_id(server), messages=msgs)
+        assert e.value.body["param"] == param
+    # An endpoint asked with the wrong method: 405 in OpenAI's shape, with
+    # the methods it takes.
+    req = urllib.request.Request(f"{server.http}/v1/chat/completions", method="GET")
+    req.add_header("Authorization", f"Bearer {API_KEY}")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 405
+    assert e.value.headers["Allow"] == "POST"
+    assert json.load(e.value)["error"]["type"] == "invalid_request_error"
+    server.wait_idle()
 
 
 def test_n_choices_compute_the_prompt_once(server, grpc_api):

@@ -82,7 +82,42 @@ pub struct Message {
     pub name: Option<String>,
 }
 
+/// The roles a client may give a message. `developer` is OpenAI's newer name
+/// for `system` and reaches the template as `system`.
+pub const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
 impl Message {
+    /// A client's message, checked before it reaches a template: its role is
+    /// one of [`ROLES`] (`developer` becomes `system`), and it has content
+    /// unless it is an assistant message that calls tools (OpenAI's rule; a
+    /// template would otherwise fail on the missing text, or drop the turn).
+    /// The error names the field (`role` or `content`) and says why.
+    pub fn checked(mut self) -> Result<Message, (&'static str, String)> {
+        let role = self.role.as_str();
+        if !ROLES.contains(&role) {
+            return Err((
+                "role",
+                format!("`{role}` is not one of {}", ROLES.join(", ")),
+            ));
+        }
+        if self.content.is_none() {
+            match role {
+                "assistant" if !self.tool_calls.is_empty() => {}
+                "assistant" => {
+                    return Err((
+                        "content",
+                        "an assistant message needs content or tool_calls".into(),
+                    ));
+                }
+                r => return Err(("content", format!("a `{r}` message needs content"))),
+            }
+        }
+        if role == "developer" {
+            self.role = "system".into();
+        }
+        Ok(self)
+    }
+
     /// A plain message.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
         Message {

@@ -216,3 +216,42 @@ fn smollm2_renders_as_jinja2_does() {
          <|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     );
 }
+
+#[test]
+fn client_messages_are_checked_and_developer_is_system() {
+    let dev = Message::new("developer", "Be brief.").checked().unwrap();
+    assert_eq!(dev, Message::new("system", "Be brief."));
+    assert_eq!(
+        Message::new("wizard", "x").checked().unwrap_err(),
+        (
+            "role",
+            "`wizard` is not one of system, developer, user, assistant, tool".into()
+        )
+    );
+    for role in ["system", "developer", "user", "tool"] {
+        let m = Message {
+            role: role.into(),
+            ..Message::default()
+        };
+        assert_eq!(
+            m.checked().unwrap_err(),
+            ("content", format!("a `{role}` message needs content"))
+        );
+    }
+    let silent = Message {
+        role: "assistant".into(),
+        ..Message::default()
+    };
+    assert_eq!(silent.clone().checked().unwrap_err().0, "content");
+    let calls = Message {
+        tool_calls: vec![ToolCall {
+            id: "call_0".into(),
+            name: "get_weather".into(),
+            arguments: r#"{"city": "Paris"}"#.into(),
+        }],
+        ..silent
+    };
+    assert_eq!(calls.clone().checked().unwrap(), calls);
+    // An empty text is content.
+    Message::new("user", "").checked().unwrap();
+}

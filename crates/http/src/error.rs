@@ -1,6 +1,6 @@
 //! Errors in OpenAI's JSON shape, with the status each one warrants.
 
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderValue, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use siliceo_runtime::{Rejected, RuntimeError};
@@ -82,6 +82,16 @@ impl ApiError {
             StatusCode::NOT_FOUND,
             "invalid_request_error",
             format!("no such endpoint: {path}"),
+        )
+    }
+
+    /// 405: the endpoint exists, the method does not (axum keeps the
+    /// `Allow` header).
+    pub fn wrong_method(method: &Method, path: &str) -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            format!("{path} does not take {method}"),
         )
     }
 

@@ -134,6 +134,9 @@ pub fn router(rt: Arc<Runtime>, cfg: &HttpConfig) -> Router {
             state.clone(),
             count_request,
         ))
+        .method_not_allowed_fallback(|req: Request| async move {
+            ApiError::wrong_method(req.method(), req.uri().path())
+        })
         .fallback(|req: Request| async move { ApiError::no_route(req.uri().path()) })
         .layer(DefaultBodyLimit::max(cfg.max_request_bytes))
         .with_state(state)

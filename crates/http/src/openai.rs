@@ -19,9 +19,6 @@ use crate::error::ApiError;
 /// Most choices one request may ask for.
 pub const MAX_N: u32 = 16;
 
-/// Roles a chat message may carry.
-const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
-
 /// A string or a list of strings (`stop`).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
@@ -43,7 +40,10 @@ impl OneOrMany {
 
 /// `prompt` of `/v1/completions`: text, or token ids (one prompt only).
 #[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "a string, an array of token ids, or an array holding one of these"
+)]
 pub enum Prompt {
     /// Text.
     Text(String),
@@ -165,7 +165,8 @@ pub enum Content {
 /// One chat message.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Message {
-    /// `system`, `user`, `assistant` or `tool`.
+    /// `system` (or `developer`, its newer name), `user`, `assistant` or
+    /// `tool`.
     pub role: String,
     /// Its content.
     pub content: Option<Content>,
@@ -491,12 +492,6 @@ pub fn chat_plan(r: ChatRequest, common: Common) -> Result<Plan, ApiError> {
     let choice = tool_choice_of(r.tool_choice.as_ref(), &tools)?;
     let mut msgs = Vec::with_capacity(r.messages.len());
     for (i, m) in r.messages.into_iter().enumerate() {
-        if !ROLES.contains(&m.role.as_str()) {
-            return Err(ApiError::invalid(
-                format!("messages[{i}].role"),
-                format!("`{}` is not one of {}", m.role, ROLES.join(", ")),
-            ));
-        }
         let content = match m.content {
             None => None,
             Some(Content::Text(t)) => Some(t),
@@ -529,13 +524,17 @@ pub fn chat_plan(r: ChatRequest, common: Common) -> Result<Plan, ApiError> {
                 arguments: args,
             });
         }
-        msgs.push(ChatMessage {
+        let msg = ChatMessage {
             role: m.role,
             content,
             tool_calls: calls,
             tool_call_id: m.tool_call_id,
             name: m.name,
-        });
+        };
+        msgs.push(
+            msg.checked()
+                .map_err(|(field, why)| ApiError::invalid(format!("messages[{i}].{field}"), why))?,
+        );
     }
     let forced = matches!(choice, ToolChoice::Required | ToolChoice::Function(_));
     if forced
@@ -675,6 +674,30 @@ mod tests {
     }
 
     #[test]
+    fn developer_is_system_and_content_is_required() {
+        let p = chat(serde_json::json!({"messages": [
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            ]},
+        ]}))
+        .unwrap();
+        let Input::Chat(msgs) = &p.request.input else {
+            panic!("not a chat: {:?}", p.request.input)
+        };
+        let roles: Vec<&str> = msgs.iter().map(|m| m.role.as_str()).collect();
+        assert_eq!(roles, ["system", "user", "assistant"]);
+        assert_eq!(msgs[1].content.as_deref(), Some("hi"));
+        let e = chat(serde_json::json!({"messages": [{"role": "user", "content": null}]}));
+        assert_eq!(e.unwrap_err().param.as_deref(), Some("messages[0].content"));
+        let e = chat(serde_json::json!({"messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": null}
+        ]}));
+        assert_eq!(e.unwrap_err().param.as_deref(), Some("messages[1].content"));
+    }
+
+    #[test]
     fn unsupported_and_bad_fields_are_named() {
         let e = chat(serde_json::json!({
             "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3
@@ -703,6 +726,9 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("prompt"));
+        // A prompt of no known shape says which shapes there are.
+        let e = serde_json::from_value::<Prompt>(serde_json::json!([-1])).unwrap_err();
+        assert!(e.to_string().contains("an array of token ids"), "{e}");
         assert!(check_model(Some("other"), &["m".into()]).is_err());
         assert!(check_model(None, &["m".into()]).is_ok());
     }

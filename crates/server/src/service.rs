@@ -17,9 +17,6 @@ use tonic::{Request, Response, Status};
 use crate::pb;
 use crate::status_of;
 
-/// Roles a chat message may carry.
-const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
-
 /// The service. Cheap to clone (a shared runtime).
 #[derive(Debug, Clone)]
 pub struct InferenceService {
@@ -106,13 +103,10 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
         Some(pb::generate_request::Input::Chat(c)) => {
             let mut msgs = Vec::with_capacity(c.messages.len());
             for (i, m) in c.messages.into_iter().enumerate() {
-                if !ROLES.contains(&m.role.as_str()) {
-                    return Err(invalid(
-                        &format!("chat.messages[{i}].role"),
-                        format!("`{}` is not one of {}", m.role, ROLES.join(", ")),
-                    ));
-                }
-                msgs.push(ChatMessage::new(m.role, m.content));
+                let m = ChatMessage::new(m.role, m.content)
+                    .checked()
+                    .map_err(|(field, why)| invalid(&format!("chat.messages[{i}].{field}"), why))?;
+                msgs.push(m);
             }
             Input::Chat(msgs)
         }
