@@ -170,6 +170,23 @@ def test_errors_are_the_clients_typed_exceptions(server):
     # Still serving.
     r = c.completions.create(model=model_id(server), prompt="Hi", max_tokens=2)
     assert r.usage.completion_tokens >= 1
+    # `null` is every optional field's default, as on OpenAI's API (the
+    # client sends None as null).
+    r = c.chat.completions.create(
+        model=model_id(server),
+        messages=QUESTION,
+        max_tokens=2,
+        stream=None,
+        temperature=None,
+        top_p=None,
+        n=None,
+        stop=None,
+        seed=None,
+        logprobs=None,
+        stream_options=None,
+        extra_body={"ignore_eos": None, "top_k": None},
+    )
+    assert r.usage.completion_tokens >= 1
     server.wait_idle()
 
 

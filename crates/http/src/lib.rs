@@ -518,7 +518,7 @@ struct EmbedRequest {
     encoding_format: Option<String>,
     dimensions: Option<u32>,
     /// Extension: cut inputs longer than the model's context instead of 400.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "openai::or_default")]
     truncate: bool,
 }
 
@@ -618,9 +618,9 @@ struct RerankRequest {
     documents: Vec<String>,
     model: Option<String>,
     top_n: Option<usize>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "openai::or_default")]
     return_documents: bool,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "openai::or_default")]
     truncate: bool,
 }
 

@@ -55,11 +55,21 @@ pub enum Prompt {
     TokenLists(Vec<Vec<u32>>),
 }
 
+/// A field that may also be `null`, which means its default (OpenAI's API
+/// takes `null` for every optional field, and clients send it).
+pub(crate) fn or_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Option::<T>::deserialize(d).map(Option::unwrap_or_default)
+}
+
 /// `stream_options`.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct StreamOptions {
     /// Send a last chunk with the usage.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "or_default")]
     pub include_usage: bool,
 }
 
@@ -90,7 +100,7 @@ pub struct Common {
     /// Choices to generate.
     pub n: Option<u32>,
     /// Server-sent events.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "or_default")]
     pub stream: bool,
     /// Streaming options.
     pub stream_options: Option<StreamOptions>,
@@ -113,7 +123,7 @@ pub struct Common {
     /// Extension: scheduling class.
     pub priority: Option<PriorityArg>,
     /// Extension: keep generating past end-of-sequence.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "or_default")]
     pub ignore_eos: bool,
     /// Extension: the prefix-cache partition (per tenant).
     pub cache_salt: Option<String>,
@@ -134,7 +144,7 @@ pub struct CompletionRequest {
     /// Log-probabilities of the tokens and of this many alternatives.
     pub logprobs: Option<u32>,
     /// Echo the prompt back (not implemented).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "or_default")]
     pub echo: bool,
     /// Text appended after the completion (not implemented).
     pub suffix: Option<String>,
@@ -219,7 +229,7 @@ pub struct ChatRequest {
     /// The conversation.
     pub messages: Vec<Message>,
     /// Return each token's log-probability.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "or_default")]
     pub logprobs: bool,
     /// And this many most likely alternatives per token.
     pub top_logprobs: Option<u32>,
@@ -671,6 +681,51 @@ mod tests {
         assert_eq!(p.request.sampling.stop, vec!["\n".to_string()]);
         assert!(p.stream && p.include_usage);
         assert_eq!(p.choice(1).sampling.seed, Some(6));
+    }
+
+    #[test]
+    fn null_is_the_default_of_every_optional_field() {
+        let mut body = serde_json::json!({"messages": [{"role": "user", "content": "hi"}]});
+        let nulls = [
+            "model",
+            "max_tokens",
+            "max_completion_tokens",
+            "temperature",
+            "top_p",
+            "n",
+            "stop",
+            "seed",
+            "stream",
+            "stream_options",
+            "logprobs",
+            "top_logprobs",
+            "presence_penalty",
+            "frequency_penalty",
+            "logit_bias",
+            "user",
+            "tools",
+            "tool_choice",
+            "parallel_tool_calls",
+            "response_format",
+            "ignore_eos",
+            "top_k",
+            "min_p",
+            "priority",
+        ];
+        for k in nulls {
+            body[k] = serde_json::Value::Null;
+        }
+        let p = chat(body).unwrap();
+        assert!(!p.stream && !p.include_usage);
+        assert_eq!(p.request.sampling.temperature, 1.0);
+        let body = serde_json::json!({"prompt": "a", "stream": true,
+            "stream_options": {"include_usage": null}, "echo": null, "logprobs": null});
+        let p = completion_plan(
+            serde_json::from_value(body.clone()).unwrap(),
+            serde_json::from_value(body).unwrap(),
+        )
+        .unwrap();
+        assert!(p.stream && !p.include_usage);
     }
 
     #[test]
