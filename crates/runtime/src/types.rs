@@ -643,6 +643,9 @@ impl RequestStream {
 impl Drop for RequestStream {
     fn drop(&mut self) {
         if !self.done {
+            // A client gone before the end: cancelled, counted here since
+            // its `Done` will find no reader.
+            self.metrics.finished("cancelled");
             let _ = self.tx.send(Command::Cancel(self.id.clone(), None));
         }
     }

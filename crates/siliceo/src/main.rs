@@ -48,7 +48,7 @@ struct Cli {
 #[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 enum Cmd {
-    /// Serve the gRPC API (siliceo.v1.Inference, health, reflection) on a model.
+    /// Serve a model: the OpenAI-compatible HTTP API and gRPC (siliceo.v1.Inference, health, reflection).
     Serve(serve::ServeArgs),
     /// Generate text from a prompt, streaming it as it is produced.
     Generate(GenerateArgs),

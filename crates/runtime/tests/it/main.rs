@@ -180,6 +180,12 @@ fn dropping_a_stream_cancels_and_frees_at_once() {
     let (_, tokens, _) = keep.blocking_collect();
     assert_same_or_near_tie(&tokens, &alone(&PROMPTS[..1], 30)[0], "kept request");
     assert_clean(&rt);
+    // Both counted: the one that ended and the one whose client left.
+    let text = rt.prometheus();
+    for reason in ["length", "cancelled"] {
+        let line = format!("siliceo_requests_finished_total{{reason=\"{reason}\"}} 1\n");
+        assert!(text.contains(&line), "no `{line}` in\n{text}");
+    }
 }
 
 #[test]
