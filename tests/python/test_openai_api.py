@@ -250,6 +250,18 @@ def test_embeddings_and_rerank(embed_server):
     with pytest.raises(openai.BadRequestError) as e:
         c.embeddings.create(model="all-MiniLM-L6-v2.f16", input=[])
     assert e.value.body["param"] == "input"
+    # Token ids, as OpenAI's API takes them, used as they are: the ids of
+    # `[CLS] a cat sits on the mat [SEP]` embed as that text does.
+    text = c.embeddings.create(model="all-MiniLM-L6-v2.f16", input="a cat sits on the mat")
+    ids = [101, 1037, 4937, 7719, 2006, 1996, 13523, 102]
+    for given in [ids, [ids]]:
+        r = c.embeddings.create(model="all-MiniLM-L6-v2.f16", input=given)
+        assert r.data[0].embedding == text.data[0].embedding
+        assert r.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.embeddings.create(model="all-MiniLM-L6-v2.f16", input=[[101, 30522]])
+    assert e.value.body["param"] == "input"
+    assert "vocabulary" in e.value.body["message"]
     ranked = c.post(
         "/rerank",
         body={

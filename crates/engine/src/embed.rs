@@ -185,6 +185,27 @@ impl<'m> Embedder<'m> {
         self.fit(self.model.tokenize(text, true)?, truncate)
     }
 
+    /// An input given as token ids, used as they are (no `[CLS]`/`[SEP]`
+    /// added): every id inside the vocabulary ([`EngineError::InvalidToken`]),
+    /// at least one, cut or refused past [`max_tokens`](Self::max_tokens) as
+    /// [`tokens`](Self::tokens) does.
+    pub fn given_tokens(
+        &self,
+        ids: &[TokenId],
+        truncate: bool,
+    ) -> Result<(Vec<TokenId>, bool), EngineError> {
+        if ids.is_empty() {
+            return Err(EngineError::Tokenize("an input has no tokens".into()));
+        }
+        if let Some(bad) = ids.iter().find(|t| !self.model.is_valid_token(**t)) {
+            return Err(EngineError::InvalidToken {
+                token: bad.0,
+                n_vocab: self.model.geometry().n_vocab,
+            });
+        }
+        self.fit(ids.to_vec(), truncate)
+    }
+
     /// Tokens for a (query, document) pair of a cross-encoder:
     /// `[CLS] query [SEP] document [SEP]`.
     pub fn pair_tokens(

@@ -40,8 +40,10 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
-use siliceo_core::{FinishReason, TlsIdentity};
-use siliceo_runtime::{EmbeddingService, Event, RequestStream, Runtime, TokenLogprob, Usage};
+use siliceo_core::{FinishReason, TlsIdentity, TokenId};
+use siliceo_runtime::{
+    EmbedInput, EmbeddingService, Event, RequestStream, Runtime, TokenLogprob, Usage,
+};
 
 pub use error::ApiError;
 pub use openai::MAX_N;
@@ -503,17 +505,23 @@ pub(crate) fn uuid_like() -> String {
     format!("{t:x}{n:04x}")
 }
 
-/// `input` of `/v1/embeddings`: one text or several.
+/// `input` of `/v1/embeddings`: one text or several, or token ids (one
+/// input or several), as OpenAI's API takes them.
 #[derive(Debug, serde::Deserialize)]
-#[serde(untagged)]
-enum EmbedInput {
+#[serde(
+    untagged,
+    expecting = "a string, an array of strings, an array of token ids, or an array of arrays of token ids"
+)]
+enum WireEmbedInput {
     One(String),
     Many(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
 }
 
 #[derive(Debug, serde::Deserialize)]
 struct EmbedRequest {
-    input: EmbedInput,
+    input: WireEmbedInput,
     model: Option<String>,
     encoding_format: Option<String>,
     dimensions: Option<u32>,
@@ -566,12 +574,15 @@ async fn embeddings(
             format!("this model gives {} dimensions", e.info().dim),
         ));
     }
-    let texts = match r.input {
-        EmbedInput::One(t) => vec![t],
-        EmbedInput::Many(v) => v,
+    let ids = |v: Vec<u32>| EmbedInput::Tokens(v.into_iter().map(TokenId).collect());
+    let inputs: Vec<EmbedInput> = match r.input {
+        WireEmbedInput::One(t) => vec![EmbedInput::Text(t)],
+        WireEmbedInput::Many(v) => v.into_iter().map(EmbedInput::Text).collect(),
+        WireEmbedInput::Tokens(v) => vec![ids(v)],
+        WireEmbedInput::TokenLists(v) => v.into_iter().map(ids).collect(),
     };
     let out = e
-        .embed(texts, true, r.truncate)
+        .embed_inputs(inputs, true, r.truncate)
         .await
         .map_err(|e| ApiError::from_runtime(&rename_inputs(e, "input")))?;
     let data: Vec<Value> = out

@@ -122,6 +122,15 @@ pub struct EmbeddingStats {
     pub panics: AtomicU64,
 }
 
+/// One input to embed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EmbedInput {
+    /// Text, tokenized with the model's special tokens (`[CLS] … [SEP]`).
+    Text(String),
+    /// Token ids, used as they are.
+    Tokens(Vec<TokenId>),
+}
+
 enum Outcome {
     Embed(EmbedResult),
     Rerank(RerankResult),
@@ -129,7 +138,7 @@ enum Outcome {
 
 enum Job {
     Embed {
-        texts: Vec<String>,
+        inputs: Vec<EmbedInput>,
         normalize: bool,
         truncate: bool,
         reply: oneshot::Sender<Result<EmbedResult, RuntimeError>>,
@@ -168,7 +177,7 @@ impl Job {
     }
     fn inputs(&self) -> usize {
         match self {
-            Job::Embed { texts, .. } => texts.len(),
+            Job::Embed { inputs, .. } => inputs.len(),
             Job::Rerank { documents, .. } => documents.len() + 1,
         }
     }
@@ -251,26 +260,43 @@ impl EmbeddingService {
         normalize: bool,
         truncate: bool,
     ) -> Result<EmbedResult, RuntimeError> {
-        if texts.is_empty() {
+        let inputs = texts.into_iter().map(EmbedInput::Text).collect();
+        self.embed_inputs(inputs, normalize, truncate).await
+    }
+
+    /// [`embed`](Self::embed) for inputs given as text or as token ids.
+    pub async fn embed_inputs(
+        &self,
+        inputs: Vec<EmbedInput>,
+        normalize: bool,
+        truncate: bool,
+    ) -> Result<EmbedResult, RuntimeError> {
+        if inputs.is_empty() {
             return Err(RuntimeError::InvalidRequest {
                 field: "inputs",
                 reason: "at least one input".into(),
             });
         }
-        if texts.len() > self.cfg.max_request_inputs {
+        if inputs.len() > self.cfg.max_request_inputs {
             return Err(RuntimeError::InvalidRequest {
                 field: "inputs",
                 reason: format!(
                     "{} inputs; at most {} per request",
-                    texts.len(),
+                    inputs.len(),
                     self.cfg.max_request_inputs
                 ),
             });
         }
-        self.check_texts("inputs", texts.iter())?;
+        self.check_texts(
+            "inputs",
+            inputs.iter().filter_map(|i| match i {
+                EmbedInput::Text(t) => Some(t),
+                EmbedInput::Tokens(_) => None,
+            }),
+        )?;
         let (reply, rx) = oneshot::channel();
         self.submit(Job::Embed {
-            texts,
+            inputs,
             normalize,
             truncate,
             reply,
@@ -338,6 +364,10 @@ fn engine_err(e: EngineError) -> RuntimeError {
         EngineError::Tokenize(m) => RuntimeError::InvalidRequest {
             field: "inputs",
             reason: m,
+        },
+        e @ EngineError::InvalidToken { .. } => RuntimeError::InvalidRequest {
+            field: "inputs",
+            reason: e.to_string(),
         },
         other => RuntimeError::Engine(other.to_string()),
     }
@@ -435,8 +465,10 @@ fn compute(
 ) -> Vec<Result<Outcome, RuntimeError>> {
     #[cfg(feature = "fault-injection")]
     for j in jobs {
-        if let Job::Embed { texts, .. } = j
-            && texts.iter().any(|t| t.starts_with("siliceo-fault-panic"))
+        if let Job::Embed { inputs, .. } = j
+            && inputs
+                .iter()
+                .any(|i| matches!(i, EmbedInput::Text(t) if t.starts_with("siliceo-fault-panic")))
         {
             panic!("fault injection: embedding panic");
         }
@@ -448,10 +480,13 @@ fn compute(
     for job in jobs {
         let toks: Result<Vec<Vec<TokenId>>, EngineError> = match job {
             Job::Embed {
-                texts, truncate, ..
-            } => texts
+                inputs, truncate, ..
+            } => inputs
                 .iter()
-                .map(|t| emb.tokens(t, *truncate).map(|x| x.0))
+                .map(|i| match i {
+                    EmbedInput::Text(t) => emb.tokens(t, *truncate).map(|x| x.0),
+                    EmbedInput::Tokens(ids) => emb.given_tokens(ids, *truncate).map(|x| x.0),
+                })
                 .collect(),
             Job::Rerank {
                 query,

@@ -66,7 +66,8 @@ use siliceo_chat::ChatTemplate;
 use siliceo_core::{ModelGeometry, RequestId, TokenId};
 
 pub use embeddings::{
-    EmbedResult, EmbeddingConfig, EmbeddingInfo, EmbeddingService, RerankMethod, RerankResult,
+    EmbedInput, EmbedResult, EmbeddingConfig, EmbeddingInfo, EmbeddingService, RerankMethod,
+    RerankResult,
 };
 pub use siliceo_engine::Pooling;
 pub use siliceo_scheduler::{Rejected, Scheduler};

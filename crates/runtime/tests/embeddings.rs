@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use siliceo_runtime::{EmbeddingConfig, EmbeddingService, Pooling, RerankMethod, RuntimeError};
+use siliceo_runtime::{
+    EmbedInput, EmbeddingConfig, EmbeddingService, Pooling, RerankMethod, RuntimeError,
+};
 
 /// This package's folder in the checkout the tests run in: cargo sets it when
 /// it runs a test. A test binary built in another checkout that shares the
@@ -128,6 +130,54 @@ async fn rerank_by_cosine_and_typed_errors() {
     // A bad request next to good ones fails alone.
     let ok = svc.embed(vec!["fine".into()], false, false).await.unwrap();
     assert_eq!(ok.vectors.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_ids_embed_as_the_text_they_spell() {
+    let svc = service();
+    let text = "The quick brown fox jumps over the lazy dog.";
+    let model = siliceo_engine::Model::load(embed_model(), &Default::default()).unwrap();
+    // `[CLS] … [SEP]`, as the service tokenizes text.
+    let ids = model.tokenize(text, true).unwrap();
+    assert!(ids.len() > 4, "{ids:?}");
+    let by_text = svc.embed(vec![text.into()], true, false).await.unwrap();
+    let by_ids = svc
+        .embed_inputs(vec![EmbedInput::Tokens(ids.clone())], true, false)
+        .await
+        .unwrap();
+    // The same tokens in the same batch shape: the same vector, bit for bit.
+    assert_eq!(by_ids.vectors, by_text.vectors);
+    assert_eq!(by_ids.prompt_tokens, ids.len() as u32);
+    // Ids are used as they are: without the separators they are another input.
+    let bare = svc
+        .embed_inputs(
+            vec![EmbedInput::Tokens(ids[1..ids.len() - 1].to_vec())],
+            true,
+            false,
+        )
+        .await
+        .unwrap();
+    assert_ne!(bare.vectors, by_text.vectors);
+    let n_vocab = model.geometry().n_vocab;
+    let long = EmbedInput::Tokens(vec![ids[1]; 600]);
+    for (bad, why) in [
+        (EmbedInput::Tokens(vec![]), "no tokens"),
+        (
+            EmbedInput::Tokens(vec![ids[0], siliceo_core::TokenId(n_vocab)]),
+            "outside the vocabulary",
+        ),
+        (long.clone(), "600 tokens"),
+    ] {
+        match svc.embed_inputs(vec![bad], true, false).await {
+            Err(RuntimeError::InvalidRequest { field, reason }) => {
+                assert_eq!(field, "inputs");
+                assert!(reason.contains(why), "{reason}");
+            }
+            other => panic!("expected InvalidRequest ({why}), got {other:?}"),
+        }
+    }
+    let cut = svc.embed_inputs(vec![long], true, true).await.unwrap();
+    assert_eq!(cut.prompt_tokens, svc.info().max_tokens);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
