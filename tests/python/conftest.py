@@ -22,6 +22,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"
+# The page origin the shared server lets call it from a browser (CORS).
+BROWSER_ORIGIN = "http://localhost:5173"
 # SmolLM2-135M's own template adds a default system prompt it answers this
 # badly under; a plain one keeps it on topic.
 QUESTION = [
@@ -152,7 +154,7 @@ def replica_set(n: int, **kw):
 
 @pytest.fixture(scope="session")
 def server():
-    s = Server("--api-key", API_KEY)
+    s = Server("--api-key", API_KEY, "--allow-origin", BROWSER_ORIGIN)
     yield s
     s.stop()
 

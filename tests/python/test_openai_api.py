@@ -10,7 +10,7 @@ import grpc
 import openai
 import pytest
 
-from conftest import API_KEY, QUESTION, ROOT, Server, client
+from conftest import API_KEY, BROWSER_ORIGIN, QUESTION, ROOT, Server, client
 
 
 def model_id(server) -> str:
@@ -235,6 +235,51 @@ def test_a_full_queue_is_429():
         s.wait_idle(timeout=30)
     finally:
         s.stop()
+
+
+def test_a_page_on_an_allowed_origin_may_call_the_api(server, embed_server):
+    """`--allow-origin`: a browser's preflight is answered before the API key
+    is asked for, every answer (errors too) names the origin, other origins
+    get no grant, and a server without the flag grants none."""
+
+    def call(srv, method, path, headers, body=None):
+        req = urllib.request.Request(
+            f"{srv.http}{path}", data=body, method=method, headers=headers
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.headers
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers
+
+    asked = "authorization,content-type,x-stainless-os"
+    preflight = {
+        "Origin": BROWSER_ORIGIN,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": asked,
+    }
+    status, h = call(server, "OPTIONS", "/v1/chat/completions", preflight)
+    assert status == 200
+    assert h["Access-Control-Allow-Origin"] == BROWSER_ORIGIN
+    assert "POST" in h["Access-Control-Allow-Methods"]
+    assert h["Access-Control-Allow-Headers"] == asked
+    body = json.dumps({"messages": QUESTION, "max_tokens": 2}).encode()
+    page = {
+        "Origin": BROWSER_ORIGIN,
+        "Authorization": f"Bearer {API_KEY}",
+        "Content-Type": "application/json",
+    }
+    status, h = call(server, "POST", "/v1/chat/completions", page, body)
+    assert (status, h["Access-Control-Allow-Origin"]) == (200, BROWSER_ORIGIN)
+    wrong_key = {**page, "Authorization": "Bearer wrong"}
+    status, h = call(server, "POST", "/v1/chat/completions", wrong_key, body)
+    assert (status, h["Access-Control-Allow-Origin"]) == (401, BROWSER_ORIGIN)
+    other = {**page, "Origin": "http://elsewhere.example"}
+    status, h = call(server, "POST", "/v1/chat/completions", other, body)
+    assert status == 200 and "Access-Control-Allow-Origin" not in h
+    status, h = call(embed_server, "OPTIONS", "/v1/embeddings", preflight)
+    assert "Access-Control-Allow-Origin" not in h
+    server.wait_idle()
 
 
 def test_embeddings_and_rerank(embed_server):

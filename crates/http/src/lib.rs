@@ -27,12 +27,12 @@ mod tls;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Path, Request, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderValue, Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::sse::{KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -44,6 +44,7 @@ use siliceo_core::{FinishReason, TlsIdentity, TokenId};
 use siliceo_runtime::{
     EmbedInput, EmbeddingService, Event, RequestStream, Runtime, TokenLogprob, Usage,
 };
+use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
 
 pub use error::ApiError;
 pub use openai::MAX_N;
@@ -67,6 +68,72 @@ pub struct HttpConfig {
     pub embeddings: Option<Arc<EmbeddingService>>,
     /// Serve HTTPS with this certificate chain and key (gRPC's, in `serve`).
     pub tls: Option<TlsIdentity>,
+    /// Origins whose pages a browser lets call the API (CORS).
+    pub allow_origins: AllowOrigins,
+}
+
+/// The origins whose pages may call the API from a browser (CORS); none by
+/// default, so a web page the user opens cannot drive a local server.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum AllowOrigins {
+    /// No cross-origin calls (no CORS headers).
+    #[default]
+    None,
+    /// Any origin (`*`).
+    Any,
+    /// These origins, exactly as browsers send them (`http://localhost:3000`).
+    List(Vec<HeaderValue>),
+}
+
+impl AllowOrigins {
+    /// `--allow-origin` values: `*`, or origins like `https://app.example`
+    /// (a scheme and a host, an optional port, nothing after it).
+    pub fn parse(origins: &[String]) -> Result<Self, String> {
+        if origins.is_empty() {
+            return Ok(AllowOrigins::None);
+        }
+        if origins.iter().any(|o| o == "*") {
+            return Ok(AllowOrigins::Any);
+        }
+        let mut list = Vec::with_capacity(origins.len());
+        for o in origins {
+            let host = o
+                .strip_prefix("http://")
+                .or_else(|| o.strip_prefix("https://"))
+                .unwrap_or_default();
+            let value = HeaderValue::from_str(o).ok();
+            match value {
+                Some(v) if !host.is_empty() && !host.contains('/') => list.push(v),
+                _ => {
+                    return Err(format!(
+                        "`{o}` is not an origin: a scheme and a host with an optional port, \
+                         like http://localhost:3000 (no path, no trailing /), or *"
+                    ));
+                }
+            }
+        }
+        Ok(AllowOrigins::List(list))
+    }
+
+    /// The layer that answers preflights and marks responses; none for
+    /// [`AllowOrigins::None`].
+    fn layer(&self) -> Option<CorsLayer> {
+        let origin = match self {
+            AllowOrigins::None => return None,
+            AllowOrigins::Any => AllowOrigin::any(),
+            AllowOrigins::List(l) => AllowOrigin::list(l.iter().cloned()),
+        };
+        Some(
+            CorsLayer::new()
+                .allow_origin(origin)
+                .allow_methods([Method::GET, Method::POST])
+                // Whatever the page asks for: `authorization`, `content-type`,
+                // and the `x-stainless-*` headers OpenAI's JS client sends.
+                // (A `*` would not cover `authorization`.)
+                .allow_headers(AllowHeaders::mirror_request())
+                .max_age(Duration::from_secs(600)),
+        )
+    }
 }
 
 impl Default for HttpConfig {
@@ -78,6 +145,7 @@ impl Default for HttpConfig {
             model_ids: Vec::new(),
             embeddings: None,
             tls: None,
+            allow_origins: AllowOrigins::None,
         }
     }
 }
@@ -127,7 +195,7 @@ pub fn router(rt: Arc<Runtime>, cfg: &HttpConfig) -> Router {
             state.clone(),
             require_key,
         ));
-    Router::new()
+    let app = Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/loads", get(loads))
@@ -140,8 +208,14 @@ pub fn router(rt: Arc<Runtime>, cfg: &HttpConfig) -> Router {
             ApiError::wrong_method(req.method(), req.uri().path())
         })
         .fallback(|req: Request| async move { ApiError::no_route(req.uri().path()) })
-        .layer(DefaultBodyLimit::max(cfg.max_request_bytes))
-        .with_state(state)
+        .layer(DefaultBodyLimit::max(cfg.max_request_bytes));
+    // Outermost: a preflight is answered before the key is asked for, and
+    // every answer (errors too) carries the headers a browser checks.
+    let app = match cfg.allow_origins.layer() {
+        Some(cors) => app.layer(cors),
+        None => app,
+    };
+    app.with_state(state)
 }
 
 /// Serves the API on `listener` (HTTPS when `cfg.tls` is set) until
@@ -667,4 +741,36 @@ async fn rerank(
         "results": results,
         "usage": {"prompt_tokens": out.prompt_tokens, "total_tokens": out.prompt_tokens},
     })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allowed_origins_are_origins_or_star() {
+        let list =
+            |v: &[&str]| AllowOrigins::parse(&v.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        assert_eq!(list(&[]), Ok(AllowOrigins::None));
+        assert_eq!(list(&["http://a.example", "*"]), Ok(AllowOrigins::Any));
+        assert_eq!(
+            list(&["http://localhost:3000", "https://app.example"]),
+            Ok(AllowOrigins::List(vec![
+                HeaderValue::from_static("http://localhost:3000"),
+                HeaderValue::from_static("https://app.example"),
+            ]))
+        );
+        for bad in [
+            "http://localhost:3000/",
+            "localhost:3000",
+            "https://",
+            "http://a b\n",
+            "ftp://x",
+        ] {
+            let e = list(&[bad]).unwrap_err();
+            assert!(e.contains("is not an origin"), "{bad}: {e}");
+        }
+        assert!(AllowOrigins::None.layer().is_none());
+        assert!(AllowOrigins::Any.layer().is_some());
+    }
 }

@@ -47,6 +47,11 @@ pub struct ServeArgs {
     /// gRPC and HTTP alike.
     #[arg(long)]
     api_key: Option<String>,
+    /// Let web pages from this origin call the HTTP API from a browser
+    /// (CORS), e.g. http://localhost:3000; repeat it for more, or `*` for
+    /// any [default: none].
+    #[arg(long = "allow-origin", value_name = "ORIGIN")]
+    allow_origin: Vec<String>,
     /// Prometheus metrics address, e.g. 127.0.0.1:9090 [default: off].
     #[arg(long)]
     metrics_listen: Option<SocketAddr>,
@@ -150,6 +155,11 @@ impl ServeArgs {
             listen: self.listen.or(file.listen),
             http_listen: self.http_listen.or(file.http_listen),
             api_key: self.api_key.or(file.api_key),
+            allow_origin: if self.allow_origin.is_empty() {
+                file.allow_origin
+            } else {
+                self.allow_origin
+            },
             metrics_listen: self.metrics_listen.or(file.metrics_listen),
             context: self.context.or(file.context),
             kv: self.kv.or(file.kv),
@@ -309,8 +319,11 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig, Option<HttpConf
                     format!("--http-listen `{a}`: an address like 127.0.0.1:8080, or `off`")
                 })?,
             };
+            let allow_origins = siliceo_http::AllowOrigins::parse(&a.allow_origin)
+                .map_err(|e| anyhow::anyhow!("--allow-origin: {e}"))?;
             Some(HttpConfig {
                 listen,
+                allow_origins,
                 api_key: sc.api_key.clone(),
                 max_request_bytes: sc.max_request_bytes,
                 tls: sc.tls.clone(),
