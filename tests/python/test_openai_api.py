@@ -282,6 +282,55 @@ def test_a_page_on_an_allowed_origin_may_call_the_api(server, embed_server):
     server.wait_idle()
 
 
+def test_tokenize_and_detokenize(server, grpc_api):
+    """`/tokenize` gives the tokens a request runs on (a chat's count is the
+    usage a chat completion reports), `/detokenize` turns them back, and
+    gRPC's Tokenize agrees."""
+    pb, stub, meta = grpc_api
+
+    def post(path, body):
+        req = urllib.request.Request(
+            f"{server.http}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.load(r)
+        except urllib.error.HTTPError as e:
+            return e.code, json.load(e)
+
+    text = "The capital of France is Paris."
+    status, t = post("/tokenize", {"prompt": text, "return_token_strs": True})
+    assert status == 200 and t["count"] == len(t["tokens"]) > 3
+    assert t["max_model_len"] == 2048
+    assert "".join(t["token_strs"]) == text
+    grpc_ids = stub.Tokenize(
+        pb.TokenizeRequest(text=text, add_special=True), metadata=meta
+    ).ids
+    assert list(grpc_ids) == t["tokens"]
+    status, d = post("/detokenize", {"tokens": t["tokens"]})
+    assert status == 200 and d["prompt"] == text == d["content"]
+    # llama-server's field name.
+    assert post("/tokenize", {"content": text})[1]["tokens"] == t["tokens"]
+    # A chat: as many tokens as a chat completion's usage counts.
+    status, chat = post("/tokenize", {"messages": QUESTION})
+    r = client(server).chat.completions.create(
+        model=model_id(server), messages=QUESTION, max_tokens=1
+    )
+    assert status == 200 and chat["count"] == r.usage.prompt_tokens
+    for path, body, param in [
+        ("/detokenize", {"tokens": [1, 10**8]}, "tokens"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "a", "messages": QUESTION}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ("/tokenize", {"messages": QUESTION, "add_generation_prompt": False}, "add_generation_prompt"),
+        ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
+    ]:
+        status, e = post(path, body)
+        assert status in (400, 404) and e["error"]["param"] == param, (body, e)
+
+
 def test_embeddings_and_rerank(embed_server):
     c = client(embed_server, key="unused")
     r = c.embeddings.create(

@@ -42,7 +42,8 @@ use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use siliceo_core::{FinishReason, TlsIdentity, TokenId};
 use siliceo_runtime::{
-    EmbedInput, EmbeddingService, Event, RequestStream, Runtime, TokenLogprob, Usage,
+    EmbedInput, EmbeddingService, Event, Input, RequestStream, Runtime, RuntimeError, TokenLogprob,
+    Usage,
 };
 use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
 
@@ -191,6 +192,8 @@ pub fn router(rt: Arc<Runtime>, cfg: &HttpConfig) -> Router {
         .route("/v1/rerank", post(rerank))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             require_key,
@@ -395,6 +398,57 @@ async fn model(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Respon
     } else {
         ApiError::model_not_found(&id, &s.model_ids[0]).into_response()
     }
+}
+
+/// `POST /tokenize`: the tokens a prompt or a chat gives, as a request would
+/// run on them (vLLM's answer: `tokens`, `count`, `max_model_len`).
+async fn tokenize(
+    State(s): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let r: openai::TokenizeRequest = parse(body, s.max_request_bytes)?;
+    openai::check_model(r.model.as_deref(), &s.model_ids)?;
+    let strs = r.return_token_strs;
+    let (input, tools, special) = openai::tokenize_input(r)?;
+    let tokens = match input {
+        Input::Prompt(p) if !special => s.rt.tokenize(&p, false).map_err(|e| named(e, "prompt")),
+        input => {
+            s.rt.prompt_tokens(input, tools)
+                .map_err(|e| ApiError::from_runtime(&e))
+        }
+    }?;
+    let mut out = json!({
+        "count": tokens.len(),
+        "max_model_len": s.rt.info().n_ctx,
+        "tokens": tokens.iter().map(|t| t.0).collect::<Vec<_>>(),
+    });
+    if strs {
+        let pieces = tokens
+            .iter()
+            .map(|t| s.rt.detokenize(std::slice::from_ref(t)))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| ApiError::from_runtime(&e))?;
+        out["token_strs"] = json!(pieces);
+    }
+    Ok(Json(out))
+}
+
+/// `POST /detokenize`: `{"tokens": [...]}` to text, answered as `prompt`
+/// (vLLM) and `content` (llama-server).
+async fn detokenize(
+    State(s): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    #[derive(serde::Deserialize)]
+    struct DetokenizeRequest {
+        model: Option<String>,
+        tokens: Vec<u32>,
+    }
+    let r: DetokenizeRequest = parse(body, s.max_request_bytes)?;
+    openai::check_model(r.model.as_deref(), &s.model_ids)?;
+    let ids: Vec<TokenId> = r.tokens.into_iter().map(TokenId).collect();
+    let text = s.rt.detokenize(&ids).map_err(|e| named(e, "tokens"))?;
+    Ok(Json(json!({"prompt": text, "content": text})))
 }
 
 async fn chat_completions(
@@ -658,7 +712,7 @@ async fn embeddings(
     let out = e
         .embed_inputs(inputs, true, r.truncate)
         .await
-        .map_err(|e| ApiError::from_runtime(&rename_inputs(e, "input")))?;
+        .map_err(|e| named(e, "input"))?;
     let data: Vec<Value> = out
         .vectors
         .into_iter()
@@ -684,17 +738,15 @@ async fn embeddings(
 }
 
 /// The runtime names gRPC's fields (`inputs`); OpenAI's is `input`.
-fn rename_inputs(
-    e: siliceo_runtime::RuntimeError,
-    to: &'static str,
-) -> siliceo_runtime::RuntimeError {
-    match e {
-        siliceo_runtime::RuntimeError::InvalidRequest {
-            field: "inputs",
-            reason,
-        } => siliceo_runtime::RuntimeError::InvalidRequest { field: to, reason },
+/// A runtime's complaint about a request, in the terms of this endpoint's
+/// body: the runtime's field (`inputs`, `ids`, `text`) becomes `to`.
+fn named(e: RuntimeError, to: &'static str) -> ApiError {
+    ApiError::from_runtime(&match e {
+        RuntimeError::InvalidRequest { reason, .. } => {
+            RuntimeError::InvalidRequest { field: to, reason }
+        }
         other => other,
-    }
+    })
 }
 
 #[derive(Debug, serde::Deserialize)]

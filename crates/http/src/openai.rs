@@ -500,8 +500,96 @@ pub fn chat_plan(r: ChatRequest, common: Common) -> Result<Plan, ApiError> {
     }
     let tools = tools_of(r.tools.unwrap_or_default())?;
     let choice = tool_choice_of(r.tool_choice.as_ref(), &tools)?;
-    let mut msgs = Vec::with_capacity(r.messages.len());
-    for (i, m) in r.messages.into_iter().enumerate() {
+    let msgs = messages_of(r.messages)?;
+    let forced = matches!(choice, ToolChoice::Required | ToolChoice::Function(_));
+    if forced
+        && (common.response_format.is_some() || common.regex.is_some() || common.grammar.is_some())
+    {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "a forced tool call cannot be combined with response_format, regex or grammar",
+        ));
+    }
+    let parallel = r.parallel_tool_calls.unwrap_or(true);
+    let mut plan = plan(common, Input::Chat(msgs))?;
+    plan.request.logprobs = logprobs;
+    if !tools.is_empty() && choice != ToolChoice::None {
+        plan.request.tools = tools;
+        plan.tools = Some(ToolPlan { choice, parallel });
+    }
+    Ok(plan)
+}
+
+/// `POST /tokenize`: vLLM's shape (`prompt` or `messages`), with
+/// llama-server's `content` taken for `prompt`.
+#[derive(Debug, Deserialize)]
+pub struct TokenizeRequest {
+    /// The model (checked like a completion's).
+    pub model: Option<String>,
+    /// Text to tokenize.
+    #[serde(alias = "content")]
+    pub prompt: Option<String>,
+    /// A chat, rendered as a chat completion renders it.
+    pub messages: Option<Vec<Message>>,
+    /// Tools, rendered into the chat.
+    pub tools: Option<Vec<WireToolCall>>,
+    /// Add the model's special tokens (BOS) to `prompt` [true].
+    pub add_special_tokens: Option<bool>,
+    /// End the chat with the assistant's turn opened [true; only true].
+    pub add_generation_prompt: Option<bool>,
+    /// Also return each token's text.
+    #[serde(default, deserialize_with = "or_default")]
+    pub return_token_strs: bool,
+}
+
+/// What `/tokenize` asks the runtime: the input, its tools, and whether a
+/// prompt gets special tokens.
+pub fn tokenize_input(r: TokenizeRequest) -> Result<(Input, Vec<Tool>, bool), ApiError> {
+    if r.add_generation_prompt == Some(false) {
+        return Err(ApiError::unsupported(
+            "add_generation_prompt",
+            "add_generation_prompt: false",
+        ));
+    }
+    let tools = tools_of(r.tools.unwrap_or_default())?;
+    match (r.prompt, r.messages) {
+        (Some(p), None) => {
+            if !tools.is_empty() {
+                return Err(ApiError::invalid("tools", "tools need messages"));
+            }
+            Ok((
+                Input::Prompt(p),
+                tools,
+                r.add_special_tokens.unwrap_or(true),
+            ))
+        }
+        (None, Some(m)) => {
+            if r.add_special_tokens.is_some() {
+                return Err(ApiError::invalid(
+                    "add_special_tokens",
+                    "applies to a prompt; a chat's template places its special tokens",
+                ));
+            }
+            if m.is_empty() {
+                return Err(ApiError::invalid(
+                    "messages",
+                    "at least one message is required",
+                ));
+            }
+            Ok((Input::Chat(messages_of(m)?), tools, true))
+        }
+        _ => Err(ApiError::invalid(
+            "prompt",
+            "give either `prompt` or `messages`",
+        )),
+    }
+}
+
+/// `messages` as the runtime takes them: text parts joined, tool calls'
+/// arguments checked, each message [`checked`](ChatMessage::checked).
+fn messages_of(messages: Vec<Message>) -> Result<Vec<ChatMessage>, ApiError> {
+    let mut msgs = Vec::with_capacity(messages.len());
+    for (i, m) in messages.into_iter().enumerate() {
         let content = match m.content {
             None => None,
             Some(Content::Text(t)) => Some(t),
@@ -546,23 +634,7 @@ pub fn chat_plan(r: ChatRequest, common: Common) -> Result<Plan, ApiError> {
                 .map_err(|(field, why)| ApiError::invalid(format!("messages[{i}].{field}"), why))?,
         );
     }
-    let forced = matches!(choice, ToolChoice::Required | ToolChoice::Function(_));
-    if forced
-        && (common.response_format.is_some() || common.regex.is_some() || common.grammar.is_some())
-    {
-        return Err(ApiError::invalid(
-            "tool_choice",
-            "a forced tool call cannot be combined with response_format, regex or grammar",
-        ));
-    }
-    let parallel = r.parallel_tool_calls.unwrap_or(true);
-    let mut plan = plan(common, Input::Chat(msgs))?;
-    plan.request.logprobs = logprobs;
-    if !tools.is_empty() && choice != ToolChoice::None {
-        plan.request.tools = tools;
-        plan.tools = Some(ToolPlan { choice, parallel });
-    }
-    Ok(plan)
+    Ok(msgs)
 }
 
 /// `tools`: functions with a name and an object schema.

@@ -205,6 +205,18 @@ impl Runtime {
         self.front.tokenize(text, add_special)
     }
 
+    /// The prompt tokens a request with `input` (and `tools`) would run on:
+    /// a chat rendered with the model's template, text tokenized with its
+    /// special tokens, ids checked. Bad input is an `InvalidRequest` as
+    /// [`submit`](Self::submit) gives it.
+    pub fn prompt_tokens(
+        &self,
+        input: Input,
+        tools: Vec<Tool>,
+    ) -> Result<Vec<TokenId>, RuntimeError> {
+        self.front.prompt_tokens(input, tools)
+    }
+
     /// Turns token ids into text; ids outside the vocabulary are an
     /// `InvalidRequest` naming `ids`.
     pub fn detokenize(&self, tokens: &[TokenId]) -> Result<String, RuntimeError> {
