@@ -374,6 +374,9 @@ pub struct RuntimeInfo {
     pub architecture: String,
     /// Its geometry.
     pub geometry: siliceo_core::ModelGeometry,
+    /// Repeating layers llama.cpp runs on the GPU (0 without a GPU backend,
+    /// whatever `--gpu-layers` asked).
+    pub gpu_layers: u32,
     /// The longest sequence (prompt plus generation) in tokens.
     pub n_ctx: u32,
     /// llama.cpp's K cache type (with our store: its one-step f16 cache).

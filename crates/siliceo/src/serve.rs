@@ -37,6 +37,12 @@ pub struct ServeArgs {
     /// GGUF model (default: $SILICEO_MODEL, else the default model).
     #[arg(long, short = 'm')]
     model: Option<PathBuf>,
+    /// Repeating layers to run on the GPU (a CUDA build; `cargo xtask build
+    /// --cuda`), the last ones first, as llama.cpp offloads; their KV store
+    /// and attention go with them. Start-up refuses a setting that leaves
+    /// less than the memory margin free [default: 0].
+    #[arg(long)]
+    gpu_layers: Option<u32>,
     /// gRPC address [default: 127.0.0.1:50051].
     #[arg(long)]
     listen: Option<SocketAddr>,
@@ -152,6 +158,7 @@ impl ServeArgs {
         ServeArgs {
             config: self.config,
             model: self.model.or(file.model),
+            gpu_layers: self.gpu_layers.or(file.gpu_layers),
             listen: self.listen.or(file.listen),
             http_listen: self.http_listen.or(file.http_listen),
             api_key: self.api_key.or(file.api_key),
@@ -253,6 +260,7 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig, Option<HttpConf
     let mut rc = RuntimeConfig::new(model);
     rc.kv = backend;
     rc.model.deterministic = a.deterministic;
+    rc.model.gpu_layers = a.gpu_layers.unwrap_or(0);
     rc.context.n_ctx = a.context.unwrap_or(8192);
     rc.context.type_k = type_k;
     rc.context.type_v = type_v;
@@ -401,8 +409,12 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
         let info = rt.info();
         // One line when ready: scripts and tests wait for it.
         println!(
-            "siliceo: ready on {addr}{http_addr} · model {} · context {} · KV {} · blocks of {} · prefix cache {}{}{}{}",
+            "siliceo: ready on {addr}{http_addr} · model {}{} · context {} · KV {} · blocks of {} · prefix cache {}{}{}{}",
             info.model_name,
+            match info.gpu_layers {
+                0 => String::new(),
+                n => format!(" ({n} of {} layers on the GPU)", info.geometry.n_layer),
+            },
             info.n_ctx,
             crate::kv_opts::describe(info),
             info.block_size,

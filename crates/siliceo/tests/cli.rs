@@ -312,7 +312,8 @@ fn serve_answers_grpc_and_exits_cleanly_on_sigterm() {
     // The file sets the context; the flag sets the address (flags win).
     std::fs::write(
         &cfg,
-        "context = 1024\nlisten = \"127.0.0.1:1\"\nmax_running = 4\nkv = \"k5v4\"\nkv_backend = \"llama\"\n",
+        "context = 1024\nlisten = \"127.0.0.1:1\"\nmax_running = 4\nkv = \"k5v4\"\nkv_backend = \"llama\"\n\
+         gpu_layers = 4\n",
     )
     .unwrap();
     // The preset comes from the file; --kv-v overrides its V half.
@@ -326,6 +327,9 @@ fn serve_answers_grpc_and_exits_cleanly_on_sigterm() {
     ]);
     assert!(ready.contains("context 1024"), "{ready}");
     assert!(ready.contains("KV llama.cpp q5_1/q8_0"), "{ready}");
+    // `gpu_layers` is taken, and this build (no GPU backend) says truly
+    // that no layer runs on a GPU.
+    assert!(!ready.contains("on the GPU"), "{ready}");
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -366,6 +366,7 @@ impl<'m> Engine<'m> {
             model_name: model.name().to_string(),
             architecture: model.architecture().to_string(),
             geometry: model.geometry(),
+            gpu_layers: model.offloaded_layers().len() as u32,
             n_ctx: max_seq_len as u32,
             type_k: cfg.context.type_k,
             type_v: cfg.context.type_v,
