@@ -468,6 +468,7 @@ impl pb::inference_server::Inference for InferenceService {
             kv_bytes_per_token,
             kv_backend: i.kv_backend.to_string(),
             kv_format: i.kv_format.clone(),
+            gpu_layers: i.gpu_layers,
             kv_store_bytes: i.store.map_or(0, |s| s.bytes),
             max_running_seqs: i.max_running_seqs,
             prefix_caching: i.prefix_caching,

@@ -346,6 +346,7 @@ fn serve_answers_grpc_and_exits_cleanly_on_sigterm() {
             .into_inner();
         assert_eq!(info.context_tokens, 1024);
         assert_eq!(info.max_running_seqs, 4);
+        assert_eq!(info.gpu_layers, 0, "no GPU backend in this build");
         let mut s = c
             .generate(pb::GenerateRequest {
                 input: Some(pb::generate_request::Input::Prompt(
