@@ -398,3 +398,36 @@ def test_tools_on_a_model_without_a_tool_syntax_are_400(server):
         tool_choice="none", max_tokens=5,
     )
     assert r.choices[0].message.tool_calls is None
+
+
+def test_fill_in_the_middle_on_qwen(qwen_server, server, grpc_api):
+    """`/v1/completions` with `suffix`: the model writes what goes between the
+    prompt and the suffix, from the prompt its FIM tokens make (the same
+    prompt written out by hand gives the same answer). A model without FIM
+    tokens refuses, naming `suffix`, on both protocols."""
+    c = client(qwen_server, timeout=600)
+    prefix, suffix = "def add(a, b):\n    ", "\n\n\nprint(add(2, 3))\n"
+    r = c.completions.create(
+        model="", prompt=prefix, suffix=suffix, max_tokens=4, temperature=0
+    )
+    assert r.choices[0].text == "return a + b", r
+    by_hand = "<|fim_prefix|>" + prefix + "<|fim_suffix|>" + suffix + "<|fim_middle|>"
+    r2 = c.completions.create(model="", prompt=by_hand, max_tokens=4, temperature=0)
+    assert (r2.choices[0].text, r2.usage.prompt_tokens) == (
+        r.choices[0].text,
+        r.usage.prompt_tokens,
+    )
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="", prompt=[1, 2], suffix=suffix, max_tokens=2)
+    assert e.value.body["param"] == "suffix"
+    qwen_server.wait_idle()
+    # SmolLM2 has no FIM tokens.
+    with pytest.raises(openai.BadRequestError) as e:
+        client(server).completions.create(model="", prompt="a", suffix="b", max_tokens=2)
+    assert e.value.body["param"] == "suffix"
+    pb, stub, meta = grpc_api
+    req = pb.GenerateRequest(infill=pb.Infill(prefix="a", suffix="b"), max_tokens=2)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(req, metadata=meta))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("suffix:"), e.value.details()

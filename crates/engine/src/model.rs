@@ -315,6 +315,32 @@ impl Model {
         Ok(())
     }
 
+    /// The prompt of a fill-in-the-middle request, as llama.cpp's server
+    /// builds it for a model with FIM tokens: `<fim_prefix> prefix
+    /// <fim_suffix> suffix <fim_middle>` (BOS first where the model adds
+    /// one); the model then writes the middle. `None` when the model has no
+    /// FIM tokens.
+    pub fn infill_tokens(
+        &self,
+        prefix: &str,
+        suffix: &str,
+    ) -> Result<Option<Vec<TokenId>>, EngineError> {
+        let v = self.inner.vocab();
+        let (pre, suf, mid) = (v.fim_pre(), v.fim_suf(), v.fim_mid());
+        let id = |t: LlamaToken| u32::try_from(t.0).ok().map(TokenId);
+        let (Some(pre), Some(suf), Some(mid)) = (id(pre), id(suf), id(mid)) else {
+            return Ok(None);
+        };
+        // BOS (where the model wants one) comes from tokenizing nothing.
+        let mut out = self.tokenize("", true)?;
+        out.push(pre);
+        out.extend(self.tokenize(prefix, false)?);
+        out.push(suf);
+        out.extend(self.tokenize(suffix, false)?);
+        out.push(mid);
+        Ok(Some(out))
+    }
+
     /// Whether `token` ends a generation (EOS, EOT, `<|im_end|>`, …).
     pub fn is_eog(&self, token: TokenId) -> bool {
         self.inner.vocab().is_eog(LlamaToken(token.0 as i32))

@@ -146,7 +146,8 @@ pub struct CompletionRequest {
     /// Echo the prompt back (not implemented).
     #[serde(default, deserialize_with = "or_default")]
     pub echo: bool,
-    /// Text appended after the completion (not implemented).
+    /// Text after the completion: the model fills in the middle (a model with
+    /// FIM tokens).
     pub suffix: Option<String>,
     /// Candidates to rank (not implemented beyond 1).
     pub best_of: Option<u32>,
@@ -439,9 +440,6 @@ pub fn completion_plan(r: CompletionRequest, common: Common) -> Result<Plan, Api
     if r.echo {
         return Err(ApiError::unsupported("echo", "echo"));
     }
-    if r.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
-        return Err(ApiError::unsupported("suffix", "suffix"));
-    }
     if r.best_of.is_some_and(|b| b > 1) {
         return Err(ApiError::unsupported("best_of", "best_of > 1"));
     }
@@ -455,17 +453,32 @@ pub fn completion_plan(r: CompletionRequest, common: Common) -> Result<Plan, Api
             ))
         }
     };
-    let input = match r.prompt {
-        Prompt::Text(t) => Input::Prompt(t),
-        Prompt::Tokens(ids) => Input::Tokens(ids.into_iter().map(TokenId).collect()),
-        Prompt::Texts(mut v) => {
+    let suffix = r.suffix.filter(|s| !s.is_empty());
+    let input = match (r.prompt, suffix) {
+        // Fill in the middle: the model writes what goes between the two.
+        (Prompt::Text(prefix), Some(suffix)) => Input::Infill { prefix, suffix },
+        (Prompt::Texts(mut v), Some(suffix)) => {
             one(v.len())?;
-            Input::Prompt(v.remove(0))
+            Input::Infill {
+                prefix: v.remove(0),
+                suffix,
+            }
         }
-        Prompt::TokenLists(mut v) => {
-            one(v.len())?;
-            Input::Tokens(v.remove(0).into_iter().map(TokenId).collect())
+        (_, Some(_)) => {
+            return Err(ApiError::invalid("suffix", "needs a text prompt"));
         }
+        (prompt, None) => match prompt {
+            Prompt::Text(t) => Input::Prompt(t),
+            Prompt::Tokens(ids) => Input::Tokens(ids.into_iter().map(TokenId).collect()),
+            Prompt::Texts(mut v) => {
+                one(v.len())?;
+                Input::Prompt(v.remove(0))
+            }
+            Prompt::TokenLists(mut v) => {
+                one(v.len())?;
+                Input::Tokens(v.remove(0).into_iter().map(TokenId).collect())
+            }
+        },
     };
     let mut plan = plan(common, input)?;
     plan.request.logprobs = logprobs;

@@ -258,6 +258,17 @@ impl Front {
                 self.check_ids("tokens", &t)?;
                 t
             }
+            Input::Infill { prefix, suffix } => self
+                .model
+                .infill_tokens(&prefix, &suffix)
+                .map_err(|e| invalid("prompt", e.to_string()))?
+                .ok_or_else(|| {
+                    invalid(
+                        "suffix",
+                        "this model has no fill-in-the-middle tokens (a code model such as \
+                         Qwen2.5-Coder has them)",
+                    )
+                })?,
         };
         if tokens.is_empty() {
             return Err(invalid("prompt", "the prompt is empty"));

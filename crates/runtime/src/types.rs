@@ -175,6 +175,14 @@ pub enum Input {
     Chat(Vec<Message>),
     /// Token ids as they are.
     Tokens(Vec<TokenId>),
+    /// Fill in the middle: the model writes what goes between `prefix` and
+    /// `suffix` (a model with FIM tokens, e.g. Qwen2.5-Coder).
+    Infill {
+        /// The text before the gap.
+        prefix: String,
+        /// The text after it.
+        suffix: String,
+    },
 }
 
 /// One generation request.

@@ -100,6 +100,10 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
         Some(pb::generate_request::Input::Tokens(t)) => {
             Input::Tokens(t.ids.into_iter().map(TokenId).collect())
         }
+        Some(pb::generate_request::Input::Infill(f)) => Input::Infill {
+            prefix: f.prefix,
+            suffix: f.suffix,
+        },
         Some(pb::generate_request::Input::Chat(c)) => {
             let mut msgs = Vec::with_capacity(c.messages.len());
             for (i, m) in c.messages.into_iter().enumerate() {
