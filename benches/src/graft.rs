@@ -233,10 +233,12 @@ pub fn graft(b: &GraftBench) -> Result<()> {
             "### {} · {} threads{} · median of {} · {SUFFIX}-token suffixes, {GEN} generated per stream",
             model.name(),
             b.threads,
-            if b.gpu_layers > 0 {
-                format!(" · {} layers on the GPU", b.gpu_layers)
-            } else {
-                String::new()
+            // What llama.cpp really offloads: none without a GPU backend.
+            match (b.gpu_layers, model.offloaded_layers().len()) {
+                (0, _) => String::new(),
+                (asked, 0) =>
+                    format!(" · --gpu-layers {asked}, but no GPU: every layer on the CPU"),
+                (_, n) => format!(" · {n} of {} layers on the GPU", model.geometry().n_layer),
             },
             b.reps
         );
