@@ -453,32 +453,23 @@ pub fn completion_plan(r: CompletionRequest, common: Common) -> Result<Plan, Api
             ))
         }
     };
-    let suffix = r.suffix.filter(|s| !s.is_empty());
-    let input = match (r.prompt, suffix) {
-        // Fill in the middle: the model writes what goes between the two.
-        (Prompt::Text(prefix), Some(suffix)) => Input::Infill { prefix, suffix },
-        (Prompt::Texts(mut v), Some(suffix)) => {
+    let input = match r.prompt {
+        Prompt::Text(t) => Input::Prompt(t),
+        Prompt::Tokens(ids) => Input::Tokens(ids.into_iter().map(TokenId).collect()),
+        Prompt::Texts(mut v) => {
             one(v.len())?;
-            Input::Infill {
-                prefix: v.remove(0),
-                suffix,
-            }
+            Input::Prompt(v.remove(0))
         }
-        (_, Some(_)) => {
-            return Err(ApiError::invalid("suffix", "needs a text prompt"));
+        Prompt::TokenLists(mut v) => {
+            one(v.len())?;
+            Input::Tokens(v.remove(0).into_iter().map(TokenId).collect())
         }
-        (prompt, None) => match prompt {
-            Prompt::Text(t) => Input::Prompt(t),
-            Prompt::Tokens(ids) => Input::Tokens(ids.into_iter().map(TokenId).collect()),
-            Prompt::Texts(mut v) => {
-                one(v.len())?;
-                Input::Prompt(v.remove(0))
-            }
-            Prompt::TokenLists(mut v) => {
-                one(v.len())?;
-                Input::Tokens(v.remove(0).into_iter().map(TokenId).collect())
-            }
-        },
+    };
+    // Fill in the middle: the model writes what goes between the two.
+    let input = match (input, r.suffix.filter(|s| !s.is_empty())) {
+        (input, None) => input,
+        (Input::Prompt(prefix), Some(suffix)) => Input::Infill { prefix, suffix },
+        (_, Some(_)) => return Err(ApiError::invalid("suffix", "needs a text prompt")),
     };
     let mut plan = plan(common, input)?;
     plan.request.logprobs = logprobs;

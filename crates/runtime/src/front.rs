@@ -110,7 +110,19 @@ impl Front {
             tools,
             ..GenerateRequest::new(input)
         };
-        self.tokens_of(self.render(req)?.input)
+        Ok(self.rendered(req)?.1)
+    }
+
+    /// `req` with its chat rendered (its input then spent), and the prompt
+    /// tokens its input gives.
+    fn rendered(
+        &self,
+        req: GenerateRequest,
+    ) -> Result<(GenerateRequest, Vec<TokenId>), RuntimeError> {
+        let mut req = self.render(req)?;
+        let input = std::mem::replace(&mut req.input, Input::Tokens(Vec::new()));
+        let tokens = self.tokens_of(input)?;
+        Ok((req, tokens))
     }
 
     fn check_ids(&self, field: &'static str, tokens: &[TokenId]) -> Result<(), RuntimeError> {
@@ -149,9 +161,7 @@ impl Front {
                 format!("token id {} is outside the vocabulary of {n_vocab}", t.0),
             ));
         }
-        let mut req = self.render(req)?;
-        let input = std::mem::replace(&mut req.input, Input::Tokens(Vec::new()));
-        let tokens = self.tokens_of(input)?;
+        let (mut req, tokens) = self.rendered(req)?;
         let (prompt, max_seq) = (tokens.len() as u64, u64::from(self.max_seq_len));
         if prompt >= max_seq {
             return Err(invalid(
