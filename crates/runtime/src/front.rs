@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use siliceo_chat::{ChatError, ChatTemplate, Tool};
 use siliceo_constrain::{Grammars, Matcher, Vocabulary};
-use siliceo_core::TokenId;
+use siliceo_core::{SamplingParams, TokenId};
 use siliceo_engine::Model;
 
 use crate::{GenerateRequest, Input, RuntimeError};
@@ -141,18 +141,30 @@ impl Front {
     /// Everything the engine thread needs, or the first thing wrong with
     /// the request.
     pub(crate) fn prepare(&self, req: GenerateRequest) -> Result<Prepared, RuntimeError> {
-        if let Err(siliceo_core::Error::InvalidParameter { field, reason }) =
+        // A request that scores its prompt may generate nothing.
+        let scoring = req.prompt_logprobs.is_some() && req.sampling.max_tokens == 0;
+        let checked = if scoring {
+            SamplingParams {
+                max_tokens: 1,
+                ..req.sampling.clone()
+            }
+            .validate()
+        } else {
             req.sampling.validate()
-        {
+        };
+        if let Err(siliceo_core::Error::InvalidParameter { field, reason }) = checked {
             return Err(invalid(field, reason));
         }
-        if let Some(k) = req.logprobs
-            && k > crate::MAX_TOP_LOGPROBS
-        {
-            return Err(invalid(
-                "top_logprobs",
-                format!("at most {} alternatives per token", crate::MAX_TOP_LOGPROBS),
-            ));
+        for (k, field) in [
+            (req.logprobs, "top_logprobs"),
+            (req.prompt_logprobs, "prompt_logprobs"),
+        ] {
+            if k.is_some_and(|k| k > crate::MAX_TOP_LOGPROBS) {
+                return Err(invalid(
+                    field,
+                    format!("at most {} alternatives per token", crate::MAX_TOP_LOGPROBS),
+                ));
+            }
         }
         let n_vocab = self.model.geometry().n_vocab;
         if let Some((t, _)) = req.sampling.logit_bias.iter().find(|(t, _)| t.0 >= n_vocab) {

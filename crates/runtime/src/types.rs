@@ -216,6 +216,13 @@ pub struct GenerateRequest {
     /// Report each generated token's log-probability with this many most
     /// likely alternatives (`None`: off; at most [`MAX_TOP_LOGPROBS`]).
     pub logprobs: Option<u32>,
+    /// Report each prompt token's log-probability given the tokens before it,
+    /// with this many most likely alternatives (`None`: off; at most
+    /// [`MAX_TOP_LOGPROBS`]), in one [`Event::Prompt`] before the first
+    /// `Text`. The prompt is then computed whole (no prefix-cache reuse).
+    /// With it, `sampling.max_tokens` may be 0: the prompt is scored and
+    /// nothing generated.
+    pub prompt_logprobs: Option<u32>,
     /// The request field `sampling.max_tokens` came from, when the client
     /// set it (`max_tokens`, `max_completion_tokens`): a prompt plus that
     /// many tokens over the context is then refused with
@@ -239,6 +246,7 @@ impl GenerateRequest {
             constraint_field: "constraint",
             tools: Vec::new(),
             logprobs: None,
+            prompt_logprobs: None,
             max_tokens_field: None,
         }
     }
@@ -271,6 +279,16 @@ pub struct Usage {
 /// What a request's stream carries.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
+    /// The prompt's log-probabilities, once, before any `Text` (requests
+    /// with `prompt_logprobs`).
+    Prompt {
+        /// The prompt's first token and its bytes: nothing before it
+        /// predicts it.
+        first: (TokenId, Vec<u8>),
+        /// Every later prompt token's log-probability given the tokens
+        /// before it, in order.
+        logprobs: Vec<TokenLogprob>,
+    },
     /// What one engine step produced for the request: its new text
     /// (possibly empty while a character or stop string is pending) and the
     /// tokens behind it, one or, with speculative decoding, several.
@@ -582,7 +600,7 @@ impl RequestStream {
                 }
                 self.last_token = Some(now);
             }
-            Some(Event::Text { .. }) => {}
+            Some(Event::Text { .. } | Event::Prompt { .. }) => {}
             Some(Event::Done {
                 finish_reason,
                 usage,
@@ -636,6 +654,7 @@ impl RequestStream {
                     text.push_str(&t);
                     tokens.extend(ts);
                 }
+                Event::Prompt { .. } => {}
                 done @ Event::Done { .. } => return (text, tokens, done),
             }
         }

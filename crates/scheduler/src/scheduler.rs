@@ -56,6 +56,14 @@ pub struct Request {
     pub arrival_ms: u64,
     /// When it must be done by (ms), if ever.
     pub deadline_ms: Option<u64>,
+    /// Whether its prompt may start from cached blocks (the default). A
+    /// request that reads every prompt position's logits (prompt
+    /// log-probabilities) computes its whole prompt.
+    pub reuse_prefix: bool,
+    /// Most tokens of it one step computes (`usize::MAX`: the step's budget
+    /// is the only limit). Bounds the logits a step reads back for a request
+    /// that wants every position's.
+    pub max_chunk: usize,
 }
 
 impl Request {
@@ -76,7 +84,18 @@ impl Request {
             priority,
             arrival_ms,
             deadline_ms: None,
+            reuse_prefix: true,
+            max_chunk: usize::MAX,
         }
+    }
+
+    /// The same request computing every prompt token itself, in steps of at
+    /// most `max_chunk` tokens: no cached prefix is reused (its blocks are
+    /// still offered to the cache for later requests).
+    pub fn computing_whole_prompt(mut self, max_chunk: usize) -> Self {
+        self.reuse_prefix = false;
+        self.max_chunk = max_chunk.max(1);
+        self
     }
 
     /// The same request with a deadline.
@@ -641,7 +660,9 @@ impl Scheduler {
     ) -> bool {
         loop {
             let e = &self.entries[id];
-            let n = (e.tokens.len() - e.computed).min(*budget);
+            let n = (e.tokens.len() - e.computed)
+                .min(*budget)
+                .min(e.req.max_chunk);
             if n == 0 {
                 return true;
             }
@@ -805,7 +826,7 @@ impl Scheduler {
     /// that follows the cached prefix of waiting request `id`'s prompt.
     fn prefix_in_flight(&self, id: &RequestId) -> bool {
         let e = &self.entries[id];
-        if e.state != State::Waiting || !self.kv.config().prefix_caching {
+        if e.state != State::Waiting || !self.kv.config().prefix_caching || !e.req.reuse_prefix {
             return false;
         }
         let bs = self.kv.config().block_size as usize;
@@ -847,6 +868,7 @@ impl Scheduler {
             let e = &self.entries[id];
             let needed = match e.state {
                 State::Swapped => self.kv.blocks_for_sequence(e.computed + 1),
+                _ if !e.req.reuse_prefix => self.kv.blocks_for_sequence(e.tokens.len() + 1),
                 _ => self.kv.blocks_needed_for_prompt(&e.req.keys, &e.tokens, 1),
             };
             let free = self.kv.free_blocks();
@@ -906,7 +928,11 @@ impl Scheduler {
             return true;
         }
         e.state = State::Running;
-        let (cached, ops) = self.kv.match_prefix(handle, &e.tokens);
+        let (cached, ops) = if e.req.reuse_prefix {
+            self.kv.match_prefix(handle, &e.tokens)
+        } else {
+            (0, Vec::new())
+        };
         e.computed = cached;
         e.computed_before = cached;
         // Hold the blocks for the whole prompt (and the first generated token)

@@ -7,8 +7,14 @@ use siliceo_speculative::{AdaptiveDraftLength, NgramDrafter};
 
 use super::output::done;
 use super::speculative::Spec;
-use super::{Constrained, Engine, Live};
+use super::{Constrained, Engine, Live, PromptLogprobs};
 use crate::{RuntimeError, Submission, Usage};
+
+/// Most prompt tokens a step computes for a request that reads every
+/// position's logits: llama.cpp keeps room for the logits of a step's
+/// tokens (here 64 rows of the vocabulary, about 39 MB at Qwen2.5's 152k),
+/// and never shrinks it.
+const PROMPT_LOGPROBS_CHUNK: usize = 64;
 
 impl Engine<'_> {
     /// Admits a request: queued, or refused with its stream's `Done` event.
@@ -51,14 +57,19 @@ impl Engine<'_> {
             Some(salt) if !salt.is_empty() => self.keys.clone().with_salt(salt.clone()),
             _ => self.keys.clone(),
         };
+        // A request that only scores its prompt still holds the slot of a
+        // first token, which it never samples.
         let mut sreq = Request::new(
             id.clone(),
             tokens.clone(),
-            req.sampling.max_tokens,
+            req.sampling.max_tokens.max(1),
             keys,
             req.priority,
             now,
         );
+        if req.prompt_logprobs.is_some() {
+            sreq = sreq.computing_whole_prompt(PROMPT_LOGPROBS_CHUNK);
+        }
         if let Some(d) = req.deadline {
             sreq = sreq.with_deadline(now + d.as_millis() as u64);
         }
@@ -111,6 +122,13 @@ impl Engine<'_> {
                 sampler,
                 constraint: matcher.map(Constrained::new),
                 logprobs: req.logprobs,
+                prompt_lp: req.prompt_logprobs.map(|top| PromptLogprobs {
+                    top,
+                    tokens: tokens.clone(),
+                    got: Vec::with_capacity(tokens.len().saturating_sub(1)),
+                    sent: false,
+                    only: req.sampling.max_tokens == 0,
+                }),
                 text: TokenText::new(self.model, &req.sampling),
                 seq: None,
                 snapshot: None,

@@ -84,6 +84,9 @@ struct Live<'m> {
     constraint: Option<Constrained>,
     /// Top alternatives to report with each token's log-probability.
     logprobs: Option<u32>,
+    /// The prompt's log-probabilities being gathered (requests with
+    /// `prompt_logprobs`).
+    prompt_lp: Option<PromptLogprobs>,
     text: TokenText<'m>,
     /// Its sequence id while it runs (the draft model's cells, a grafted
     /// step's sequence, llama.cpp's cells).
@@ -96,6 +99,21 @@ struct Live<'m> {
     submitted: Instant,
     first_scheduled: Option<Instant>,
     first_token: Option<Instant>,
+}
+
+/// A request's prompt log-probabilities, gathered chunk by chunk as its
+/// prompt is computed.
+struct PromptLogprobs {
+    /// Alternatives per token.
+    top: u32,
+    /// The prompt.
+    tokens: Vec<TokenId>,
+    /// `got[i]`: the log-probability of `tokens[i + 1]`.
+    got: Vec<crate::TokenLogprob>,
+    /// The event went out.
+    sent: bool,
+    /// Nothing is generated after it (`max_tokens` 0).
+    only: bool,
 }
 
 impl Live<'_> {

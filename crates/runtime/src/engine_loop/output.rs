@@ -117,10 +117,67 @@ impl Engine<'_> {
         }
     }
 
+    /// Reads the log-probability of the prompt token after position `pos`
+    /// from the logits at batch index `ix`.
+    pub(super) fn score_prompt(&mut self, id: &RequestId, ix: usize, pos: usize) {
+        let Some(p) = self.live.get_mut(id).and_then(|l| l.prompt_lp.as_mut()) else {
+            return;
+        };
+        // Positions arrive in order; one computed again (after a preemption)
+        // was read the first time.
+        if p.sent || pos != p.got.len() {
+            return;
+        }
+        match kv_logits(&self.kv, ix) {
+            Ok(raw) => p
+                .got
+                .push(logprob_of(self.model, raw, p.tokens[pos + 1], p.top)),
+            Err(_) => {
+                let err = RuntimeError::Engine("missing prompt logits".into());
+                self.end(id, FinishReason::Error, Some(err));
+            }
+        }
+    }
+
+    /// Sends a request's prompt log-probabilities once its whole prompt is
+    /// computed (before its first token). Returns false when the request
+    /// ended: it only scored its prompt, or a position was missed.
+    fn send_prompt_logprobs(&mut self, id: &RequestId) -> bool {
+        let Some(live) = self.live.get_mut(id) else {
+            return false;
+        };
+        let Some(p) = live.prompt_lp.as_mut().filter(|p| !p.sent) else {
+            return true;
+        };
+        p.sent = true;
+        if p.got.len() + 1 != p.tokens.len() {
+            let err = RuntimeError::Engine(format!(
+                "prompt log-probabilities for {} of {} positions",
+                p.got.len(),
+                p.tokens.len() - 1
+            ));
+            self.end(id, FinishReason::Error, Some(err));
+            return false;
+        }
+        let first = p.tokens[0];
+        let _ = live.tx.send(Event::Prompt {
+            first: (first, self.model.token_bytes(first, false)),
+            logprobs: std::mem::take(&mut p.got),
+        });
+        if p.only {
+            self.end(id, FinishReason::Length, None);
+            return false;
+        }
+        true
+    }
+
     /// Samples the next token of a request (verifying its drafted tokens
     /// first, if any), streams what it produced, and reports it.
     pub(super) fn sample(&mut self, w: &Want) {
         let id = &w.id;
+        if !self.send_prompt_logprobs(id) {
+            return;
+        }
         if w.tree.is_some() {
             return self.sample_tree(w);
         }

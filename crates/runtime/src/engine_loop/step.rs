@@ -72,6 +72,8 @@ impl Engine<'_> {
             g.reset_branch_blocks();
         }
         let mut want: Vec<Want> = Vec::new();
+        // Prompt positions scored in this step: (request, batch index, position).
+        let mut scores: Vec<(siliceo_core::RequestId, usize, usize)> = Vec::new();
         let mut runs: Vec<Run> = Vec::new();
         let started = Instant::now();
         for (ix, item) in step.items.iter().enumerate() {
@@ -84,6 +86,13 @@ impl Engine<'_> {
             {
                 live.cached_prompt_tokens = cached_tokens as u32;
             }
+            // Prompt positions whose logits the request's prompt
+            // log-probabilities still need: from `got` to the one before last.
+            let scored = live
+                .prompt_lp
+                .as_ref()
+                .filter(|p| !p.sent)
+                .map(|p| p.got.len()..p.tokens.len() - 1);
             let fresh = live.seq.is_none();
             if fresh && let Some(spec) = live.spec.as_mut() {
                 // A new sequence id: its draft KV starts empty.
@@ -122,9 +131,14 @@ impl Engine<'_> {
             let first = self.batch.len();
             let n = item.tokens.len();
             for (i, &t) in item.tokens.iter().enumerate() {
-                let logits = item.wants_logits && i + 1 == n;
-                let idx = self.batch.push(t, (item.start_pos + i) as u32, seq, logits);
-                if logits {
+                let pos = item.start_pos + i;
+                let last = item.wants_logits && i + 1 == n;
+                let score = scored.as_ref().is_some_and(|r| r.contains(&pos));
+                let idx = self.batch.push(t, pos as u32, seq, last || score);
+                if score {
+                    scores.push((item.id.clone(), idx, pos));
+                }
+                if last {
                     want.push(Want {
                         id: item.id.clone(),
                         idx: vec![idx],
@@ -180,6 +194,9 @@ impl Engine<'_> {
                 self.close(&item.id, FinishReason::Error, Some(e.clone()), true);
             }
             return;
+        }
+        for (id, ix, pos) in scores {
+            self.score_prompt(&id, ix, pos);
         }
         for w in want {
             self.sample(&w);

@@ -338,6 +338,70 @@ fn shared_prefix_is_computed_once() {
     assert_eq!(s.kv().stats().hit_tokens, 5 * 320);
 }
 
+/// A request that reads every prompt position's logits computes its whole
+/// prompt, in chunks of at most its `max_chunk`, though the prompt is
+/// cached; its output and the cache are as for any other request.
+#[test]
+fn a_request_computing_its_whole_prompt_skips_the_cache_in_small_chunks() {
+    let mut s = sched(
+        SchedulerConfig {
+            max_batch_tokens: 4096,
+            ..SchedulerConfig::default()
+        },
+        512,
+    );
+    let mut e = FakeEngine::default();
+    let p = prompt("doc", 200);
+    let mk = |id: &str| {
+        Request::new(
+            RequestId::from(id),
+            p.clone(),
+            3,
+            keys(),
+            Priority::Normal,
+            0,
+        )
+    };
+    s.add(mk("first")).unwrap();
+    e.run(&mut s, 0, 1000);
+    let hits = s.kv().stats().hit_tokens;
+    let scorer = mk("scorer").computing_whole_prompt(48);
+    let want = solo(&scorer);
+    s.add(scorer).unwrap();
+    // Nothing waits for blocks in flight either: a second plain request
+    // admitted beside it still reuses the cache.
+    s.add(mk("plain")).unwrap();
+    let mut starts = Vec::new();
+    for _ in 0..100 {
+        let step = s.schedule(0);
+        for item in step.items.iter().filter(|i| i.id.0 == "scorer") {
+            if let ItemKind::Prefill { cached_tokens } = item.kind {
+                assert_eq!(cached_tokens, 0);
+                assert!(item.tokens.len() <= 48, "a chunk of {}", item.tokens.len());
+                starts.push((item.start_pos, item.tokens.len()));
+            }
+        }
+        e.apply(&mut s, &step);
+        s.check().unwrap();
+        if s.is_idle() {
+            break;
+        }
+    }
+    assert!(s.is_idle());
+    // Contiguous chunks from position 0 to the end of the prompt.
+    let mut next = 0;
+    for &(start, n) in &starts {
+        assert_eq!(start, next, "chunks {starts:?}");
+        next += n;
+    }
+    assert_eq!(next, p.len(), "chunks {starts:?}");
+    assert_eq!(e.output(&RequestId::from("scorer")), want);
+    // Only the plain request's prefix came from the cache.
+    assert_eq!(s.kv().stats().hit_tokens - hits, 192);
+    s.step_done();
+    assert_eq!(s.kv().stats().used_blocks, 0);
+}
+
 #[derive(Debug, Clone)]
 struct Arrival {
     len: usize,
