@@ -312,6 +312,7 @@ fn ttft_ms(mut s: siliceo_runtime::RequestStream, t0: Instant) -> Result<(f64, u
             Event::Text { .. } => {
                 first.get_or_insert_with(|| t0.elapsed().as_secs_f64() * 1000.0);
             }
+            Event::Prompt { .. } => {}
             Event::Done { usage, error, .. } => {
                 if let Some(e) = error {
                     bail!("request failed: {e}");

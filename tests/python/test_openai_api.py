@@ -589,3 +589,115 @@ def test_grpc_logprobs_and_logit_bias_match_http(server, grpc_api):
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(bad, metadata=meta))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias" in e.value.details()
+
+
+def test_echo_scores_prompts_as_lm_eval_asks(server, grpc_api):
+    """`echo` with `logprobs`: lm-eval's loglikelihood request (token ids,
+    `max_tokens` 1, `logprobs` 1, reading `token_logprobs[ctxlen:-1]`), a text
+    prompt scored alone (`max_tokens` 0), and the same streamed."""
+    pb, stub, meta = grpc_api
+    c = client(server)
+    prompt = "The capital of France is"
+    ctx = list(stub.Tokenize(pb.TokenizeRequest(text=prompt, add_special=True), metadata=meta).ids)
+    # The greedy continuation, generated with its log-probabilities.
+    gen = list(stub.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=6, logprobs=True), metadata=meta))
+    cont_ids = [t for r in gen for t in r.token_ids]
+    cont_text = "".join(r.text for r in gen)
+    decoded = c.completions.create(model="", prompt=prompt, max_tokens=6, temperature=0, logprobs=1)
+    assert decoded.choices[0].text == cont_text
+
+    r = c.completions.create(
+        model="", prompt=[ctx + cont_ids], echo=True, max_tokens=1, logprobs=1, temperature=0
+    )
+    choice, lp = r.choices[0], r.choices[0].logprobs
+    n = len(ctx) + len(cont_ids)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n, 1)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert choice.text.startswith(prompt + cont_text) and choice.text == "".join(lp.tokens)
+    assert lp.text_offset[0] == 0 and all(
+        b - a == len(tok) for a, b, tok in zip(lp.text_offset, lp.text_offset[1:], lp.tokens)
+    )
+    # Each continuation token scores as it did when it was generated: the
+    # same logits, computed in a chunk instead of one per step.
+    cont = lp.token_logprobs[len(ctx):-1]
+    assert cont == decoded.choices[0].logprobs.token_logprobs
+    # lm-eval's is_greedy: every continuation token is the most likely one.
+    assert all(x == max(top.values()) for x, top in zip(cont, lp.top_logprobs[len(ctx):-1]))
+
+    def loglikelihood(continuation: str) -> float:
+        ids = list(stub.Tokenize(pb.TokenizeRequest(text=continuation), metadata=meta).ids)
+        s = c.completions.create(model="", prompt=[ctx + ids], echo=True, max_tokens=1, logprobs=1, temperature=0)
+        return sum(s.choices[0].logprobs.token_logprobs[len(ctx):-1])
+
+    assert loglikelihood(" Paris") > loglikelihood(" a banana") + 2
+
+    # A text prompt scored alone: its text, every token, nothing generated.
+    s = c.completions.create(model="", prompt=prompt, echo=True, max_tokens=0, logprobs=2)
+    only = s.choices[0]
+    assert only.text == prompt and only.finish_reason == "length"
+    assert (s.usage.prompt_tokens, s.usage.completion_tokens) == (len(ctx), 0)
+    assert "".join(only.logprobs.tokens) == prompt
+    assert only.logprobs.token_logprobs[1:] == lp.token_logprobs[1:len(ctx)]
+    assert all(len(top) == 2 for top in only.logprobs.top_logprobs[1:])
+
+    # Streamed: the echo first, in a chunk of its own, then the tokens.
+    ask = dict(model="", prompt=prompt, echo=True, max_tokens=4, temperature=0, logprobs=1)
+    whole = c.completions.create(**ask).choices[0]
+    chunks = [ch.choices[0] for ch in c.completions.create(**ask, stream=True) if ch.choices]
+    assert chunks[0].text == prompt and chunks[0].logprobs.token_logprobs[0] is None
+    assert "".join(ch.text for ch in chunks) == whole.text
+    streamed = [x for ch in chunks if ch.logprobs for x in ch.logprobs.token_logprobs]
+    assert streamed == whole.logprobs.token_logprobs
+    offsets = [x for ch in chunks if ch.logprobs for x in ch.logprobs.text_offset]
+    assert offsets == whole.logprobs.text_offset
+    # An echo without logprobs is the prompt's text, and keeps the cache.
+    plain = c.completions.create(model="", prompt=prompt, echo=True, max_tokens=4, temperature=0)
+    assert plain.choices[0].text == whole.text and plain.choices[0].logprobs is None
+
+    for bad, param in [
+        (dict(prompt=prompt, max_tokens=0), "max_tokens"),
+        (dict(prompt="def f(", suffix=")", echo=True, max_tokens=2), "echo"),
+        (dict(prompt=prompt, echo=True, max_tokens=0, logprobs=21), "logprobs"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="", **bad)
+        assert e.value.body["param"] == param, bad
+    server.wait_idle()
+
+
+def test_grpc_scores_prompts(server, grpc_api):
+    """gRPC's `prompt_logprobs` and `score_only`: the prompt's tokens in a
+    message of their own, the same numbers as an HTTP echo."""
+    pb, stub, meta = grpc_api
+    prompt = "The capital of France is"
+    msgs = list(stub.Generate(
+        pb.GenerateRequest(prompt=prompt, prompt_logprobs=2, score_only=True), metadata=meta
+    ))
+    assert len(msgs) == 2
+    scored, done = msgs
+    assert scored.request_id and not scored.token_ids and not scored.text
+    assert done.finish_reason == pb.FINISH_REASON_LENGTH and done.usage.completion_tokens == 0
+    lps = scored.prompt_logprobs
+    assert len(lps) == done.usage.prompt_tokens
+    assert lps[0].logprob == 0 and not lps[0].top
+    assert b"".join(l.bytes for l in lps).decode() == prompt
+    assert all(len(l.top) == 2 and l.logprob < 0 for l in lps[1:])
+    http = client(server).completions.create(
+        model="", prompt=prompt, echo=True, max_tokens=0, logprobs=2
+    ).choices[0].logprobs
+    assert [l.logprob for l in lps[1:]] == pytest.approx(http.token_logprobs[1:], abs=1e-6)
+    # Scored on the way to generating: the prompt's message comes first.
+    msgs = list(stub.Generate(pb.GenerateRequest(prompt=prompt, prompt_logprobs=0, max_tokens=3), metadata=meta))
+    assert len(msgs[0].prompt_logprobs) == len(lps) and not msgs[0].token_ids
+    assert sum(len(m.token_ids) for m in msgs) == 3
+    for req, field in [
+        (pb.GenerateRequest(prompt=prompt, score_only=True), "score_only"),
+        (pb.GenerateRequest(prompt=prompt, prompt_logprobs=1, score_only=True, max_tokens=2), "max_tokens"),
+        (pb.GenerateRequest(prompt=prompt, prompt_logprobs=21), "prompt_logprobs"),
+    ]:
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(req, metadata=meta))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+    server.wait_idle()

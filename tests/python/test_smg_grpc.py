@@ -226,3 +226,40 @@ def test_a_replica_killed_in_grpc_mode_loses_no_request_that_had_not_started(grp
     assert during == [24] * 8, during
     assert after == [24] * 8, after
     grpc_replicas[0].wait_idle()
+
+
+def test_prompt_logprobs_on_the_gateways_protocol(server, vllm_pb, grpc_api):
+    """SMG's engine protocol carries `prompt_logprobs` back as
+    `input_logprobs`, once per choice: with its first streamed tokens, or in
+    its `Complete`; the first prompt token has no value. The numbers are
+    those our own protocol gives."""
+    pb, pbg = vllm_pb
+    spb, stub, meta = grpc_api
+    ids = list(stub.Tokenize(
+        spb.TokenizeRequest(text="The capital of France is", add_special=True), metadata=meta
+    ).ids)
+    scored = list(stub.Generate(
+        spb.GenerateRequest(tokens=spb.TokenIds(ids=ids), prompt_logprobs=2, score_only=True),
+        metadata=meta,
+    ))[0].prompt_logprobs
+    with grpc.insecure_channel(server.grpc) as ch:
+        engine = pbg.VllmEngineStub(ch)
+        for stream in (False, True):
+            req = pb.GenerateRequest(
+                request_id=f"prompt-logprobs-{stream}",
+                tokenized=pb.TokenizedInput(input_ids=ids),
+                sampling_params=pb.SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2),
+                stream=stream,
+            )
+            out = [getattr(r, r.WhichOneof("response")) for r in engine.Generate(req, metadata=meta, timeout=60)]
+            carried = [m.input_logprobs for m in out if m.HasField("input_logprobs")]
+            assert len(carried) == 1, out
+            assert out[0].HasField("input_logprobs"), "not with the first message"
+            p = carried[0]
+            assert list(p.token_ids) == ids
+            assert not p.token_logprobs[0].HasField("value")
+            assert [x.value for x in p.token_logprobs[1:]] == [l.logprob for l in scored[1:]]
+            assert [list(t.token_ids) for t in p.top_logprobs[1:]] == [
+                [t.token_id for t in l.top] for l in scored[1:]
+            ]
+    server.wait_idle()

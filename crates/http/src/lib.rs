@@ -511,6 +511,14 @@ async fn generate(
             Some(syntax)
         }
     };
+    // The text an echo returns: a text prompt as it came, token ids as text.
+    let echo = match &plan.echo {
+        None => None,
+        Some(openai::Echo::Text(t)) => Some(t.clone()),
+        Some(openai::Echo::Tokens(ids)) => {
+            Some(s.rt.detokenize(ids).map_err(|e| named(e, "prompt"))?)
+        }
+    };
     let id = format!("{}-{}", kind.id_prefix(), uuid_like());
     let created = now_s();
     let model = s.model_ids[0].clone();
@@ -537,6 +545,8 @@ async fn generate(
             model,
             include_usage: plan.include_usage,
             tools,
+            echo,
+            logprobs: plan.request.logprobs.is_some(),
         };
         let events = ChoiceStream::new(head, started);
         return Ok(Sse::new(events)
@@ -546,14 +556,15 @@ async fn generate(
     let mut choices = Vec::with_capacity(started.len());
     let mut usage_all = Usage::default();
     for (i, st) in started.into_iter().enumerate() {
-        let (text, finish, usage, lps) = collect(st).await?;
+        let (text, finish, usage, lps, prompt) = collect(st).await?;
         if i == 0 {
             usage_all.prompt_tokens = usage.prompt_tokens;
             usage_all.cached_prompt_tokens = usage.cached_prompt_tokens;
         }
         usage_all.completion_tokens += usage.completion_tokens;
         let lps = plan.request.logprobs.map(|_| lps.as_slice());
-        choices.push(kind.choice(i, &text, finish, tools, lps));
+        let echo = echo.as_deref().map(|e| (e, prompt.as_ref()));
+        choices.push(kind.choice(i, &text, finish, tools, lps, echo));
     }
     Ok(Json(json!({
         "id": id,
@@ -566,12 +577,23 @@ async fn generate(
     .into_response())
 }
 
-/// Reads a choice to its end.
+/// Reads a choice to its end: its text, why it ended, its usage, its
+/// tokens' log-probabilities and its prompt's (when asked for).
 async fn collect(
     (mut stream, first): (RequestStream, Option<Event>),
-) -> Result<(String, FinishReason, Usage, Vec<TokenLogprob>), ApiError> {
+) -> Result<
+    (
+        String,
+        FinishReason,
+        Usage,
+        Vec<TokenLogprob>,
+        Option<stream::PromptScores>,
+    ),
+    ApiError,
+> {
     let mut text = String::new();
     let mut lps = Vec::new();
+    let mut prompt = None;
     let mut next = first;
     if next.is_none() {
         next = stream.next().await;
@@ -584,6 +606,7 @@ async fn collect(
                 text.push_str(&t);
                 lps.extend(logprobs);
             }
+            Event::Prompt { first, logprobs } => prompt = Some((first, logprobs)),
             Event::Done {
                 finish_reason,
                 usage,
@@ -592,7 +615,7 @@ async fn collect(
                 if let Some(e) = error {
                     return Err(ApiError::from_runtime(&e));
                 }
-                return Ok((text, finish_reason, usage, lps));
+                return Ok((text, finish_reason, usage, lps, prompt));
             }
         }
         next = stream.next().await;

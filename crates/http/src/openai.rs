@@ -143,7 +143,9 @@ pub struct CompletionRequest {
     pub prompt: Prompt,
     /// Log-probabilities of the tokens and of this many alternatives.
     pub logprobs: Option<u32>,
-    /// Echo the prompt back (not implemented).
+    /// Echo the prompt back before the completion (with its tokens'
+    /// log-probabilities when `logprobs` is set; `max_tokens` 0 then scores
+    /// the prompt alone).
     #[serde(default, deserialize_with = "or_default")]
     pub echo: bool,
     /// Text after the completion: the model fills in the middle (a model with
@@ -255,6 +257,17 @@ pub struct Plan {
     pub include_usage: bool,
     /// Tools offered (chat; `None` when absent or `tool_choice` is `none`).
     pub tools: Option<ToolPlan>,
+    /// Completions' `echo`: the prompt goes back before each choice's text.
+    pub echo: Option<Echo>,
+}
+
+/// The prompt a completion echoes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Echo {
+    /// A text prompt, echoed as it came.
+    Text(String),
+    /// Token ids, echoed as their text.
+    Tokens(Vec<TokenId>),
 }
 
 impl Plan {
@@ -278,7 +291,9 @@ pub fn check_model(asked: Option<&str>, served: &[String]) -> Result<(), ApiErro
     }
 }
 
-fn plan(common: Common, input: Input) -> Result<Plan, ApiError> {
+/// `scores`: the request may score its prompt without generating
+/// (completions' `echo`).
+fn plan(common: Common, input: Input, scores: bool) -> Result<Plan, ApiError> {
     let mut logit_bias = Vec::new();
     for (k, &b) in common.logit_bias.iter().flatten() {
         let id: u32 = k
@@ -300,8 +315,13 @@ fn plan(common: Common, input: Input) -> Result<Plan, ApiError> {
         (None, Some(m)) => (m, Some("max_tokens")),
         (None, None) => (u32::MAX, None),
     };
-    if let (0, Some(field)) = (max_tokens, max_tokens_field) {
-        return Err(ApiError::invalid(field, "must be at least 1"));
+    if let (0, Some(field)) = (max_tokens, max_tokens_field)
+        && !scores
+    {
+        return Err(ApiError::invalid(
+            field,
+            "must be at least 1 (0 only with `echo`, which then scores the prompt alone)",
+        ));
     }
     let top_k = match common.top_k {
         None | Some(-1) => d.top_k,
@@ -364,6 +384,7 @@ fn plan(common: Common, input: Input) -> Result<Plan, ApiError> {
         stream: common.stream,
         include_usage: common.stream_options.is_some_and(|o| o.include_usage),
         tools: None,
+        echo: None,
     })
 }
 
@@ -437,9 +458,6 @@ fn constraint_of(common: &Common) -> Result<Option<(&'static str, Constraint)>, 
 /// Translates `/v1/completions` (`common`: the same body's shared fields).
 pub fn completion_plan(r: CompletionRequest, common: Common) -> Result<Plan, ApiError> {
     let logprobs = r.logprobs.map(|k| check_top(k, "logprobs")).transpose()?;
-    if r.echo {
-        return Err(ApiError::unsupported("echo", "echo"));
-    }
     if r.best_of.is_some_and(|b| b > 1) {
         return Err(ApiError::unsupported("best_of", "best_of > 1"));
     }
@@ -465,14 +483,33 @@ pub fn completion_plan(r: CompletionRequest, common: Common) -> Result<Plan, Api
             Input::Tokens(v.remove(0).into_iter().map(TokenId).collect())
         }
     };
+    let suffix = r.suffix.filter(|s| !s.is_empty());
+    if r.echo && suffix.is_some() {
+        return Err(ApiError::invalid(
+            "echo",
+            "cannot be combined with `suffix` (fill in the middle)",
+        ));
+    }
+    let echo = r.echo.then(|| match &input {
+        Input::Tokens(ids) => Echo::Tokens(ids.clone()),
+        Input::Prompt(t) => Echo::Text(t.clone()),
+        _ => unreachable!("a completion prompt is text or tokens"),
+    });
     // Fill in the middle: the model writes what goes between the two.
-    let input = match (input, r.suffix.filter(|s| !s.is_empty())) {
+    let input = match (input, suffix) {
         (input, None) => input,
         (Input::Prompt(prefix), Some(suffix)) => Input::Infill { prefix, suffix },
         (_, Some(_)) => return Err(ApiError::invalid("suffix", "needs a text prompt")),
     };
-    let mut plan = plan(common, input)?;
+    let mut plan = plan(common, input, echo.is_some())?;
     plan.request.logprobs = logprobs;
+    if echo.is_some() {
+        // The echoed prompt's tokens carry log-probabilities too; a request
+        // that generates nothing is scored to have something to answer.
+        let scores_only = plan.request.sampling.max_tokens == 0;
+        plan.request.prompt_logprobs = logprobs.or(scores_only.then_some(0));
+    }
+    plan.echo = echo;
     Ok(plan)
 }
 
@@ -515,7 +552,7 @@ pub fn chat_plan(r: ChatRequest, common: Common) -> Result<Plan, ApiError> {
         ));
     }
     let parallel = r.parallel_tool_calls.unwrap_or(true);
-    let mut plan = plan(common, Input::Chat(msgs))?;
+    let mut plan = plan(common, Input::Chat(msgs), false)?;
     plan.request.logprobs = logprobs;
     if !tools.is_empty() && choice != ToolChoice::None {
         plan.request.tools = tools;
@@ -826,6 +863,51 @@ mod tests {
             {"role": "user", "content": "hi"}, {"role": "assistant", "content": null}
         ]}));
         assert_eq!(e.unwrap_err().param.as_deref(), Some("messages[1].content"));
+    }
+
+    fn completion(body: serde_json::Value) -> Result<Plan, ApiError> {
+        completion_plan(
+            serde_json::from_value(body.clone()).unwrap(),
+            serde_json::from_value(body).unwrap(),
+        )
+    }
+
+    #[test]
+    fn echo_scores_the_prompt_when_its_logprobs_or_nothing_else_is_wanted() {
+        // lm-eval's loglikelihood request: token ids, one token, logprobs 1.
+        let p = completion(serde_json::json!({
+            "prompt": [[5, 6, 7]], "echo": true, "max_tokens": 1, "logprobs": 1
+        }))
+        .unwrap();
+        assert_eq!(
+            p.echo,
+            Some(Echo::Tokens(vec![TokenId(5), TokenId(6), TokenId(7)]))
+        );
+        assert_eq!(
+            (p.request.logprobs, p.request.prompt_logprobs),
+            (Some(1), Some(1))
+        );
+        // Scored alone: nothing generated, the scores only carry the echo.
+        let p = completion(serde_json::json!({"prompt": "a b", "echo": true, "max_tokens": 0}))
+            .unwrap();
+        assert_eq!(p.echo, Some(Echo::Text("a b".into())));
+        assert_eq!(p.request.sampling.max_tokens, 0);
+        assert_eq!(
+            (p.request.logprobs, p.request.prompt_logprobs),
+            (None, Some(0))
+        );
+        // An echo without log-probabilities keeps the prefix cache.
+        let p =
+            completion(serde_json::json!({"prompt": "a", "echo": true, "max_tokens": 2})).unwrap();
+        assert_eq!(p.request.prompt_logprobs, None);
+        let p = completion(serde_json::json!({"prompt": "a", "max_tokens": 2})).unwrap();
+        assert_eq!((p.echo, p.request.prompt_logprobs), (None, None));
+        // Generating nothing needs an echo; an echo cannot fill a middle.
+        let e = completion(serde_json::json!({"prompt": "a", "max_tokens": 0})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        let e = completion(serde_json::json!({"prompt": "a", "suffix": "b", "echo": true}))
+            .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("echo"));
     }
 
     #[test]

@@ -8,6 +8,7 @@ use std::task::{Context, Poll};
 
 use axum::response::sse::Event as SseEvent;
 use serde_json::{Value, json};
+use siliceo_core::TokenId;
 use siliceo_runtime::{Event, RequestStream, TokenLogprob, ToolSyntax, Usage};
 use tokio_stream::Stream;
 
@@ -46,7 +47,8 @@ impl Kind {
     }
 
     /// A whole (non-streamed) choice; with `tools`, calls in the text become
-    /// `tool_calls`.
+    /// `tool_calls`; with `echo` (completions), the prompt's text and, when
+    /// log-probabilities were asked for, its tokens' come first.
     pub(crate) fn choice(
         self,
         index: usize,
@@ -54,8 +56,14 @@ impl Kind {
         finish: siliceo_core::FinishReason,
         tools: Option<ToolSyntax>,
         lps: Option<&[TokenLogprob]>,
+        echo: Option<(&str, Option<&PromptScores>)>,
     ) -> Value {
-        let logprobs = lps.map_or(Value::Null, |l| logprobs_json(self, l, &mut 0));
+        let (head, prompt) = echo.unwrap_or(("", None));
+        // Offsets into the text returned, echoed prompt included.
+        let mut logprobs = lps.map_or(Value::Null, |l| logprobs_json(self, l, &mut head.len()));
+        if let Some((first, rest)) = prompt.filter(|_| !logprobs.is_null()) {
+            logprobs = joined(prompt_logprobs_json(first, rest), logprobs);
+        }
         match self {
             Kind::Chat => {
                 if let Some(syntax) = tools {
@@ -84,7 +92,7 @@ impl Kind {
             }
             Kind::Completion => json!({
                 "index": index,
-                "text": text,
+                "text": format!("{head}{text}"),
                 "logprobs": logprobs,
                 "finish_reason": finish_name(finish),
             }),
@@ -173,6 +181,46 @@ pub(crate) fn logprobs_json(kind: Kind, lps: &[TokenLogprob], offset: &mut usize
     }
 }
 
+/// A prompt's log-probabilities as [`Event::Prompt`] brings them: its first
+/// token (and bytes), then every later token's.
+pub(crate) type PromptScores = ((TokenId, Vec<u8>), Vec<TokenLogprob>);
+
+/// Completions' parallel lists for an echoed prompt: its first token has no
+/// log-probability and no alternatives (`null`), as on OpenAI's API.
+pub(crate) fn prompt_logprobs_json(
+    (_, first): &(TokenId, Vec<u8>),
+    rest: &[TokenLogprob],
+) -> Value {
+    let mut offset = String::from_utf8_lossy(first).len();
+    let Value::Object(mut lists) = logprobs_json(Kind::Completion, rest, &mut offset) else {
+        unreachable!("completions' logprobs are an object")
+    };
+    let head = [
+        ("tokens", json!(String::from_utf8_lossy(first))),
+        ("token_logprobs", Value::Null),
+        ("top_logprobs", Value::Null),
+        ("text_offset", json!(0)),
+    ];
+    for (k, v) in head {
+        if let Some(Value::Array(a)) = lists.get_mut(k) {
+            a.insert(0, v);
+        }
+    }
+    Value::Object(lists)
+}
+
+/// Completions' lists `a` followed by `b`'s.
+fn joined(mut a: Value, b: Value) -> Value {
+    if let (Value::Object(a), Value::Object(b)) = (&mut a, b) {
+        for (k, v) in b {
+            if let (Some(Value::Array(x)), Value::Array(y)) = (a.get_mut(&k), v) {
+                x.extend(y);
+            }
+        }
+    }
+    a
+}
+
 /// OpenAI's `tool_calls[i]` (with `index` when streamed).
 fn tool_call_json(index: Option<usize>, name: &str, args: &str) -> Value {
     let mut v = json!({
@@ -202,6 +250,9 @@ struct Choice {
     pending_lp: Vec<TokenLogprob>,
     /// Text offset of the next token (completions' logprobs).
     offset: usize,
+    /// The prompt's text, still to echo before anything else (completions'
+    /// `echo`).
+    echo: Option<String>,
 }
 
 /// The SSE body of a streamed request. Dropping it (the client went away)
@@ -221,6 +272,8 @@ pub(crate) struct ChoiceStream {
     next: usize,
     /// The model's tool syntax when the request offers tools.
     tools: Option<ToolSyntax>,
+    /// Log-probabilities were asked for.
+    logprobs: bool,
 }
 
 /// What every chunk of a streamed response repeats, and what it reports.
@@ -231,6 +284,10 @@ pub(crate) struct StreamHead {
     pub(crate) model: String,
     pub(crate) include_usage: bool,
     pub(crate) tools: Option<ToolSyntax>,
+    /// The prompt's text to echo first (completions' `echo`).
+    pub(crate) echo: Option<String>,
+    /// Log-probabilities were asked for (the echoed prompt's go with it).
+    pub(crate) logprobs: bool,
 }
 
 impl ChoiceStream {
@@ -242,6 +299,8 @@ impl ChoiceStream {
             model,
             include_usage,
             tools,
+            echo,
+            logprobs,
         } = head;
         ChoiceStream {
             kind,
@@ -259,6 +318,7 @@ impl ChoiceStream {
                     in_call: false,
                     pending_lp: Vec::new(),
                     offset: 0,
+                    echo: echo.clone(),
                 })
                 .collect(),
             include_usage,
@@ -267,6 +327,7 @@ impl ChoiceStream {
             finished: false,
             next: 0,
             tools,
+            logprobs,
         }
     }
 
@@ -289,7 +350,23 @@ impl ChoiceStream {
     fn on_event(&mut self, i: usize, ev: Event) -> bool {
         let chat = self.kind == Kind::Chat;
         let announce = chat && !self.choices[i].announced;
+        // The echoed prompt goes out first, in a chunk of its own.
+        let failed = matches!(ev, Event::Done { error: Some(_), .. });
+        if let Some(head) = self.choices[i].echo.take().filter(|_| !failed) {
+            let lp = match &ev {
+                Event::Prompt { first, logprobs } if self.logprobs => {
+                    prompt_logprobs_json(first, logprobs)
+                }
+                _ => Value::Null,
+            };
+            self.choices[i].offset = head.len();
+            let c = self.kind.delta(i, Some(&head), false, None, lp);
+            let e = self.chunk(vec![c], None);
+            self.out.push_back(e);
+        }
         match ev {
+            // Only an echo shows the prompt's log-probabilities.
+            Event::Prompt { .. } => true,
             Event::Text { text, logprobs, .. } => {
                 self.choices[i].pending_lp.extend(logprobs);
                 let text = match self.tools {
@@ -465,5 +542,46 @@ impl Stream for ChoiceStream {
                 return Poll::Pending;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lp(token: u32, text: &str, logprob: f32) -> TokenLogprob {
+        TokenLogprob {
+            token: TokenId(token),
+            bytes: text.as_bytes().to_vec(),
+            logprob,
+            top: vec![(TokenId(token), text.as_bytes().to_vec(), logprob)],
+        }
+    }
+
+    /// An echoed prompt's lists come first: its first token with `null`s,
+    /// offsets running on through the completion's tokens.
+    #[test]
+    fn an_echoed_prompt_leads_the_completions_lists() {
+        let first = (TokenId(1), b"The".to_vec());
+        let prompt = vec![lp(2, " sky", -2.0)];
+        let generated = [lp(3, " is", -0.5)];
+        let c = Kind::Completion.choice(
+            0,
+            " is",
+            siliceo_core::FinishReason::Length,
+            None,
+            Some(&generated),
+            Some(("The sky", Some(&(first, prompt)))),
+        );
+        assert_eq!(c["text"], "The sky is");
+        assert_eq!(
+            c["logprobs"],
+            json!({
+                "tokens": ["The", " sky", " is"],
+                "token_logprobs": [null, -2.0, -0.5],
+                "top_logprobs": [null, {" sky": -2.0}, {" is": -0.5}],
+                "text_offset": [0, 3, 7],
+            })
+        );
     }
 }

@@ -127,10 +127,16 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
         presence_penalty: s.presence_penalty.unwrap_or(d.presence_penalty),
         frequency_penalty: s.frequency_penalty.unwrap_or(d.frequency_penalty),
         penalty_last_n: s.penalty_last_n.unwrap_or(d.penalty_last_n),
-        max_tokens: if r.max_tokens == 0 {
-            d.max_tokens
-        } else {
-            r.max_tokens
+        max_tokens: match (r.score_only, r.max_tokens) {
+            (true, 0) => 0,
+            (true, _) => {
+                return Err(invalid(
+                    "max_tokens",
+                    "must be 0 with score_only (nothing is generated)",
+                ));
+            }
+            (false, 0) => d.max_tokens,
+            (false, m) => m,
         },
         stop: r.stop,
         stop_token_ids: Vec::new(),
@@ -164,10 +170,32 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
             (false, 0) => None,
             (false, _) => return Err(invalid("top_logprobs", "needs `logprobs: true`")),
         },
+        prompt_logprobs: match (r.prompt_logprobs, r.score_only) {
+            (None, true) => return Err(invalid("score_only", "needs `prompt_logprobs`")),
+            (k, _) => k,
+        },
         // A max_tokens the client set must fit beside the prompt (0: the
         // default, cut to what the context leaves).
         max_tokens_field: (r.max_tokens != 0).then_some("max_tokens"),
     })
+}
+
+/// A token's log-probability on the wire.
+fn token_logprob_pb(l: siliceo_runtime::TokenLogprob) -> pb::TokenLogprob {
+    pb::TokenLogprob {
+        token_id: l.token.0,
+        bytes: l.bytes,
+        logprob: l.logprob,
+        top: l
+            .top
+            .into_iter()
+            .map(|(t, bytes, logprob)| pb::TopLogprob {
+                token_id: t.0,
+                bytes,
+                logprob,
+            })
+            .collect(),
+    }
 }
 
 /// The field a constraint came from, as INVALID_ARGUMENT names it.
@@ -276,30 +304,33 @@ impl Stream for GenerateStream {
                 logprobs,
             }) => {
                 let id = request_id(&mut this.sent_id, this.inner.id());
-                let logprobs = logprobs
-                    .into_iter()
-                    .map(|l| pb::TokenLogprob {
-                        token_id: l.token.0,
-                        bytes: l.bytes,
-                        logprob: l.logprob,
-                        top: l
-                            .top
-                            .into_iter()
-                            .map(|(t, bytes, logprob)| pb::TopLogprob {
-                                token_id: t.0,
-                                bytes,
-                                logprob,
-                            })
-                            .collect(),
-                    })
-                    .collect();
                 Poll::Ready(Some(Ok(pb::GenerateResponse {
                     text,
                     token_ids: tokens.into_iter().map(|t| t.0).collect(),
                     finish_reason: pb::FinishReason::Unspecified as i32,
                     usage: None,
                     request_id: id,
-                    logprobs,
+                    logprobs: logprobs.into_iter().map(token_logprob_pb).collect(),
+                    prompt_logprobs: Vec::new(),
+                })))
+            }
+            Some(Event::Prompt { first, logprobs }) => {
+                let id = request_id(&mut this.sent_id, this.inner.id());
+                // The first token: no log-probability, no alternatives.
+                let first = pb::TokenLogprob {
+                    token_id: first.0.0,
+                    bytes: first.1,
+                    logprob: 0.0,
+                    top: Vec::new(),
+                };
+                let prompt_logprobs = std::iter::once(first)
+                    .chain(logprobs.into_iter().map(token_logprob_pb))
+                    .collect();
+                Poll::Ready(Some(Ok(pb::GenerateResponse {
+                    finish_reason: pb::FinishReason::Unspecified as i32,
+                    request_id: id,
+                    prompt_logprobs,
+                    ..Default::default()
                 })))
             }
             Some(Event::Done {
@@ -325,6 +356,7 @@ impl Stream for GenerateStream {
                     usage: Some(usage_pb(&usage)),
                     request_id: this.inner.id().0.clone(),
                     logprobs: Vec::new(),
+                    prompt_logprobs: Vec::new(),
                 })))
             }
             None => {

@@ -167,12 +167,6 @@ fn to_runtime(r: vpb::GenerateRequest) -> Result<(GenerateRequest, u32), Status>
     if s.min_tokens > 0 {
         return Err(invalid("sampling_params.min_tokens", "is not supported"));
     }
-    if s.prompt_logprobs.is_some() {
-        return Err(invalid(
-            "sampling_params.prompt_logprobs",
-            "is not supported",
-        ));
-    }
     let n = s.n.max(1);
     if n > MAX_N {
         return Err(invalid(
@@ -180,15 +174,17 @@ fn to_runtime(r: vpb::GenerateRequest) -> Result<(GenerateRequest, u32), Status>
             format!("must be in 1..={MAX_N}"),
         ));
     }
-    let logprobs = match s.logprobs {
-        None => None,
-        Some(k) => Some(u32::try_from(k).map_err(|_| {
+    let top = |k: Option<i32>, field: &str| match k {
+        None => Ok(None),
+        Some(k) => u32::try_from(k).map(Some).map_err(|_| {
             invalid(
-                "sampling_params.logprobs",
+                field,
                 "must be 0 or more (all alternatives, -1, is not supported)",
             )
-        })?),
+        }),
     };
+    let logprobs = top(s.logprobs, "sampling_params.logprobs")?;
+    let prompt_logprobs = top(s.prompt_logprobs, "sampling_params.prompt_logprobs")?;
     let mut logit_bias = Vec::with_capacity(s.logit_bias.len());
     for (&t, &b) in &s.logit_bias {
         let t = u32::try_from(t)
@@ -258,6 +254,7 @@ fn to_runtime(r: vpb::GenerateRequest) -> Result<(GenerateRequest, u32), Status>
     req.constraint = constraint;
     req.constraint_field = constraint_field;
     req.logprobs = logprobs;
+    req.prompt_logprobs = prompt_logprobs;
     req.max_tokens_field = s.max_tokens.map(|_| "sampling_params.max_tokens");
     Ok((req, n))
 }
@@ -296,6 +293,32 @@ impl Stream for ChoiceEvents {
 struct ChoiceState {
     tokens: Vec<u32>,
     logprobs: vpb::OutputLogProbs,
+    /// The prompt's log-probabilities, until a chunk or `Complete` takes
+    /// them.
+    prompt: Option<vpb::InputLogProbs>,
+}
+
+/// The prompt's log-probabilities on the wire: its first token without a
+/// value, then every later one's.
+fn input_logprobs_pb(
+    first: siliceo_core::TokenId,
+    lps: &[siliceo_runtime::TokenLogprob],
+) -> vpb::InputLogProbs {
+    let mut p = vpb::InputLogProbs {
+        token_logprobs: vec![vpb::InputTokenLogProb { value: None }],
+        token_ids: vec![first.0],
+        top_logprobs: vec![vpb::TopLogProbs::default()],
+    };
+    let mut rest = vpb::OutputLogProbs::default();
+    logprobs_pb(lps, &mut rest);
+    p.token_logprobs.extend(
+        rest.token_logprobs
+            .into_iter()
+            .map(|v| vpb::InputTokenLogProb { value: Some(v) }),
+    );
+    p.token_ids.extend(rest.token_ids);
+    p.top_logprobs.extend(rest.top_logprobs);
+    p
 }
 
 fn logprobs_pb(lps: &[siliceo_runtime::TokenLogprob], into: &mut vpb::OutputLogProbs) {
@@ -355,6 +378,9 @@ impl Stream for VllmGenerateStream {
             };
             let st = this.state.entry(index).or_default();
             match event {
+                Event::Prompt { first, logprobs } => {
+                    st.prompt = Some(input_logprobs_pb(first.0, &logprobs));
+                }
                 Event::Text {
                     tokens, logprobs, ..
                 } => {
@@ -373,6 +399,7 @@ impl Stream for VllmGenerateStream {
                         completion_tokens: ids.len() as u32,
                         token_ids: ids,
                         output_logprobs: this.want_logprobs.then_some(lp),
+                        input_logprobs: st.prompt.take(),
                         index,
                         ..Default::default()
                     };
@@ -402,6 +429,7 @@ impl Stream for VllmGenerateStream {
                         cached_tokens: usage.cached_prompt_tokens,
                         output_logprobs: (this.want_logprobs && !this.stream)
                             .then_some(st.logprobs),
+                        input_logprobs: st.prompt,
                         index,
                         spec_accepted_tokens: usage.accepted_draft_tokens,
                         spec_draft_tokens: usage.draft_tokens,
@@ -847,6 +875,19 @@ mod tests {
             },
             "sampling_params.logprobs",
         );
+        bad(
+            vpb::SamplingParams {
+                prompt_logprobs: Some(-1),
+                ..Default::default()
+            },
+            "sampling_params.prompt_logprobs",
+        );
+        let (r, _) = to_runtime(req(vpb::SamplingParams {
+            prompt_logprobs: Some(3),
+            ..Default::default()
+        }))
+        .unwrap();
+        assert_eq!((r.prompt_logprobs, r.logprobs), (Some(3), None));
         bad(
             vpb::SamplingParams {
                 n: 17,

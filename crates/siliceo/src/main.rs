@@ -313,6 +313,8 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
                     break;
                 }
             }
+            // Not asked for.
+            Event::Prompt { .. } => {}
             Event::Done {
                 finish_reason,
                 usage,

@@ -8,18 +8,16 @@ use siliceo_runtime::{
 
 use super::{assert_clean, model_path, request, usage_of};
 
+/// What [`Event::Prompt`] brings: the first token, the later ones' scores.
+type Scores = ((TokenId, Vec<u8>), Vec<TokenLogprob>);
+
 /// Reads a stream to its end: the prompt event (if any), the generated
 /// tokens with their log-probabilities, and `Done`; and checks that the
 /// prompt event came first.
 fn read(
     rt: &Runtime,
     req: GenerateRequest,
-) -> (
-    Option<((TokenId, Vec<u8>), Vec<TokenLogprob>)>,
-    Vec<TokenId>,
-    Vec<TokenLogprob>,
-    Event,
-) {
+) -> (Option<Scores>, Vec<TokenId>, Vec<TokenLogprob>, Event) {
     let mut s = rt.submit(req).unwrap();
     let (mut prompt, mut tokens, mut lps) = (None, Vec::new(), Vec::new());
     while let Some(e) = s.blocking_next() {
