@@ -169,3 +169,75 @@ fn prompt_logprobs_requests_are_checked() {
     }
     assert_clean(&rt);
 }
+
+/// Scoring requests preempted (by recompute and by swap) on a cache too
+/// small for everything: their prompt scores and tokens equal a solo run's,
+/// bit for bit, and nothing leaks.
+#[test]
+fn preempted_scoring_requests_keep_their_scores() {
+    let doc = "The three primary colours are red, yellow and blue. Mixing two primary \
+               colours gives a secondary colour: red and yellow make orange, yellow and \
+               blue make green, and blue and red make purple. Painters learn these rules \
+               first, then learn that real pigments are not so simple.";
+    // 256 cells (32 blocks of 16 in kv8): too few for the scorers and the
+    // interactive requests at once. (The block size is the solo run's too:
+    // attention sums block by block.)
+    let small = |recompute_below: usize| {
+        let mut cfg = RuntimeConfig::new(model_path());
+        cfg.context.n_ctx = 256;
+        cfg.block_size = 16;
+        cfg.scheduler.recompute_below_tokens = recompute_below;
+        cfg
+    };
+    let solo = {
+        let rt = Runtime::start(small(0)).unwrap();
+        let ids = rt.tokenize(doc, true).unwrap();
+        read(&rt, scoring(ids, 2, 24))
+    };
+    let (Some(want_scores), want_tokens) = (solo.0, solo.1) else {
+        panic!("no prompt event")
+    };
+    for recompute_below in [usize::MAX, 0] {
+        let rt = Runtime::start(small(recompute_below)).unwrap();
+        let ids = rt.tokenize(doc, true).unwrap();
+        let scorers: Vec<_> = (0..2)
+            .map(|_| {
+                let mut r = scoring(ids.clone(), 2, 24);
+                r.priority = Priority::Batch;
+                rt.submit(r).unwrap()
+            })
+            .collect();
+        let others: Vec<_> = (0..6)
+            .map(|i| {
+                rt.submit(request(
+                    &format!("Story {i}: once upon a time"),
+                    80,
+                    Priority::Interactive,
+                ))
+                .unwrap()
+            })
+            .collect();
+        for s in scorers {
+            let mut s = s;
+            let (mut scores, mut tokens) = (None, Vec::new());
+            while let Some(e) = s.blocking_next() {
+                match e {
+                    Event::Prompt { first, logprobs } => scores = Some((first, logprobs)),
+                    Event::Text { tokens: t, .. } => tokens.extend(t),
+                    done @ Event::Done { .. } => {
+                        usage_of(&done);
+                    }
+                }
+            }
+            let what = format!("recompute_below {recompute_below}");
+            assert_eq!(scores.as_ref(), Some(&want_scores), "{what}: scores");
+            assert_eq!(tokens, want_tokens, "{what}: tokens");
+        }
+        for s in others {
+            usage_of(&s.blocking_collect().2);
+        }
+        let stats = rt.stats().unwrap();
+        assert!(stats.preemptions > 0, "the test must preempt: {stats:?}");
+        assert_clean(&rt);
+    }
+}
