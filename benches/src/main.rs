@@ -17,6 +17,7 @@ mod constrain;
 mod graft;
 mod openai_client;
 mod peer;
+mod score;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -988,7 +989,7 @@ fn synth(args: &[String]) -> Result<()> {
     Ok(synth_model(&o)?)
 }
 
-const USAGE: &str = "usage: siliceo-bench synth-model ARGS | engine|serve|prefix|spec|grpc|protocols|embed|graft|peer|constrain [--model PATH] [--reps N] [--json] [--threads N] [--quiet-consumer] [--quick] [--no-qwen] [--llama-server PATH] [--contexts 512,4096] [--only LABEL] [--gpu-layers N] [--streams 1,8,32]";
+const USAGE: &str = "usage: siliceo-bench synth-model ARGS | engine|serve|prefix|spec|grpc|protocols|embed|graft|peer|constrain|score [--model PATH] [--reps N] [--json] [--threads N] [--quiet-consumer] [--quick] [--no-qwen] [--llama-server PATH] [--contexts 512,4096] [--only LABEL] [--gpu-layers N] [--streams 1,8,32]";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -1031,6 +1032,7 @@ fn main() -> Result<()> {
             "peer" => what = "peer",
             "protocols" => what = "grpc",
             "constrain" => what = "constrain",
+            "score" => what = "score",
             "--llama-server" => llama_server = it.next().map(PathBuf::from),
             "--quick" => quick = true,
             "--no-qwen" => qwen = false,
@@ -1082,6 +1084,23 @@ fn main() -> Result<()> {
             model,
             reps: reps.max(1),
             threads: threads.unwrap_or(2),
+        });
+    }
+    if what == "score" {
+        let mut models = vec![model.clone()];
+        let qwen_path = model.with_file_name("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
+        if qwen_path.is_file() && qwen && !quick {
+            models.push(qwen_path);
+        }
+        return score::score(&score::ScoreBench {
+            models,
+            reps: reps.max(1),
+            threads: threads.unwrap_or(2),
+            lengths: if contexts.is_empty() {
+                vec![512, 2048]
+            } else {
+                contexts
+            },
         });
     }
     if what == "graft" {

@@ -72,6 +72,11 @@ pub fn bench(rest: &[String]) -> Result<()> {
     if let Some(which @ ("spec" | "grpc" | "protocols" | "embed")) = first {
         return crate::run(bench_cmd(false).args([which, "--reps", &reps()]));
     }
+    if first == Some("score") {
+        // Scoring prompts against prefill, on SmolLM2 and Qwen2.5-1.5B.
+        crate::models::fetch(&crate::models::models_dir(), true)?;
+        return crate::run(bench_cmd(false).args(rest));
+    }
     if first == Some("constrain") {
         // The cost of a JSON-schema constraint; `--model` picks another model
         // (Qwen2.5-1.5B's 151k-token vocabulary makes masks dearer).

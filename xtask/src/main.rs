@@ -46,6 +46,8 @@ tasks:
   bench prefix [--reps N] prefix caching only
   bench spec [--reps N]   speculative decoding (n-gram; the Qwen draft/target pair) at batch size 1
   bench protocols [--reps N]  generation directly, over gRPC and over HTTP, 1/8/16 streams (alias: grpc)
+  bench score [--reps N] [--contexts 512,2048] [--quick]
+                        scoring a prompt (prompt logprobs) against prefill + 1 token
   bench embed [--reps N]  embeddings over gRPC: texts/s for requests of 1/8/32/64 texts
                         and for one request per text, all at once
   bench graft [--reps N] [--quick]
