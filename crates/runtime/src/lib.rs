@@ -28,6 +28,8 @@
 //!     match event {
 //!         Event::Text { text, .. } => print!("{text}"),
 //!         Event::Done { finish_reason, usage, .. } => println!("\n[{finish_reason}, {} tokens]", usage.completion_tokens),
+//!         // Only with `GenerateRequest::prompt_logprobs`.
+//!         Event::Prompt { .. } => {}
 //!     }
 //! }
 //! # Ok::<(), siliceo_runtime::RuntimeError>(())
