@@ -54,7 +54,9 @@ pub fn score(b: &ScoreBench) -> Result<()> {
         cfg.context.n_threads_batch = Some(b.threads);
         cfg.prefix_caching = false;
         let rt = Runtime::start(cfg)?;
-        let name = path.file_stem().map_or_else(String::new, |s| s.to_string_lossy().into_owned());
+        let name = path
+            .file_stem()
+            .map_or_else(String::new, |s| s.to_string_lossy().into_owned());
         let filler = rt.tokenize(
             " The committee reviewed the quarterly figures, the hiring plan and the travel budget.",
             false,

@@ -681,9 +681,11 @@ def test_grpc_scores_prompts(server, grpc_api):
     assert done.finish_reason == pb.FINISH_REASON_LENGTH and done.usage.completion_tokens == 0
     lps = scored.prompt_logprobs
     assert len(lps) == done.usage.prompt_tokens
-    assert lps[0].logprob == 0 and not lps[0].top
+    assert lps[0].logprob == 0 and not lps[0].top and lps[0].rank == 0
     assert b"".join(l.bytes for l in lps).decode() == prompt
     assert all(len(l.top) == 2 and l.logprob < 0 for l in lps[1:])
+    # Ranks: 1 exactly where the token is the most likely one.
+    assert all((l.rank == 1) == (l.top[0].token_id == l.token_id) for l in lps[1:])
     http = client(server).completions.create(
         model="", prompt=prompt, echo=True, max_tokens=0, logprobs=2
     ).choices[0].logprobs
@@ -700,4 +702,58 @@ def test_grpc_scores_prompts(server, grpc_api):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(req, metadata=meta))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+    server.wait_idle()
+
+
+def test_vllm_prompt_logprobs_on_both_endpoints(server, grpc_api):
+    """vLLM's `prompt_logprobs` extension (what its clients send through
+    `extra_body`): per choice on completions, at the top level on chat, in the
+    first chunk when streamed; the same numbers as an echo."""
+    pb, stub, meta = grpc_api
+    c = client(server)
+    prompt = "The capital of France is"
+    ids = list(stub.Tokenize(pb.TokenizeRequest(text=prompt, add_special=True), metadata=meta).ids)
+    echo = c.completions.create(model="", prompt=prompt, echo=True, max_tokens=0, logprobs=1).choices[0].logprobs
+    r = c.completions.create(
+        model="", prompt=prompt, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 1}
+    )
+    scored = r.choices[0].model_extra["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(ids) == r.usage.prompt_tokens
+    for pos, (entry, tid) in enumerate(zip(scored[1:], ids[1:]), start=1):
+        own = entry[str(tid)]
+        assert own["logprob"] == echo.token_logprobs[pos]
+        assert own["decoded_token"] == echo.tokens[pos]
+        # The token and the most likely one (itself when it ranks first).
+        assert len(entry) == (1 if own["rank"] == 1 else 2), entry
+        assert min(v["rank"] for v in entry.values()) == 1
+        assert max(v["logprob"] for v in entry.values()) == max(echo.top_logprobs[pos].values())
+    # Streamed: the first chunk's choice carries them.
+    chunks = list(c.completions.create(
+        model="", prompt=prompt, max_tokens=2, temperature=0, stream=True, extra_body={"prompt_logprobs": 1}
+    ))
+    assert chunks[0].choices[0].model_extra["prompt_logprobs"] == scored
+    assert not any("prompt_logprobs" in (ch.choices[0].model_extra or {}) for ch in chunks[1:] if ch.choices)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
+    # Scored alone.
+    only = c.completions.create(model="", prompt=prompt, max_tokens=0, extra_body={"prompt_logprobs": 0})
+    assert only.choices[0].text == "" and only.usage.completion_tokens == 0
+    assert [e[str(t)]["logprob"] for e, t in zip(only.choices[0].model_extra["prompt_logprobs"][1:], ids[1:])] == echo.token_logprobs[1:]
+
+    chat = c.chat.completions.create(
+        model="", messages=QUESTION, max_tokens=3, temperature=0, extra_body={"prompt_logprobs": 0}
+    )
+    cp = chat.model_extra["prompt_logprobs"]
+    assert cp[0] is None and len(cp) == chat.usage.prompt_tokens
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in cp[1:])
+    chunks = list(c.chat.completions.create(
+        model="", messages=QUESTION, max_tokens=3, temperature=0, stream=True, extra_body={"prompt_logprobs": 0}
+    ))
+    assert chunks[0].model_extra["prompt_logprobs"] == cp
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert not any("prompt_logprobs" in (ch.model_extra or {}) for ch in chunks[1:])
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == chat.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="", messages=QUESTION, max_tokens=1, extra_body={"prompt_logprobs": -1})
+    assert e.value.body["param"] == "prompt_logprobs"
     server.wait_idle()

@@ -546,7 +546,8 @@ async fn generate(
             include_usage: plan.include_usage,
             tools,
             echo,
-            logprobs: plan.request.logprobs.is_some(),
+            logprobs: plan.request.logprobs,
+            prompt_logprobs: plan.prompt_logprobs,
         };
         let events = ChoiceStream::new(head, started);
         return Ok(Sse::new(events)
@@ -555,6 +556,8 @@ async fn generate(
     }
     let mut choices = Vec::with_capacity(started.len());
     let mut usage_all = Usage::default();
+    // vLLM's `prompt_logprobs`: per choice on completions, once on chat.
+    let mut chat_prompt_logprobs = Value::Null;
     for (i, st) in started.into_iter().enumerate() {
         let (text, finish, usage, lps, prompt) = collect(st).await?;
         if i == 0 {
@@ -563,18 +566,35 @@ async fn generate(
         }
         usage_all.completion_tokens += usage.completion_tokens;
         let lps = plan.request.logprobs.map(|_| lps.as_slice());
-        let echo = echo.as_deref().map(|e| (e, prompt.as_ref()));
-        choices.push(kind.choice(i, &text, finish, tools, lps, echo));
+        let echoed = echo.as_deref().map(|text| stream::Echoed {
+            text,
+            scores: prompt
+                .as_ref()
+                .zip(plan.request.logprobs.map(|k| k as usize)),
+        });
+        let mut c = kind.choice(i, &text, finish, tools, lps, echoed);
+        if let (Some(k), Some(p)) = (plan.prompt_logprobs, &prompt) {
+            let v = stream::vllm_prompt_logprobs(p, k as usize);
+            match kind {
+                Kind::Completion => c["prompt_logprobs"] = v,
+                Kind::Chat if i == 0 => chat_prompt_logprobs = v,
+                Kind::Chat => {}
+            }
+        }
+        choices.push(c);
     }
-    Ok(Json(json!({
+    let mut body = json!({
         "id": id,
         "object": kind.object(),
         "created": created,
         "model": model,
         "choices": choices,
         "usage": usage_json(&usage_all),
-    }))
-    .into_response())
+    });
+    if !chat_prompt_logprobs.is_null() {
+        body["prompt_logprobs"] = chat_prompt_logprobs;
+    }
+    Ok(Json(body).into_response())
 }
 
 /// Reads a choice to its end: its text, why it ended, its usage, its

@@ -134,6 +134,10 @@ pub struct Common {
     /// Extension: the output is derived by this Lark grammar (llguidance's
     /// dialect, `start` the root rule).
     pub grammar: Option<String>,
+    /// Extension (vLLM's): each prompt token's log-probability with this
+    /// many alternatives, in `prompt_logprobs` (a completion's choice, or a
+    /// chat completion's top level).
+    pub prompt_logprobs: Option<i64>,
 }
 
 /// `POST /v1/completions`.
@@ -259,6 +263,8 @@ pub struct Plan {
     pub tools: Option<ToolPlan>,
     /// Completions' `echo`: the prompt goes back before each choice's text.
     pub echo: Option<Echo>,
+    /// vLLM's `prompt_logprobs`: alternatives per prompt token to report.
+    pub prompt_logprobs: Option<u32>,
 }
 
 /// The prompt a completion echoes.
@@ -292,7 +298,7 @@ pub fn check_model(asked: Option<&str>, served: &[String]) -> Result<(), ApiErro
 }
 
 /// `scores`: the request may score its prompt without generating
-/// (completions' `echo`).
+/// (completions' `echo`; `prompt_logprobs` may on either endpoint).
 fn plan(common: Common, input: Input, scores: bool) -> Result<Plan, ApiError> {
     let mut logit_bias = Vec::new();
     for (k, &b) in common.logit_bias.iter().flatten() {
@@ -306,6 +312,18 @@ fn plan(common: Common, input: Input, scores: bool) -> Result<Plan, ApiError> {
         return Err(ApiError::invalid("n", format!("must be in 1..={MAX_N}")));
     }
     let constraint = constraint_of(&common)?;
+    let prompt_logprobs = match common.prompt_logprobs {
+        None => None,
+        Some(k) => Some(check_top(
+            u32::try_from(k).map_err(|_| {
+                ApiError::invalid(
+                    "prompt_logprobs",
+                    "must be 0 or more (all alternatives, -1, is not supported)",
+                )
+            })?,
+            "prompt_logprobs",
+        )?),
+    };
     let d = SamplingParams::greedy();
     // Without max_tokens, generate until the model stops or the context
     // ends, as OpenAI and vLLM do (the runtime cuts it to what is left).
@@ -317,10 +335,12 @@ fn plan(common: Common, input: Input, scores: bool) -> Result<Plan, ApiError> {
     };
     if let (0, Some(field)) = (max_tokens, max_tokens_field)
         && !scores
+        && prompt_logprobs.is_none()
     {
         return Err(ApiError::invalid(
             field,
-            "must be at least 1 (0 only with `echo`, which then scores the prompt alone)",
+            "must be at least 1 (0 only with `echo` or `prompt_logprobs`, which then score \
+             the prompt alone)",
         ));
     }
     let top_k = match common.top_k {
@@ -378,6 +398,7 @@ fn plan(common: Common, input: Input, scores: bool) -> Result<Plan, ApiError> {
     request.max_tokens_field = max_tokens_field;
     request.priority = priority;
     request.cache_salt = common.cache_salt.filter(|s| !s.is_empty());
+    request.prompt_logprobs = prompt_logprobs;
     Ok(Plan {
         request,
         n,
@@ -385,6 +406,7 @@ fn plan(common: Common, input: Input, scores: bool) -> Result<Plan, ApiError> {
         include_usage: common.stream_options.is_some_and(|o| o.include_usage),
         tools: None,
         echo: None,
+        prompt_logprobs,
     })
 }
 
@@ -507,7 +529,9 @@ pub fn completion_plan(r: CompletionRequest, common: Common) -> Result<Plan, Api
         // The echoed prompt's tokens carry log-probabilities too; a request
         // that generates nothing is scored to have something to answer.
         let scores_only = plan.request.sampling.max_tokens == 0;
-        plan.request.prompt_logprobs = logprobs.or(scores_only.then_some(0));
+        let echoed = logprobs.or(scores_only.then_some(0));
+        // Both views come from one scoring, with the more alternatives.
+        plan.request.prompt_logprobs = plan.request.prompt_logprobs.max(echoed);
     }
     plan.echo = echo;
     Ok(plan)
@@ -824,6 +848,7 @@ mod tests {
             "top_k",
             "min_p",
             "priority",
+            "prompt_logprobs",
         ];
         for k in nulls {
             body[k] = serde_json::Value::Null;
@@ -908,6 +933,33 @@ mod tests {
         let e = completion(serde_json::json!({"prompt": "a", "suffix": "b", "echo": true}))
             .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("echo"));
+        // vLLM's prompt_logprobs, alone (it may score without generating)
+        // and beside an echo: one scoring with the larger count.
+        let p =
+            completion(serde_json::json!({"prompt": "a", "max_tokens": 0, "prompt_logprobs": 2}))
+                .unwrap();
+        assert_eq!(
+            (p.prompt_logprobs, p.request.prompt_logprobs),
+            (Some(2), Some(2))
+        );
+        let p = completion(serde_json::json!({
+            "prompt": "a", "echo": true, "logprobs": 5, "prompt_logprobs": 1
+        }))
+        .unwrap();
+        assert_eq!(
+            (p.prompt_logprobs, p.request.prompt_logprobs),
+            (Some(1), Some(5))
+        );
+        let p = chat(serde_json::json!({
+            "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 0
+        }))
+        .unwrap();
+        assert_eq!(p.request.prompt_logprobs, Some(0));
+        for k in [-1, 21] {
+            let e =
+                completion(serde_json::json!({"prompt": "a", "prompt_logprobs": k})).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("prompt_logprobs"));
+        }
     }
 
     #[test]

@@ -56,13 +56,13 @@ impl Kind {
         finish: siliceo_core::FinishReason,
         tools: Option<ToolSyntax>,
         lps: Option<&[TokenLogprob]>,
-        echo: Option<(&str, Option<&PromptScores>)>,
+        echo: Option<Echoed<'_>>,
     ) -> Value {
-        let (head, prompt) = echo.unwrap_or(("", None));
+        let head = echo.as_ref().map_or("", |e| e.text);
         // Offsets into the text returned, echoed prompt included.
         let mut logprobs = lps.map_or(Value::Null, |l| logprobs_json(self, l, &mut head.len()));
-        if let Some((first, rest)) = prompt.filter(|_| !logprobs.is_null()) {
-            logprobs = joined(prompt_logprobs_json(first, rest), logprobs);
+        if let Some((scores, top)) = echo.and_then(|e| e.scores).filter(|_| !logprobs.is_null()) {
+            logprobs = joined(prompt_logprobs_json(scores, top), logprobs);
         }
         match self {
             Kind::Chat => {
@@ -185,14 +185,32 @@ pub(crate) fn logprobs_json(kind: Kind, lps: &[TokenLogprob], offset: &mut usize
 /// token (and bytes), then every later token's.
 pub(crate) type PromptScores = ((TokenId, Vec<u8>), Vec<TokenLogprob>);
 
-/// Completions' parallel lists for an echoed prompt: its first token has no
-/// log-probability and no alternatives (`null`), as on OpenAI's API.
-pub(crate) fn prompt_logprobs_json(
-    (_, first): &(TokenId, Vec<u8>),
-    rest: &[TokenLogprob],
-) -> Value {
+/// What a completion echoes: the prompt's text, and its scores with the
+/// alternatives to show when log-probabilities were asked for.
+pub(crate) struct Echoed<'a> {
+    pub(crate) text: &'a str,
+    pub(crate) scores: Option<(&'a PromptScores, usize)>,
+}
+
+/// The scores with at most `top` alternatives each (one scoring serves an
+/// echo's `logprobs` and `prompt_logprobs`, which may ask for different
+/// counts).
+fn with_top(rest: &[TokenLogprob], top: usize) -> Vec<TokenLogprob> {
+    rest.iter()
+        .map(|l| TokenLogprob {
+            top: l.top.iter().take(top).cloned().collect(),
+            ..l.clone()
+        })
+        .collect()
+}
+
+/// Completions' parallel lists for an echoed prompt (`top` alternatives per
+/// token): its first token has no log-probability and no alternatives
+/// (`null`), as on OpenAI's API.
+pub(crate) fn prompt_logprobs_json(((_, first), rest): &PromptScores, top: usize) -> Value {
     let mut offset = String::from_utf8_lossy(first).len();
-    let Value::Object(mut lists) = logprobs_json(Kind::Completion, rest, &mut offset) else {
+    let rest = with_top(rest, top);
+    let Value::Object(mut lists) = logprobs_json(Kind::Completion, &rest, &mut offset) else {
         unreachable!("completions' logprobs are an object")
     };
     let head = [
@@ -207,6 +225,35 @@ pub(crate) fn prompt_logprobs_json(
         }
     }
     Value::Object(lists)
+}
+
+/// vLLM's `prompt_logprobs`: `null` for the first prompt token, then for
+/// each later one an object keyed by token id holding the token's own entry
+/// and its `top` most likely alternatives', each `{logprob, rank,
+/// decoded_token}`.
+pub(crate) fn vllm_prompt_logprobs((_, rest): &PromptScores, top: usize) -> Value {
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    let mut out = Vec::with_capacity(rest.len() + 1);
+    out.push(Value::Null);
+    for l in rest {
+        let mut m = serde_json::Map::new();
+        let alts = &l.top[..l.top.len().min(top)];
+        for (i, (t, b, lp)) in alts.iter().enumerate() {
+            // Alternatives come most likely first: those before it that are
+            // strictly more likely are all the vocabulary's.
+            let rank = 1 + alts[..i].iter().filter(|a| a.2 > *lp).count();
+            m.insert(
+                t.0.to_string(),
+                json!({"logprob": lp, "rank": rank, "decoded_token": text(b)}),
+            );
+        }
+        m.insert(
+            l.token.0.to_string(),
+            json!({"logprob": l.logprob, "rank": l.rank, "decoded_token": text(&l.bytes)}),
+        );
+        out.push(Value::Object(m));
+    }
+    Value::Array(out)
 }
 
 /// Completions' lists `a` followed by `b`'s.
@@ -272,8 +319,10 @@ pub(crate) struct ChoiceStream {
     next: usize,
     /// The model's tool syntax when the request offers tools.
     tools: Option<ToolSyntax>,
-    /// Log-probabilities were asked for.
-    logprobs: bool,
+    /// Alternatives per token, when log-probabilities were asked for.
+    logprobs: Option<u32>,
+    /// vLLM's `prompt_logprobs`: alternatives per prompt token.
+    prompt_logprobs: Option<u32>,
 }
 
 /// What every chunk of a streamed response repeats, and what it reports.
@@ -286,8 +335,11 @@ pub(crate) struct StreamHead {
     pub(crate) tools: Option<ToolSyntax>,
     /// The prompt's text to echo first (completions' `echo`).
     pub(crate) echo: Option<String>,
-    /// Log-probabilities were asked for (the echoed prompt's go with it).
-    pub(crate) logprobs: bool,
+    /// Alternatives per token when log-probabilities were asked for (the
+    /// echoed prompt's go with them).
+    pub(crate) logprobs: Option<u32>,
+    /// vLLM's `prompt_logprobs`: alternatives per prompt token.
+    pub(crate) prompt_logprobs: Option<u32>,
 }
 
 impl ChoiceStream {
@@ -301,6 +353,7 @@ impl ChoiceStream {
             tools,
             echo,
             logprobs,
+            prompt_logprobs,
         } = head;
         ChoiceStream {
             kind,
@@ -328,10 +381,15 @@ impl ChoiceStream {
             next: 0,
             tools,
             logprobs,
+            prompt_logprobs,
         }
     }
 
     fn chunk(&self, choices: Vec<Value>, usage: Option<Value>) -> SseEvent {
+        SseEvent::default().data(self.chunk_value(choices, usage).to_string())
+    }
+
+    fn chunk_value(&self, choices: Vec<Value>, usage: Option<Value>) -> Value {
         let mut v = json!({
             "id": self.id,
             "object": self.kind.chunk_object(),
@@ -342,7 +400,7 @@ impl ChoiceStream {
         if let Some(u) = usage {
             v["usage"] = u;
         }
-        SseEvent::default().data(v.to_string())
+        v
     }
 
     /// Turns choice `i`'s event into chunks. Returns false when the stream
@@ -352,20 +410,41 @@ impl ChoiceStream {
         let announce = chat && !self.choices[i].announced;
         // The echoed prompt goes out first, in a chunk of its own.
         let failed = matches!(ev, Event::Done { error: Some(_), .. });
-        if let Some(head) = self.choices[i].echo.take().filter(|_| !failed) {
-            let lp = match &ev {
-                Event::Prompt { first, logprobs } if self.logprobs => {
-                    prompt_logprobs_json(first, logprobs)
-                }
+        let (ev, scores) = match ev {
+            Event::Prompt { first, logprobs } => (None, Some((first, logprobs))),
+            other => (Some(other), None),
+        };
+        // vLLM's `prompt_logprobs` ride in the choice's first chunk (chat:
+        // the chunk's top level, beside the role).
+        let vllm = scores
+            .as_ref()
+            .zip(self.prompt_logprobs)
+            .map(|(p, k)| vllm_prompt_logprobs(p, k as usize));
+        let echo = self.choices[i].echo.take().filter(|_| !failed);
+        if echo.is_some() || vllm.is_some() {
+            let lp = match (&scores, self.logprobs) {
+                (Some(p), Some(k)) if echo.is_some() => prompt_logprobs_json(p, k as usize),
                 _ => Value::Null,
             };
+            let head = echo.unwrap_or_default();
             self.choices[i].offset = head.len();
-            let c = self.kind.delta(i, Some(&head), false, None, lp);
-            let e = self.chunk(vec![c], None);
-            self.out.push_back(e);
+            let mut c = self.kind.delta(i, Some(&head), announce, None, lp);
+            self.choices[i].announced = true;
+            let mut e = self.chunk_value(vec![], None);
+            if let Some(v) = vllm {
+                match self.kind {
+                    Kind::Chat => e["prompt_logprobs"] = v,
+                    Kind::Completion => c["prompt_logprobs"] = v,
+                }
+            }
+            e["choices"] = json!([c]);
+            self.out.push_back(SseEvent::default().data(e.to_string()));
         }
+        let announce = chat && !self.choices[i].announced;
+        let Some(ev) = ev else {
+            return true;
+        };
         match ev {
-            // Only an echo shows the prompt's log-probabilities.
             Event::Prompt { .. } => true,
             Event::Text { text, logprobs, .. } => {
                 self.choices[i].pending_lp.extend(logprobs);
@@ -554,8 +633,34 @@ mod tests {
             token: TokenId(token),
             bytes: text.as_bytes().to_vec(),
             logprob,
+            rank: 1,
             top: vec![(TokenId(token), text.as_bytes().to_vec(), logprob)],
         }
+    }
+
+    /// vLLM's shape: `null` first, then the token's own entry and its
+    /// alternatives' by id, with ranks (equal values share one).
+    #[test]
+    fn vllm_prompt_logprobs_key_entries_by_token_id() {
+        let mut second = lp(7, " sky", -2.0);
+        second.rank = 3;
+        second.top = vec![
+            (TokenId(8), b" sea".to_vec(), -0.5),
+            (TokenId(9), b" sun".to_vec(), -0.5),
+            (TokenId(7), b" sky".to_vec(), -2.0),
+        ];
+        let scores = ((TokenId(1), b"The".to_vec()), vec![second]);
+        assert_eq!(
+            vllm_prompt_logprobs(&scores, 2),
+            json!([null, {
+                "8": {"logprob": -0.5, "rank": 1, "decoded_token": " sea"},
+                "9": {"logprob": -0.5, "rank": 1, "decoded_token": " sun"},
+                "7": {"logprob": -2.0, "rank": 3, "decoded_token": " sky"},
+            }])
+        );
+        // The echo's view of the same scores keeps its own count.
+        let lists = prompt_logprobs_json(&scores, 1);
+        assert_eq!(lists["top_logprobs"], json!([null, {" sea": -0.5}]));
     }
 
     /// An echoed prompt's lists come first: its first token with `null`s,
@@ -571,7 +676,10 @@ mod tests {
             siliceo_core::FinishReason::Length,
             None,
             Some(&generated),
-            Some(("The sky", Some(&(first, prompt)))),
+            Some(Echoed {
+                text: "The sky",
+                scores: Some((&(first, prompt), 1)),
+            }),
         );
         assert_eq!(c["text"], "The sky is");
         assert_eq!(

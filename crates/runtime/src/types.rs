@@ -328,6 +328,8 @@ pub struct TokenLogprob {
     pub bytes: Vec<u8>,
     /// Its natural-log probability.
     pub logprob: f32,
+    /// Its rank in the vocabulary: 1 + how many tokens are more likely.
+    pub rank: u32,
     /// The `top_logprobs` most likely tokens, most likely first:
     /// `(token, bytes, logprob)`.
     pub top: Vec<(TokenId, Vec<u8>, f32)>,

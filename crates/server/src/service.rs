@@ -186,6 +186,7 @@ fn token_logprob_pb(l: siliceo_runtime::TokenLogprob) -> pb::TokenLogprob {
         token_id: l.token.0,
         bytes: l.bytes,
         logprob: l.logprob,
+        rank: l.rank,
         top: l
             .top
             .into_iter()
@@ -322,6 +323,7 @@ impl Stream for GenerateStream {
                     bytes: first.1,
                     logprob: 0.0,
                     top: Vec::new(),
+                    rank: 0,
                 };
                 let prompt_logprobs = std::iter::once(first)
                     .chain(logprobs.into_iter().map(token_logprob_pb))

@@ -17,6 +17,11 @@ fn logprob_of(model: &siliceo_engine::Model, row: &[f32], token: TokenId, k: u32
     let sum: f64 = row.iter().map(|&l| f64::from(l - max).exp()).sum();
     let lse = max + sum.ln() as f32;
     let lp = |t: u32| row.get(t as usize).map_or(f32::NEG_INFINITY, |&l| l - lse);
+    let own = row
+        .get(token.0 as usize)
+        .copied()
+        .unwrap_or(f32::NEG_INFINITY);
+    let rank = 1 + row.iter().filter(|&&l| l > own).count() as u32;
     let mut top: Vec<u32> = Vec::new();
     if k > 0 {
         let mut ids: Vec<u32> = (0..row.len() as u32).collect();
@@ -32,6 +37,7 @@ fn logprob_of(model: &siliceo_engine::Model, row: &[f32], token: TokenId, k: u32
         token,
         bytes: model.token_bytes(token, false),
         logprob: lp(token.0),
+        rank,
         top: top
             .into_iter()
             .map(|t| (TokenId(t), model.token_bytes(TokenId(t), false), lp(t)))

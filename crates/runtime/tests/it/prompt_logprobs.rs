@@ -106,9 +106,14 @@ fn prompt_logprobs_equal_the_decoding_ones_and_skip_the_cache() {
             assert!(l.logprob <= 0.0 && l.logprob.is_finite(), "{l:?}");
             assert_eq!(l.top.len(), 3);
             assert!(l.top.windows(2).all(|w| w[0].2 >= w[1].2), "{l:?}");
-            // The token's own value where it is among the alternatives.
-            if let Some(t) = l.top.iter().find(|t| t.0 == l.token) {
-                assert_eq!(t.2, l.logprob);
+            // The token's own value and rank where it is among the
+            // alternatives (which come in rank order).
+            if let Some(at) = l.top.iter().position(|t| t.0 == l.token) {
+                assert_eq!(l.top[at].2, l.logprob);
+                let ahead = l.top[..at].iter().filter(|t| t.2 > l.logprob).count();
+                assert_eq!(l.rank as usize, ahead + 1, "{l:?}");
+            } else {
+                assert!(l.rank as usize > l.top.len(), "{l:?}");
             }
         }
         let tail = &scored[scored.len() - generated.len()..];
