@@ -757,3 +757,40 @@ def test_vllm_prompt_logprobs_on_both_endpoints(server, grpc_api):
         c.chat.completions.create(model="", messages=QUESTION, max_tokens=1, extra_body={"prompt_logprobs": -1})
     assert e.value.body["param"] == "prompt_logprobs"
     server.wait_idle()
+
+
+def test_n_choices_share_one_scoring_of_the_prompt(server, grpc_api):
+    """`n` choices with `echo` and `logprobs`: the prompt is scored once (by
+    choice 0, without the cache) and every choice echoes those scores; the
+    other choices find the prompt in the cache."""
+    pb, stub, meta = grpc_api
+
+    def kv():
+        return stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=meta).kv
+
+    prompt = "Scored words: " + " ".join(f"s{i}y" for i in range(60))
+    before = kv()
+    r = client(server).completions.create(
+        model="", prompt=prompt, max_tokens=3, n=3, seed=2, echo=True, logprobs=1
+    )
+    after = kv()
+    p = r.usage.prompt_tokens
+    assert p > 64
+    hits = after.prefix_hit_tokens - before.prefix_hit_tokens
+    misses = after.prefix_miss_tokens - before.prefix_miss_tokens
+    # Choice 0 looks nothing up; choices 1 and 2 find all but the last token.
+    assert (hits, misses) == (2 * (p - 1), 2), (hits, misses, p)
+    heads = [c.logprobs.token_logprobs[:p] for c in r.choices]
+    assert heads[0][0] is None and all(h == heads[0] for h in heads)
+    assert all(c.text.startswith(prompt) for c in r.choices)
+    # Streamed, each choice's first chunk echoes the same scores.
+    chunks = list(client(server).completions.create(
+        model="", prompt=prompt, max_tokens=3, n=3, seed=2, echo=True, logprobs=1, stream=True
+    ))
+    firsts = {}
+    for ch in chunks:
+        for c in ch.choices:
+            firsts.setdefault(c.index, c)
+    assert sorted(firsts) == [0, 1, 2]
+    assert all(f.text == prompt and f.logprobs.token_logprobs == heads[0] for f in firsts.values())
+    server.wait_idle()

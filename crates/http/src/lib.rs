@@ -50,7 +50,6 @@ use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
 pub use error::ApiError;
 pub use openai::MAX_N;
 
-use openai::Plan;
 use stream::{ChoiceStream, Kind, StreamHead};
 
 /// How the HTTP API is served.
@@ -467,9 +466,12 @@ async fn completions(
 
 /// Submits choice `i` and waits until the engine has queued it, so a
 /// request it refuses is answered with an error status, not a 200 stream.
-async fn start(s: &AppState, plan: &Plan, i: u32) -> Result<RequestStream, ApiError> {
+async fn start(
+    s: &AppState,
+    req: siliceo_runtime::GenerateRequest,
+) -> Result<RequestStream, ApiError> {
     let (stream, _) =
-        s.rt.submit_accepted(plan.choice(i))
+        s.rt.submit_accepted(req)
             .await
             .map_err(|e| ApiError::from_runtime(&e))?;
     Ok(stream)
@@ -523,16 +525,29 @@ async fn generate(
     let created = now_s();
     let model = s.model_ids[0].clone();
     // Choice 0 first: a refused request fails before any other is queued.
-    let mut first = start(s, &plan, 0).await?;
+    let mut first = start(s, plan.choice(0)).await?;
     let mut started = Vec::with_capacity(plan.n as usize);
     if plan.n > 1 {
         // The other choices start once choice 0 has its first token: its
         // prompt's KV is then in the prefix cache, so the prompt is computed
         // once and the others share its blocks.
         let ev = first.next().await;
+        // A scored prompt is scored once: choice 0's scores (its first
+        // event) go to every choice, and the others reuse the cache. A
+        // request that only scores generates nothing to share.
+        let scores = match &ev {
+            Some(p @ Event::Prompt { .. }) if plan.request.sampling.max_tokens > 0 => {
+                Some(p.clone())
+            }
+            _ => None,
+        };
         started.push((first, ev));
         for i in 1..plan.n {
-            started.push((start(s, &plan, i).await?, None));
+            let mut req = plan.choice(i);
+            if scores.is_some() {
+                req.prompt_logprobs = None;
+            }
+            started.push((start(s, req).await?, scores.clone()));
         }
     } else {
         started.push((first, None));
