@@ -76,6 +76,14 @@ impl ApiError {
         e
     }
 
+    /// 404 for something kept by id that is not there (`param`: the field
+    /// that named it, when one did).
+    pub fn not_found(param: Option<&str>, message: impl Into<String>) -> Self {
+        let mut e = Self::new(StatusCode::NOT_FOUND, "invalid_request_error", message);
+        e.param = param.map(str::to_string);
+        e
+    }
+
     /// 404 for an unknown path.
     pub fn no_route(path: &str) -> Self {
         Self::new(

@@ -21,6 +21,7 @@
 
 mod error;
 mod openai;
+mod responses;
 mod stream;
 mod tls;
 
@@ -70,6 +71,9 @@ pub struct HttpConfig {
     pub tls: Option<TlsIdentity>,
     /// Origins whose pages a browser lets call the API (CORS).
     pub allow_origins: AllowOrigins,
+    /// Memory for the Responses API's kept responses (`store`, which
+    /// `previous_response_id` continues); the oldest go first. 0: none kept.
+    pub responses_store_bytes: usize,
 }
 
 /// The origins whose pages may call the API from a browser (CORS); none by
@@ -146,9 +150,13 @@ impl Default for HttpConfig {
             embeddings: None,
             tls: None,
             allow_origins: AllowOrigins::None,
+            responses_store_bytes: DEFAULT_RESPONSES_STORE_BYTES,
         }
     }
 }
+
+/// The Responses API's default memory for kept responses: 64 MiB.
+pub const DEFAULT_RESPONSES_STORE_BYTES: usize = 64 << 20;
 
 #[derive(Debug)]
 struct AppState {
@@ -158,6 +166,8 @@ struct AppState {
     max_request_bytes: usize,
     embeddings: Option<Arc<EmbeddingService>>,
     created: u64,
+    /// The Responses API's kept responses.
+    responses: Arc<responses::ResponseStore>,
 }
 
 fn now_s() -> u64 {
@@ -183,10 +193,20 @@ pub fn router(rt: Arc<Runtime>, cfg: &HttpConfig) -> Router {
         max_request_bytes: cfg.max_request_bytes,
         embeddings: cfg.embeddings.clone(),
         created: now_s(),
+        responses: Arc::new(responses::ResponseStore::new(cfg.responses_store_bytes)),
     });
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(responses::create))
+        .route(
+            "/v1/responses/{id}",
+            get(responses::retrieve).delete(responses::delete),
+        )
+        .route(
+            "/v1/responses/{id}/input_items",
+            get(responses::input_items),
+        )
         .route("/v1/embeddings", post(embeddings))
         .route("/v1/rerank", post(rerank))
         .route("/v1/models", get(models))
@@ -477,6 +497,33 @@ async fn start(
     Ok(stream)
 }
 
+/// Tools: the model's syntax parses calls out of its answers, and a
+/// required or named call is forced by a grammar with the tools' schemas.
+/// The syntax, when the plan offers tools.
+fn resolve_tools(
+    s: &AppState,
+    plan: &mut openai::Plan,
+) -> Result<Option<siliceo_runtime::ToolSyntax>, ApiError> {
+    let Some(tp) = &plan.tools else {
+        return Ok(None);
+    };
+    let syntax =
+        s.rt.chat_template()
+            .and_then(|t| t.tool_syntax())
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "tools",
+                    "the model's chat template has no tool-call syntax siliceo knows \
+                 (`<tool_call>` as Qwen2.5 and Hermes write it, or Mistral's `[TOOL_CALLS]`)",
+                )
+            })?;
+    if let Some(c) = syntax.constraint(&plan.request.tools, &tp.choice, tp.parallel) {
+        plan.request.constraint = Some(c);
+        plan.request.constraint_field = "tools";
+    }
+    Ok(Some(syntax))
+}
+
 /// Serves a chat or text completion request.
 async fn generate(
     s: &AppState,
@@ -490,29 +537,7 @@ async fn generate(
         Kind::Chat => openai::chat_plan(field_of(&v)?, common)?,
         Kind::Completion => openai::completion_plan(field_of(&v)?, common)?,
     };
-    // Tools: the model's syntax parses calls out of its answers, and a
-    // required or named call is forced by a grammar with the tools' schemas.
-    let tools = match &plan.tools {
-        None => None,
-        Some(tp) => {
-            let syntax = s
-                .rt
-                .chat_template()
-                .and_then(|t| t.tool_syntax())
-                .ok_or_else(|| {
-                    ApiError::invalid(
-                        "tools",
-                        "the model's chat template has no tool-call syntax siliceo knows \
-                         (`<tool_call>` as Qwen2.5 and Hermes write it, or Mistral's `[TOOL_CALLS]`)",
-                    )
-                })?;
-            if let Some(c) = syntax.constraint(&plan.request.tools, &tp.choice, tp.parallel) {
-                plan.request.constraint = Some(c);
-                plan.request.constraint_field = "tools";
-            }
-            Some(syntax)
-        }
-    };
+    let tools = resolve_tools(s, &mut plan)?;
     // The text an echo returns: a text prompt as it came, token ids as text.
     let echo = match &plan.echo {
         None => None,

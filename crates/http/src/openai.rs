@@ -538,7 +538,7 @@ pub fn completion_plan(r: CompletionRequest, common: Common) -> Result<Plan, Api
 }
 
 /// Alternatives per token: at most [`MAX_TOP_LOGPROBS`].
-fn check_top(k: u32, field: &'static str) -> Result<u32, ApiError> {
+pub(crate) fn check_top(k: u32, field: &'static str) -> Result<u32, ApiError> {
     if k > MAX_TOP_LOGPROBS {
         return Err(ApiError::invalid(
             field,
@@ -566,6 +566,19 @@ pub fn chat_plan(r: ChatRequest, common: Common) -> Result<Plan, ApiError> {
     let tools = tools_of(r.tools.unwrap_or_default())?;
     let choice = tool_choice_of(r.tool_choice.as_ref(), &tools)?;
     let msgs = messages_of(r.messages)?;
+    let parallel = r.parallel_tool_calls.unwrap_or(true);
+    conversation_plan(msgs, (tools, choice, parallel), logprobs, common)
+}
+
+/// A chat's plan once its messages and tools are read (chat completions and
+/// the Responses API): `tools` with their choice and whether calls may be
+/// parallel.
+pub(crate) fn conversation_plan(
+    msgs: Vec<ChatMessage>,
+    (tools, choice, parallel): (Vec<Tool>, ToolChoice, bool),
+    logprobs: Option<u32>,
+    common: Common,
+) -> Result<Plan, ApiError> {
     let forced = matches!(choice, ToolChoice::Required | ToolChoice::Function(_));
     if forced
         && (common.response_format.is_some() || common.regex.is_some() || common.grammar.is_some())
@@ -575,7 +588,6 @@ pub fn chat_plan(r: ChatRequest, common: Common) -> Result<Plan, ApiError> {
             "a forced tool call cannot be combined with response_format, regex or grammar",
         ));
     }
-    let parallel = r.parallel_tool_calls.unwrap_or(true);
     let mut plan = plan(common, Input::Chat(msgs), false)?;
     plan.request.logprobs = logprobs;
     if !tools.is_empty() && choice != ToolChoice::None {
@@ -703,7 +715,7 @@ fn messages_of(messages: Vec<Message>) -> Result<Vec<ChatMessage>, ApiError> {
 }
 
 /// `tools`: functions with a name and an object schema.
-fn tools_of(wire: Vec<WireToolCall>) -> Result<Vec<Tool>, ApiError> {
+pub(crate) fn tools_of(wire: Vec<WireToolCall>) -> Result<Vec<Tool>, ApiError> {
     let mut tools: Vec<Tool> = Vec::with_capacity(wire.len());
     for (i, t) in wire.into_iter().enumerate() {
         if t.kind.as_deref().is_some_and(|k| k != "function") {
@@ -750,7 +762,10 @@ fn tools_of(wire: Vec<WireToolCall>) -> Result<Vec<Tool>, ApiError> {
 }
 
 /// `tool_choice` (default `auto` with tools, `none` without).
-fn tool_choice_of(v: Option<&serde_json::Value>, tools: &[Tool]) -> Result<ToolChoice, ApiError> {
+pub(crate) fn tool_choice_of(
+    v: Option<&serde_json::Value>,
+    tools: &[Tool],
+) -> Result<ToolChoice, ApiError> {
     let bad = || {
         ApiError::invalid(
             "tool_choice",

@@ -281,6 +281,57 @@ fn tool_call_json(index: Option<usize>, name: &str, args: &str) -> Value {
     v
 }
 
+/// Text held back from a stream while it may be a tool call: a call's
+/// start and all after it until the end, and a tail that may begin a
+/// call's marker.
+#[derive(Debug, Default)]
+pub(crate) struct CallGuard {
+    held: String,
+    /// A call has started: everything from here on is held.
+    in_call: bool,
+}
+
+impl CallGuard {
+    /// Takes the model's next text; returns what of it can go out now.
+    pub(crate) fn push(&mut self, syntax: ToolSyntax, text: String) -> String {
+        self.held.push_str(&text);
+        if self.in_call {
+            return String::new();
+        }
+        let markers = syntax.start_markers();
+        if let Some(at) = markers.iter().filter_map(|m| self.held.find(m)).min() {
+            self.in_call = true;
+            let rest = self.held.split_off(at);
+            return std::mem::replace(&mut self.held, rest);
+        }
+        // The longest tail of `held` that begins a marker stays.
+        let held = &self.held;
+        let keep = markers
+            .iter()
+            .filter_map(|m| {
+                (1..m.len().min(held.len() + 1))
+                    .rev()
+                    .find(|&k| held.is_char_boundary(held.len() - k) && held.ends_with(&m[..k]))
+            })
+            .max()
+            .unwrap_or(0);
+        let tail = self.held.split_off(self.held.len() - keep);
+        std::mem::replace(&mut self.held, tail)
+    }
+
+    /// At the end: the calls written, or (none parsed) the text held back,
+    /// which then goes out as text.
+    pub(crate) fn finish(&mut self, syntax: ToolSyntax) -> (String, Vec<(String, String)>) {
+        let held = std::mem::take(&mut self.held);
+        let calls = if self.in_call {
+            syntax.parse(&held).calls
+        } else {
+            Vec::new()
+        };
+        (held, calls)
+    }
+}
+
 struct Choice {
     stream: RequestStream,
     /// An event read before the response started.
@@ -288,11 +339,8 @@ struct Choice {
     /// The role went out (chat's first chunk carries it).
     announced: bool,
     done: bool,
-    /// Text held back: a possible start of a tool call, or a call being
-    /// written (sent as `tool_calls` when it is complete).
-    held: String,
-    /// A call has started: everything from here on is held.
-    in_call: bool,
+    /// Text held back while it may be a tool call.
+    guard: CallGuard,
     /// Log-probabilities of tokens whose text has not gone out yet.
     pending_lp: Vec<TokenLogprob>,
     /// Text offset of the next token (completions' logprobs).
@@ -367,8 +415,7 @@ impl ChoiceStream {
                     first,
                     announced: false,
                     done: false,
-                    held: String::new(),
-                    in_call: false,
+                    guard: CallGuard::default(),
                     pending_lp: Vec::new(),
                     offset: 0,
                     echo: echo.clone(),
@@ -449,7 +496,7 @@ impl ChoiceStream {
             Event::Text { text, logprobs, .. } => {
                 self.choices[i].pending_lp.extend(logprobs);
                 let text = match self.tools {
-                    Some(syntax) if chat => self.hold_back(i, syntax, text),
+                    Some(syntax) if chat => self.choices[i].guard.push(syntax, text),
                     _ => text,
                 };
                 if text.is_empty() && !announce {
@@ -481,12 +528,7 @@ impl ChoiceStream {
                 self.usage.completion_tokens += usage.completion_tokens;
                 let mut finish = finish_name(finish_reason);
                 if let Some(syntax) = self.tools.filter(|_| chat) {
-                    let held = std::mem::take(&mut self.choices[i].held);
-                    let calls = if self.choices[i].in_call {
-                        syntax.parse(&held).calls
-                    } else {
-                        Vec::new()
-                    };
+                    let (held, calls) = self.choices[i].guard.finish(syntax);
                     if !calls.is_empty() {
                         // The calls, one chunk each, as OpenAI streams them.
                         for (k, (name, args)) in calls.iter().enumerate() {
@@ -527,36 +569,6 @@ impl ChoiceStream {
         }
         let lps = std::mem::take(&mut c.pending_lp);
         logprobs_json(self.kind, &lps, &mut c.offset)
-    }
-
-    /// With tools: what of `text` can go out now. A call's start and all
-    /// after it is held until the end; so is a tail that may be the start
-    /// of a call's marker.
-    fn hold_back(&mut self, i: usize, syntax: ToolSyntax, text: String) -> String {
-        let c = &mut self.choices[i];
-        c.held.push_str(&text);
-        if c.in_call {
-            return String::new();
-        }
-        let markers = syntax.start_markers();
-        if let Some(at) = markers.iter().filter_map(|m| c.held.find(m)).min() {
-            c.in_call = true;
-            let rest = c.held.split_off(at);
-            return std::mem::replace(&mut c.held, rest);
-        }
-        // The longest tail of `held` that begins a marker stays.
-        let held = &c.held;
-        let keep = markers
-            .iter()
-            .filter_map(|m| {
-                (1..m.len().min(held.len() + 1))
-                    .rev()
-                    .find(|&k| held.is_char_boundary(held.len() - k) && held.ends_with(&m[..k]))
-            })
-            .max()
-            .unwrap_or(0);
-        let tail = c.held.split_off(c.held.len() - keep);
-        std::mem::replace(&mut c.held, tail)
     }
 
     fn finish(&mut self) {

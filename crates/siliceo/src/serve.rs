@@ -120,6 +120,11 @@ pub struct ServeArgs {
     /// Largest request message in bytes [default: 4194304].
     #[arg(long)]
     max_request_bytes: Option<usize>,
+    /// Memory in MiB for the Responses API's kept responses (what
+    /// `previous_response_id` continues and `GET /v1/responses/{id}`
+    /// returns; the oldest go first), 0 to keep none [default: 64].
+    #[arg(long)]
+    responses_store_mb: Option<usize>,
     /// Serve gRPC and the HTTP API over TLS with this PEM certificate chain
     /// (with --tls-key).
     #[arg(long, requires = "tls_key")]
@@ -184,6 +189,7 @@ impl ServeArgs {
             no_prefix_cache: self.no_prefix_cache || file.no_prefix_cache,
             shutdown_grace_s: self.shutdown_grace_s.or(file.shutdown_grace_s),
             max_request_bytes: self.max_request_bytes.or(file.max_request_bytes),
+            responses_store_mb: self.responses_store_mb.or(file.responses_store_mb),
             spec_ngram: self.spec_ngram || file.spec_ngram,
             spec_max_draft: self.spec_max_draft.or(file.spec_max_draft),
             spec_tree_width: self.spec_tree_width.or(file.spec_tree_width),
@@ -335,6 +341,9 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig, Option<HttpConf
                 api_key: sc.api_key.clone(),
                 max_request_bytes: sc.max_request_bytes,
                 tls: sc.tls.clone(),
+                responses_store_bytes: a
+                    .responses_store_mb
+                    .map_or(siliceo_http::DEFAULT_RESPONSES_STORE_BYTES, |mb| mb << 20),
                 ..HttpConfig::default()
             })
         }

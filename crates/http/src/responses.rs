@@ -1,0 +1,1623 @@
+//! OpenAI's Responses API: `POST /v1/responses` (whole, or streamed as
+//! typed server-sent events), and the responses this server keeps:
+//! `GET`/`DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`.
+//!
+//! A response runs as a chat: `instructions` become a system message, then
+//! the conversation of `previous_response_id` (kept in memory, oldest
+//! dropped first past a byte budget), then `input`'s items: messages,
+//! `function_call`s and their `function_call_output`s. Its output is a
+//! `message` item and, when the model calls tools, `function_call` items.
+//! The text, the tool calls and the streamed events come from one state
+//! machine, [`Builder`], for both the whole and the streamed answer.
+//!
+//! Everything a chat completion serves is served here under the Responses
+//! API's names (`max_output_tokens`, `text.format`, flat `tools`,
+//! `include: ["message.output_text.logprobs"]` with `top_logprobs`), and the
+//! chat's extensions (`seed`, `top_k`, `stop`, `priority`, …) are taken as
+//! they are. What this server cannot do (built-in tools, images and files,
+//! `background`, `truncation: auto`, reasoning) is a 400 naming the field.
+
+use std::collections::{HashMap, VecDeque};
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::http::Uri;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+use siliceo_core::FinishReason;
+use siliceo_runtime::{
+    Event, Message as ChatMessage, RequestStream, RuntimeError, TokenLogprob, ToolCall, ToolSyntax,
+    Usage,
+};
+use tokio_stream::Stream;
+
+use crate::error::ApiError;
+use crate::openai::{self, Common, Plan, WireFunction, WireToolCall};
+use crate::stream::{CallGuard, Kind, logprobs_json};
+use crate::{AppState, body_json, field_of, now_s, start, uuid_like};
+
+/// The `include` value that asks for the output's log-probabilities.
+const INCLUDE_LOGPROBS: &str = "message.output_text.logprobs";
+
+/// `POST /v1/responses`: what is read beside [`Common`] (sampling, the
+/// chat's extensions).
+#[derive(Debug, Deserialize)]
+pub(crate) struct ResponsesRequest {
+    input: Option<WireInput>,
+    instructions: Option<String>,
+    max_output_tokens: Option<u32>,
+    tools: Option<Vec<WireTool>>,
+    tool_choice: Option<Value>,
+    parallel_tool_calls: Option<bool>,
+    text: Option<TextConfig>,
+    previous_response_id: Option<String>,
+    store: Option<bool>,
+    metadata: Option<HashMap<String, String>>,
+    top_logprobs: Option<u32>,
+    include: Option<Vec<String>>,
+    reasoning: Option<ReasoningConfig>,
+    truncation: Option<String>,
+    #[serde(default, deserialize_with = "openai::or_default")]
+    background: bool,
+    conversation: Option<Value>,
+    prompt: Option<Value>,
+}
+
+/// `input`: a user's text, or a list of items.
+#[derive(Debug, Deserialize)]
+#[serde(untagged, expecting = "a string or an array of input items")]
+enum WireInput {
+    Text(String),
+    Items(Vec<Value>),
+}
+
+/// `tools[i]`: the Responses API's flat function tool.
+#[derive(Debug, Deserialize)]
+struct WireTool {
+    #[serde(rename = "type")]
+    kind: String,
+    name: Option<String>,
+    description: Option<String>,
+    parameters: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+struct TextConfig {
+    format: Option<Value>,
+    verbosity: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ReasoningConfig {
+    effort: Option<String>,
+    summary: Option<String>,
+}
+
+/// A request read and checked: what to run, and what the response repeats
+/// and keeps.
+pub(crate) struct Prepared {
+    pub(crate) plan: Plan,
+    head: Head,
+    /// `input`'s items as `input_items` lists them (with ids).
+    input_items: Vec<Value>,
+    /// The conversation so far without `instructions` (a later response
+    /// sets its own): the previous response's, then `input`'s messages.
+    conversation: Vec<ChatMessage>,
+    /// Output tokens' log-probabilities go in the output text.
+    logprobs: bool,
+}
+
+/// What every response object of one request repeats.
+struct Head {
+    id: String,
+    created_at: u64,
+    model: String,
+    /// The request's settings, echoed in the response object.
+    echo: Map<String, Value>,
+    store: bool,
+}
+
+/// A response this server keeps for `previous_response_id` and `GET`.
+#[derive(Debug)]
+pub(crate) struct Stored {
+    response: Value,
+    input_items: Vec<Value>,
+    /// The conversation with this response's answer last.
+    conversation: Vec<ChatMessage>,
+    bytes: usize,
+}
+
+/// The responses kept in memory, within a byte budget; the oldest go first.
+#[derive(Debug)]
+pub(crate) struct ResponseStore {
+    max_bytes: usize,
+    inner: Mutex<StoreInner>,
+}
+
+#[derive(Debug, Default)]
+struct StoreInner {
+    map: HashMap<String, Arc<Stored>>,
+    order: VecDeque<String>,
+    bytes: usize,
+}
+
+impl ResponseStore {
+    /// A store of at most `max_bytes` (0: nothing is kept).
+    pub(crate) fn new(max_bytes: usize) -> Self {
+        ResponseStore {
+            max_bytes,
+            inner: Mutex::new(StoreInner::default()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, StoreInner> {
+        // A panic elsewhere cannot leave the maps inconsistent: every
+        // change below completes under the lock.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn put(
+        &self,
+        id: String,
+        response: Value,
+        input_items: Vec<Value>,
+        conversation: Vec<ChatMessage>,
+    ) {
+        let bytes = response.to_string().len()
+            + input_items
+                .iter()
+                .map(|i| i.to_string().len())
+                .sum::<usize>()
+            + serde_json::to_vec(&conversation).map_or(0, |v| v.len());
+        if bytes > self.max_bytes {
+            return;
+        }
+        let mut s = self.lock();
+        while s.bytes + bytes > self.max_bytes {
+            let Some(old) = s.order.pop_front() else {
+                break;
+            };
+            if let Some(o) = s.map.remove(&old) {
+                s.bytes -= o.bytes;
+            }
+        }
+        s.bytes += bytes;
+        s.order.push_back(id.clone());
+        let stored = Stored {
+            response,
+            input_items,
+            conversation,
+            bytes,
+        };
+        s.map.insert(id, Arc::new(stored));
+    }
+
+    fn get(&self, id: &str) -> Option<Arc<Stored>> {
+        self.lock().map.get(id).cloned()
+    }
+
+    fn remove(&self, id: &str) -> bool {
+        let mut s = self.lock();
+        match s.map.remove(id) {
+            Some(o) => {
+                s.bytes -= o.bytes;
+                s.order.retain(|k| k != id);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Responses kept and their bytes.
+    #[cfg(test)]
+    fn usage(&self) -> (usize, usize) {
+        let s = self.lock();
+        (s.map.len(), s.bytes)
+    }
+}
+
+/// `e` in the Responses API's terms: a field named by the chat code it went
+/// through (`messages`, `max_tokens`, `response_format.json_schema.schema`)
+/// is renamed, in its `param` and its message.
+fn renamed(mut e: ApiError) -> ApiError {
+    const NAMES: [(&str, &str); 6] = [
+        ("response_format.json_schema", "text.format"),
+        ("response_format", "text.format"),
+        ("max_tokens", "max_output_tokens"),
+        ("max_completion_tokens", "max_output_tokens"),
+        ("messages", "input"),
+        ("prompt", "input"),
+    ];
+    let Some(param) = e.param.clone() else {
+        return e;
+    };
+    let tool = param.starts_with("tools[") && param.contains("].function.");
+    let to = if tool {
+        Some(param.replacen("].function.", "].", 1))
+    } else {
+        NAMES.iter().find_map(|(from, to)| {
+            let rest = param.strip_prefix(from)?;
+            (rest.is_empty() || rest.starts_with(['.', '['])).then(|| format!("{to}{rest}"))
+        })
+    };
+    if let Some(to) = to {
+        if let Some(rest) = e.message.strip_prefix(param.as_str()) {
+            e.message = format!("{to}{rest}");
+        }
+        e.param = Some(to);
+    }
+    e
+}
+
+/// The text of a message's `content` or a call's `output`: a string or
+/// text parts (`input_text`, `output_text`, `refusal`).
+fn text_of(v: Option<&Value>, at: &str) -> Result<String, ApiError> {
+    match v {
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for (j, p) in parts.iter().enumerate() {
+                let kind = p.get("type").and_then(Value::as_str).unwrap_or_default();
+                let key = match kind {
+                    "input_text" | "output_text" | "text" => "text",
+                    "refusal" => "refusal",
+                    "" => return Err(ApiError::invalid(format!("{at}[{j}].type"), "required")),
+                    other => {
+                        return Err(ApiError::unsupported(
+                            &format!("{at}[{j}].type"),
+                            &format!("content of type `{other}`"),
+                        ));
+                    }
+                };
+                let t = p.get(key).and_then(Value::as_str).ok_or_else(|| {
+                    ApiError::invalid(format!("{at}[{j}].{key}"), "must be a string")
+                })?;
+                text.push_str(t);
+            }
+            Ok(text)
+        }
+        _ => Err(ApiError::invalid(
+            at,
+            "must be a string or a list of content parts",
+        )),
+    }
+}
+
+fn str_field<'a>(item: &'a Map<String, Value>, at: &str, key: &str) -> Result<&'a str, ApiError> {
+    item.get(key)
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty())
+        .ok_or_else(|| ApiError::invalid(format!("{at}.{key}"), "required, a non-empty string"))
+}
+
+/// `input` as chat messages (after `prior`, the conversation so far) and
+/// as `input_items` lists it (each item with an id).
+fn read_input(
+    input: WireInput,
+    prior: &[ChatMessage],
+) -> Result<(Vec<ChatMessage>, Vec<Value>), ApiError> {
+    let items = match input {
+        WireInput::Text(t) => {
+            let item = json!({"type": "message", "role": "user", "content": t});
+            return read_input(WireInput::Items(vec![item]), prior).map_err(|mut e| {
+                // One text has one name.
+                e.param = Some("input".into());
+                e
+            });
+        }
+        WireInput::Items(v) if v.is_empty() => {
+            return Err(ApiError::invalid("input", "at least one item is required"));
+        }
+        WireInput::Items(v) => v,
+    };
+    let mut msgs: Vec<ChatMessage> = Vec::with_capacity(items.len());
+    let mut listed = Vec::with_capacity(items.len());
+    for (i, item) in items.into_iter().enumerate() {
+        let at = format!("input[{i}]");
+        let Value::Object(mut obj) = item else {
+            return Err(ApiError::invalid(
+                at,
+                "must be an object: a message or an item",
+            ));
+        };
+        let kind = match obj.get("type") {
+            None | Some(Value::Null) if obj.contains_key("role") => "message".to_string(),
+            Some(Value::String(t)) => t.clone(),
+            _ => return Err(ApiError::invalid(format!("{at}.type"), "required")),
+        };
+        let prefix = match kind.as_str() {
+            "message" => {
+                let role = str_field(&obj, &at, "role")?.to_string();
+                let content = text_of(obj.get("content"), &format!("{at}.content"))?;
+                let msg = ChatMessage {
+                    role: role.clone(),
+                    content: Some(content.clone()),
+                    ..ChatMessage::default()
+                };
+                msgs.push(
+                    msg.checked()
+                        .map_err(|(f, why)| ApiError::invalid(format!("{at}.{f}"), why))?,
+                );
+                if obj.get("content").is_some_and(Value::is_string) {
+                    let part = if role == "assistant" {
+                        "output_text"
+                    } else {
+                        "input_text"
+                    };
+                    obj.insert("content".into(), json!([{"type": part, "text": content}]));
+                }
+                obj.insert("type".into(), json!("message"));
+                "msg"
+            }
+            "function_call" => {
+                let call = ToolCall {
+                    id: str_field(&obj, &at, "call_id")?.to_string(),
+                    name: str_field(&obj, &at, "name")?.to_string(),
+                    arguments: obj
+                        .get("arguments")
+                        .and_then(Value::as_str)
+                        .filter(|a| serde_json::from_str::<Value>(a).is_ok())
+                        .ok_or_else(|| {
+                            ApiError::invalid(format!("{at}.arguments"), "must be JSON text")
+                        })?
+                        .to_string(),
+                };
+                // Calls after an assistant's text, or after each other, are
+                // that one turn's.
+                match msgs.last_mut() {
+                    Some(m) if m.role == "assistant" => m.tool_calls.push(call),
+                    _ => msgs.push(ChatMessage {
+                        role: "assistant".into(),
+                        tool_calls: vec![call],
+                        ..ChatMessage::default()
+                    }),
+                }
+                "fc"
+            }
+            "function_call_output" => {
+                let call_id = str_field(&obj, &at, "call_id")?.to_string();
+                let output = text_of(obj.get("output"), &format!("{at}.output"))?;
+                let name = prior
+                    .iter()
+                    .chain(&msgs)
+                    .flat_map(|m| &m.tool_calls)
+                    .find(|c| c.id == call_id)
+                    .map(|c| c.name.clone())
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            format!("{at}.call_id"),
+                            format!("no function_call with call_id `{call_id}` before it"),
+                        )
+                    })?;
+                msgs.push(ChatMessage {
+                    role: "tool".into(),
+                    content: Some(output),
+                    tool_call_id: Some(call_id),
+                    name: Some(name),
+                    ..ChatMessage::default()
+                });
+                "fco"
+            }
+            // Another model's reasoning: this one does not reason, and
+            // the item is opaque; it is listed, not shown to the model.
+            "reasoning" => "rs",
+            other => {
+                return Err(ApiError::unsupported(
+                    &format!("{at}.type"),
+                    &format!("input items of type `{other}`"),
+                ));
+            }
+        };
+        if !obj.contains_key("id") {
+            obj.insert("id".into(), json!(format!("{prefix}_{}", uuid_like())));
+        }
+        if !obj.contains_key("status") && kind != "reasoning" {
+            obj.insert("status".into(), json!("completed"));
+        }
+        listed.push(Value::Object(obj));
+    }
+    Ok((msgs, listed))
+}
+
+/// `text.format` as chat's `response_format`.
+fn response_format_of(format: Option<&Value>) -> Result<Option<Value>, ApiError> {
+    let Some(f) = format.filter(|f| !f.is_null()) else {
+        return Ok(None);
+    };
+    match f.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(json!({"type": "json_object"}))),
+        Some("json_schema") => {
+            let mut spec = Map::new();
+            for key in ["name", "schema", "strict"] {
+                if let Some(v) = f.get(key) {
+                    spec.insert(key.into(), v.clone());
+                }
+            }
+            Ok(Some(json!({"type": "json_schema", "json_schema": spec})))
+        }
+        _ => Err(ApiError::invalid(
+            "text.format.type",
+            "must be `text`, `json_object` or `json_schema`",
+        )),
+    }
+}
+
+/// Reads a request (`v`, its body, for the settings the response echoes)
+/// on top of `prior`, the previous response's conversation.
+pub(crate) fn prepare(
+    v: &Value,
+    r: ResponsesRequest,
+    mut common: Common,
+    prior: Option<&Stored>,
+    (model, can_store): (String, bool),
+) -> Result<Prepared, ApiError> {
+    // Chat completions' names for what the Responses API names otherwise.
+    if common.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::unsupported(
+            "n",
+            "more than one response per request",
+        ));
+    }
+    for (field, set) in [
+        ("max_tokens", common.max_tokens.is_some()),
+        (
+            "max_completion_tokens",
+            common.max_completion_tokens.is_some(),
+        ),
+    ] {
+        if set {
+            return Err(ApiError::invalid(
+                field,
+                "the Responses API's limit is `max_output_tokens`",
+            ));
+        }
+    }
+    if common.response_format.is_some() {
+        return Err(ApiError::invalid(
+            "response_format",
+            "the Responses API takes `text.format`",
+        ));
+    }
+    if common.prompt_logprobs.is_some() {
+        return Err(ApiError::unsupported(
+            "prompt_logprobs",
+            "prompt_logprobs on /v1/responses",
+        ));
+    }
+    // What cannot be served here is named, never ignored.
+    if r.background {
+        return Err(ApiError::unsupported("background", "background responses"));
+    }
+    if r.conversation.as_ref().is_some_and(|c| !c.is_null()) {
+        return Err(ApiError::unsupported(
+            "conversation",
+            "conversations (previous_response_id chains responses)",
+        ));
+    }
+    if r.prompt.as_ref().is_some_and(|p| !p.is_null()) {
+        return Err(ApiError::unsupported("prompt", "prompt templates"));
+    }
+    match r.truncation.as_deref() {
+        None | Some("disabled") => {}
+        Some("auto") => {
+            return Err(ApiError::unsupported(
+                "truncation",
+                "truncation `auto` (a conversation over the context is refused with 400)",
+            ));
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "truncation",
+                "must be `disabled` or `auto`",
+            ));
+        }
+    }
+    if let Some(effort) = r.reasoning.as_ref().and_then(|x| x.effort.as_deref())
+        && effort != "none"
+    {
+        return Err(ApiError::unsupported(
+            "reasoning.effort",
+            &format!("reasoning effort `{effort}` (this model does not reason)"),
+        ));
+    }
+    if r.reasoning
+        .as_ref()
+        .and_then(|x| x.summary.as_ref())
+        .is_some()
+    {
+        return Err(ApiError::unsupported(
+            "reasoning.summary",
+            "reasoning summaries (this model does not reason)",
+        ));
+    }
+    if let Some(vb) = r.text.as_ref().and_then(|t| t.verbosity.as_deref())
+        && vb != "medium"
+    {
+        return Err(ApiError::unsupported(
+            "text.verbosity",
+            &format!("verbosity `{vb}`"),
+        ));
+    }
+    if let Some(m) = &r.metadata {
+        if m.len() > 16 {
+            return Err(ApiError::invalid("metadata", "at most 16 pairs"));
+        }
+        if let Some(k) = m.keys().find(|k| k.chars().count() > 64) {
+            return Err(ApiError::invalid(
+                "metadata",
+                format!("key `{k}` is longer than 64 characters"),
+            ));
+        }
+        if m.values().any(|v| v.chars().count() > 512) {
+            return Err(ApiError::invalid(
+                "metadata",
+                "values are at most 512 characters",
+            ));
+        }
+    }
+    let mut logprobs = false;
+    for (i, what) in r.include.iter().flatten().enumerate() {
+        match what.as_str() {
+            INCLUDE_LOGPROBS => logprobs = true,
+            // Nothing to include: this model does not reason.
+            "reasoning.encrypted_content" => {}
+            other => {
+                return Err(ApiError::unsupported(
+                    &format!("include[{i}]"),
+                    &format!("including `{other}`"),
+                ));
+            }
+        }
+    }
+    let top = r
+        .top_logprobs
+        .map(|k| openai::check_top(k, "top_logprobs"))
+        .transpose()?;
+    let logprobs = (logprobs || top.is_some_and(|k| k > 0)).then_some(top.unwrap_or(0));
+
+    // The conversation: instructions, the previous response's, the input.
+    let input = r
+        .input
+        .ok_or_else(|| ApiError::invalid("input", "required"))?;
+    let prior_msgs = prior.map_or(&[][..], |p| p.conversation.as_slice());
+    let (new_msgs, input_items) = read_input(input, prior_msgs)?;
+    let mut conversation = prior_msgs.to_vec();
+    conversation.extend(new_msgs);
+    let mut msgs = Vec::with_capacity(conversation.len() + 1);
+    if let Some(i) = r.instructions.as_ref().filter(|i| !i.is_empty()) {
+        msgs.push(ChatMessage {
+            role: "system".into(),
+            content: Some(i.clone()),
+            ..ChatMessage::default()
+        });
+    }
+    msgs.extend(conversation.iter().cloned());
+
+    // Tools, flat in this API, as chat completions nest them.
+    let mut wire = Vec::new();
+    for (i, t) in r.tools.into_iter().flatten().enumerate() {
+        if t.kind != "function" {
+            return Err(ApiError::unsupported(
+                &format!("tools[{i}].type"),
+                &format!("`{}` tools (only `function` tools are served)", t.kind),
+            ));
+        }
+        let name = t
+            .name
+            .ok_or_else(|| ApiError::invalid(format!("tools[{i}].name"), "required"))?;
+        wire.push(WireToolCall {
+            id: None,
+            kind: Some("function".into()),
+            function: WireFunction {
+                name,
+                description: t.description,
+                parameters: t.parameters,
+                arguments: None,
+            },
+        });
+    }
+    let tools = openai::tools_of(wire).map_err(renamed)?;
+    let choice = match &r.tool_choice {
+        Some(Value::Object(o)) => match o.get("type").and_then(Value::as_str) {
+            Some("function") => {
+                let name = o.get("name").and_then(Value::as_str).ok_or_else(|| {
+                    ApiError::invalid("tool_choice.name", "required with type `function`")
+                })?;
+                Some(json!({"type": "function", "function": {"name": name}}))
+            }
+            Some(other) => {
+                return Err(ApiError::unsupported(
+                    "tool_choice.type",
+                    &format!("tool_choice of type `{other}`"),
+                ));
+            }
+            None => return Err(ApiError::invalid("tool_choice.type", "required")),
+        },
+        other => other.clone(),
+    };
+    let choice = openai::tool_choice_of(choice.as_ref(), &tools)?;
+    let parallel = r.parallel_tool_calls.unwrap_or(true);
+
+    let format = r.text.as_ref().and_then(|t| t.format.as_ref());
+    common.response_format = response_format_of(format)?;
+    common.max_tokens = r.max_output_tokens;
+    common.stream_options = None;
+    let mut plan = openai::conversation_plan(msgs, (tools, choice, parallel), logprobs, common)
+        .map_err(renamed)?;
+    plan.request.max_tokens_field = r.max_output_tokens.map(|_| "max_output_tokens");
+
+    // What the response object repeats of the request.
+    let store = can_store && r.store.unwrap_or(true);
+    let mut echo = Map::new();
+    let given = |k: &str, default: Value| match v.get(k) {
+        None | Some(Value::Null) => default,
+        Some(x) => x.clone(),
+    };
+    for (k, default) in [
+        ("instructions", Value::Null),
+        ("max_output_tokens", Value::Null),
+        ("max_tool_calls", Value::Null),
+        ("metadata", json!({})),
+        ("parallel_tool_calls", json!(true)),
+        ("previous_response_id", Value::Null),
+        ("prompt_cache_key", Value::Null),
+        ("safety_identifier", Value::Null),
+        ("temperature", json!(1.0)),
+        ("tool_choice", json!("auto")),
+        ("tools", json!([])),
+        ("top_logprobs", json!(0)),
+        ("top_p", json!(1.0)),
+        ("truncation", json!("disabled")),
+        ("user", Value::Null),
+    ] {
+        echo.insert(k.into(), given(k, default));
+    }
+    echo.insert(
+        "text".into(),
+        json!({"format": format.filter(|f| !f.is_null()).cloned().unwrap_or(json!({"type": "text"}))}),
+    );
+    echo.insert("reasoning".into(), json!({"effort": null, "summary": null}));
+    echo.insert("service_tier".into(), json!("default"));
+    echo.insert("background".into(), json!(false));
+    echo.insert("store".into(), json!(store));
+    Ok(Prepared {
+        plan,
+        head: Head {
+            id: format!("resp_{}", uuid_like()),
+            created_at: now_s(),
+            model,
+            echo,
+            store,
+        },
+        input_items,
+        conversation,
+        logprobs: logprobs.is_some(),
+    })
+}
+
+/// The Responses API's `usage`.
+fn usage_json(u: &Usage) -> Value {
+    json!({
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    })
+}
+
+/// Where a response stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Status {
+    InProgress,
+    Completed,
+    /// Cut short (`max_output_tokens`, or its deadline).
+    Incomplete,
+    Failed,
+}
+
+impl Status {
+    fn name(self) -> &'static str {
+        match self {
+            Status::InProgress => "in_progress",
+            Status::Completed => "completed",
+            Status::Incomplete => "incomplete",
+            Status::Failed => "failed",
+        }
+    }
+}
+
+/// One response's state machine: the runtime's events in, the Responses
+/// API's stream events out (each with its `type` and `sequence_number`),
+/// and at the end the response object, kept when asked.
+pub(crate) struct Builder {
+    head: Head,
+    syntax: Option<ToolSyntax>,
+    logprobs: bool,
+    seq: u64,
+    msg_id: String,
+    /// The message item was announced (`output_item.added`).
+    opened: bool,
+    text: String,
+    /// The output text's log-probability entries so far.
+    lps: Vec<Value>,
+    /// Log-probabilities of tokens whose text has not gone out yet.
+    pending: Vec<TokenLogprob>,
+    guard: CallGuard,
+    /// Finished output items.
+    output: Vec<Value>,
+    calls: Vec<ToolCall>,
+    status: Status,
+    /// When it ended (seconds since the epoch).
+    completed_at: Option<u64>,
+    usage: Option<Usage>,
+    failed: Option<ApiError>,
+    /// Where the finished response is kept, with its input and conversation.
+    keep: Option<(Arc<ResponseStore>, Vec<Value>, Vec<ChatMessage>)>,
+}
+
+impl Builder {
+    /// A builder for `p`'s response, kept in `store` when it asked for it;
+    /// `syntax`: the model's tool syntax when tools are offered.
+    pub(crate) fn new(
+        p: Prepared,
+        syntax: Option<ToolSyntax>,
+        store: &Arc<ResponseStore>,
+    ) -> (Self, Plan) {
+        let keep = p
+            .head
+            .store
+            .then(|| (store.clone(), p.input_items, p.conversation));
+        let b = Builder {
+            head: p.head,
+            syntax,
+            logprobs: p.logprobs,
+            seq: 0,
+            msg_id: format!("msg_{}", uuid_like()),
+            opened: false,
+            text: String::new(),
+            lps: Vec::new(),
+            pending: Vec::new(),
+            guard: CallGuard::default(),
+            output: Vec::new(),
+            calls: Vec::new(),
+            status: Status::InProgress,
+            completed_at: None,
+            usage: None,
+            failed: None,
+            keep,
+        };
+        (b, p.plan)
+    }
+
+    /// The response object as it stands.
+    pub(crate) fn response(&self) -> Value {
+        let mut v = json!({
+            "id": self.head.id,
+            "object": "response",
+            "created_at": self.head.created_at,
+            "status": self.status.name(),
+            "error": self.failed.as_ref().map(|e| json!({
+                "code": e.code.unwrap_or("server_error"),
+                "message": e.message,
+            })),
+            "incomplete_details": (self.status == Status::Incomplete)
+                .then(|| json!({"reason": "max_output_tokens"})),
+            "model": self.head.model,
+            "output": self.output,
+            "usage": self.usage.as_ref().map(usage_json),
+        });
+        if let Some(t) = self.completed_at {
+            v["completed_at"] = json!(t);
+        }
+        if let Value::Object(o) = &mut v {
+            o.extend(self.head.echo.clone());
+        }
+        v
+    }
+
+    fn event(&mut self, kind: &str, mut v: Value) -> Value {
+        v["type"] = json!(kind);
+        v["sequence_number"] = json!(self.seq);
+        self.seq += 1;
+        v
+    }
+
+    /// `response.created` and `response.in_progress`.
+    pub(crate) fn start(&mut self) -> Vec<Value> {
+        let r = self.response();
+        vec![
+            self.event("response.created", json!({"response": r})),
+            self.event("response.in_progress", json!({"response": r})),
+        ]
+    }
+
+    /// Whether the response has ended (its last event went out).
+    pub(crate) fn ended(&self) -> bool {
+        self.status != Status::InProgress
+    }
+
+    fn open(&mut self, out: &mut Vec<Value>) {
+        if self.opened {
+            return;
+        }
+        self.opened = true;
+        let item = json!({
+            "type": "message", "id": self.msg_id, "status": "in_progress",
+            "role": "assistant", "content": [],
+        });
+        let e = self.event(
+            "response.output_item.added",
+            json!({"output_index": 0, "item": item}),
+        );
+        out.push(e);
+        let part = json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []});
+        let e = self.event(
+            "response.content_part.added",
+            json!({"item_id": self.msg_id, "output_index": 0, "content_index": 0, "part": part}),
+        );
+        out.push(e);
+    }
+
+    /// The pending log-probabilities as output text entries.
+    fn take_logprobs(&mut self) -> Vec<Value> {
+        if self.pending.is_empty() {
+            return Vec::new();
+        }
+        let lps = std::mem::take(&mut self.pending);
+        match logprobs_json(Kind::Chat, &lps, &mut 0) {
+            Value::Object(mut o) => match o.remove("content") {
+                Some(Value::Array(a)) => a,
+                _ => Vec::new(),
+            },
+            _ => Vec::new(),
+        }
+    }
+
+    fn push_text(&mut self, text: &str, out: &mut Vec<Value>) {
+        if text.is_empty() {
+            return;
+        }
+        self.open(out);
+        let lps = self.take_logprobs();
+        self.text.push_str(text);
+        self.lps.extend(lps.iter().cloned());
+        let e = self.event(
+            "response.output_text.delta",
+            json!({
+                "item_id": self.msg_id, "output_index": 0, "content_index": 0,
+                "delta": text, "logprobs": lps,
+            }),
+        );
+        out.push(e);
+    }
+
+    /// The stream events for the runtime's next event.
+    pub(crate) fn on_event(&mut self, ev: Event) -> Vec<Value> {
+        let mut out = Vec::new();
+        match ev {
+            // Not asked for on this endpoint.
+            Event::Prompt { .. } => {}
+            Event::Text { text, logprobs, .. } => {
+                if self.logprobs {
+                    self.pending.extend(logprobs);
+                }
+                let text = match self.syntax {
+                    Some(s) => self.guard.push(s, text),
+                    None => text,
+                };
+                self.push_text(&text, &mut out);
+            }
+            Event::Done {
+                finish_reason,
+                usage,
+                error,
+            } => match error {
+                Some(e) => self.fail(ApiError::from_runtime(&e), &mut out),
+                None => self.finish(finish_reason, usage, &mut out),
+            },
+        }
+        out
+    }
+
+    /// Ends the response as failed (`response.failed`).
+    pub(crate) fn fail(&mut self, e: ApiError, out: &mut Vec<Value>) {
+        self.failed = Some(e);
+        self.status = Status::Failed;
+        let r = self.response();
+        out.push(self.event("response.failed", json!({"response": r})));
+    }
+
+    fn finish(&mut self, finish: FinishReason, usage: Usage, out: &mut Vec<Value>) {
+        let mut calls = Vec::new();
+        if let Some(syntax) = self.syntax {
+            let (held, parsed) = self.guard.finish(syntax);
+            if parsed.is_empty() {
+                self.push_text(&held, out);
+            }
+            calls = parsed;
+        }
+        let tail = self.take_logprobs();
+        self.lps.extend(tail);
+        self.status = match finish {
+            FinishReason::Stop => Status::Completed,
+            _ if !calls.is_empty() => Status::Completed,
+            _ => Status::Incomplete,
+        };
+        // A response always says something: an empty message if nothing.
+        if calls.is_empty() {
+            self.open(out);
+        }
+        if self.opened {
+            let part = json!({
+                "type": "output_text", "text": self.text, "annotations": [], "logprobs": self.lps,
+            });
+            let id = self.msg_id.clone();
+            let e = self.event(
+                "response.output_text.done",
+                json!({
+                    "item_id": id, "output_index": 0, "content_index": 0,
+                    "text": self.text, "logprobs": self.lps,
+                }),
+            );
+            out.push(e);
+            let e = self.event(
+                "response.content_part.done",
+                json!({"item_id": id, "output_index": 0, "content_index": 0, "part": part}),
+            );
+            out.push(e);
+            let item = json!({
+                "type": "message", "id": id,
+                "status": if self.status == Status::Incomplete { "incomplete" } else { "completed" },
+                "role": "assistant", "content": [part],
+            });
+            let e = self.event(
+                "response.output_item.done",
+                json!({"output_index": 0, "item": item}),
+            );
+            out.push(e);
+            self.output.push(item);
+        }
+        for (name, args) in calls {
+            let index = self.output.len();
+            let id = format!("fc_{}", uuid_like());
+            let call_id = format!("call_{}", uuid_like());
+            let item = |arguments: &str, status: &str| {
+                json!({
+                    "type": "function_call", "id": id, "call_id": call_id,
+                    "name": name, "arguments": arguments, "status": status,
+                })
+            };
+            let added = item("", "in_progress");
+            let done = item(&args, "completed");
+            let evs = [
+                (
+                    "response.output_item.added",
+                    json!({"output_index": index, "item": added}),
+                ),
+                (
+                    "response.function_call_arguments.delta",
+                    json!({"item_id": id, "output_index": index, "delta": args}),
+                ),
+                (
+                    "response.function_call_arguments.done",
+                    json!({"item_id": id, "output_index": index, "name": name, "arguments": args}),
+                ),
+                (
+                    "response.output_item.done",
+                    json!({"output_index": index, "item": done}),
+                ),
+            ];
+            for (kind, v) in evs {
+                let e = self.event(kind, v);
+                out.push(e);
+            }
+            self.output.push(done);
+            self.calls.push(ToolCall {
+                id: call_id,
+                name,
+                arguments: args,
+            });
+        }
+        self.usage = Some(usage);
+        self.completed_at = Some(now_s());
+        let r = self.response();
+        let kind = if self.status == Status::Completed {
+            "response.completed"
+        } else {
+            "response.incomplete"
+        };
+        out.push(self.event(kind, json!({"response": r})));
+        if let Some((store, items, mut conversation)) = self.keep.take() {
+            // The answer as the next turn's template will see it.
+            let content =
+                (!self.text.is_empty() || self.calls.is_empty()).then(|| self.text.clone());
+            conversation.push(ChatMessage {
+                role: "assistant".into(),
+                content,
+                tool_calls: self.calls.clone(),
+                ..ChatMessage::default()
+            });
+            store.put(self.head.id.clone(), r, items, conversation);
+        }
+    }
+}
+
+/// The SSE body of a streamed response. Dropping it (the client went away)
+/// drops the request's stream, which cancels it.
+pub(crate) struct ResponseEvents {
+    stream: RequestStream,
+    b: Builder,
+    out: VecDeque<Value>,
+}
+
+impl ResponseEvents {
+    pub(crate) fn new(stream: RequestStream, mut b: Builder) -> Self {
+        let out = b.start().into();
+        ResponseEvents { stream, b, out }
+    }
+}
+
+impl Stream for ResponseEvents {
+    type Item = Result<SseEvent, Infallible>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        loop {
+            if let Some(v) = this.out.pop_front() {
+                let kind = v["type"].as_str().unwrap_or("error").to_string();
+                return Poll::Ready(Some(Ok(SseEvent::default()
+                    .event(kind)
+                    .data(v.to_string()))));
+            }
+            if this.b.ended() {
+                return Poll::Ready(None);
+            }
+            let evs = match this.stream.poll_next(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(ev)) => this.b.on_event(ev),
+                Poll::Ready(None) => {
+                    // The engine went away without a last event.
+                    let mut out = Vec::new();
+                    this.b
+                        .fail(ApiError::from_runtime(&RuntimeError::Stopped), &mut out);
+                    out
+                }
+            };
+            this.out.extend(evs);
+        }
+    }
+}
+
+/// `POST /v1/responses`.
+pub(crate) async fn create(
+    State(s): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let v = body_json(body, s.max_request_bytes)?;
+    let r: ResponsesRequest = field_of(&v)?;
+    let common: Common = field_of(&v)?;
+    openai::check_model(common.model.as_deref(), &s.model_ids)?;
+    let stream = common.stream;
+    let prior = match r.previous_response_id.as_deref().filter(|i| !i.is_empty()) {
+        None => None,
+        Some(id) => Some(s.responses.get(id).ok_or_else(|| {
+            ApiError::not_found(
+                Some("previous_response_id"),
+                format!("previous response with id `{id}` not found (never kept, deleted, or dropped for space)"),
+            )
+        })?),
+    };
+    let model = s.model_ids[0].clone();
+    let can_store = s.responses.max_bytes > 0;
+    let mut p = prepare(&v, r, common, prior.as_deref(), (model, can_store))?;
+    let syntax = crate::resolve_tools(&s, &mut p.plan).map_err(renamed)?;
+    let (mut b, plan) = Builder::new(p, syntax, &s.responses);
+    let mut rs = start(&s, plan.choice(0)).await.map_err(renamed)?;
+    if stream {
+        return Ok(Sse::new(ResponseEvents::new(rs, b))
+            .keep_alive(KeepAlive::default())
+            .into_response());
+    }
+    b.start();
+    while !b.ended() {
+        match rs.next().await {
+            Some(ev) => {
+                b.on_event(ev);
+            }
+            None => return Err(ApiError::from_runtime(&RuntimeError::Stopped)),
+        }
+    }
+    if let Some(e) = b.failed.take() {
+        return Err(e);
+    }
+    Ok(Json(b.response()).into_response())
+}
+
+fn not_kept(id: &str) -> ApiError {
+    ApiError::not_found(None, format!("response with id `{id}` not found"))
+}
+
+/// `GET /v1/responses/{id}`.
+pub(crate) async fn retrieve(
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    uri: Uri,
+) -> Result<Json<Value>, ApiError> {
+    if query(&uri)?.get("stream").is_some_and(|v| v == "true") {
+        return Err(ApiError::unsupported(
+            "stream",
+            "streaming a kept response again",
+        ));
+    }
+    let r = s.responses.get(&id).ok_or_else(|| not_kept(&id))?;
+    Ok(Json(r.response.clone()))
+}
+
+/// `DELETE /v1/responses/{id}`.
+pub(crate) async fn delete(
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    if !s.responses.remove(&id) {
+        return Err(not_kept(&id));
+    }
+    Ok(Json(
+        json!({"id": id, "object": "response", "deleted": true}),
+    ))
+}
+
+/// A query string's pairs, percent-decoded.
+fn query(uri: &Uri) -> Result<HashMap<String, String>, ApiError> {
+    let mut out = HashMap::new();
+    for pair in uri
+        .query()
+        .unwrap_or_default()
+        .split('&')
+        .filter(|p| !p.is_empty())
+    {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let decode = |s: &str| {
+            percent_encoding::percent_decode_str(&s.replace('+', " "))
+                .decode_utf8()
+                .map(|c| c.into_owned())
+                .map_err(|_| ApiError::invalid("query", "not UTF-8"))
+        };
+        out.insert(decode(k)?, decode(v)?);
+    }
+    Ok(out)
+}
+
+/// `GET /v1/responses/{id}/input_items`: the items `input` gave, `desc`
+/// (newest first) unless `order=asc`, `limit` (1–100, default 20) after
+/// the item `after`.
+pub(crate) async fn input_items(
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    uri: Uri,
+) -> Result<Json<Value>, ApiError> {
+    let q = query(&uri)?;
+    let r = s.responses.get(&id).ok_or_else(|| not_kept(&id))?;
+    let limit = match q.get("limit") {
+        None => 20,
+        Some(l) => l
+            .parse::<usize>()
+            .ok()
+            .filter(|l| (1..=100).contains(l))
+            .ok_or_else(|| ApiError::invalid("limit", "must be 1 to 100"))?,
+    };
+    let mut items: Vec<&Value> = r.input_items.iter().collect();
+    match q.get("order").map(String::as_str) {
+        None | Some("desc") => items.reverse(),
+        Some("asc") => {}
+        Some(_) => return Err(ApiError::invalid("order", "must be `asc` or `desc`")),
+    }
+    let from = match q.get("after") {
+        None => 0,
+        Some(after) => {
+            1 + items
+                .iter()
+                .position(|i| i["id"].as_str() == Some(after))
+                .ok_or_else(|| ApiError::invalid("after", "no input item has this id"))?
+        }
+    };
+    let page: Vec<Value> = items
+        .iter()
+        .skip(from)
+        .take(limit)
+        .map(|&i| i.clone())
+        .collect();
+    Ok(Json(json!({
+        "object": "list",
+        "data": page,
+        "first_id": page.first().map(|i| i["id"].clone()),
+        "last_id": page.last().map(|i| i["id"].clone()),
+        "has_more": from + page.len() < items.len(),
+    })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prep(body: Value) -> Result<Prepared, ApiError> {
+        prep_after(body, None)
+    }
+
+    fn prep_after(body: Value, prior: Option<&Stored>) -> Result<Prepared, ApiError> {
+        let r: ResponsesRequest = field_of(&body)?;
+        let c: Common = field_of(&body)?;
+        prepare(&body, r, c, prior, ("m".into(), true))
+    }
+
+    fn chat_of(p: &Prepared) -> &[ChatMessage] {
+        match &p.plan.request.input {
+            siliceo_runtime::Input::Chat(m) => m,
+            other => panic!("not a chat: {other:?}"),
+        }
+    }
+
+    fn param(body: Value) -> String {
+        match prep(body) {
+            Ok(_) => panic!("accepted"),
+            Err(e) => {
+                assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST, "{e}");
+                e.param.unwrap_or_default()
+            }
+        }
+    }
+
+    #[test]
+    fn a_text_input_is_a_user_message_after_the_instructions() {
+        let p = prep(json!({
+            "input": "hi", "instructions": "Be brief.", "max_output_tokens": 9,
+            "temperature": 0, "seed": 3, "top_k": 4,
+        }))
+        .unwrap();
+        let m = chat_of(&p);
+        assert_eq!(m.len(), 2);
+        assert_eq!(
+            (m[0].role.as_str(), m[0].content.as_deref()),
+            ("system", Some("Be brief."))
+        );
+        assert_eq!(
+            (m[1].role.as_str(), m[1].content.as_deref()),
+            ("user", Some("hi"))
+        );
+        let s = &p.plan.request.sampling;
+        assert_eq!(
+            (s.max_tokens, s.temperature, s.seed, s.top_k),
+            (9, 0.0, Some(3), 4)
+        );
+        assert_eq!(p.plan.request.max_tokens_field, Some("max_output_tokens"));
+        // The instructions are this response's alone.
+        assert_eq!(p.conversation.len(), 1);
+        assert_eq!(p.input_items.len(), 1);
+        assert_eq!(
+            p.input_items[0]["content"],
+            json!([{"type": "input_text", "text": "hi"}])
+        );
+        assert_eq!(p.head.echo["instructions"], "Be brief.");
+        assert_eq!(p.head.echo["store"], true);
+    }
+
+    #[test]
+    fn items_become_a_chat_with_calls_and_their_outputs() {
+        let p = prep(json!({"input": [
+            {"role": "developer", "content": [{"type": "input_text", "text": "Use tools."}]},
+            {"type": "message", "role": "user", "content": "Weather in Paris and Rome?"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Looking."}]},
+            {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{\"city\":\"Paris\"}"},
+            {"type": "function_call", "call_id": "c2", "name": "weather", "arguments": "{\"city\":\"Rome\"}"},
+            {"type": "function_call_output", "call_id": "c2", "output": "20C"},
+            {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "18C"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+        ]}))
+        .unwrap();
+        let m = chat_of(&p);
+        let roles: Vec<&str> = m.iter().map(|m| m.role.as_str()).collect();
+        assert_eq!(roles, ["system", "user", "assistant", "tool", "tool"]);
+        assert_eq!(m[2].content.as_deref(), Some("Looking."));
+        let ids: Vec<&str> = m[2].tool_calls.iter().map(|c| c.id.as_str()).collect();
+        assert_eq!(ids, ["c1", "c2"]);
+        assert_eq!(m[3].tool_call_id.as_deref(), Some("c2"));
+        assert_eq!(m[3].name.as_deref(), Some("weather"));
+        assert_eq!(m[4].content.as_deref(), Some("18C"));
+        assert_eq!(p.input_items.len(), 8);
+        assert!(p.input_items.iter().all(|i| i["id"].is_string()));
+    }
+
+    #[test]
+    fn a_previous_response_continues_without_its_instructions() {
+        let prior = Stored {
+            response: json!({}),
+            input_items: Vec::new(),
+            conversation: vec![
+                ChatMessage {
+                    role: "user".into(),
+                    content: Some("Call it.".into()),
+                    ..ChatMessage::default()
+                },
+                ChatMessage {
+                    role: "assistant".into(),
+                    tool_calls: vec![ToolCall {
+                        id: "call_9".into(),
+                        name: "f".into(),
+                        arguments: "{}".into(),
+                    }],
+                    ..ChatMessage::default()
+                },
+            ],
+            bytes: 0,
+        };
+        let p = prep_after(
+            json!({
+                "instructions": "New rules.",
+                "input": [{"type": "function_call_output", "call_id": "call_9", "output": "done"}],
+            }),
+            Some(&prior),
+        )
+        .unwrap();
+        let roles: Vec<&str> = chat_of(&p).iter().map(|m| m.role.as_str()).collect();
+        assert_eq!(roles, ["system", "user", "assistant", "tool"]);
+        assert_eq!(chat_of(&p)[3].name.as_deref(), Some("f"));
+        assert_eq!(p.conversation.len(), 3);
+    }
+
+    #[test]
+    fn text_format_tools_and_logprobs_take_the_chats_path() {
+        let p = prep(json!({
+            "input": "x",
+            "text": {"format": {"type": "json_schema", "name": "p", "strict": true,
+                     "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}},
+            "include": ["message.output_text.logprobs"], "top_logprobs": 3,
+        }))
+        .unwrap();
+        assert!(matches!(
+            p.plan.request.constraint,
+            Some(siliceo_core::Constraint::JsonSchema { strict: true, .. })
+        ));
+        assert_eq!(p.plan.request.logprobs, Some(3));
+        assert!(p.logprobs);
+        let p = prep(json!({"input": "x", "text": {"format": {"type": "json_object"}}})).unwrap();
+        assert_eq!(
+            p.plan.request.constraint,
+            Some(siliceo_core::Constraint::JsonObject)
+        );
+        assert_eq!(p.plan.request.logprobs, None);
+        let p = prep(json!({
+            "input": "x",
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+            "tool_choice": {"type": "function", "name": "f"}, "parallel_tool_calls": false,
+        }))
+        .unwrap();
+        let tp = p.plan.tools.as_ref().unwrap();
+        assert_eq!(tp.choice, siliceo_runtime::ToolChoice::Function("f".into()));
+        assert!(!tp.parallel);
+        assert_eq!(p.plan.request.tools[0].name, "f");
+        assert_eq!(p.plan.request.logprobs, None);
+    }
+
+    #[test]
+    fn what_cannot_be_served_is_named() {
+        let cases = [
+            (json!({}), "input"),
+            (json!({"input": []}), "input"),
+            (json!({"input": 5}), "input"),
+            (json!({"input": "x", "max_tokens": 5}), "max_tokens"),
+            (
+                json!({"input": "x", "max_output_tokens": 0}),
+                "max_output_tokens",
+            ),
+            (json!({"input": "x", "n": 2}), "n"),
+            (
+                json!({"input": "x", "response_format": {"type": "json_object"}}),
+                "response_format",
+            ),
+            (json!({"input": "x", "background": true}), "background"),
+            (json!({"input": "x", "truncation": "auto"}), "truncation"),
+            (
+                json!({"input": "x", "reasoning": {"effort": "high"}}),
+                "reasoning.effort",
+            ),
+            (
+                json!({"input": "x", "include": ["file_search_call.results"]}),
+                "include[0]",
+            ),
+            (json!({"input": "x", "top_logprobs": 21}), "top_logprobs"),
+            (
+                json!({"input": "x", "tools": [{"type": "web_search"}]}),
+                "tools[0].type",
+            ),
+            (
+                json!({"input": "x", "tools": [{"type": "function", "name": "a b"}]}),
+                "tools[0].name",
+            ),
+            (
+                json!({"input": "x", "tool_choice": "required"}),
+                "tool_choice",
+            ),
+            (
+                json!({"input": "x", "text": {"format": {"type": "yaml"}}}),
+                "text.format.type",
+            ),
+            (
+                json!({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}),
+                "text.format.schema",
+            ),
+            (
+                json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}),
+                "input[0].content[0].type",
+            ),
+            (
+                json!({"input": [{"role": "wizard", "content": "x"}]}),
+                "input[0].role",
+            ),
+            (
+                json!({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}),
+                "input[0].arguments",
+            ),
+            (
+                json!({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}),
+                "input[0].call_id",
+            ),
+            (
+                json!({"input": [{"type": "item_reference", "id": "x"}]}),
+                "input[0].type",
+            ),
+            (json!({"input": ["x"]}), "input[0]"),
+        ];
+        for (body, want) in cases {
+            assert_eq!(param(body.clone()), want, "{body}");
+        }
+    }
+
+    fn done(finish: FinishReason) -> Event {
+        Event::Done {
+            finish_reason: finish,
+            usage: Usage {
+                prompt_tokens: 5,
+                completion_tokens: 2,
+                ..Usage::default()
+            },
+            error: None,
+        }
+    }
+
+    fn text(t: &str) -> Event {
+        Event::Text {
+            text: t.into(),
+            tokens: vec![siliceo_core::TokenId(1)],
+            logprobs: Vec::new(),
+        }
+    }
+
+    /// The events a client's accumulator needs, in order, and the same
+    /// output in the last event as in the response object.
+    #[test]
+    fn events_build_the_response_they_end_with() {
+        let store = Arc::new(ResponseStore::new(1 << 20));
+        let p = prep(json!({"input": "hi", "metadata": {"k": "v"}})).unwrap();
+        let (mut b, _) = Builder::new(p, None, &store);
+        let mut evs = b.start();
+        evs.extend(b.on_event(text("Hello")));
+        evs.extend(b.on_event(text(", you")));
+        evs.extend(b.on_event(done(FinishReason::Length)));
+        let kinds: Vec<&str> = evs.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.incomplete",
+            ]
+        );
+        let seqs: Vec<u64> = evs
+            .iter()
+            .map(|e| e["sequence_number"].as_u64().unwrap())
+            .collect();
+        assert_eq!(seqs, (0..10).collect::<Vec<_>>());
+        let r = b.response();
+        assert_eq!(evs[9]["response"]["output"], r["output"]);
+        assert_eq!(r["status"], "incomplete");
+        assert_eq!(r["incomplete_details"]["reason"], "max_output_tokens");
+        assert_eq!(r["output"][0]["content"][0]["text"], "Hello, you");
+        assert_eq!(r["output"][0]["status"], "incomplete");
+        assert_eq!(r["usage"]["total_tokens"], 7);
+        assert_eq!(r["metadata"], json!({"k": "v"}));
+        // Kept, with the answer last in its conversation.
+        let kept = store.get(r["id"].as_str().unwrap()).unwrap();
+        assert_eq!(kept.response, r);
+        let last = kept.conversation.last().unwrap();
+        assert_eq!(
+            (last.role.as_str(), last.content.as_deref()),
+            ("assistant", Some("Hello, you"))
+        );
+    }
+
+    #[test]
+    fn an_empty_answer_is_an_empty_message_and_a_failure_is_failed() {
+        let store = Arc::new(ResponseStore::new(1 << 20));
+        let p = prep(json!({"input": "hi", "store": false})).unwrap();
+        let (mut b, _) = Builder::new(p, None, &store);
+        b.start();
+        b.on_event(done(FinishReason::Stop));
+        let r = b.response();
+        assert_eq!(r["status"], "completed");
+        assert_eq!(r["output"][0]["content"][0]["text"], "");
+        assert_eq!(store.usage().0, 0, "store: false keeps nothing");
+
+        let p = prep(json!({"input": "hi"})).unwrap();
+        let (mut b, _) = Builder::new(p, None, &store);
+        b.start();
+        b.on_event(text("a"));
+        let evs = b.on_event(Event::Done {
+            finish_reason: FinishReason::Error,
+            usage: Usage::default(),
+            error: Some(RuntimeError::Engine("boom".into())),
+        });
+        assert_eq!(evs.last().unwrap()["type"], "response.failed");
+        assert_eq!(
+            evs.last().unwrap()["response"]["error"]["code"],
+            "server_error"
+        );
+        assert!(b.ended());
+        assert_eq!(store.usage().0, 0, "a failed response is not kept");
+    }
+
+    #[test]
+    fn the_store_drops_the_oldest_past_its_budget() {
+        let store = ResponseStore::new(1000);
+        let big = json!({"t": "x".repeat(300)});
+        for i in 0..5 {
+            store.put(format!("r{i}"), big.clone(), Vec::new(), Vec::new());
+        }
+        let (n, bytes) = store.usage();
+        assert_eq!(n, 3);
+        assert!(bytes <= 1000);
+        assert!(store.get("r0").is_none() && store.get("r1").is_none());
+        assert!(store.get("r4").is_some());
+        assert!(store.remove("r3"));
+        assert!(!store.remove("r3"));
+        assert_eq!(store.usage().0, 2);
+        // Too big to keep at all: nothing else is dropped for it.
+        store.put(
+            "huge".into(),
+            json!({"t": "x".repeat(2000)}),
+            Vec::new(),
+            Vec::new(),
+        );
+        assert!(store.get("huge").is_none());
+        assert_eq!(store.usage().0, 2);
+        let off = ResponseStore::new(0);
+        off.put("a".into(), json!({}), Vec::new(), Vec::new());
+        assert!(off.get("a").is_none());
+    }
+
+    #[test]
+    fn errors_are_renamed_to_this_apis_fields() {
+        let e = renamed(ApiError::invalid("messages", "roles must alternate"));
+        assert_eq!(e.param.as_deref(), Some("input"));
+        assert_eq!(e.message, "input: roles must alternate");
+        let e = renamed(ApiError::invalid("tools[1].function.parameters", "bad"));
+        assert_eq!(e.param.as_deref(), Some("tools[1].parameters"));
+        let e = renamed(ApiError::invalid("max_tokens_x", "bad"));
+        assert_eq!(e.param.as_deref(), Some("max_tokens_x"));
+    }
+}
