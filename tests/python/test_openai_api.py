@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import urllib.error
 import urllib.request
@@ -474,12 +475,13 @@ def test_max_tokens_over_the_context_is_refused(server):
 
 
 def readme_curls() -> list[str]:
-    """The curl commands of the README's HTTP section, as written."""
+    """The curl commands of the README's HTTP section (every `sh` block,
+    indented ones in lists too), as written."""
     text = (ROOT / "README.md").read_text()
     section = text.split("## The OpenAI-compatible HTTP API", 1)[1].split("\n## ", 1)[0]
-    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    blocks = re.findall(r"^ *```sh\n(.*?)^ *```", section, re.S | re.M)
     commands, current = [], ""
-    for line in block.splitlines():
+    for line in "".join(blocks).splitlines():
         current += line + "\n"
         if line.startswith("curl") or current.strip():
             # A command ends where its quotes balance.
@@ -491,7 +493,7 @@ def readme_curls() -> list[str]:
 
 def test_the_readme_curl_examples_work(embed_server):
     commands = readme_curls()
-    assert len(commands) >= 3
+    assert len(commands) >= 6 and any("/v1/responses" in c for c in commands)
     for cmd in commands:
         cmd = cmd.replace("http://127.0.0.1:8080", embed_server.http)
         out = subprocess.run(

@@ -379,6 +379,69 @@ def test_tool_calls_on_qwen(qwen_server):
     qwen_server.wait_idle()
 
 
+# The same tools as the Responses API takes them (flat).
+RESPONSE_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+def test_responses_call_functions_on_qwen(qwen_server):
+    """The Responses API's function calls: the call a chat completion makes,
+    as a `function_call` item; its output continues the kept conversation
+    as the chat with a tool message does."""
+    c = client(qwen_server, timeout=600)
+    ask = "What is the weather like in Paris right now?"
+    chat = c.chat.completions.create(
+        model="", messages=[{"role": "user", "content": ask}], tools=TOOLS,
+        temperature=0, max_tokens=80,
+    )
+    want = chat.choices[0].message.tool_calls[0]
+    r = c.responses.create(
+        model="", input=ask, tools=RESPONSE_TOOLS, temperature=0, max_output_tokens=80
+    )
+    assert r.status == "completed"
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1, r.output
+    call = calls[0]
+    assert (call.name, call.arguments) == (want.function.name, want.function.arguments)
+    assert call.call_id.startswith("call_") and call.status == "completed"
+
+    # The tool's answer, after the kept call.
+    answer = "18 degrees celsius and sunny"
+    follow = c.responses.create(
+        model="", previous_response_id=r.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": answer}],
+        tools=RESPONSE_TOOLS, tool_choice="none", temperature=0, max_output_tokens=40,
+    )
+    assert "18" in follow.output_text, follow.output_text
+    assert follow.usage.input_tokens_details.cached_tokens > 0
+    turns = [
+        {"role": "user", "content": ask},
+        {"role": "assistant", "content": r.output_text or None, "tool_calls": [
+            {"id": call.call_id, "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": answer},
+    ]
+    chat = c.chat.completions.create(
+        model="", messages=turns, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=40
+    )
+    assert follow.output_text == chat.choices[0].message.content
+    assert follow.usage.input_tokens == chat.usage.prompt_tokens
+
+    # A named function, streamed through the client's helper.
+    with c.responses.stream(
+        model="", input="I have 20 euros. How many dollars is that?", tools=RESPONSE_TOOLS,
+        tool_choice={"type": "function", "name": "convert_currency"},
+        parallel_tool_calls=False, temperature=0, max_output_tokens=80,
+    ) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_response()
+    calls = [o for o in final.output if o.type == "function_call"]
+    assert [c.name for c in calls] == ["convert_currency"], final.output
+    validate(calls[0].arguments, schema_of("convert_currency"))
+    assert kinds.count("response.function_call_arguments.done") == 1
+    assert kinds[-1] == "response.completed"
+    qwen_server.wait_idle()
+
+
 def test_tools_on_a_model_without_a_tool_syntax_are_400(server):
     c = client(server)
     with pytest.raises(openai.BadRequestError) as e:
