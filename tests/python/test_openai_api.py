@@ -796,3 +796,52 @@ def test_n_choices_share_one_scoring_of_the_prompt(server, grpc_api):
     assert sorted(firsts) == [0, 1, 2]
     assert all(f.text == prompt and f.logprobs.token_logprobs == heads[0] for f in firsts.values())
     server.wait_idle()
+
+
+def test_a_batch_of_prompts_is_answered_as_choices(server, grpc_api):
+    """`prompt` as a list: each prompt's `n` choices in turn (index
+    `p * n + j`), each as its request alone would answer it, whole and
+    streamed; lm-eval's batched loglikelihood requests likewise."""
+    pb, stub, meta = grpc_api
+    c = client(server)
+    prompts = ["The capital of France is", "One, two, three,", "def add(a, b):"]
+    solo = [c.completions.create(model="", prompt=p, max_tokens=8, temperature=0) for p in prompts]
+    batch = c.completions.create(model="", prompt=prompts, n=2, max_tokens=8, temperature=0)
+    assert [ch.index for ch in batch.choices] == list(range(6))
+    for i, ch in enumerate(batch.choices):
+        alone = solo[i // 2].choices[0]
+        assert (ch.text, ch.finish_reason) == (alone.text, alone.finish_reason), i
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in solo)
+    assert batch.usage.completion_tokens == 2 * sum(s.usage.completion_tokens for s in solo)
+
+    texts, usage = {}, None
+    for ch in c.completions.create(
+        model="", prompt=prompts, n=2, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ):
+        for cc in ch.choices:
+            texts[cc.index] = texts.get(cc.index, "") + cc.text
+        usage = ch.usage or usage
+    assert [texts[i] for i in range(6)] == [ch.text for ch in batch.choices]
+    assert usage.prompt_tokens == batch.usage.prompt_tokens
+
+    # lm-eval with batch_size > 1: token ids, echo, one token, logprobs 1.
+    ids = [list(stub.Tokenize(pb.TokenizeRequest(text=p, add_special=True), metadata=meta).ids) for p in prompts]
+    one = [
+        c.completions.create(model="", prompt=[i], echo=True, max_tokens=1, logprobs=1, temperature=0)
+        for i in ids
+    ]
+    many = c.completions.create(model="", prompt=ids, echo=True, max_tokens=1, logprobs=1, temperature=0)
+    assert len(many.choices) == 3
+    for ch, alone in zip(many.choices, one):
+        assert ch.text == alone.choices[0].text
+        assert ch.logprobs.token_logprobs == alone.choices[0].logprobs.token_logprobs
+        assert ch.logprobs.tokens == alone.choices[0].logprobs.tokens
+    # Too many prompts, or a middle to fill in a batch: 400 naming the field.
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="", prompt=["x"] * 65, max_tokens=1)
+    assert e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="", prompt=["x", "y"], suffix="z", max_tokens=1)
+    assert e.value.body["param"] == "suffix"
+    server.wait_idle()

@@ -538,21 +538,32 @@ async fn generate(
         Kind::Completion => openai::completion_plan(field_of(&v)?, common)?,
     };
     let tools = resolve_tools(s, &mut plan)?;
-    // The text an echo returns: a text prompt as it came, token ids as text.
-    let echo = match &plan.echo {
-        None => None,
-        Some(openai::Echo::Text(t)) => Some(t.clone()),
-        Some(openai::Echo::Tokens(ids)) => {
-            Some(s.rt.detokenize(ids).map_err(|e| named(e, "prompt"))?)
-        }
-    };
+    // The text each prompt's echo returns: a text prompt as it came, token
+    // ids as text.
+    let echoes: Vec<String> = plan
+        .echo
+        .iter()
+        .map(|e| match e {
+            openai::Echo::Text(t) => Ok(t.clone()),
+            openai::Echo::Tokens(ids) => s.rt.detokenize(ids).map_err(|e| named(e, "prompt")),
+        })
+        .collect::<Result<_, _>>()?;
     let id = format!("{}-{}", kind.id_prefix(), uuid_like());
     let created = now_s();
     let model = s.model_ids[0].clone();
-    // Choice 0 first: a refused request fails before any other is queued.
-    let mut first = start(s, plan.choice(0)).await?;
-    let mut started = Vec::with_capacity(plan.n as usize);
-    if plan.n > 1 {
+    let n = plan.n;
+    // Each prompt's choice 0 first: a refused request fails before any
+    // other choice is queued (those queued are dropped, which cancels them).
+    let mut firsts = Vec::with_capacity(plan.inputs.len());
+    for p in 0..plan.inputs.len() as u32 {
+        firsts.push(start(s, plan.choice(p * n)).await?);
+    }
+    let mut started = Vec::with_capacity(plan.choices() as usize);
+    for (p, mut first) in (0u32..).zip(firsts) {
+        if n == 1 {
+            started.push((first, None));
+            continue;
+        }
         // The other choices start once choice 0 has its first token: its
         // prompt's KV is then in the prefix cache, so the prompt is computed
         // once and the others share its blocks.
@@ -567,15 +578,13 @@ async fn generate(
             _ => None,
         };
         started.push((first, ev));
-        for i in 1..plan.n {
-            let mut req = plan.choice(i);
+        for j in 1..n {
+            let mut req = plan.choice(p * n + j);
             if scores.is_some() {
                 req.prompt_logprobs = None;
             }
             started.push((start(s, req).await?, scores.clone()));
         }
-    } else {
-        started.push((first, None));
     }
     if plan.stream {
         let head = StreamHead {
@@ -585,7 +594,8 @@ async fn generate(
             model,
             include_usage: plan.include_usage,
             tools,
-            echo,
+            echoes: echoes.clone(),
+            n,
             logprobs: plan.request.logprobs,
             prompt_logprobs: plan.prompt_logprobs,
         };
@@ -600,13 +610,14 @@ async fn generate(
     let mut chat_prompt_logprobs = Value::Null;
     for (i, st) in started.into_iter().enumerate() {
         let (text, finish, usage, lps, prompt) = collect(st).await?;
-        if i == 0 {
-            usage_all.prompt_tokens = usage.prompt_tokens;
-            usage_all.cached_prompt_tokens = usage.cached_prompt_tokens;
+        // A prompt's choices share it: counted once, for each prompt.
+        if i % n as usize == 0 {
+            usage_all.prompt_tokens += usage.prompt_tokens;
+            usage_all.cached_prompt_tokens += usage.cached_prompt_tokens;
         }
         usage_all.completion_tokens += usage.completion_tokens;
         let lps = plan.request.logprobs.map(|_| lps.as_slice());
-        let echoed = echo.as_deref().map(|text| stream::Echoed {
+        let echoed = echoes.get(i / n as usize).map(|text| stream::Echoed {
             text,
             scores: prompt
                 .as_ref()

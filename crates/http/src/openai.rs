@@ -19,6 +19,9 @@ use crate::error::ApiError;
 /// Most choices one request may ask for.
 pub const MAX_N: u32 = 16;
 
+/// Most prompts one `/v1/completions` request may batch.
+pub const MAX_PROMPTS: usize = 64;
+
 /// A string or a list of strings (`stop`).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
@@ -49,9 +52,9 @@ pub enum Prompt {
     Text(String),
     /// Token ids.
     Tokens(Vec<u32>),
-    /// A batch of texts (only one is served per request).
+    /// A batch of texts: each is its own request, its choices in turn.
     Texts(Vec<String>),
-    /// A batch of token lists (only one is served per request).
+    /// A batch of token lists, likewise.
     TokenLists(Vec<Vec<u32>>),
 }
 
@@ -261,8 +264,12 @@ pub struct Plan {
     pub include_usage: bool,
     /// Tools offered (chat; `None` when absent or `tool_choice` is `none`).
     pub tools: Option<ToolPlan>,
-    /// Completions' `echo`: the prompt goes back before each choice's text.
-    pub echo: Option<Echo>,
+    /// Completions' `echo`: each prompt goes back before its choices' text
+    /// (one per prompt when set).
+    pub echo: Vec<Echo>,
+    /// Each prompt of a batch (completions); `request` runs the first. Choice
+    /// `i` answers prompt `i / n`.
+    pub inputs: Vec<Input>,
     /// vLLM's `prompt_logprobs`: alternatives per prompt token to report.
     pub prompt_logprobs: Option<u32>,
 }
@@ -277,14 +284,24 @@ pub enum Echo {
 }
 
 impl Plan {
-    /// The request for choice `i`: with a seed, choice `i` samples with
-    /// `seed + i`, so the choices differ yet repeat.
+    /// The request for choice `i` (of prompt `i / n`): with a seed, a
+    /// prompt's choice `j` samples with `seed + j`, so its choices differ
+    /// yet repeat.
     pub fn choice(&self, i: u32) -> GenerateRequest {
         let mut r = self.request.clone();
+        let (p, j) = ((i / self.n) as usize, i % self.n);
+        if p > 0 {
+            r.input = self.inputs[p].clone();
+        }
         if let Some(s) = r.sampling.seed {
-            r.sampling.seed = Some(s.wrapping_add(u64::from(i)));
+            r.sampling.seed = Some(s.wrapping_add(u64::from(j)));
         }
         r
+    }
+
+    /// Choices in all: `n` per prompt.
+    pub fn choices(&self) -> u32 {
+        self.n * self.inputs.len() as u32
     }
 }
 
@@ -388,6 +405,7 @@ fn plan(common: Common, input: Input, scores: bool) -> Result<Plan, ApiError> {
         ignore_eos: common.ignore_eos,
         logit_bias,
     };
+    let inputs = vec![input.clone()];
     let mut request = GenerateRequest::new(input);
     if let Some((field, c)) = constraint {
         request.constraint = Some(c);
@@ -405,7 +423,8 @@ fn plan(common: Common, input: Input, scores: bool) -> Result<Plan, ApiError> {
         stream: common.stream,
         include_usage: common.stream_options.is_some_and(|o| o.include_usage),
         tools: None,
-        echo: None,
+        echo: Vec::new(),
+        inputs,
         prompt_logprobs,
     })
 }
@@ -483,28 +502,24 @@ pub fn completion_plan(r: CompletionRequest, common: Common) -> Result<Plan, Api
     if r.best_of.is_some_and(|b| b > 1) {
         return Err(ApiError::unsupported("best_of", "best_of > 1"));
     }
-    let one = |len: usize| {
-        if len == 1 {
-            Ok(())
-        } else {
-            Err(ApiError::invalid(
-                "prompt",
-                format!("a batch of {len} prompts; send one prompt per request"),
-            ))
-        }
+    let inputs: Vec<Input> = match r.prompt {
+        Prompt::Text(t) => vec![Input::Prompt(t)],
+        Prompt::Tokens(ids) => vec![Input::Tokens(ids.into_iter().map(TokenId).collect())],
+        Prompt::Texts(v) => v.into_iter().map(Input::Prompt).collect(),
+        Prompt::TokenLists(v) => v
+            .into_iter()
+            .map(|ids| Input::Tokens(ids.into_iter().map(TokenId).collect()))
+            .collect(),
     };
-    let input = match r.prompt {
-        Prompt::Text(t) => Input::Prompt(t),
-        Prompt::Tokens(ids) => Input::Tokens(ids.into_iter().map(TokenId).collect()),
-        Prompt::Texts(mut v) => {
-            one(v.len())?;
-            Input::Prompt(v.remove(0))
-        }
-        Prompt::TokenLists(mut v) => {
-            one(v.len())?;
-            Input::Tokens(v.remove(0).into_iter().map(TokenId).collect())
-        }
-    };
+    if inputs.is_empty() || inputs.len() > MAX_PROMPTS {
+        return Err(ApiError::invalid(
+            "prompt",
+            format!(
+                "a batch of {} prompts; give 1 to {MAX_PROMPTS}",
+                inputs.len()
+            ),
+        ));
+    }
     let suffix = r.suffix.filter(|s| !s.is_empty());
     if r.echo && suffix.is_some() {
         return Err(ApiError::invalid(
@@ -512,20 +527,37 @@ pub fn completion_plan(r: CompletionRequest, common: Common) -> Result<Plan, Api
             "cannot be combined with `suffix` (fill in the middle)",
         ));
     }
-    let echo = r.echo.then(|| match &input {
-        Input::Tokens(ids) => Echo::Tokens(ids.clone()),
-        Input::Prompt(t) => Echo::Text(t.clone()),
-        _ => unreachable!("a completion prompt is text or tokens"),
-    });
+    if inputs.len() > 1 && suffix.is_some() {
+        return Err(ApiError::invalid(
+            "suffix",
+            "fills in the middle of one prompt, not a batch",
+        ));
+    }
+    let echo: Vec<Echo> = if r.echo {
+        inputs
+            .iter()
+            .map(|input| match input {
+                Input::Tokens(ids) => Echo::Tokens(ids.clone()),
+                Input::Prompt(t) => Echo::Text(t.clone()),
+                _ => unreachable!("a completion prompt is text or tokens"),
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut inputs = inputs.into_iter();
+    let input = inputs.next().expect("a batch holds a prompt");
+    let rest: Vec<Input> = inputs.collect();
     // Fill in the middle: the model writes what goes between the two.
     let input = match (input, suffix) {
         (input, None) => input,
         (Input::Prompt(prefix), Some(suffix)) => Input::Infill { prefix, suffix },
         (_, Some(_)) => return Err(ApiError::invalid("suffix", "needs a text prompt")),
     };
-    let mut plan = plan(common, input, echo.is_some())?;
+    let mut plan = plan(common, input, !echo.is_empty())?;
+    plan.inputs.extend(rest);
     plan.request.logprobs = logprobs;
-    if echo.is_some() {
+    if !echo.is_empty() {
         // The echoed prompt's tokens carry log-probabilities too; a request
         // that generates nothing is scored to have something to answer.
         let scores_only = plan.request.sampling.max_tokens == 0;
@@ -912,6 +944,32 @@ mod tests {
         )
     }
 
+    /// A batch's prompt `p` answers choices `p * n .. (p + 1) * n`, each
+    /// prompt's choices seeded `seed + j`.
+    #[test]
+    fn a_batch_of_prompts_is_n_choices_per_prompt() {
+        let p = completion(serde_json::json!({
+            "prompt": [[1, 2], [3], [4, 5, 6]], "n": 2, "seed": 10, "echo": true,
+        }))
+        .unwrap();
+        assert_eq!(p.choices(), 6);
+        let ids = |i| match p.choice(i).input {
+            Input::Tokens(t) => t.iter().map(|t| t.0).collect::<Vec<_>>(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            (0..6).map(ids).collect::<Vec<_>>(),
+            [vec![1, 2], vec![1, 2], vec![3], vec![3], vec![4, 5, 6], vec![4, 5, 6]]
+        );
+        let seeds: Vec<_> = (0..6).map(|i| p.choice(i).sampling.seed.unwrap()).collect();
+        assert_eq!(seeds, [10, 11, 10, 11, 10, 11]);
+        assert_eq!(p.echo.len(), 3);
+        assert_eq!(p.echo[2], Echo::Tokens(vec![TokenId(4), TokenId(5), TokenId(6)]));
+        let one = completion(serde_json::json!({"prompt": ["only"]})).unwrap();
+        assert_eq!(one.choices(), 1);
+        assert!(matches!(one.request.input, Input::Prompt(ref t) if t == "only"));
+    }
+
     #[test]
     fn echo_scores_the_prompt_when_its_logprobs_or_nothing_else_is_wanted() {
         // lm-eval's loglikelihood request: token ids, one token, logprobs 1.
@@ -921,7 +979,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             p.echo,
-            Some(Echo::Tokens(vec![TokenId(5), TokenId(6), TokenId(7)]))
+            [Echo::Tokens(vec![TokenId(5), TokenId(6), TokenId(7)])]
         );
         assert_eq!(
             (p.request.logprobs, p.request.prompt_logprobs),
@@ -930,7 +988,7 @@ mod tests {
         // Scored alone: nothing generated, the scores only carry the echo.
         let p = completion(serde_json::json!({"prompt": "a b", "echo": true, "max_tokens": 0}))
             .unwrap();
-        assert_eq!(p.echo, Some(Echo::Text("a b".into())));
+        assert_eq!(p.echo, [Echo::Text("a b".into())]);
         assert_eq!(p.request.sampling.max_tokens, 0);
         assert_eq!(
             (p.request.logprobs, p.request.prompt_logprobs),
@@ -941,7 +999,7 @@ mod tests {
             completion(serde_json::json!({"prompt": "a", "echo": true, "max_tokens": 2})).unwrap();
         assert_eq!(p.request.prompt_logprobs, None);
         let p = completion(serde_json::json!({"prompt": "a", "max_tokens": 2})).unwrap();
-        assert_eq!((p.echo, p.request.prompt_logprobs), (None, None));
+        assert_eq!((p.echo, p.request.prompt_logprobs), (vec![], None));
         // Generating nothing needs an echo; an echo cannot fill a middle.
         let e = completion(serde_json::json!({"prompt": "a", "max_tokens": 0})).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("max_tokens"));
@@ -999,13 +1057,22 @@ mod tests {
         }))
         .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("n"));
-        let body = serde_json::json!({"prompt": ["a", "b"]});
+        // (`[]` is one prompt of no tokens, which the runtime refuses.)
+        for body in [serde_json::json!({"prompt": vec!["a"; MAX_PROMPTS + 1]})] {
+            let e = completion_plan(
+                serde_json::from_value(body.clone()).unwrap(),
+                serde_json::from_value(body).unwrap(),
+            )
+            .unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("prompt"));
+        }
+        let body = serde_json::json!({"prompt": ["a", "b"], "suffix": "c"});
         let e = completion_plan(
             serde_json::from_value(body.clone()).unwrap(),
             serde_json::from_value(body).unwrap(),
         )
         .unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("prompt"));
+        assert_eq!(e.param.as_deref(), Some("suffix"));
         // A prompt of no known shape says which shapes there are.
         let e = serde_json::from_value::<Prompt>(serde_json::json!([-1])).unwrap_err();
         assert!(e.to_string().contains("an array of token ids"), "{e}");

@@ -359,6 +359,8 @@ pub(crate) struct ChoiceStream {
     model: String,
     choices: Vec<Choice>,
     include_usage: bool,
+    /// Choices per prompt.
+    n: usize,
     usage: Usage,
     out: VecDeque<SseEvent>,
     /// `[DONE]` (or an error) went out.
@@ -381,8 +383,11 @@ pub(crate) struct StreamHead {
     pub(crate) model: String,
     pub(crate) include_usage: bool,
     pub(crate) tools: Option<ToolSyntax>,
-    /// The prompt's text to echo first (completions' `echo`).
-    pub(crate) echo: Option<String>,
+    /// Each prompt's text to echo first (completions' `echo`): choice `i`
+    /// echoes prompt `i / n`'s.
+    pub(crate) echoes: Vec<String>,
+    /// Choices per prompt.
+    pub(crate) n: u32,
     /// Alternatives per token when log-probabilities were asked for (the
     /// echoed prompt's go with them).
     pub(crate) logprobs: Option<u32>,
@@ -399,10 +404,12 @@ impl ChoiceStream {
             model,
             include_usage,
             tools,
-            echo,
+            echoes,
+            n,
             logprobs,
             prompt_logprobs,
         } = head;
+        let n = n.max(1) as usize;
         ChoiceStream {
             kind,
             id,
@@ -410,7 +417,8 @@ impl ChoiceStream {
             model,
             choices: choices
                 .into_iter()
-                .map(|(stream, first)| Choice {
+                .enumerate()
+                .map(|(i, (stream, first))| Choice {
                     stream,
                     first,
                     announced: false,
@@ -418,10 +426,11 @@ impl ChoiceStream {
                     guard: CallGuard::default(),
                     pending_lp: Vec::new(),
                     offset: 0,
-                    echo: echo.clone(),
+                    echo: echoes.get(i / n).cloned(),
                 })
                 .collect(),
             include_usage,
+            n,
             usage: Usage::default(),
             out: VecDeque::new(),
             finished: false,
@@ -521,9 +530,10 @@ impl ChoiceStream {
                         .push_back(SseEvent::default().data(body.to_string()));
                     return false;
                 }
-                if i == 0 {
-                    self.usage.prompt_tokens = usage.prompt_tokens;
-                    self.usage.cached_prompt_tokens = usage.cached_prompt_tokens;
+                // A prompt's choices share it: counted once per prompt.
+                if i % self.n == 0 {
+                    self.usage.prompt_tokens += usage.prompt_tokens;
+                    self.usage.cached_prompt_tokens += usage.cached_prompt_tokens;
                 }
                 self.usage.completion_tokens += usage.completion_tokens;
                 let mut finish = finish_name(finish_reason);
