@@ -161,6 +161,16 @@ def test_errors_are_the_clients_typed_exceptions(server):
             model=model_id(server), messages=QUESTION, max_tokens="many"
         )
     assert e.value.body["param"] == "max_tokens"
+    # What asks for something this server cannot do is named, not ignored.
+    for kw, param in [
+        ({"reasoning_effort": "high"}, "reasoning_effort"),
+        ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"web_search_options": {}}, "web_search_options"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=model_id(server), messages=QUESTION, max_tokens=2, **kw)
+        assert (e.value.body["param"], e.value.body["code"]) == (param, "unsupported_parameter")
     # A body over the limit: 413 in OpenAI's shape.
     with pytest.raises(openai.APIStatusError) as e:
         c.completions.create(model=model_id(server), prompt="x" * (5 << 20))

@@ -141,6 +141,20 @@ pub struct Common {
     /// many alternatives, in `prompt_logprobs` (a completion's choice, or a
     /// chat completion's top level).
     pub prompt_logprobs: Option<i64>,
+    /// Refused (deprecated; `tools` serves functions).
+    pub functions: Option<serde_json::Value>,
+    /// Refused (deprecated; `tool_choice`).
+    pub function_call: Option<serde_json::Value>,
+    /// Refused unless `none`: the models served do not reason.
+    pub reasoning_effort: Option<String>,
+    /// Only `text` is served.
+    pub modalities: Option<Vec<String>>,
+    /// Refused: audio output.
+    pub audio: Option<serde_json::Value>,
+    /// Refused: web search.
+    pub web_search_options: Option<serde_json::Value>,
+    /// Refused unless `medium`.
+    pub verbosity: Option<String>,
 }
 
 /// `POST /v1/completions`.
@@ -317,6 +331,7 @@ pub fn check_model(asked: Option<&str>, served: &[String]) -> Result<(), ApiErro
 /// `scores`: the request may score its prompt without generating
 /// (completions' `echo`; `prompt_logprobs` may on either endpoint).
 fn plan(common: Common, input: Input, scores: bool) -> Result<Plan, ApiError> {
+    refuse_unserved(&common)?;
     let mut logit_bias = Vec::new();
     for (k, &b) in common.logit_bias.iter().flatten() {
         let id: u32 = k
@@ -427,6 +442,50 @@ fn plan(common: Common, input: Input, scores: bool) -> Result<Plan, ApiError> {
         inputs,
         prompt_logprobs,
     })
+}
+
+/// OpenAI's fields that ask for what this server cannot do: a 400 naming
+/// each, never silently ignored. (`store`, `metadata`, `user`,
+/// `service_tier` and `prediction` change nothing in an answer and are
+/// accepted.)
+fn refuse_unserved(c: &Common) -> Result<(), ApiError> {
+    if c.functions.is_some() {
+        return Err(ApiError::unsupported(
+            "functions",
+            "the deprecated `functions` (send them as `tools`)",
+        ));
+    }
+    if c.function_call.is_some() {
+        return Err(ApiError::unsupported(
+            "function_call",
+            "the deprecated `function_call` (use `tool_choice`)",
+        ));
+    }
+    if let Some(e) = c.reasoning_effort.as_deref().filter(|e| *e != "none") {
+        return Err(ApiError::unsupported(
+            "reasoning_effort",
+            &format!("reasoning effort `{e}` (the model served does not reason)"),
+        ));
+    }
+    if let Some(m) = c.modalities.iter().flatten().find(|m| *m != "text") {
+        return Err(ApiError::unsupported(
+            "modalities",
+            &format!("the `{m}` modality (text only)"),
+        ));
+    }
+    if c.audio.is_some() {
+        return Err(ApiError::unsupported("audio", "audio output"));
+    }
+    if c.web_search_options.is_some() {
+        return Err(ApiError::unsupported("web_search_options", "web search"));
+    }
+    if let Some(v) = c.verbosity.as_deref().filter(|v| *v != "medium") {
+        return Err(ApiError::unsupported(
+            "verbosity",
+            &format!("verbosity `{v}`"),
+        ));
+    }
+    Ok(())
 }
 
 /// The constraint a request asks for (`response_format`, or the `regex` and
@@ -959,12 +1018,22 @@ mod tests {
         };
         assert_eq!(
             (0..6).map(ids).collect::<Vec<_>>(),
-            [vec![1, 2], vec![1, 2], vec![3], vec![3], vec![4, 5, 6], vec![4, 5, 6]]
+            [
+                vec![1, 2],
+                vec![1, 2],
+                vec![3],
+                vec![3],
+                vec![4, 5, 6],
+                vec![4, 5, 6]
+            ]
         );
         let seeds: Vec<_> = (0..6).map(|i| p.choice(i).sampling.seed.unwrap()).collect();
         assert_eq!(seeds, [10, 11, 10, 11, 10, 11]);
         assert_eq!(p.echo.len(), 3);
-        assert_eq!(p.echo[2], Echo::Tokens(vec![TokenId(4), TokenId(5), TokenId(6)]));
+        assert_eq!(
+            p.echo[2],
+            Echo::Tokens(vec![TokenId(4), TokenId(5), TokenId(6)])
+        );
         let one = completion(serde_json::json!({"prompt": ["only"]})).unwrap();
         assert_eq!(one.choices(), 1);
         assert!(matches!(one.request.input, Input::Prompt(ref t) if t == "only"));
@@ -1073,6 +1142,30 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("suffix"));
+        // Fields asking for what cannot be served are named.
+        for (field, value) in [
+            ("functions", serde_json::json!([{"name": "f"}])),
+            ("function_call", serde_json::json!("auto")),
+            ("reasoning_effort", serde_json::json!("high")),
+            ("modalities", serde_json::json!(["text", "audio"])),
+            ("audio", serde_json::json!({"voice": "alloy"})),
+            ("web_search_options", serde_json::json!({})),
+            ("verbosity", serde_json::json!("low")),
+        ] {
+            let mut body = serde_json::json!({"messages": [{"role": "user", "content": "hi"}]});
+            body[field] = value;
+            let e = chat(body).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(field));
+            assert_eq!(e.code, Some("unsupported_parameter"));
+        }
+        // Their harmless settings, and what changes nothing, are taken.
+        chat(serde_json::json!({
+            "messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "none",
+            "modalities": ["text"], "verbosity": "medium", "functions": null, "store": true,
+            "metadata": {"a": "b"}, "user": "u", "service_tier": "auto",
+            "prediction": {"type": "content", "content": "x"},
+        }))
+        .unwrap();
         // A prompt of no known shape says which shapes there are.
         let e = serde_json::from_value::<Prompt>(serde_json::json!([-1])).unwrap_err();
         assert!(e.to_string().contains("an array of token ids"), "{e}");
