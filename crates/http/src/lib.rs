@@ -611,7 +611,7 @@ async fn generate(
     for (i, st) in started.into_iter().enumerate() {
         let (text, finish, usage, lps, prompt) = collect(st).await?;
         // A prompt's choices share it: counted once, for each prompt.
-        if i % n as usize == 0 {
+        if i.is_multiple_of(n as usize) {
             usage_all.prompt_tokens += usage.prompt_tokens;
             usage_all.cached_prompt_tokens += usage.cached_prompt_tokens;
         }

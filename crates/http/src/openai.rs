@@ -1126,15 +1126,15 @@ mod tests {
         }))
         .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("n"));
-        // (`[]` is one prompt of no tokens, which the runtime refuses.)
-        for body in [serde_json::json!({"prompt": vec!["a"; MAX_PROMPTS + 1]})] {
-            let e = completion_plan(
-                serde_json::from_value(body.clone()).unwrap(),
-                serde_json::from_value(body).unwrap(),
-            )
-            .unwrap_err();
-            assert_eq!(e.param.as_deref(), Some("prompt"));
-        }
+        // Over the batch limit. (`[]` is one prompt of no tokens, which the
+        // runtime refuses.)
+        let body = serde_json::json!({"prompt": vec!["a"; MAX_PROMPTS + 1]});
+        let e = completion_plan(
+            serde_json::from_value(body.clone()).unwrap(),
+            serde_json::from_value(body).unwrap(),
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("prompt"));
         let body = serde_json::json!({"prompt": ["a", "b"], "suffix": "c"});
         let e = completion_plan(
             serde_json::from_value(body.clone()).unwrap(),

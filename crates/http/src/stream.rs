@@ -531,7 +531,7 @@ impl ChoiceStream {
                     return false;
                 }
                 // A prompt's choices share it: counted once per prompt.
-                if i % self.n == 0 {
+                if i.is_multiple_of(self.n) {
                     self.usage.prompt_tokens += usage.prompt_tokens;
                     self.usage.cached_prompt_tokens += usage.cached_prompt_tokens;
                 }
