@@ -855,3 +855,92 @@ def test_a_batch_of_prompts_is_answered_as_choices(server, grpc_api):
         c.completions.create(model="", prompt=["x", "y"], suffix="z", max_tokens=1)
     assert e.value.body["param"] == "suffix"
     server.wait_idle()
+
+
+# A ChatML template of our own for SmolLM2 (its vocabulary has the markers),
+# with Qwen3's switch: `enable_thinking: false` closes an empty think block.
+CHATML_THINK = (
+    "{%- for m in messages -%}"
+    "{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking -%}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
+def test_a_chat_template_file_and_template_arguments(grpc_api, tmp_path):
+    """`serve --chat-template-file` replaces the GGUF's template, and
+    `chat_template_kwargs` (HTTP) or `chat_template_kwargs` JSON (gRPC) reach
+    it: the tokens /tokenize shows are the ones a request runs on."""
+    pb, _, _ = grpc_api
+    from siliceo.v1 import inference_pb2_grpc as pbg
+
+    path = tmp_path / "chatml.jinja"
+    path.write_text(CHATML_THINK)
+    s = Server("--chat-template-file", str(path))
+    try:
+        def post(body):
+            req = urllib.request.Request(
+                f"{s.http}/tokenize", data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return r.status, json.load(r)
+            except urllib.error.HTTPError as e:
+                return e.code, json.load(e)
+
+        hi = [{"role": "user", "content": "Hi"}]
+        off = {"enable_thinking": False}
+        _, plain = post({"messages": hi, "return_token_strs": True})
+        _, think = post({"messages": hi, "chat_template_kwargs": off, "return_token_strs": True})
+        # Ours, not the GGUF's (which adds its own system prompt); the
+        # markers are special tokens, whose text is not shown.
+        assert "".join(plain["token_strs"]) == "user\nHi\nassistant\n"
+        assert "".join(think["token_strs"]) == "".join(plain["token_strs"]) + "<think>\n\n</think>\n\n"
+        c = client(s)
+        r = c.chat.completions.create(
+            model="", messages=hi, max_tokens=2, temperature=0, extra_body={"chat_template_kwargs": off}
+        )
+        assert r.usage.prompt_tokens == think["count"]
+        r = c.chat.completions.create(model="", messages=hi, max_tokens=2, temperature=0)
+        assert r.usage.prompt_tokens == plain["count"]
+        # The Responses API passes them on too.
+        r = c.responses.create(
+            model="", input="Hi", max_output_tokens=2, extra_body={"chat_template_kwargs": off}
+        )
+        assert r.usage.input_tokens == think["count"]
+        # gRPC: the same arguments as JSON text.
+        with grpc.insecure_channel(s.grpc) as ch:
+            stub = pbg.InferenceStub(ch)
+            chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Hi")])
+            done = list(stub.Generate(pb.GenerateRequest(
+                chat=chat, max_tokens=1, chat_template_kwargs=json.dumps(off)
+            )))[-1]
+            assert done.usage.prompt_tokens == think["count"]
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(pb.GenerateRequest(chat=chat, max_tokens=1, chat_template_kwargs="[1]")))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "chat_template_kwargs" in e.value.details()
+        # What they cannot do is named.
+        for call in [
+            lambda: c.chat.completions.create(
+                model="", messages=hi, max_tokens=1, extra_body={"chat_template_kwargs": {"messages": []}}),
+            lambda: c.completions.create(
+                model="", prompt="Hi", max_tokens=1, extra_body={"chat_template_kwargs": off}),
+        ]:
+            with pytest.raises(openai.BadRequestError) as e:
+                call()
+            assert e.value.body["param"] == "chat_template_kwargs"
+        assert post({"prompt": "Hi", "chat_template_kwargs": off})[1]["error"]["param"] == "chat_template_kwargs"
+        s.wait_idle()
+    finally:
+        s.stop()
+    # A template that does not compile stops start-up, saying so.
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    with pytest.raises(RuntimeError) as e:
+        Server("--chat-template-file", str(bad))
+    assert "chat template" in str(e.value)

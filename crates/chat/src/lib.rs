@@ -263,6 +263,39 @@ impl ChatTemplate {
         tools: &[Tool],
         add_generation_prompt: bool,
     ) -> Result<String, ChatError> {
+        self.render_with(
+            messages,
+            tools,
+            add_generation_prompt,
+            &serde_json::Map::new(),
+        )
+    }
+
+    /// The variables a template always gets; [`ChatTemplate::render_with`]'s
+    /// `kwargs` may not set them.
+    pub const RESERVED: [&'static str; 5] = [
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "bos_token",
+        "eos_token",
+    ];
+
+    /// [`ChatTemplate::render`] with more variables for the template
+    /// (`chat_template_kwargs`, such as Qwen3's `enable_thinking`). A name in
+    /// [`ChatTemplate::RESERVED`] is an error.
+    pub fn render_with(
+        &self,
+        messages: &[Message],
+        tools: &[Tool],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, ChatError> {
+        if let Some(k) = kwargs.keys().find(|k| Self::RESERVED.contains(&k.as_str())) {
+            return Err(ChatError::Render(format!(
+                "`{k}` is set by the server, not by template arguments"
+            )));
+        }
         if !tools.is_empty() && self.tools.is_none() {
             return Err(ChatError::NoToolSyntax);
         }
@@ -279,6 +312,7 @@ impl ChatTemplate {
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos.clone(),
             eos_token => self.eos.clone(),
+            ..Value::from(minijinja::value::Serde(kwargs))
         };
         tmpl.render(ctx)
             .map_err(|e| ChatError::Render(describe(&e)))

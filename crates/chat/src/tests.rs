@@ -255,3 +255,32 @@ fn client_messages_are_checked_and_developer_is_system() {
     // An empty text is content.
     Message::new("user", "").checked().unwrap();
 }
+
+/// Template arguments reach the template beside the messages (a switch as
+/// Qwen3's `enable_thinking`), and cannot replace what the server sets.
+#[test]
+fn template_arguments_reach_the_template() {
+    let t = ChatTemplate::new(
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}\
+         {% if add_generation_prompt %}assistant:{% if enable_thinking is defined and not enable_thinking %} <think></think>{% endif %}{% endif %}",
+        "",
+        "",
+    )
+    .unwrap();
+    let msgs = [Message::new("user", "Hi")];
+    assert_eq!(t.render(&msgs, &[], true).unwrap(), "user: Hi\nassistant:");
+    let off: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(r#"{"enable_thinking": false}"#).unwrap();
+    assert_eq!(
+        t.render_with(&msgs, &[], true, &off).unwrap(),
+        "user: Hi\nassistant: <think></think>"
+    );
+    for k in ChatTemplate::RESERVED {
+        let mut bad = serde_json::Map::new();
+        bad.insert(k.into(), serde_json::json!([]));
+        match t.render_with(&msgs, &[], true, &bad) {
+            Err(ChatError::Render(why)) => assert!(why.contains(k), "{why}"),
+            other => panic!("{k}: {other:?}"),
+        }
+    }
+}

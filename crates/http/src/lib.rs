@@ -428,11 +428,11 @@ async fn tokenize(
     let r: openai::TokenizeRequest = parse(body, s.max_request_bytes)?;
     openai::check_model(r.model.as_deref(), &s.model_ids)?;
     let strs = r.return_token_strs;
-    let (input, tools, special) = openai::tokenize_input(r)?;
-    let tokens = match input {
-        Input::Prompt(p) if !special => s.rt.tokenize(&p, false).map_err(|e| named(e, "prompt")),
-        input => {
-            s.rt.prompt_tokens(input, tools)
+    let (req, special) = openai::tokenize_input(r)?;
+    let tokens = match &req.input {
+        Input::Prompt(p) if !special => s.rt.tokenize(p, false).map_err(|e| named(e, "prompt")),
+        _ => {
+            s.rt.request_tokens(req)
                 .map_err(|e| ApiError::from_runtime(&e))
         }
     }?;

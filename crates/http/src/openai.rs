@@ -141,6 +141,9 @@ pub struct Common {
     /// many alternatives, in `prompt_logprobs` (a completion's choice, or a
     /// chat completion's top level).
     pub prompt_logprobs: Option<i64>,
+    /// Extension (vLLM's, llama-server's): more variables for the chat
+    /// template, such as Qwen3's `enable_thinking`.
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
     /// Refused (deprecated; `tools` serves functions).
     pub functions: Option<serde_json::Value>,
     /// Refused (deprecated; `tool_choice`).
@@ -432,6 +435,7 @@ fn plan(common: Common, input: Input, scores: bool) -> Result<Plan, ApiError> {
     request.priority = priority;
     request.cache_salt = common.cache_salt.filter(|s| !s.is_empty());
     request.prompt_logprobs = prompt_logprobs;
+    request.chat_template_kwargs = common.chat_template_kwargs.unwrap_or_default();
     Ok(Plan {
         request,
         n,
@@ -708,11 +712,14 @@ pub struct TokenizeRequest {
     /// Also return each token's text.
     #[serde(default, deserialize_with = "or_default")]
     pub return_token_strs: bool,
+    /// More variables for the chat template, as a chat completion takes them.
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
-/// What `/tokenize` asks the runtime: the input, its tools, and whether a
+/// What `/tokenize` asks the runtime: the request whose prompt tokens it
+/// answers (a chat with its tools and template arguments), and whether a
 /// prompt gets special tokens.
-pub fn tokenize_input(r: TokenizeRequest) -> Result<(Input, Vec<Tool>, bool), ApiError> {
+pub fn tokenize_input(r: TokenizeRequest) -> Result<(GenerateRequest, bool), ApiError> {
     if r.add_generation_prompt == Some(false) {
         return Err(ApiError::unsupported(
             "add_generation_prompt",
@@ -720,16 +727,19 @@ pub fn tokenize_input(r: TokenizeRequest) -> Result<(Input, Vec<Tool>, bool), Ap
         ));
     }
     let tools = tools_of(r.tools.unwrap_or_default())?;
-    match (r.prompt, r.messages) {
+    let kwargs = r.chat_template_kwargs.unwrap_or_default();
+    let (input, special) = match (r.prompt, r.messages) {
         (Some(p), None) => {
             if !tools.is_empty() {
                 return Err(ApiError::invalid("tools", "tools need messages"));
             }
-            Ok((
-                Input::Prompt(p),
-                tools,
-                r.add_special_tokens.unwrap_or(true),
-            ))
+            if !kwargs.is_empty() {
+                return Err(ApiError::invalid(
+                    "chat_template_kwargs",
+                    "template arguments apply to messages",
+                ));
+            }
+            (Input::Prompt(p), r.add_special_tokens.unwrap_or(true))
         }
         (None, Some(m)) => {
             if r.add_special_tokens.is_some() {
@@ -744,13 +754,19 @@ pub fn tokenize_input(r: TokenizeRequest) -> Result<(Input, Vec<Tool>, bool), Ap
                     "at least one message is required",
                 ));
             }
-            Ok((Input::Chat(messages_of(m)?), tools, true))
+            (Input::Chat(messages_of(m)?), true)
         }
-        _ => Err(ApiError::invalid(
-            "prompt",
-            "give either `prompt` or `messages`",
-        )),
-    }
+        _ => {
+            return Err(ApiError::invalid(
+                "prompt",
+                "give either `prompt` or `messages`",
+            ));
+        }
+    };
+    let mut req = GenerateRequest::new(input);
+    req.tools = tools;
+    req.chat_template_kwargs = kwargs;
+    Ok((req, special))
 }
 
 /// `messages` as the runtime takes them: text parts joined, tool calls'

@@ -59,10 +59,12 @@ fn vocabulary(model: &Model) -> Vocabulary {
 }
 
 impl Front {
-    pub(crate) fn new(model: Arc<Model>, max_seq_len: u32) -> Front {
+    /// `chat_template`: a template to use instead of the GGUF's.
+    pub(crate) fn new(model: Arc<Model>, max_seq_len: u32, chat_template: Option<String>) -> Front {
         let grammars = Grammars::new(vocabulary(&model));
         let (bos, eos, adds_bos) = model.bos_eos();
-        let chat = model.chat_template().and_then(|source| {
+        let source = chat_template.or_else(|| model.chat_template());
+        let chat = source.and_then(|source| {
             match ChatTemplate::new(&source, &bos, &eos) {
                 Ok(template) => Some(Chat { template, adds_bos }),
                 Err(e) => {
@@ -106,10 +108,17 @@ impl Front {
         input: Input,
         tools: Vec<Tool>,
     ) -> Result<Vec<TokenId>, RuntimeError> {
-        let req = GenerateRequest {
+        self.request_tokens(GenerateRequest {
             tools,
             ..GenerateRequest::new(input)
-        };
+        })
+    }
+
+    /// The prompt tokens `req` would run on.
+    pub(crate) fn request_tokens(
+        &self,
+        req: GenerateRequest,
+    ) -> Result<Vec<TokenId>, RuntimeError> {
         Ok(self.rendered(req)?.1)
     }
 
@@ -207,12 +216,28 @@ impl Front {
     /// Renders a chat request's messages and tools with the model's
     /// template; other inputs pass through.
     fn render(&self, mut req: GenerateRequest) -> Result<GenerateRequest, RuntimeError> {
+        let kwargs = &req.chat_template_kwargs;
         let Input::Chat(msgs) = &req.input else {
             if !req.tools.is_empty() {
                 return Err(invalid("tools", "tools need chat messages"));
             }
+            if !kwargs.is_empty() {
+                return Err(invalid(
+                    "chat_template_kwargs",
+                    "template arguments apply to chat messages",
+                ));
+            }
             return Ok(req);
         };
+        if let Some(k) = kwargs
+            .keys()
+            .find(|k| ChatTemplate::RESERVED.contains(&k.as_str()))
+        {
+            return Err(invalid(
+                "chat_template_kwargs",
+                format!("`{k}` is set by the server, not by template arguments"),
+            ));
+        }
         if msgs.is_empty() {
             return Err(invalid("chat", "no messages"));
         }
@@ -226,11 +251,18 @@ impl Front {
                     "the model has no chat template siliceo can render with tools",
                 ));
             }
+            if !kwargs.is_empty() {
+                return Err(invalid(
+                    "chat_template_kwargs",
+                    "the model has no chat template siliceo renders (give one with \
+                     --chat-template-file)",
+                ));
+            }
             return Ok(req);
         };
         let text = chat
             .template
-            .render(msgs, &req.tools, true)
+            .render_with(msgs, &req.tools, true, kwargs)
             .map_err(|e| match e {
                 ChatError::NoToolSyntax => invalid("tools", e.to_string()),
                 other => invalid("chat", other.to_string()),

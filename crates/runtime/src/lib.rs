@@ -133,6 +133,13 @@ impl std::fmt::Debug for Command {
 impl Runtime {
     /// Loads the model on a new engine thread and waits until it is ready.
     pub fn start(cfg: RuntimeConfig) -> Result<Runtime, RuntimeError> {
+        // A template given in place of the GGUF's must compile, before the
+        // model loads.
+        let chat_template = cfg.chat_template.clone();
+        if let Some(src) = &chat_template {
+            ChatTemplate::new(src, "", "")
+                .map_err(|e| RuntimeError::Start(format!("the chat template given: {e}")))?;
+        }
         let (tx, rx) = crossbeam_channel::unbounded();
         let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
         let thread = std::thread::Builder::new()
@@ -145,7 +152,7 @@ impl Runtime {
                 model,
                 kv_events,
             })) => {
-                let front = Arc::new(Front::new(model, info.n_ctx));
+                let front = Arc::new(Front::new(model, info.n_ctx, chat_template));
                 Ok(Runtime {
                     tx,
                     thread: Some(thread),
@@ -217,6 +224,12 @@ impl Runtime {
         tools: Vec<Tool>,
     ) -> Result<Vec<TokenId>, RuntimeError> {
         self.front.prompt_tokens(input, tools)
+    }
+
+    /// The prompt tokens `req` would run on (its chat rendered with its
+    /// tools and template arguments), without running anything.
+    pub fn request_tokens(&self, req: GenerateRequest) -> Result<Vec<TokenId>, RuntimeError> {
+        self.front.request_tokens(req)
     }
 
     /// Turns token ids into text; ids outside the vocabulary are an

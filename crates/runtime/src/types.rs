@@ -19,6 +19,9 @@ pub struct RuntimeConfig {
     pub model_path: PathBuf,
     /// Model loading options.
     pub model: ModelOptions,
+    /// A Jinja chat template to use instead of the one the GGUF carries
+    /// (`None`: the GGUF's). One that does not compile fails start-up.
+    pub chat_template: Option<String>,
     /// Where KV lives: siliceo's store in one of its formats (the default),
     /// or llama.cpp's own cache.
     pub kv: KvBackend,
@@ -84,6 +87,7 @@ impl RuntimeConfig {
         RuntimeConfig {
             model_path: model_path.into(),
             model: ModelOptions::default(),
+            chat_template: None,
             kv: KvBackend::default(),
             context: ContextOptions {
                 n_ctx: 4096,
@@ -229,6 +233,10 @@ pub struct GenerateRequest {
     /// [`RuntimeError::ContextLengthExceeded`] naming it, as OpenAI and vLLM
     /// do. `None`: `max_tokens` is a default, cut to what the context leaves.
     pub max_tokens_field: Option<&'static str>,
+    /// More variables for the chat template (chat input only), such as
+    /// Qwen3's `enable_thinking`; they cannot replace `messages`, `tools`,
+    /// `add_generation_prompt`, `bos_token` or `eos_token`.
+    pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
 impl GenerateRequest {
@@ -248,6 +256,7 @@ impl GenerateRequest {
             logprobs: None,
             prompt_logprobs: None,
             max_tokens_field: None,
+            chat_template_kwargs: serde_json::Map::new(),
         }
     }
 }

@@ -177,6 +177,12 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
         // A max_tokens the client set must fit beside the prompt (0: the
         // default, cut to what the context leaves).
         max_tokens_field: (r.max_tokens != 0).then_some("max_tokens"),
+        chat_template_kwargs: if r.chat_template_kwargs.is_empty() {
+            serde_json::Map::new()
+        } else {
+            serde_json::from_str(&r.chat_template_kwargs)
+                .map_err(|e| invalid("chat_template_kwargs", format!("not a JSON object: {e}")))?
+        },
     })
 }
 

@@ -37,6 +37,10 @@ pub struct ServeArgs {
     /// GGUF model (default: $SILICEO_MODEL, else the default model).
     #[arg(long, short = 'm')]
     model: Option<PathBuf>,
+    /// A Jinja chat template to use instead of the one the GGUF carries
+    /// (transformers' dialect; a file that does not compile stops start-up).
+    #[arg(long)]
+    chat_template_file: Option<PathBuf>,
     /// Repeating layers to run on the GPU (a CUDA build; `cargo xtask build
     /// --cuda`), the last ones first, as llama.cpp offloads; their KV store
     /// and attention go with them. Start-up refuses a setting that leaves
@@ -163,6 +167,7 @@ impl ServeArgs {
         ServeArgs {
             config: self.config,
             model: self.model.or(file.model),
+            chat_template_file: self.chat_template_file.or(file.chat_template_file),
             gpu_layers: self.gpu_layers.or(file.gpu_layers),
             listen: self.listen.or(file.listen),
             http_listen: self.http_listen.or(file.http_listen),
@@ -264,6 +269,12 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig, Option<HttpConf
         &model,
     )?;
     let mut rc = RuntimeConfig::new(model);
+    if let Some(path) = &a.chat_template_file {
+        rc.chat_template = Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("--chat-template-file {}", path.display()))?,
+        );
+    }
     rc.kv = backend;
     rc.model.deterministic = a.deterministic;
     rc.model.gpu_layers = a.gpu_layers.unwrap_or(0);
