@@ -870,77 +870,144 @@ CHATML_THINK = (
 )
 
 
-def test_a_chat_template_file_and_template_arguments(grpc_api, tmp_path):
+@pytest.fixture(scope="module")
+def think_server(tmp_path_factory):
+    """SmolLM2 behind CHATML_THINK: a template that knows `<think>`, as a
+    reasoning model's does."""
+    path = tmp_path_factory.mktemp("template") / "chatml.jinja"
+    path.write_text(CHATML_THINK)
+    s = Server("--chat-template-file", str(path))
+    yield s
+    s.stop()
+
+
+def test_a_chat_template_file_and_template_arguments(grpc_api, think_server, tmp_path):
     """`serve --chat-template-file` replaces the GGUF's template, and
     `chat_template_kwargs` (HTTP) or `chat_template_kwargs` JSON (gRPC) reach
     it: the tokens /tokenize shows are the ones a request runs on."""
     pb, _, _ = grpc_api
     from siliceo.v1 import inference_pb2_grpc as pbg
 
-    path = tmp_path / "chatml.jinja"
-    path.write_text(CHATML_THINK)
-    s = Server("--chat-template-file", str(path))
-    try:
-        def post(body):
-            req = urllib.request.Request(
-                f"{s.http}/tokenize", data=json.dumps(body).encode(),
-                headers={"Content-Type": "application/json"},
-            )
-            try:
-                with urllib.request.urlopen(req, timeout=60) as r:
-                    return r.status, json.load(r)
-            except urllib.error.HTTPError as e:
-                return e.code, json.load(e)
+    s = think_server
 
-        hi = [{"role": "user", "content": "Hi"}]
-        off = {"enable_thinking": False}
-        _, plain = post({"messages": hi, "return_token_strs": True})
-        _, think = post({"messages": hi, "chat_template_kwargs": off, "return_token_strs": True})
-        # Ours, not the GGUF's (which adds its own system prompt); the
-        # markers are special tokens, whose text is not shown.
-        assert "".join(plain["token_strs"]) == "user\nHi\nassistant\n"
-        assert "".join(think["token_strs"]) == "".join(plain["token_strs"]) + "<think>\n\n</think>\n\n"
-        c = client(s)
-        r = c.chat.completions.create(
-            model="", messages=hi, max_tokens=2, temperature=0, extra_body={"chat_template_kwargs": off}
+    def post(body):
+        req = urllib.request.Request(
+            f"{s.http}/tokenize", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
         )
-        assert r.usage.prompt_tokens == think["count"]
-        r = c.chat.completions.create(model="", messages=hi, max_tokens=2, temperature=0)
-        assert r.usage.prompt_tokens == plain["count"]
-        # The Responses API passes them on too.
-        r = c.responses.create(
-            model="", input="Hi", max_output_tokens=2, extra_body={"chat_template_kwargs": off}
-        )
-        assert r.usage.input_tokens == think["count"]
-        # gRPC: the same arguments as JSON text.
-        with grpc.insecure_channel(s.grpc) as ch:
-            stub = pbg.InferenceStub(ch)
-            chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Hi")])
-            done = list(stub.Generate(pb.GenerateRequest(
-                chat=chat, max_tokens=1, chat_template_kwargs=json.dumps(off)
-            )))[-1]
-            assert done.usage.prompt_tokens == think["count"]
-            with pytest.raises(grpc.RpcError) as e:
-                list(stub.Generate(pb.GenerateRequest(chat=chat, max_tokens=1, chat_template_kwargs="[1]")))
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "chat_template_kwargs" in e.value.details()
-        # What they cannot do is named.
-        for call in [
-            lambda: c.chat.completions.create(
-                model="", messages=hi, max_tokens=1, extra_body={"chat_template_kwargs": {"messages": []}}),
-            lambda: c.completions.create(
-                model="", prompt="Hi", max_tokens=1, extra_body={"chat_template_kwargs": off}),
-        ]:
-            with pytest.raises(openai.BadRequestError) as e:
-                call()
-            assert e.value.body["param"] == "chat_template_kwargs"
-        assert post({"prompt": "Hi", "chat_template_kwargs": off})[1]["error"]["param"] == "chat_template_kwargs"
-        s.wait_idle()
-    finally:
-        s.stop()
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.load(r)
+        except urllib.error.HTTPError as e:
+            return e.code, json.load(e)
+
+    hi = [{"role": "user", "content": "Hi"}]
+    off = {"enable_thinking": False}
+    _, plain = post({"messages": hi, "return_token_strs": True})
+    _, think = post({"messages": hi, "chat_template_kwargs": off, "return_token_strs": True})
+    # Ours, not the GGUF's (which adds its own system prompt); the
+    # markers are special tokens, whose text is not shown.
+    assert "".join(plain["token_strs"]) == "user\nHi\nassistant\n"
+    assert "".join(think["token_strs"]) == "".join(plain["token_strs"]) + "<think>\n\n</think>\n\n"
+    c = client(s)
+    r = c.chat.completions.create(
+        model="", messages=hi, max_tokens=2, temperature=0, extra_body={"chat_template_kwargs": off}
+    )
+    assert r.usage.prompt_tokens == think["count"]
+    r = c.chat.completions.create(model="", messages=hi, max_tokens=2, temperature=0)
+    assert r.usage.prompt_tokens == plain["count"]
+    # The Responses API passes them on too.
+    r = c.responses.create(
+        model="", input="Hi", max_output_tokens=2, extra_body={"chat_template_kwargs": off}
+    )
+    assert r.usage.input_tokens == think["count"]
+    # gRPC: the same arguments as JSON text.
+    with grpc.insecure_channel(s.grpc) as ch:
+        stub = pbg.InferenceStub(ch)
+        chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Hi")])
+        done = list(stub.Generate(pb.GenerateRequest(
+            chat=chat, max_tokens=1, chat_template_kwargs=json.dumps(off)
+        )))[-1]
+        assert done.usage.prompt_tokens == think["count"]
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb.GenerateRequest(chat=chat, max_tokens=1, chat_template_kwargs="[1]")))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "chat_template_kwargs" in e.value.details()
+    # What they cannot do is named.
+    for call in [
+        lambda: c.chat.completions.create(
+            model="", messages=hi, max_tokens=1, extra_body={"chat_template_kwargs": {"messages": []}}),
+        lambda: c.completions.create(
+            model="", prompt="Hi", max_tokens=1, extra_body={"chat_template_kwargs": off}),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.body["param"] == "chat_template_kwargs"
+    assert post({"prompt": "Hi", "chat_template_kwargs": off})[1]["error"]["param"] == "chat_template_kwargs"
+    s.wait_idle()
     # A template that does not compile stops start-up, saying so.
     bad = tmp_path / "bad.jinja"
     bad.write_text("{% for m in messages %}")
     with pytest.raises(RuntimeError) as e:
         Server("--chat-template-file", str(bad))
     assert "chat template" in str(e.value)
+
+
+# A thought, then an answer, as a reasoning model writes them (forced here by
+# a grammar: SmolLM2 does not think on its own).
+THINK_THEN_ANSWER = r"""
+start: "<think>" THOUGHT "</think>\n\n" ANSWER
+THOUGHT: /[a-z][a-z ]{8,40}/
+ANSWER: /[A-Z][a-z ]{3,30}\./
+"""
+
+
+def test_a_reasoning_models_thinking_is_split_from_its_answer(grpc_api, think_server):
+    """With a template that knows `<think>`, a chat's leading thinking block
+    goes to `reasoning_content` (chat completions, whole and streamed) or a
+    `reasoning` item (the Responses API), the answer to `content`; gRPC
+    gives the raw text they were split from."""
+    pb, _, _ = grpc_api
+    from siliceo.v1 import inference_pb2_grpc as pbg
+
+    c = client(think_server)
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    kw = dict(model="", messages=ask, max_tokens=80, temperature=0)
+    g = {"grammar": THINK_THEN_ANSWER}
+    r = c.chat.completions.create(**kw, extra_body=g)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "stop"
+    thought, answer = msg.reasoning_content, msg.content
+    assert thought and answer and "<think>" not in thought + answer
+    with grpc.insecure_channel(think_server.grpc) as ch:
+        stub = pbg.InferenceStub(ch)
+        chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=ask[0]["content"])])
+        raw = "".join(m.text for m in stub.Generate(pb.GenerateRequest(
+            chat=chat, max_tokens=80, constraint=pb.Constraint(lark=THINK_THEN_ANSWER)
+        )))
+    assert raw == f"<think>{thought}</think>\n\n{answer}"
+
+    chunks = list(c.chat.completions.create(**kw, stream=True, extra_body=g))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    assert deltas[0].role == "assistant"
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == thought
+    assert "".join(d.content or "" for d in deltas) == answer
+
+    # The Responses API: a reasoning item, then the message.
+    rk = dict(model="", input=ask[0]["content"], max_output_tokens=80, temperature=0, extra_body=g)
+    resp = c.responses.create(**rk)
+    assert [o.type for o in resp.output] == ["reasoning", "message"]
+    assert resp.output[0].content[0].text == thought
+    assert resp.output_text == answer
+    with c.responses.stream(**rk) as st:
+        kinds = [e.type for e in st]
+        final = st.get_final_response()
+    assert "response.reasoning_text.delta" in kinds
+    assert [o.type for o in final.output] == ["reasoning", "message"]
+    assert final.output_text == answer
+
+    # No thinking block: all answer, no reasoning.
+    r = c.chat.completions.create(**kw, extra_body={"regex": "Paris is [a-z ]{3,20}\\."})
+    assert r.choices[0].message.content.startswith("Paris is ")
+    assert r.choices[0].message.reasoning_content is None
+    think_server.wait_idle()

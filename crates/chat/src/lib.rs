@@ -29,6 +29,7 @@
 #![deny(missing_docs)]
 
 mod json;
+mod reasoning;
 mod tools;
 
 use std::fmt;
@@ -38,6 +39,7 @@ use minijinja::{Environment, ErrorKind};
 use serde::{Deserialize, Serialize};
 pub use siliceo_core::Constraint;
 
+pub use reasoning::{Split, THINK_CLOSE, THINK_OPEN, ThinkSplitter};
 pub use tools::{ParsedOutput, ToolChoice, ToolSyntax};
 
 /// Why a template could not be used.
@@ -199,6 +201,8 @@ pub struct ChatTemplate {
     bos: String,
     eos: String,
     tools: Option<ToolSyntax>,
+    /// The template knows `<think>` blocks: the model reasons.
+    reasons: bool,
 }
 
 impl fmt::Debug for ChatTemplate {
@@ -242,7 +246,24 @@ impl ChatTemplate {
             bos: bos.to_string(),
             eos: eos.to_string(),
             tools: ToolSyntax::detect(source),
+            reasons: source.contains(THINK_OPEN),
         })
+    }
+
+    /// Whether the model thinks in `<think>` blocks before it answers (its
+    /// template knows them).
+    pub fn reasons(&self) -> bool {
+        self.reasons
+    }
+
+    /// Whether a chat's prompt, rendered with `kwargs`, leaves a thinking
+    /// block open (DeepSeek-R1's template does; Qwen3's lets the model open
+    /// it, or closes an empty one when `enable_thinking` is false).
+    pub fn opens_thinking(&self, kwargs: &serde_json::Map<String, serde_json::Value>) -> bool {
+        self.reasons
+            && self
+                .render_with(&[Message::new("user", "x")], &[], true, kwargs)
+                .is_ok_and(|t| t.trim_end().ends_with(THINK_OPEN))
     }
 
     /// How the model writes tool calls (`None`: the template knows no tools).

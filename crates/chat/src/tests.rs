@@ -284,3 +284,30 @@ fn template_arguments_reach_the_template() {
         }
     }
 }
+
+/// A template that knows `<think>` reasons; whether its prompt leaves the
+/// block open depends on the template and its arguments.
+#[test]
+fn thinking_templates_are_known_and_may_open_the_block() {
+    let qwen3_like = ChatTemplate::new(
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}\
+         {% if add_generation_prompt %}assistant:\n{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}",
+        "",
+        "",
+    )
+    .unwrap();
+    let r1_like = ChatTemplate::new(
+        "{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}<think>\n{% endif %}",
+        "",
+        "",
+    )
+    .unwrap();
+    let off: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(r#"{"enable_thinking": false}"#).unwrap();
+    let none = serde_json::Map::new();
+    assert!(qwen3_like.reasons() && r1_like.reasons());
+    assert!(!qwen3_like.opens_thinking(&none));
+    assert!(!qwen3_like.opens_thinking(&off));
+    assert!(r1_like.opens_thinking(&none));
+    assert!(!qwen().reasons() && !qwen().opens_thinking(&none));
+}

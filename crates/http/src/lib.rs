@@ -524,6 +524,16 @@ fn resolve_tools(
     Ok(Some(syntax))
 }
 
+/// Whether a chat's output holds a reasoning model's thinking to split off
+/// (`Some(open)`, `open` when the prompt opened the block). Not when a
+/// constraint holds the output from its first token and the prompt opened
+/// the block: the constrained output is then the answer.
+fn thinking(s: &AppState, req: &siliceo_runtime::GenerateRequest) -> Option<bool> {
+    let t = s.rt.chat_template().filter(|t| t.reasons())?;
+    let open = t.opens_thinking(&req.chat_template_kwargs);
+    (!(open && req.constraint.is_some())).then_some(open)
+}
+
 /// Serves a chat or text completion request.
 async fn generate(
     s: &AppState,
@@ -538,6 +548,13 @@ async fn generate(
         Kind::Completion => openai::completion_plan(field_of(&v)?, common)?,
     };
     let tools = resolve_tools(s, &mut plan)?;
+    let parsing = stream::Parsing {
+        tools,
+        think: match kind {
+            Kind::Chat => thinking(s, &plan.request),
+            Kind::Completion => None,
+        },
+    };
     // The text each prompt's echo returns: a text prompt as it came, token
     // ids as text.
     let echoes: Vec<String> = plan
@@ -593,7 +610,7 @@ async fn generate(
             created,
             model,
             include_usage: plan.include_usage,
-            tools,
+            parsing,
             echoes: echoes.clone(),
             n,
             logprobs: plan.request.logprobs,
@@ -623,7 +640,7 @@ async fn generate(
                 .as_ref()
                 .zip(plan.request.logprobs.map(|k| k as usize)),
         });
-        let mut c = kind.choice(i, &text, finish, tools, lps, echoed);
+        let mut c = kind.choice(i, &text, finish, parsing, lps, echoed);
         if let (Some(k), Some(p)) = (plan.prompt_logprobs, &prompt) {
             let v = stream::vllm_prompt_logprobs(p, k as usize);
             match kind {

@@ -34,8 +34,8 @@ use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use siliceo_core::FinishReason;
 use siliceo_runtime::{
-    Event, Message as ChatMessage, RequestStream, RuntimeError, TokenLogprob, ToolCall, ToolSyntax,
-    Usage,
+    Event, Message as ChatMessage, RequestStream, RuntimeError, ThinkSplitter, TokenLogprob,
+    ToolCall, ToolSyntax, Usage,
 };
 use tokio_stream::Stream;
 
@@ -744,9 +744,18 @@ pub(crate) struct Builder {
     syntax: Option<ToolSyntax>,
     logprobs: bool,
     seq: u64,
+    /// A reasoning model's thinking, split from its answer.
+    think: Option<ThinkSplitter>,
+    rs_id: String,
+    /// The reasoning item was announced, and ended.
+    rs_opened: bool,
+    rs_closed: bool,
+    rs_text: String,
     msg_id: String,
     /// The message item was announced (`output_item.added`).
     opened: bool,
+    /// Its place in `output`.
+    msg_index: usize,
     text: String,
     /// The output text's log-probability entries so far.
     lps: Vec<Value>,
@@ -767,10 +776,12 @@ pub(crate) struct Builder {
 
 impl Builder {
     /// A builder for `p`'s response, kept in `store` when it asked for it;
-    /// `syntax`: the model's tool syntax when tools are offered.
+    /// `syntax`: the model's tool syntax when tools are offered; `think`: a
+    /// reasoning model's (`Some(open)`, `open` when the prompt opened the
+    /// thinking block).
     pub(crate) fn new(
         p: Prepared,
-        syntax: Option<ToolSyntax>,
+        (syntax, think): (Option<ToolSyntax>, Option<bool>),
         store: &Arc<ResponseStore>,
     ) -> (Self, Plan) {
         let keep = p
@@ -782,8 +793,14 @@ impl Builder {
             syntax,
             logprobs: p.logprobs,
             seq: 0,
+            think: think.map(ThinkSplitter::new),
+            rs_id: format!("rs_{}", uuid_like()),
+            rs_opened: false,
+            rs_closed: false,
+            rs_text: String::new(),
             msg_id: format!("msg_{}", uuid_like()),
             opened: false,
+            msg_index: 0,
             text: String::new(),
             lps: Vec::new(),
             pending: Vec::new(),
@@ -850,22 +867,107 @@ impl Builder {
         if self.opened {
             return;
         }
+        self.close_reasoning("completed", out);
         self.opened = true;
+        self.msg_index = self.output.len();
         let item = json!({
             "type": "message", "id": self.msg_id, "status": "in_progress",
             "role": "assistant", "content": [],
         });
         let e = self.event(
             "response.output_item.added",
-            json!({"output_index": 0, "item": item}),
+            json!({"output_index": self.msg_index, "item": item}),
         );
         out.push(e);
         let part = json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []});
         let e = self.event(
             "response.content_part.added",
-            json!({"item_id": self.msg_id, "output_index": 0, "content_index": 0, "part": part}),
+            json!({
+                "item_id": self.msg_id, "output_index": self.msg_index, "content_index": 0,
+                "part": part,
+            }),
         );
         out.push(e);
+    }
+
+    /// Thinking, in a `reasoning` item before the answer.
+    fn push_reasoning(&mut self, text: &str, out: &mut Vec<Value>) {
+        if text.is_empty() {
+            return;
+        }
+        if !self.rs_opened {
+            self.rs_opened = true;
+            let item = json!({
+                "type": "reasoning", "id": self.rs_id, "summary": [], "content": [],
+                "status": "in_progress",
+            });
+            let e = self.event(
+                "response.output_item.added",
+                json!({"output_index": 0, "item": item}),
+            );
+            out.push(e);
+        }
+        self.rs_text.push_str(text);
+        let e = self.event(
+            "response.reasoning_text.delta",
+            json!({"item_id": self.rs_id, "output_index": 0, "content_index": 0, "delta": text}),
+        );
+        out.push(e);
+    }
+
+    /// Ends the reasoning item (once the answer starts, or the output ends).
+    fn close_reasoning(&mut self, status: &str, out: &mut Vec<Value>) {
+        if !self.rs_opened || self.rs_closed {
+            return;
+        }
+        self.rs_closed = true;
+        let e = self.event(
+            "response.reasoning_text.done",
+            json!({"item_id": self.rs_id, "output_index": 0, "content_index": 0, "text": self.rs_text}),
+        );
+        out.push(e);
+        let item = json!({
+            "type": "reasoning", "id": self.rs_id, "summary": [],
+            "content": [{"type": "reasoning_text", "text": self.rs_text}], "status": status,
+        });
+        let e = self.event(
+            "response.output_item.done",
+            json!({"output_index": 0, "item": item}),
+        );
+        out.push(e);
+        self.output.push(item);
+    }
+
+    /// The model's text: thinking to the reasoning item, the answer (past
+    /// any tool call's start) to the message; `end`: and all held back.
+    fn route(&mut self, text: &str, end: bool, out: &mut Vec<Value>) -> Vec<(String, String)> {
+        let answer = match self.think.as_mut() {
+            None => text.to_string(),
+            Some(sp) => {
+                let mut split = sp.push(text);
+                if end {
+                    let tail = sp.finish();
+                    split.reasoning.push_str(&tail.reasoning);
+                    split.content.push_str(&tail.content);
+                }
+                self.push_reasoning(&split.reasoning, out);
+                split.content
+            }
+        };
+        let Some(syntax) = self.syntax else {
+            self.push_text(&answer, out);
+            return Vec::new();
+        };
+        let released = self.guard.push(syntax, answer);
+        self.push_text(&released, out);
+        if !end {
+            return Vec::new();
+        }
+        let (held, calls) = self.guard.finish(syntax);
+        if calls.is_empty() {
+            self.push_text(&held, out);
+        }
+        calls
     }
 
     /// The pending log-probabilities as output text entries.
@@ -894,7 +996,7 @@ impl Builder {
         let e = self.event(
             "response.output_text.delta",
             json!({
-                "item_id": self.msg_id, "output_index": 0, "content_index": 0,
+                "item_id": self.msg_id, "output_index": self.msg_index, "content_index": 0,
                 "delta": text, "logprobs": lps,
             }),
         );
@@ -911,11 +1013,7 @@ impl Builder {
                 if self.logprobs {
                     self.pending.extend(logprobs);
                 }
-                let text = match self.syntax {
-                    Some(s) => self.guard.push(s, text),
-                    None => text,
-                };
-                self.push_text(&text, &mut out);
+                self.route(&text, false, &mut out);
             }
             Event::Done {
                 finish_reason,
@@ -938,14 +1036,7 @@ impl Builder {
     }
 
     fn finish(&mut self, finish: FinishReason, usage: Usage, out: &mut Vec<Value>) {
-        let mut calls = Vec::new();
-        if let Some(syntax) = self.syntax {
-            let (held, parsed) = self.guard.finish(syntax);
-            if parsed.is_empty() {
-                self.push_text(&held, out);
-            }
-            calls = parsed;
-        }
+        let calls = self.route("", true, out);
         let tail = self.take_logprobs();
         self.lps.extend(tail);
         self.status = match finish {
@@ -953,6 +1044,12 @@ impl Builder {
             _ if !calls.is_empty() => Status::Completed,
             _ => Status::Incomplete,
         };
+        let status = if self.status == Status::Incomplete {
+            "incomplete"
+        } else {
+            "completed"
+        };
+        self.close_reasoning(status, out);
         // A response always says something: an empty message if nothing.
         if calls.is_empty() {
             self.open(out);
@@ -962,27 +1059,27 @@ impl Builder {
                 "type": "output_text", "text": self.text, "annotations": [], "logprobs": self.lps,
             });
             let id = self.msg_id.clone();
+            let index = self.msg_index;
             let e = self.event(
                 "response.output_text.done",
                 json!({
-                    "item_id": id, "output_index": 0, "content_index": 0,
+                    "item_id": id, "output_index": index, "content_index": 0,
                     "text": self.text, "logprobs": self.lps,
                 }),
             );
             out.push(e);
             let e = self.event(
                 "response.content_part.done",
-                json!({"item_id": id, "output_index": 0, "content_index": 0, "part": part}),
+                json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}),
             );
             out.push(e);
             let item = json!({
-                "type": "message", "id": id,
-                "status": if self.status == Status::Incomplete { "incomplete" } else { "completed" },
+                "type": "message", "id": id, "status": status,
                 "role": "assistant", "content": [part],
             });
             let e = self.event(
                 "response.output_item.done",
-                json!({"output_index": 0, "item": item}),
+                json!({"output_index": index, "item": item}),
             );
             out.push(e);
             self.output.push(item);
@@ -1121,7 +1218,8 @@ pub(crate) async fn create(
     let can_store = s.responses.max_bytes > 0;
     let mut p = prepare(&v, r, common, prior.as_deref(), (model, can_store))?;
     let syntax = crate::resolve_tools(&s, &mut p.plan).map_err(renamed)?;
-    let (mut b, plan) = Builder::new(p, syntax, &s.responses);
+    let think = crate::thinking(&s, &p.plan.request);
+    let (mut b, plan) = Builder::new(p, (syntax, think), &s.responses);
     let mut rs = start(&s, plan.choice(0)).await.map_err(renamed)?;
     if stream {
         return Ok(Sse::new(ResponseEvents::new(rs, b))
@@ -1507,7 +1605,7 @@ mod tests {
     fn events_build_the_response_they_end_with() {
         let store = Arc::new(ResponseStore::new(1 << 20));
         let p = prep(json!({"input": "hi", "metadata": {"k": "v"}})).unwrap();
-        let (mut b, _) = Builder::new(p, None, &store);
+        let (mut b, _) = Builder::new(p, (None, None), &store);
         let mut evs = b.start();
         evs.extend(b.on_event(text("Hello")));
         evs.extend(b.on_event(text(", you")));
@@ -1551,11 +1649,59 @@ mod tests {
         );
     }
 
+    /// A reasoning model's thinking is a `reasoning` item before the
+    /// message, its text streamed as `reasoning_text` deltas.
+    #[test]
+    fn thinking_comes_first_as_a_reasoning_item() {
+        let store = Arc::new(ResponseStore::new(1 << 20));
+        let p = prep(json!({"input": "hi"})).unwrap();
+        let (mut b, _) = Builder::new(p, (None, Some(false)), &store);
+        let mut evs = b.start();
+        for t in ["<think>Hm", "m.</th", "ink>\n\nHel", "lo"] {
+            evs.extend(b.on_event(text(t)));
+        }
+        evs.extend(b.on_event(done(FinishReason::Stop)));
+        let kinds: Vec<(&str, Option<u64>)> = evs
+            .iter()
+            .map(|e| (e["type"].as_str().unwrap(), e["output_index"].as_u64()))
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                ("response.created", None),
+                ("response.in_progress", None),
+                ("response.output_item.added", Some(0)),
+                ("response.reasoning_text.delta", Some(0)),
+                ("response.reasoning_text.delta", Some(0)),
+                ("response.reasoning_text.done", Some(0)),
+                ("response.output_item.done", Some(0)),
+                ("response.output_item.added", Some(1)),
+                ("response.content_part.added", Some(1)),
+                ("response.output_text.delta", Some(1)),
+                ("response.output_text.delta", Some(1)),
+                ("response.output_text.done", Some(1)),
+                ("response.content_part.done", Some(1)),
+                ("response.output_item.done", Some(1)),
+                ("response.completed", None),
+            ]
+        );
+        let r = b.response();
+        assert_eq!(r["output"][0]["type"], "reasoning");
+        assert_eq!(r["output"][0]["content"][0]["text"], "Hmm.");
+        assert_eq!(r["output"][1]["content"][0]["text"], "Hello");
+        // The next turn sees the answer, not the thinking.
+        let kept = store.get(r["id"].as_str().unwrap()).unwrap();
+        assert_eq!(
+            kept.conversation.last().unwrap().content.as_deref(),
+            Some("Hello")
+        );
+    }
+
     #[test]
     fn an_empty_answer_is_an_empty_message_and_a_failure_is_failed() {
         let store = Arc::new(ResponseStore::new(1 << 20));
         let p = prep(json!({"input": "hi", "store": false})).unwrap();
-        let (mut b, _) = Builder::new(p, None, &store);
+        let (mut b, _) = Builder::new(p, (None, None), &store);
         b.start();
         b.on_event(done(FinishReason::Stop));
         let r = b.response();
@@ -1564,7 +1710,7 @@ mod tests {
         assert_eq!(store.usage().0, 0, "store: false keeps nothing");
 
         let p = prep(json!({"input": "hi"})).unwrap();
-        let (mut b, _) = Builder::new(p, None, &store);
+        let (mut b, _) = Builder::new(p, (None, None), &store);
         b.start();
         b.on_event(text("a"));
         let evs = b.on_event(Event::Done {

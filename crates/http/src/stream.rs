@@ -9,11 +9,20 @@ use std::task::{Context, Poll};
 use axum::response::sse::Event as SseEvent;
 use serde_json::{Value, json};
 use siliceo_core::TokenId;
-use siliceo_runtime::{Event, RequestStream, TokenLogprob, ToolSyntax, Usage};
+use siliceo_runtime::{Event, RequestStream, ThinkSplitter, TokenLogprob, ToolSyntax, Usage};
 use tokio_stream::Stream;
 
 use crate::error::ApiError;
 use crate::{finish_name, usage_json};
+
+/// How a chat's output is read: tool calls in the model's syntax (when
+/// tools are offered), and a reasoning model's thinking (`Some(open)`: split
+/// off, `open` when the prompt opened the block).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Parsing {
+    pub(crate) tools: Option<ToolSyntax>,
+    pub(crate) think: Option<bool>,
+}
 
 /// Which endpoint a response belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,7 +55,8 @@ impl Kind {
         }
     }
 
-    /// A whole (non-streamed) choice; with `tools`, calls in the text become
+    /// A whole (non-streamed) choice; a chat's thinking goes to
+    /// `reasoning_content` and, with tools, calls in the answer become
     /// `tool_calls`; with `echo` (completions), the prompt's text and, when
     /// log-probabilities were asked for, its tokens' come first.
     pub(crate) fn choice(
@@ -54,7 +64,7 @@ impl Kind {
         index: usize,
         text: &str,
         finish: siliceo_core::FinishReason,
-        tools: Option<ToolSyntax>,
+        parsing: Parsing,
         lps: Option<&[TokenLogprob]>,
         echo: Option<Echoed<'_>>,
     ) -> Value {
@@ -66,7 +76,15 @@ impl Kind {
         }
         match self {
             Kind::Chat => {
-                if let Some(syntax) = tools {
+                let split = parsing.think.map(|open| ThinkSplitter::split(open, text));
+                let text = split.as_ref().map_or(text, |s| s.content.as_str());
+                let mut c = json!({
+                    "index": index,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": logprobs,
+                    "finish_reason": finish_name(finish),
+                });
+                if let Some(syntax) = parsing.tools {
                     let parsed = syntax.parse(text);
                     if !parsed.calls.is_empty() {
                         let calls: Vec<Value> = parsed
@@ -75,20 +93,16 @@ impl Kind {
                             .map(|(name, args)| tool_call_json(None, name, args))
                             .collect();
                         let content = (!parsed.content.is_empty()).then_some(parsed.content);
-                        return json!({
-                            "index": index,
-                            "message": {"role": "assistant", "content": content, "tool_calls": calls},
-                            "logprobs": logprobs,
-                            "finish_reason": "tool_calls",
-                        });
+                        c["message"]["content"] = json!(content);
+                        c["message"]["tool_calls"] = json!(calls);
+                        c["finish_reason"] = json!("tool_calls");
                     }
                 }
-                json!({
-                    "index": index,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": logprobs,
-                    "finish_reason": finish_name(finish),
-                })
+                if let Some(s) = split {
+                    let r = (!s.reasoning.is_empty()).then_some(s.reasoning);
+                    c["message"]["reasoning_content"] = json!(r);
+                }
+                c
             }
             Kind::Completion => json!({
                 "index": index,
@@ -341,6 +355,8 @@ struct Choice {
     done: bool,
     /// Text held back while it may be a tool call.
     guard: CallGuard,
+    /// A reasoning model's thinking, split from its answer.
+    think: Option<ThinkSplitter>,
     /// Log-probabilities of tokens whose text has not gone out yet.
     pending_lp: Vec<TokenLogprob>,
     /// Text offset of the next token (completions' logprobs).
@@ -367,7 +383,7 @@ pub(crate) struct ChoiceStream {
     finished: bool,
     /// Round-robin start, so one busy choice cannot starve the others.
     next: usize,
-    /// The model's tool syntax when the request offers tools.
+    /// The model's tool syntax when the request offers tools (chat).
     tools: Option<ToolSyntax>,
     /// Alternatives per token, when log-probabilities were asked for.
     logprobs: Option<u32>,
@@ -382,7 +398,8 @@ pub(crate) struct StreamHead {
     pub(crate) created: u64,
     pub(crate) model: String,
     pub(crate) include_usage: bool,
-    pub(crate) tools: Option<ToolSyntax>,
+    /// How a chat's output is read.
+    pub(crate) parsing: Parsing,
     /// Each prompt's text to echo first (completions' `echo`): choice `i`
     /// echoes prompt `i / n`'s.
     pub(crate) echoes: Vec<String>,
@@ -403,7 +420,7 @@ impl ChoiceStream {
             created,
             model,
             include_usage,
-            tools,
+            parsing,
             echoes,
             n,
             logprobs,
@@ -424,6 +441,7 @@ impl ChoiceStream {
                     announced: false,
                     done: false,
                     guard: CallGuard::default(),
+                    think: parsing.think.map(ThinkSplitter::new),
                     pending_lp: Vec::new(),
                     offset: 0,
                     echo: echoes.get(i / n).cloned(),
@@ -435,7 +453,7 @@ impl ChoiceStream {
             out: VecDeque::new(),
             finished: false,
             next: 0,
-            tools,
+            tools: parsing.tools,
             logprobs,
             prompt_logprobs,
         }
@@ -496,7 +514,6 @@ impl ChoiceStream {
             e["choices"] = json!([c]);
             self.out.push_back(SseEvent::default().data(e.to_string()));
         }
-        let announce = chat && !self.choices[i].announced;
         let Some(ev) = ev else {
             return true;
         };
@@ -504,6 +521,8 @@ impl ChoiceStream {
             Event::Prompt { .. } => true,
             Event::Text { text, logprobs, .. } => {
                 self.choices[i].pending_lp.extend(logprobs);
+                let text = self.think(i, &text, false);
+                let announce = chat && !self.choices[i].announced;
                 let text = match self.tools {
                     Some(syntax) if chat => self.choices[i].guard.push(syntax, text),
                     _ => text,
@@ -537,6 +556,18 @@ impl ChoiceStream {
                 }
                 self.usage.completion_tokens += usage.completion_tokens;
                 let mut finish = finish_name(finish_reason);
+                let mut tail = self.think(i, "", true);
+                if let Some(syntax) = self.tools.filter(|_| chat) {
+                    tail = self.choices[i].guard.push(syntax, tail);
+                }
+                if !tail.is_empty() {
+                    let announce = chat && !self.choices[i].announced;
+                    self.choices[i].announced = true;
+                    let c = self.kind.delta(i, Some(&tail), announce, None, Value::Null);
+                    let e = self.chunk(vec![c], None);
+                    self.out.push_back(e);
+                }
+                let announce = chat && !self.choices[i].announced;
                 if let Some(syntax) = self.tools.filter(|_| chat) {
                     let (held, calls) = self.choices[i].guard.finish(syntax);
                     if !calls.is_empty() {
@@ -567,6 +598,31 @@ impl ChoiceStream {
                 true
             }
         }
+    }
+
+    /// A reasoning model's choice `i`: sends the thinking in `text` (and at
+    /// the `end`, all that is held back) as `reasoning_content` deltas, and
+    /// returns the answer's part of it.
+    fn think(&mut self, i: usize, text: &str, end: bool) -> String {
+        let Some(sp) = self.choices[i].think.as_mut() else {
+            return text.to_string();
+        };
+        let mut split = sp.push(text);
+        if end {
+            let tail = sp.finish();
+            split.reasoning.push_str(&tail.reasoning);
+            split.content.push_str(&tail.content);
+        }
+        if !split.reasoning.is_empty() {
+            let announce = !self.choices[i].announced;
+            self.choices[i].announced = true;
+            let lp = self.take_logprobs(i);
+            let mut c = self.kind.delta(i, None, announce, None, lp);
+            c["delta"]["reasoning_content"] = json!(split.reasoning);
+            let e = self.chunk(vec![c], None);
+            self.out.push_back(e);
+        }
+        split.content
     }
 
     /// The pending log-probabilities of choice `i` as the next chunk's
@@ -685,6 +741,50 @@ mod tests {
         assert_eq!(lists["top_logprobs"], json!([null, {" sea": -0.5}]));
     }
 
+    /// A reasoning model's chat answer: its thinking in
+    /// `reasoning_content`, tool calls read from the answer alone (a call
+    /// the model only thought about is not made).
+    #[test]
+    fn thinking_is_split_off_before_tool_calls_are_read() {
+        let parsing = Parsing {
+            tools: Some(ToolSyntax::Hermes),
+            think: Some(false),
+        };
+        let call = "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>";
+        let c = Kind::Chat.choice(
+            0,
+            &format!("<think>Maybe {call}</think>\n\nNo call needed."),
+            siliceo_core::FinishReason::Stop,
+            parsing,
+            None,
+            None,
+        );
+        assert_eq!(c["message"]["reasoning_content"], format!("Maybe {call}"));
+        assert_eq!(c["message"]["content"], "No call needed.");
+        assert!(c["message"].get("tool_calls").is_none());
+        let c = Kind::Chat.choice(
+            0,
+            &format!("<think>Call f.</think>\n{call}"),
+            siliceo_core::FinishReason::Stop,
+            parsing,
+            None,
+            None,
+        );
+        assert_eq!(c["message"]["reasoning_content"], "Call f.");
+        assert_eq!(c["message"]["tool_calls"][0]["function"]["name"], "f");
+        assert_eq!(c["finish_reason"], "tool_calls");
+        // Not a reasoning model: no field.
+        let c = Kind::Chat.choice(
+            0,
+            "hi",
+            siliceo_core::FinishReason::Stop,
+            Parsing::default(),
+            None,
+            None,
+        );
+        assert!(c["message"].get("reasoning_content").is_none());
+    }
+
     /// An echoed prompt's lists come first: its first token with `null`s,
     /// offsets running on through the completion's tokens.
     #[test]
@@ -696,7 +796,7 @@ mod tests {
             0,
             " is",
             siliceo_core::FinishReason::Length,
-            None,
+            Parsing::default(),
             Some(&generated),
             Some(Echoed {
                 text: "The sky",

@@ -1,0 +1,218 @@
+//! Reasoning models' thinking, split from their answer: a `<think>` block at
+//! the start of the output (Qwen3, DeepSeek-R1 and the models trained on
+//! their format). A template whose generation prompt already opens the block
+//! (DeepSeek-R1's ends with `<think>\n`) starts the output inside it.
+
+/// The tag that opens a thinking block.
+pub const THINK_OPEN: &str = "<think>";
+/// The tag that closes it.
+pub const THINK_CLOSE: &str = "</think>";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Nothing but whitespace yet: a block may still open.
+    Start,
+    /// Inside the block.
+    Thinking,
+    /// The block closed: whitespace before the answer is dropped.
+    Closed,
+    /// The answer.
+    Answer,
+}
+
+/// Splits a stream of generated text into thinking and answer, holding back
+/// only what may be part of a tag.
+#[derive(Debug, Clone)]
+pub struct ThinkSplitter {
+    state: State,
+    held: String,
+}
+
+/// A piece of output, split.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Split {
+    /// Thinking.
+    pub reasoning: String,
+    /// Answer.
+    pub content: String,
+}
+
+/// The length of the longest tail of `text` that begins `tag` (a tag that
+/// may be completed by the next text).
+fn tag_prefix_len(text: &str, tag: &str) -> usize {
+    (1..tag.len().min(text.len() + 1))
+        .rev()
+        .find(|&k| text.is_char_boundary(text.len() - k) && text.ends_with(&tag[..k]))
+        .unwrap_or(0)
+}
+
+impl ThinkSplitter {
+    /// A splitter for output that starts inside a thinking block (`open`:
+    /// the prompt opened it) or may open one.
+    pub fn new(open: bool) -> Self {
+        ThinkSplitter {
+            state: if open { State::Thinking } else { State::Start },
+            held: String::new(),
+        }
+    }
+
+    /// Takes the model's next text; returns what of it can go out now.
+    pub fn push(&mut self, text: &str) -> Split {
+        self.held.push_str(text);
+        let mut out = Split::default();
+        loop {
+            match self.state {
+                State::Start => {
+                    let lead = self.held.trim_start();
+                    if lead.starts_with(THINK_OPEN) {
+                        let at = self.held.len() - lead.len() + THINK_OPEN.len();
+                        self.held.drain(..at);
+                        self.state = State::Thinking;
+                    } else if lead.is_empty() || THINK_OPEN.starts_with(lead) {
+                        return out;
+                    } else {
+                        self.state = State::Answer;
+                    }
+                }
+                State::Thinking => match self.held.find(THINK_CLOSE) {
+                    Some(at) => {
+                        out.reasoning.push_str(&self.held[..at]);
+                        self.held.drain(..at + THINK_CLOSE.len());
+                        self.state = State::Closed;
+                    }
+                    None => {
+                        let keep = tag_prefix_len(&self.held, THINK_CLOSE);
+                        let tail = self.held.split_off(self.held.len() - keep);
+                        out.reasoning
+                            .push_str(&std::mem::replace(&mut self.held, tail));
+                        return out;
+                    }
+                },
+                State::Closed => {
+                    let lead = self.held.trim_start();
+                    if lead.is_empty() {
+                        self.held.clear();
+                        return out;
+                    }
+                    self.held = lead.to_string();
+                    self.state = State::Answer;
+                }
+                State::Answer => {
+                    out.content.push_str(&self.held);
+                    self.held.clear();
+                    return out;
+                }
+            }
+        }
+    }
+
+    /// At the end: what was held back. An unclosed block is all thinking
+    /// (the output ran out while the model thought).
+    pub fn finish(&mut self) -> Split {
+        let held = std::mem::take(&mut self.held);
+        match self.state {
+            State::Thinking => Split {
+                reasoning: held,
+                content: String::new(),
+            },
+            State::Closed => Split::default(),
+            State::Start | State::Answer => Split {
+                reasoning: String::new(),
+                content: held,
+            },
+        }
+    }
+
+    /// Splits a whole output.
+    pub fn split(open: bool, text: &str) -> Split {
+        let mut s = ThinkSplitter::new(open);
+        let mut a = s.push(text);
+        let b = s.finish();
+        a.reasoning.push_str(&b.reasoning);
+        a.content.push_str(&b.content);
+        a
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every way of cutting `text` into two pushes gives the whole split.
+    fn same_in_pieces(open: bool, text: &str, want: (&str, &str)) {
+        let whole = ThinkSplitter::split(open, text);
+        assert_eq!(
+            (whole.reasoning.as_str(), whole.content.as_str()),
+            want,
+            "{text:?}"
+        );
+        for cut in (0..=text.len()).filter(|&c| text.is_char_boundary(c)) {
+            let mut s = ThinkSplitter::new(open);
+            let mut got = s.push(&text[..cut]);
+            for part in [s.push(&text[cut..]), s.finish()] {
+                got.reasoning.push_str(&part.reasoning);
+                got.content.push_str(&part.content);
+            }
+            assert_eq!(got, whole, "{text:?} cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn a_leading_block_is_thinking_and_the_rest_the_answer() {
+        same_in_pieces(
+            false,
+            "<think>\nParis is the capital.\n</think>\n\nParis.",
+            ("\nParis is the capital.\n", "Paris."),
+        );
+        same_in_pieces(false, "  <think>a < b</think>ok", ("a < b", "ok"));
+        // No block: all answer, even a tag later on.
+        same_in_pieces(
+            false,
+            "Paris. <think>x</think>",
+            ("", "Paris. <think>x</think>"),
+        );
+        same_in_pieces(false, "<thin", ("", "<thin"));
+        same_in_pieces(false, "", ("", ""));
+    }
+
+    #[test]
+    fn a_prompt_that_opens_the_block_starts_the_output_inside_it() {
+        same_in_pieces(
+            true,
+            "Let me see.</think>\nIt is 4.",
+            ("Let me see.", "It is 4."),
+        );
+        // Cut off while thinking: all thinking.
+        same_in_pieces(true, "Let me see. </thi", ("Let me see. </thi", ""));
+        same_in_pieces(true, "é</think>é", ("é", "é"));
+    }
+
+    #[test]
+    fn text_goes_out_as_soon_as_it_cannot_be_a_tag() {
+        let mut s = ThinkSplitter::new(false);
+        assert_eq!(s.push("<th"), Split::default());
+        assert_eq!(
+            s.push("ink>Hmm <"),
+            Split {
+                reasoning: "Hmm ".into(),
+                content: String::new()
+            }
+        );
+        assert_eq!(
+            s.push("b"),
+            Split {
+                reasoning: "<b".into(),
+                content: String::new()
+            }
+        );
+        assert_eq!(s.push("</think>"), Split::default());
+        assert_eq!(s.push("\n"), Split::default());
+        assert_eq!(
+            s.push("Yes"),
+            Split {
+                reasoning: String::new(),
+                content: "Yes".into()
+            }
+        );
+    }
+}
