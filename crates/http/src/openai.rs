@@ -148,7 +148,8 @@ pub struct Common {
     pub functions: Option<serde_json::Value>,
     /// Refused (deprecated; `tool_choice`).
     pub function_call: Option<serde_json::Value>,
-    /// Refused unless `none`: the models served do not reason.
+    /// Refused unless `none`: `chat_template_kwargs` sets a template's own
+    /// switch.
     pub reasoning_effort: Option<String>,
     /// Only `text` is served.
     pub modalities: Option<Vec<String>>,
@@ -468,7 +469,10 @@ fn refuse_unserved(c: &Common) -> Result<(), ApiError> {
     if let Some(e) = c.reasoning_effort.as_deref().filter(|e| *e != "none") {
         return Err(ApiError::unsupported(
             "reasoning_effort",
-            &format!("reasoning effort `{e}` (the model served does not reason)"),
+            &format!(
+                "reasoning effort `{e}` (set a template's own switch, such as Qwen3's \
+                 `enable_thinking`, with `chat_template_kwargs`)"
+            ),
         ));
     }
     if let Some(m) = c.modalities.iter().flatten().find(|m| *m != "text") {

@@ -406,8 +406,8 @@ fn read_input(
                 });
                 "fco"
             }
-            // Another model's reasoning: this one does not reason, and
-            // the item is opaque; it is listed, not shown to the model.
+            // Reasoning is not shown to the model again (templates drop
+            // it from earlier turns); the item is listed.
             "reasoning" => "rs",
             other => {
                 return Err(ApiError::unsupported(
@@ -526,7 +526,10 @@ pub(crate) fn prepare(
     {
         return Err(ApiError::unsupported(
             "reasoning.effort",
-            &format!("reasoning effort `{effort}` (this model does not reason)"),
+            &format!(
+                "reasoning effort `{effort}` (set a template's own switch, such as Qwen3's \
+                 `enable_thinking`, with `chat_template_kwargs`)"
+            ),
         ));
     }
     if r.reasoning
@@ -536,7 +539,7 @@ pub(crate) fn prepare(
     {
         return Err(ApiError::unsupported(
             "reasoning.summary",
-            "reasoning summaries (this model does not reason)",
+            "reasoning summaries (thinking comes whole, as a `reasoning` item)",
         ));
     }
     if let Some(vb) = r.text.as_ref().and_then(|t| t.verbosity.as_deref())
@@ -568,7 +571,7 @@ pub(crate) fn prepare(
     for (i, what) in r.include.iter().flatten().enumerate() {
         match what.as_str() {
             INCLUDE_LOGPROBS => logprobs = true,
-            // Nothing to include: this model does not reason.
+            // Nothing encrypted: thinking comes as plain text.
             "reasoning.encrypted_content" => {}
             other => {
                 return Err(ApiError::unsupported(
