@@ -124,3 +124,36 @@ def test_grpc_refuses_max_tokens_over_the_context_like_http(server, grpc_api):
     assert h.value.body["param"] == "max_tokens"
     assert h.value.body["code"] == "context_length_exceeded"
     server.wait_idle()
+
+
+def test_several_api_keys_open_both_protocols(grpc_api, tmp_path):
+    """`--api-key` (repeated) and `--api-key-file`: any one key opens HTTP
+    and gRPC alike; any other is refused by both."""
+    pb, _, _ = grpc_api
+    from siliceo.v1 import inference_pb2_grpc as pbg
+
+    keys = tmp_path / "keys"
+    keys.write_text("# the team's keys\nbob-key\n\n  carol-key  \n")
+    srv = Server("--api-key", "alice-key", "--api-key-file", str(keys))
+    try:
+        assert "one of 3 API keys required" in srv.ready_line, srv.ready_line
+        with grpc.insecure_channel(srv.grpc) as ch:
+            stub = pbg.InferenceStub(ch)
+            for k in ["alice-key", "bob-key", "carol-key"]:
+                assert client(srv, key=k).models.list().data
+                ids = stub.Tokenize(pb.TokenizeRequest(text="hi"), metadata=[("authorization", f"Bearer {k}")]).ids
+                assert len(ids) > 0
+            for bad in ["# the team's keys", "", "bob"]:
+                with pytest.raises(openai.AuthenticationError):
+                    client(srv, key=bad or "x").models.list()
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.Tokenize(pb.TokenizeRequest(text="hi"), metadata=[("authorization", f"Bearer {bad}")])
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        srv.stop()
+    # A key file with no key in it would leave the server open: refused.
+    empty = tmp_path / "empty"
+    empty.write_text("# nobody yet\n")
+    with pytest.raises(RuntimeError) as e:
+        Server("--api-key-file", str(empty))
+    assert "no key in it" in str(e.value)

@@ -41,6 +41,59 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// The API keys a server accepts, any one of them (`Authorization: Bearer
+/// <key>` on both protocols); none: no key is asked for. Its `Debug` shows
+/// how many, never the keys.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct ApiKeys(Vec<String>);
+
+impl std::fmt::Debug for ApiKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ApiKeys({} keys)", self.0.len())
+    }
+}
+
+impl ApiKeys {
+    /// These keys (empty ones dropped, repeats once).
+    pub fn new(keys: impl IntoIterator<Item = String>) -> Self {
+        let mut v: Vec<String> = Vec::new();
+        for k in keys {
+            if !k.is_empty() && !v.contains(&k) {
+                v.push(k);
+            }
+        }
+        ApiKeys(v)
+    }
+
+    /// The keys of a key file: one per line, surrounding whitespace
+    /// trimmed; blank lines and lines starting with `#` are skipped.
+    pub fn parse_file(text: &str) -> Vec<String> {
+        text.lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !l.starts_with('#'))
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// No key is asked for.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// How many keys.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether `given` is one of the keys. Every key is compared, each in
+    /// time that depends only on the lengths.
+    pub fn accepts(&self, given: &str) -> bool {
+        self.0.iter().fold(false, |ok, k| {
+            ok | constant_time_eq(given.as_bytes(), k.as_bytes())
+        })
+    }
+}
+
 /// Seconds since the Unix epoch, now (0 on a clock set before 1970): the
 /// timestamps both protocols and the KV events carry.
 pub fn unix_time_s() -> f64 {
@@ -75,3 +128,20 @@ pub use sampling::{
     FinishReason, MAX_LOGIT_BIAS, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS, Priority, SamplingParams,
 };
 pub use stop::{StopMatcher, StopOutcome};
+
+#[cfg(test)]
+mod api_key_tests {
+    use super::ApiKeys;
+
+    #[test]
+    fn any_key_opens_and_debug_hides_them() {
+        let file = ApiKeys::parse_file("# team keys\n  alpha  \n\nbeta\n#gamma\n");
+        assert_eq!(file, ["alpha", "beta"]);
+        let keys = ApiKeys::new(file.into_iter().chain(["alpha".into(), String::new()]));
+        assert_eq!(keys.len(), 2);
+        assert!(keys.accepts("alpha") && keys.accepts("beta"));
+        assert!(!keys.accepts("gamma") && !keys.accepts("alph") && !keys.accepts(""));
+        assert_eq!(format!("{keys:?}"), "ApiKeys(2 keys)");
+        assert!(ApiKeys::default().is_empty());
+    }
+}

@@ -41,6 +41,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
+pub use siliceo_core::ApiKeys;
 use siliceo_core::{FinishReason, TlsIdentity, TokenId};
 use siliceo_runtime::{
     EmbedInput, EmbeddingService, Event, Input, RequestStream, Runtime, RuntimeError, TokenLogprob,
@@ -58,8 +59,9 @@ use stream::{ChoiceStream, Kind, StreamHead};
 pub struct HttpConfig {
     /// Address to listen on.
     pub listen: SocketAddr,
-    /// Require `Authorization: Bearer <key>` on `/v1/*` (`/health` is open).
-    pub api_key: Option<String>,
+    /// Require `Authorization: Bearer <key>` with one of these on `/v1/*`
+    /// (`/health` is open); none: open.
+    pub api_keys: ApiKeys,
     /// Largest request body in bytes; larger ones get 413.
     pub max_request_bytes: usize,
     /// The model ids requests may name (the first is the one `/v1/models`
@@ -144,7 +146,7 @@ impl Default for HttpConfig {
     fn default() -> Self {
         HttpConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
-            api_key: None,
+            api_keys: ApiKeys::default(),
             max_request_bytes: 4 << 20,
             model_ids: Vec::new(),
             embeddings: None,
@@ -161,7 +163,7 @@ pub const DEFAULT_RESPONSES_STORE_BYTES: usize = 64 << 20;
 #[derive(Debug)]
 struct AppState {
     rt: Arc<Runtime>,
-    api_key: Option<String>,
+    api_keys: ApiKeys,
     model_ids: Vec<String>,
     max_request_bytes: usize,
     embeddings: Option<Arc<EmbeddingService>>,
@@ -188,7 +190,7 @@ pub fn router(rt: Arc<Runtime>, cfg: &HttpConfig) -> Router {
     };
     let state = Arc::new(AppState {
         rt,
-        api_key: cfg.api_key.clone(),
+        api_keys: cfg.api_keys.clone(),
         model_ids,
         max_request_bytes: cfg.max_request_bytes,
         embeddings: cfg.embeddings.clone(),
@@ -326,7 +328,7 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
 }
 
 async fn require_key(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    if let Some(key) = &s.api_key {
+    if !s.api_keys.is_empty() {
         let given = req
             .headers()
             .get(header::AUTHORIZATION)
@@ -337,7 +339,7 @@ async fn require_key(State(s): State<Arc<AppState>>, req: Request, next: Next) -
                 return ApiError::unauthorized("missing `Authorization: Bearer <key>`")
                     .into_response();
             }
-            Some(g) if !siliceo_core::constant_time_eq(g.as_bytes(), key.as_bytes()) => {
+            Some(g) if !s.api_keys.accepts(g) => {
                 return ApiError::unauthorized("wrong API key").into_response();
             }
             Some(_) => {}

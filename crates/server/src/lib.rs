@@ -32,6 +32,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use service::{GenerateStream, InferenceService};
+pub use siliceo_core::ApiKeys;
 pub use siliceo_core::TlsIdentity;
 use siliceo_runtime::{EmbeddingService, Rejected, Runtime, RuntimeError};
 use tokio::net::TcpListener;
@@ -52,8 +53,9 @@ pub mod pb {
 pub struct ServerConfig {
     /// gRPC address (default `127.0.0.1:50051`).
     pub listen: SocketAddr,
-    /// When set, every `Inference` call needs `authorization: Bearer <key>`.
-    pub api_key: Option<String>,
+    /// When any, every `Inference` call needs `authorization: Bearer <key>`
+    /// with one of them.
+    pub api_keys: ApiKeys,
     /// Prometheus metrics address (`GET /metrics`); off when `None`.
     pub metrics_listen: Option<SocketAddr>,
     /// Largest request message, in bytes (default 4 MiB); larger ones get
@@ -73,7 +75,7 @@ impl Default for ServerConfig {
     fn default() -> Self {
         ServerConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
-            api_key: None,
+            api_keys: ApiKeys::default(),
             metrics_listen: None,
             max_request_bytes: 4 << 20,
             shutdown_grace: Duration::from_secs(10),
@@ -153,26 +155,29 @@ pub(crate) async fn blocking<T: Send + 'static>(
 /// `svc` behind the API key check, when there is a key.
 fn keyed<S>(
     svc: S,
-    key: Option<String>,
+    keys: ApiKeys,
 ) -> tonic::service::interceptor::InterceptedService<
     S,
     impl FnMut(Request<()>) -> Result<Request<()>, Status> + Clone,
 > {
-    tonic::service::interceptor::InterceptedService::new(svc, move |req: Request<()>| match &key {
-        Some(k) => check_key(k, &req).map(|()| req),
-        None => Ok(req),
+    tonic::service::interceptor::InterceptedService::new(svc, move |req: Request<()>| {
+        if keys.is_empty() {
+            Ok(req)
+        } else {
+            check_key(&keys, &req).map(|()| req)
+        }
     })
 }
 
 /// Checks `authorization: Bearer <key>`.
-fn check_key(key: &str, req: &Request<()>) -> Result<(), Status> {
+fn check_key(keys: &ApiKeys, req: &Request<()>) -> Result<(), Status> {
     let given = req
         .metadata()
         .get("authorization")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .ok_or_else(|| Status::unauthenticated("missing `authorization: Bearer <key>`"))?;
-    if siliceo_core::constant_time_eq(given.as_bytes(), key.as_bytes()) {
+    if keys.accepts(given) {
         Ok(())
     } else {
         Err(Status::unauthenticated("wrong API key"))
@@ -227,7 +232,7 @@ pub async fn serve_on(
     let decode_cap = cfg.max_request_bytes.saturating_mul(4).max(1 << 20);
     let inference = keyed(
         pb::inference_server::InferenceServer::new(svc).max_decoding_message_size(decode_cap),
-        cfg.api_key.clone(),
+        cfg.api_keys.clone(),
     );
     // SMG's engine protocol beside ours, under the same API key.
     let vllm = keyed(
@@ -236,7 +241,7 @@ pub async fn serve_on(
             cfg.max_request_bytes,
         ))
         .max_decoding_message_size(decode_cap),
-        cfg.api_key.clone(),
+        cfg.api_keys.clone(),
     );
     let (health, health_svc) = tonic_health::server::health_reporter();
     health
@@ -329,19 +334,22 @@ mod tests {
     #[test]
     fn keys_are_checked_from_bearer_metadata() {
         let mut req = Request::new(());
+        let keys = ApiKeys::new(["k".to_string(), "k2".to_string()]);
         assert_eq!(
-            check_key("k", &req).unwrap_err().code(),
+            check_key(&keys, &req).unwrap_err().code(),
             tonic::Code::Unauthenticated
         );
         req.metadata_mut()
             .insert("authorization", "Bearer nope".parse().unwrap());
         assert_eq!(
-            check_key("k", &req).unwrap_err().code(),
+            check_key(&keys, &req).unwrap_err().code(),
             tonic::Code::Unauthenticated
         );
-        req.metadata_mut()
-            .insert("authorization", "Bearer k".parse().unwrap());
-        assert!(check_key("k", &req).is_ok());
+        for k in ["k", "k2"] {
+            req.metadata_mut()
+                .insert("authorization", format!("Bearer {k}").parse().unwrap());
+            assert!(check_key(&keys, &req).is_ok());
+        }
     }
 
     #[test]

@@ -54,9 +54,15 @@ pub struct ServeArgs {
     #[arg(long)]
     http_listen: Option<String>,
     /// Require `authorization: Bearer <key>` (or set SILICEO_API_KEY), on
-    /// gRPC and HTTP alike.
+    /// gRPC and HTTP alike; repeat it to accept several keys (in the config
+    /// file: a string or a list).
+    #[arg(long = "api-key", value_name = "KEY")]
+    #[serde(deserialize_with = "one_or_many")]
+    api_key: Vec<String>,
+    /// Accept the keys in this file too: one per line, blank lines and
+    /// lines starting with `#` skipped (keys kept out of the process list).
     #[arg(long)]
-    api_key: Option<String>,
+    api_key_file: Option<PathBuf>,
     /// Let web pages from this origin call the HTTP API from a browser
     /// (CORS), e.g. http://localhost:3000; repeat it for more, or `*` for
     /// any [default: none].
@@ -171,7 +177,12 @@ impl ServeArgs {
             gpu_layers: self.gpu_layers.or(file.gpu_layers),
             listen: self.listen.or(file.listen),
             http_listen: self.http_listen.or(file.http_listen),
-            api_key: self.api_key.or(file.api_key),
+            api_key: if self.api_key.is_empty() {
+                file.api_key
+            } else {
+                self.api_key
+            },
+            api_key_file: self.api_key_file.or(file.api_key_file),
             allow_origin: if self.allow_origin.is_empty() {
                 file.allow_origin
             } else {
@@ -204,6 +215,40 @@ impl ServeArgs {
             embedding_model: self.embedding_model.or(file.embedding_model),
         }
     }
+}
+
+/// A string or a list of strings (the config file's `api_key`).
+fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
+    }
+    Ok(match OneOrMany::deserialize(d)? {
+        OneOrMany::One(k) => vec![k],
+        OneOrMany::Many(v) => v,
+    })
+}
+
+/// The keys `--api-key`, `--api-key-file` and `SILICEO_API_KEY` give (the
+/// variable only when neither flag gives one). A key file that gives none
+/// is an error: it was meant to lock the server.
+fn api_keys(a: &ServeArgs) -> Result<siliceo_server::ApiKeys> {
+    let mut keys = a.api_key.clone();
+    if let Some(path) = &a.api_key_file {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("--api-key-file {}", path.display()))?;
+        let found = siliceo_server::ApiKeys::parse_file(&text);
+        if found.is_empty() {
+            bail!("--api-key-file {}: no key in it", path.display());
+        }
+        keys.extend(found);
+    }
+    if keys.is_empty() {
+        keys.extend(std::env::var("SILICEO_API_KEY").ok());
+    }
+    Ok(siliceo_server::ApiKeys::new(keys))
 }
 
 /// The runtime, gRPC and HTTP configuration `a` describes.
@@ -319,10 +364,7 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig, Option<HttpConf
     };
     let sc = ServerConfig {
         listen: a.listen.unwrap_or(ServerConfig::default().listen),
-        api_key: a
-            .api_key
-            .or_else(|| std::env::var("SILICEO_API_KEY").ok())
-            .filter(|k| !k.is_empty()),
+        api_keys: api_keys(&a)?,
         metrics_listen: a.metrics_listen,
         max_request_bytes: a
             .max_request_bytes
@@ -349,7 +391,7 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig, Option<HttpConf
             Some(HttpConfig {
                 listen,
                 allow_origins,
-                api_key: sc.api_key.clone(),
+                api_keys: sc.api_keys.clone(),
                 max_request_bytes: sc.max_request_bytes,
                 tls: sc.tls.clone(),
                 responses_store_bytes: a
@@ -439,10 +481,10 @@ pub fn cmd_serve(a: ServeArgs) -> Result<()> {
             crate::kv_opts::describe(info),
             info.block_size,
             if info.prefix_caching { "on" } else { "off" },
-            if sc.api_key.is_some() {
-                " · API key required"
-            } else {
-                ""
+            match sc.api_keys.len() {
+                0 => String::new(),
+                1 => " · API key required".to_string(),
+                n => format!(" · one of {n} API keys required"),
             },
             if sc.tls.is_some() { " · TLS" } else { "" },
             match &sc.embeddings {

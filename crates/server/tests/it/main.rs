@@ -471,7 +471,7 @@ async fn tokenize_detokenize_model_info_and_unimplemented_embeddings() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn api_key_health_reflection_and_metrics() {
     let srv = TestServer::start(ServerConfig {
-        api_key: Some("s3cret".into()),
+        api_keys: siliceo_server::ApiKeys::new(["s3cret".to_string()]),
         metrics_listen: Some("127.0.0.1:0".parse().unwrap()),
         ..ServerConfig::default()
     })
