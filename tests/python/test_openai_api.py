@@ -97,6 +97,13 @@ def test_completions_whole_streamed_and_stop(server):
     )
     assert word not in cut.choices[0].text
     assert cut.choices[0].finish_reason == "stop"
+    # vLLM's `stop_reason` names the stop string (none when the length ran out).
+    assert cut.choices[0].stop_reason == word
+    assert whole.choices[0].stop_reason is None or whole.choices[0].finish_reason == "stop"
+    last = list(c.completions.create(
+        model=model_id(server), prompt=prompt, max_tokens=16, temperature=0, stop=["zzz", word], stream=True
+    ))[-1]
+    assert (last.choices[0].finish_reason, last.choices[0].stop_reason) == ("stop", word)
 
 
 def test_n_choices_seeded_sampling(server):
@@ -1011,3 +1018,22 @@ def test_a_reasoning_models_thinking_is_split_from_its_answer(grpc_api, think_se
     assert r.choices[0].message.content.startswith("Paris is ")
     assert r.choices[0].message.reasoning_content is None
     think_server.wait_idle()
+
+
+def test_the_stop_string_that_ended_a_request_is_named(server, grpc_api):
+    """gRPC's `stop_sequence` and vLLM's `stop_reason` (chat, whole and
+    streamed) name the stop string that ended the output."""
+    pb, stub, meta = grpc_api
+    c = client(server)
+    text = c.chat.completions.create(model="", messages=QUESTION, max_tokens=12, temperature=0).choices[0].message.content
+    word = text.split()[1]
+    r = c.chat.completions.create(model="", messages=QUESTION, max_tokens=12, temperature=0, stop=["qqq", word])
+    assert (r.choices[0].finish_reason, r.choices[0].stop_reason) == ("stop", word)
+    msgs = list(stub.Generate(pb.GenerateRequest(
+        chat=pb.ChatMessages(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in QUESTION]),
+        max_tokens=12, stop=["qqq", word],
+    ), metadata=meta))
+    assert msgs[-1].stop_sequence == word and msgs[-1].finish_reason == pb.FINISH_REASON_STOP
+    assert "".join(m.text for m in msgs) == r.choices[0].message.content
+    msgs = list(stub.Generate(pb.GenerateRequest(prompt="One, two,", max_tokens=2), metadata=meta))
+    assert msgs[-1].stop_sequence == ""

@@ -16,6 +16,8 @@ pub enum StopOutcome {
 pub struct StopMatcher {
     stops: Vec<String>,
     held: String,
+    /// The stop string that matched.
+    matched: Option<String>,
 }
 
 impl StopMatcher {
@@ -24,7 +26,14 @@ impl StopMatcher {
         StopMatcher {
             stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
             held: String::new(),
+            matched: None,
         }
+    }
+
+    /// The stop string that ended the text, once one has (the one found
+    /// first in the text; of two found at one place, the first given).
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// Adds newly generated text.
@@ -36,9 +45,10 @@ impl StopMatcher {
         let first = self
             .stops
             .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min();
-        if let Some(at) = first {
+            .filter_map(|s| self.held.find(s.as_str()).map(|at| (at, s)))
+            .min_by_key(|&(at, _)| at);
+        if let Some((at, stop)) = first {
+            self.matched = Some(stop.clone());
             let out = self.held[..at].to_owned();
             self.held.clear();
             return StopOutcome::Stopped(out);
@@ -111,5 +121,23 @@ mod tests {
         assert_eq!(m.push("hi <|"), StopOutcome::Continue("hi ".into()));
         assert_eq!(m.push("en"), StopOutcome::Continue(String::new()));
         assert_eq!(m.push("d|>tail"), StopOutcome::Stopped(String::new()));
+    }
+}
+
+#[cfg(test)]
+mod matched_tests {
+    use super::*;
+
+    /// The stop string reported is the one found first in the text.
+    #[test]
+    fn the_first_stop_found_is_the_one_matched() {
+        let mut m = StopMatcher::new(&["END".to_string(), "x".to_string()]);
+        assert_eq!(m.push("abc E"), StopOutcome::Continue("abc ".into()));
+        assert_eq!(m.matched(), None);
+        assert_eq!(m.push("NDx"), StopOutcome::Stopped("".into()));
+        assert_eq!(m.matched(), Some("END"));
+        let mut m = StopMatcher::new(&["END".to_string(), "x".to_string()]);
+        assert_eq!(m.push("a x END"), StopOutcome::Stopped("a ".into()));
+        assert_eq!(m.matched(), Some("x"));
     }
 }

@@ -139,6 +139,11 @@ impl<'m> TokenText<'m> {
         }
     }
 
+    /// The stop string that ended the generation, if one did.
+    pub fn stop_string(&self) -> Option<&str> {
+        self.stops.matched()
+    }
+
     /// The generation ended for another reason: what was held back (a split
     /// character, a possible stop string's start).
     pub fn finish(&mut self) -> String {

@@ -628,7 +628,14 @@ async fn generate(
     // vLLM's `prompt_logprobs`: per choice on completions, once on chat.
     let mut chat_prompt_logprobs = Value::Null;
     for (i, st) in started.into_iter().enumerate() {
-        let (text, finish, usage, lps, prompt) = collect(st).await?;
+        let Collected {
+            text,
+            finish,
+            usage,
+            lps,
+            prompt,
+            stop,
+        } = collect(st).await?;
         // A prompt's choices share it: counted once, for each prompt.
         if i.is_multiple_of(n as usize) {
             usage_all.prompt_tokens += usage.prompt_tokens;
@@ -643,6 +650,8 @@ async fn generate(
                 .zip(plan.request.logprobs.map(|k| k as usize)),
         });
         let mut c = kind.choice(i, &text, finish, parsing, lps, echoed);
+        // vLLM's: the stop string that ended the choice.
+        c["stop_reason"] = json!(stop);
         if let (Some(k), Some(p)) = (plan.prompt_logprobs, &prompt) {
             let v = stream::vllm_prompt_logprobs(p, k as usize);
             match kind {
@@ -667,20 +676,23 @@ async fn generate(
     Ok(Json(body).into_response())
 }
 
-/// Reads a choice to its end: its text, why it ended, its usage, its
-/// tokens' log-probabilities and its prompt's (when asked for).
+/// A choice read to its end.
+struct Collected {
+    text: String,
+    finish: FinishReason,
+    usage: Usage,
+    /// Its tokens' log-probabilities (when asked for).
+    lps: Vec<TokenLogprob>,
+    /// Its prompt's scores (when asked for).
+    prompt: Option<stream::PromptScores>,
+    /// The stop string that ended it.
+    stop: Option<String>,
+}
+
+/// Reads a choice to its end.
 async fn collect(
     (mut stream, first): (RequestStream, Option<Event>),
-) -> Result<
-    (
-        String,
-        FinishReason,
-        Usage,
-        Vec<TokenLogprob>,
-        Option<stream::PromptScores>,
-    ),
-    ApiError,
-> {
+) -> Result<Collected, ApiError> {
     let mut text = String::new();
     let mut lps = Vec::new();
     let mut prompt = None;
@@ -701,11 +713,19 @@ async fn collect(
                 finish_reason,
                 usage,
                 error,
+                stop,
             } => {
                 if let Some(e) = error {
                     return Err(ApiError::from_runtime(&e));
                 }
-                return Ok((text, finish_reason, usage, lps, prompt));
+                return Ok(Collected {
+                    text,
+                    finish: finish_reason,
+                    usage,
+                    lps,
+                    prompt,
+                    stop,
+                });
             }
         }
         next = stream.next().await;

@@ -1022,6 +1022,7 @@ impl Builder {
                 finish_reason,
                 usage,
                 error,
+                ..
             } => match error {
                 Some(e) => self.fail(ApiError::from_runtime(&e), &mut out),
                 None => self.finish(finish_reason, usage, &mut out),
@@ -1591,6 +1592,7 @@ mod tests {
                 ..Usage::default()
             },
             error: None,
+            stop: None,
         }
     }
 
@@ -1720,6 +1722,7 @@ mod tests {
             finish_reason: FinishReason::Error,
             usage: Usage::default(),
             error: Some(RuntimeError::Engine("boom".into())),
+            stop: None,
         });
         assert_eq!(evs.last().unwrap()["type"], "response.failed");
         assert_eq!(

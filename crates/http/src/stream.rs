@@ -541,6 +541,7 @@ impl ChoiceStream {
                 finish_reason,
                 usage,
                 error,
+                stop,
             } => {
                 self.choices[i].done = true;
                 if let Some(err) = error {
@@ -592,7 +593,9 @@ impl ChoiceStream {
                 let announce = chat && !self.choices[i].announced;
                 self.choices[i].announced = true;
                 let lp = self.take_logprobs(i);
-                let c = self.kind.delta(i, None, announce, Some(finish), lp);
+                let mut c = self.kind.delta(i, None, announce, Some(finish), lp);
+                // vLLM's: the stop string that ended the choice.
+                c["stop_reason"] = json!(stop);
                 let e = self.chunk(vec![c], None);
                 self.out.push_back(e);
                 true

@@ -319,6 +319,9 @@ pub enum Event {
         usage: Usage,
         /// What went wrong, when `finish_reason` is `Error`.
         error: Option<RuntimeError>,
+        /// The stop string that ended it, when one did (`finish_reason`
+        /// `Stop`; not an end-of-generation or stop token).
+        stop: Option<String>,
     },
 }
 
@@ -616,6 +619,7 @@ impl RequestStream {
                 finish_reason,
                 usage,
                 error,
+                ..
             }) => {
                 self.done = true;
                 m.usage(usage);
@@ -676,6 +680,7 @@ impl RequestStream {
                 finish_reason: FinishReason::Error,
                 usage: Usage::default(),
                 error: Some(RuntimeError::Stopped),
+                stop: None,
             },
         )
     }

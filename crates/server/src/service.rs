@@ -319,6 +319,7 @@ impl Stream for GenerateStream {
                     request_id: id,
                     logprobs: logprobs.into_iter().map(token_logprob_pb).collect(),
                     prompt_logprobs: Vec::new(),
+                    stop_sequence: String::new(),
                 })))
             }
             Some(Event::Prompt { first, logprobs }) => {
@@ -345,6 +346,7 @@ impl Stream for GenerateStream {
                 finish_reason,
                 usage,
                 error,
+                stop,
             }) => {
                 this.ended = true;
                 if let Some(e) = error {
@@ -365,6 +367,7 @@ impl Stream for GenerateStream {
                     request_id: this.inner.id().0.clone(),
                     logprobs: Vec::new(),
                     prompt_logprobs: Vec::new(),
+                    stop_sequence: stop.unwrap_or_default(),
                 })))
             }
             None => {

@@ -411,6 +411,7 @@ impl Stream for VllmGenerateStream {
                     finish_reason,
                     usage,
                     error,
+                    ..
                 } => {
                     if let Some(e) = error
                         && !matches!(e, RuntimeError::Engine(_))

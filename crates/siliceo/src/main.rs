@@ -319,6 +319,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
                 finish_reason,
                 usage,
                 error,
+                ..
             } => {
                 let _ = writeln!(stdout);
                 if let Some(e) = error {

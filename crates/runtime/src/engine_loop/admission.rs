@@ -27,7 +27,7 @@ impl Engine<'_> {
             if let Some(a) = accepted.take() {
                 let _ = a.send(Err(e.clone()));
             }
-            done(&tx, FinishReason::Error, Usage::default(), Some(e));
+            done(&tx, FinishReason::Error, Usage::default(), Some(e), None);
         };
         let Some(prompt_tokens) = self.admit(sub, fail) else {
             return;

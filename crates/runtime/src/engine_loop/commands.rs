@@ -43,6 +43,7 @@ impl Engine<'_> {
                                 Some(RuntimeError::Engine(
                                     "internal error while admitting the request".into(),
                                 )),
+                                None,
                             );
                         }
                     }
@@ -99,6 +100,7 @@ impl Engine<'_> {
                 FinishReason::Error,
                 live.usage(),
                 Some(err.clone()),
+                None,
             );
         }
         self.clear_kv();

@@ -55,11 +55,13 @@ pub(super) fn done(
     finish_reason: FinishReason,
     usage: Usage,
     error: Option<RuntimeError>,
+    stop: Option<String>,
 ) {
     let _ = tx.send(Event::Done {
         finish_reason,
         usage,
         error,
+        stop,
     });
 }
 
@@ -119,7 +121,8 @@ impl Engine<'_> {
                     });
                 }
             }
-            done(&live.tx, reason, live.usage(), error);
+            let stop = live.text.stop_string().map(str::to_string);
+            done(&live.tx, reason, live.usage(), error, stop);
         }
     }
 

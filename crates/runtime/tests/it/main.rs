@@ -254,16 +254,36 @@ fn bad_requests_get_typed_errors_and_the_runtime_keeps_serving() {
 fn stop_strings_and_eos_end_with_stop() {
     let rt = Runtime::start(RuntimeConfig::new(model_path())).unwrap();
     let mut req = request("1, 2, 3, 4, 5,", 30, Priority::Normal);
-    req.sampling.stop = vec!["8".into()];
+    req.sampling.stop = vec!["never".into(), "8".into()];
     let (text, _, done) = rt.submit(req).unwrap().blocking_collect();
     assert!(text.contains('7') && !text.contains('8'), "{text}");
-    assert!(matches!(
-        done,
-        Event::Done {
-            finish_reason: FinishReason::Stop,
-            ..
-        }
-    ));
+    // The stop string that ended it is reported.
+    assert!(
+        matches!(
+            &done,
+            Event::Done {
+                finish_reason: FinishReason::Stop,
+                stop: Some(s),
+                ..
+            } if s == "8"
+        ),
+        "{done:?}"
+    );
+    // Ended by a length limit: none.
+    let mut req = request("1, 2, 3, 4, 5,", 3, Priority::Normal);
+    req.sampling.stop = vec!["never".into()];
+    let (_, _, done) = rt.submit(req).unwrap().blocking_collect();
+    assert!(
+        matches!(
+            done,
+            Event::Done {
+                finish_reason: FinishReason::Length,
+                stop: None,
+                ..
+            }
+        ),
+        "{done:?}"
+    );
     assert_clean(&rt);
 }
 
@@ -290,6 +310,7 @@ fn thirty_two_mixed_requests_on_a_small_cache_complete_without_leaks() {
             finish_reason,
             usage,
             error,
+            ..
         } = done
         else {
             unreachable!()

@@ -85,6 +85,7 @@ fn prompt_logprobs_equal_the_decoding_ones_and_skip_the_cache() {
             finish_reason,
             usage,
             error,
+            ..
         } = done
         else {
             unreachable!()
