@@ -90,11 +90,17 @@ class Server:
             text=True,
         )
         self.stderr: list[str] = []
-        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        drain = threading.Thread(target=self._drain_stderr, daemon=True)
+        drain.start()
         line = self.proc.stdout.readline()
         m = re.match(r"siliceo: ready on (\S+) · HTTP (\S+)", line)
         if not m:
-            self.proc.kill()
+            # A server that refused to start has exited: all it said is in
+            # its stderr once the drain has read to the end.
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait(timeout=30)
+            drain.join(timeout=30)
             raise RuntimeError(
                 f"no ready line from {args}: {line!r}\n{''.join(self.stderr)}"
             )

@@ -1037,3 +1037,27 @@ def test_the_stop_string_that_ended_a_request_is_named(server, grpc_api):
     assert "".join(m.text for m in msgs) == r.choices[0].message.content
     msgs = list(stub.Generate(pb.GenerateRequest(prompt="One, two,", max_tokens=2), metadata=meta))
     assert msgs[-1].stop_sequence == ""
+
+
+def test_claude_gets_thinking_blocks(think_server):
+    """Anthropic's Messages API: a reasoning model's thinking is a
+    `thinking` block before the text, whole and streamed, the same split
+    as the chat completion's."""
+    import anthropic
+
+    a = anthropic.Anthropic(base_url=think_server.http, api_key="k", max_retries=0)
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    g = {"grammar": THINK_THEN_ANSWER, "temperature": 0}
+    chat = client(think_server).chat.completions.create(
+        model="", messages=ask, max_tokens=80, extra_body=g
+    ).choices[0].message
+    m = a.messages.create(model="", max_tokens=80, messages=ask, extra_body=g)
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    assert (m.content[0].thinking, m.content[1].text) == (chat.reasoning_content, chat.content)
+    assert m.stop_reason == "end_turn"
+    with a.messages.stream(model="", max_tokens=80, messages=ask, extra_body=g) as st:
+        final = st.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in final.content] == [
+        ("thinking", chat.reasoning_content), ("text", chat.content)
+    ]
+    think_server.wait_idle()

@@ -442,6 +442,73 @@ def test_responses_call_functions_on_qwen(qwen_server):
     qwen_server.wait_idle()
 
 
+def test_claude_tool_use_on_qwen(qwen_server):
+    """Anthropic's tool use: the call a chat completion makes, as a
+    `tool_use` block; its `tool_result` continues the conversation as the
+    chat with a tool message does."""
+    import anthropic
+
+    a = anthropic.Anthropic(base_url=qwen_server.http, api_key="k", max_retries=0, timeout=600)
+    c = client(qwen_server, timeout=600)
+    tools = [
+        {"name": t["function"]["name"], "description": t["function"]["description"],
+         "input_schema": t["function"]["parameters"]}
+        for t in TOOLS
+    ]
+    ask = "What is the weather like in Paris right now?"
+    chat = c.chat.completions.create(
+        model="", messages=[{"role": "user", "content": ask}], tools=TOOLS,
+        temperature=0, max_tokens=80,
+    )
+    want = chat.choices[0].message.tool_calls[0]
+    greedy = {"temperature": 0}
+    m = a.messages.create(
+        model="", max_tokens=80, extra_body=greedy, tools=tools,
+        messages=[{"role": "user", "content": ask}],
+    )
+    assert m.stop_reason == "tool_use", m
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert len(uses) == 1 and uses[0].name == want.function.name
+    assert uses[0].input == json.loads(want.function.arguments)
+    validate(json.dumps(uses[0].input), schema_of("get_weather"))
+
+    answer = "18 degrees celsius and sunny"
+    turns = [
+        {"role": "user", "content": ask},
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": answer}]},
+    ]
+    follow = a.messages.create(
+        model="", max_tokens=40, extra_body=greedy, tools=tools, tool_choice={"type": "none"}, messages=turns
+    )
+    text = "".join(b.text for b in follow.content if b.type == "text")
+    assert "18" in text, text
+    prose = "".join(b.text for b in m.content if b.type == "text")
+    chat = c.chat.completions.create(
+        model="", tools=TOOLS, tool_choice="none", temperature=0, max_tokens=40, messages=[
+            {"role": "user", "content": ask},
+            {"role": "assistant", "content": prose or None, "tool_calls": [
+                {"id": uses[0].id, "type": "function",
+                 "function": {"name": uses[0].name, "arguments": json.dumps(uses[0].input)}}]},
+            {"role": "tool", "tool_call_id": uses[0].id, "content": answer},
+        ],
+    )
+    assert text == chat.choices[0].message.content
+    assert follow.usage.input_tokens == chat.usage.prompt_tokens
+
+    # A named tool, streamed through the client's helper.
+    with a.messages.stream(
+        model="", max_tokens=80, extra_body=greedy, tools=tools,
+        tool_choice={"type": "tool", "name": "convert_currency", "disable_parallel_tool_use": True},
+        messages=[{"role": "user", "content": "I have 20 euros. How many dollars is that?"}],
+    ) as st:
+        final = st.get_final_message()
+    uses = [b for b in final.content if b.type == "tool_use"]
+    assert [u.name for u in uses] == ["convert_currency"] and final.stop_reason == "tool_use"
+    validate(json.dumps(uses[0].input), schema_of("convert_currency"))
+    qwen_server.wait_idle()
+
+
 def test_tools_on_a_model_without_a_tool_syntax_are_400(server):
     c = client(server)
     with pytest.raises(openai.BadRequestError) as e:

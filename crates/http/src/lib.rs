@@ -3,6 +3,8 @@
 //! - `POST /v1/chat/completions`, `POST /v1/completions`: streamed as
 //!   server-sent events (`data: [DONE]` last) or whole; `n` choices; usage
 //!   with `prompt_tokens_details.cached_tokens` from prefix caching.
+//! - `POST /v1/responses` (OpenAI's Responses API, with the responses it
+//!   keeps) and `POST /v1/messages` (Anthropic's Messages API).
 //! - `POST /v1/embeddings`, `POST /v1/rerank` from the embedding model.
 //! - `GET /v1/models`, `GET /v1/models/{id}`, `GET /health`,
 //!   `GET /metrics` (Prometheus; every protocol's requests, by endpoint and
@@ -19,6 +21,7 @@
 //! both on one runtime.
 #![deny(missing_docs)]
 
+mod anthropic;
 mod error;
 mod openai;
 mod responses;
@@ -200,6 +203,8 @@ pub fn router(rt: Arc<Runtime>, cfg: &HttpConfig) -> Router {
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/responses", post(responses::create))
         .route(
             "/v1/responses/{id}",
@@ -329,11 +334,13 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
 
 async fn require_key(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if !s.api_keys.is_empty() {
+        // OpenAI's clients send a bearer token, Anthropic's `x-api-key`.
         let given = req
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .or_else(|| req.headers().get("x-api-key").and_then(|v| v.to_str().ok()));
         match given {
             None => {
                 return ApiError::unauthorized("missing `Authorization: Bearer <key>`")

@@ -18,30 +18,23 @@
 //! `background`, `truncation: auto`, reasoning) is a 400 naming the field.
 
 use std::collections::{HashMap, VecDeque};
-use std::convert::Infallible;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
 use axum::http::Uri;
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::sse::{KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use siliceo_core::FinishReason;
-use siliceo_runtime::{
-    Event, Message as ChatMessage, RequestStream, RuntimeError, ThinkSplitter, TokenLogprob,
-    ToolCall, ToolSyntax, Usage,
-};
-use tokio_stream::Stream;
+use siliceo_runtime::{Event, Message as ChatMessage, RuntimeError, TokenLogprob, ToolCall, Usage};
 
 use crate::error::ApiError;
 use crate::openai::{self, Common, Plan, WireFunction, WireToolCall};
-use crate::stream::{CallGuard, Kind, logprobs_json};
+use crate::stream::{EventMachine, Kind, OutputRouter, Parsing, TypedEvents, logprobs_json};
 use crate::{AppState, body_json, field_of, now_s, start, uuid_like};
 
 /// The `include` value that asks for the output's log-probabilities.
@@ -744,11 +737,10 @@ impl Status {
 /// and at the end the response object, kept when asked.
 pub(crate) struct Builder {
     head: Head,
-    syntax: Option<ToolSyntax>,
     logprobs: bool,
     seq: u64,
-    /// A reasoning model's thinking, split from its answer.
-    think: Option<ThinkSplitter>,
+    /// Thinking split off, tool calls held back.
+    router: OutputRouter,
     rs_id: String,
     /// The reasoning item was announced, and ended.
     rs_opened: bool,
@@ -764,7 +756,6 @@ pub(crate) struct Builder {
     lps: Vec<Value>,
     /// Log-probabilities of tokens whose text has not gone out yet.
     pending: Vec<TokenLogprob>,
-    guard: CallGuard,
     /// Finished output items.
     output: Vec<Value>,
     calls: Vec<ToolCall>,
@@ -778,25 +769,18 @@ pub(crate) struct Builder {
 }
 
 impl Builder {
-    /// A builder for `p`'s response, kept in `store` when it asked for it;
-    /// `syntax`: the model's tool syntax when tools are offered; `think`: a
-    /// reasoning model's (`Some(open)`, `open` when the prompt opened the
-    /// thinking block).
-    pub(crate) fn new(
-        p: Prepared,
-        (syntax, think): (Option<ToolSyntax>, Option<bool>),
-        store: &Arc<ResponseStore>,
-    ) -> (Self, Plan) {
+    /// A builder for `p`'s response, its output read as `parsing` says,
+    /// kept in `store` when it asked for it.
+    pub(crate) fn new(p: Prepared, parsing: Parsing, store: &Arc<ResponseStore>) -> (Self, Plan) {
         let keep = p
             .head
             .store
             .then(|| (store.clone(), p.input_items, p.conversation));
         let b = Builder {
             head: p.head,
-            syntax,
             logprobs: p.logprobs,
             seq: 0,
-            think: think.map(ThinkSplitter::new),
+            router: OutputRouter::new(parsing),
             rs_id: format!("rs_{}", uuid_like()),
             rs_opened: false,
             rs_closed: false,
@@ -807,7 +791,6 @@ impl Builder {
             text: String::new(),
             lps: Vec::new(),
             pending: Vec::new(),
-            guard: CallGuard::default(),
             output: Vec::new(),
             calls: Vec::new(),
             status: Status::InProgress,
@@ -859,11 +842,6 @@ impl Builder {
             self.event("response.created", json!({"response": r})),
             self.event("response.in_progress", json!({"response": r})),
         ]
-    }
-
-    /// Whether the response has ended (its last event went out).
-    pub(crate) fn ended(&self) -> bool {
-        self.status != Status::InProgress
     }
 
     fn open(&mut self, out: &mut Vec<Value>) {
@@ -943,34 +921,12 @@ impl Builder {
 
     /// The model's text: thinking to the reasoning item, the answer (past
     /// any tool call's start) to the message; `end`: and all held back.
+    /// Returns the calls at the end.
     fn route(&mut self, text: &str, end: bool, out: &mut Vec<Value>) -> Vec<(String, String)> {
-        let answer = match self.think.as_mut() {
-            None => text.to_string(),
-            Some(sp) => {
-                let mut split = sp.push(text);
-                if end {
-                    let tail = sp.finish();
-                    split.reasoning.push_str(&tail.reasoning);
-                    split.content.push_str(&tail.content);
-                }
-                self.push_reasoning(&split.reasoning, out);
-                split.content
-            }
-        };
-        let Some(syntax) = self.syntax else {
-            self.push_text(&answer, out);
-            return Vec::new();
-        };
-        let released = self.guard.push(syntax, answer);
-        self.push_text(&released, out);
-        if !end {
-            return Vec::new();
-        }
-        let (held, calls) = self.guard.finish(syntax);
-        if calls.is_empty() {
-            self.push_text(&held, out);
-        }
-        calls
+        let r = self.router.push(text, end);
+        self.push_reasoning(&r.reasoning, out);
+        self.push_text(&r.answer, out);
+        r.calls
     }
 
     /// The pending log-probabilities as output text entries.
@@ -1007,7 +963,7 @@ impl Builder {
     }
 
     /// The stream events for the runtime's next event.
-    pub(crate) fn on_event(&mut self, ev: Event) -> Vec<Value> {
+    fn events_of(&mut self, ev: Event) -> Vec<Value> {
         let mut out = Vec::new();
         match ev {
             // Not asked for on this endpoint.
@@ -1024,7 +980,7 @@ impl Builder {
                 error,
                 ..
             } => match error {
-                Some(e) => self.fail(ApiError::from_runtime(&e), &mut out),
+                Some(e) => self.fail_into(ApiError::from_runtime(&e), &mut out),
                 None => self.finish(finish_reason, usage, &mut out),
             },
         }
@@ -1032,7 +988,7 @@ impl Builder {
     }
 
     /// Ends the response as failed (`response.failed`).
-    pub(crate) fn fail(&mut self, e: ApiError, out: &mut Vec<Value>) {
+    fn fail_into(&mut self, e: ApiError, out: &mut Vec<Value>) {
         self.failed = Some(e);
         self.status = Status::Failed;
         let r = self.response();
@@ -1153,49 +1109,19 @@ impl Builder {
     }
 }
 
-/// The SSE body of a streamed response. Dropping it (the client went away)
-/// drops the request's stream, which cancels it.
-pub(crate) struct ResponseEvents {
-    stream: RequestStream,
-    b: Builder,
-    out: VecDeque<Value>,
-}
-
-impl ResponseEvents {
-    pub(crate) fn new(stream: RequestStream, mut b: Builder) -> Self {
-        let out = b.start().into();
-        ResponseEvents { stream, b, out }
+impl EventMachine for Builder {
+    fn on_event(&mut self, ev: Event) -> Vec<Value> {
+        self.events_of(ev)
     }
-}
 
-impl Stream for ResponseEvents {
-    type Item = Result<SseEvent, Infallible>;
+    fn fail(&mut self, e: ApiError) -> Vec<Value> {
+        let mut out = Vec::new();
+        self.fail_into(e, &mut out);
+        out
+    }
 
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let this = &mut *self;
-        loop {
-            if let Some(v) = this.out.pop_front() {
-                let kind = v["type"].as_str().unwrap_or("error").to_string();
-                return Poll::Ready(Some(Ok(SseEvent::default()
-                    .event(kind)
-                    .data(v.to_string()))));
-            }
-            if this.b.ended() {
-                return Poll::Ready(None);
-            }
-            let evs = match this.stream.poll_next(cx) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(Some(ev)) => this.b.on_event(ev),
-                Poll::Ready(None) => {
-                    // The engine went away without a last event.
-                    let mut out = Vec::new();
-                    this.b
-                        .fail(ApiError::from_runtime(&RuntimeError::Stopped), &mut out);
-                    out
-                }
-            };
-            this.out.extend(evs);
-        }
+    fn ended(&self) -> bool {
+        self.status != Status::InProgress
     }
 }
 
@@ -1221,12 +1147,13 @@ pub(crate) async fn create(
     let model = s.model_ids[0].clone();
     let can_store = s.responses.max_bytes > 0;
     let mut p = prepare(&v, r, common, prior.as_deref(), (model, can_store))?;
-    let syntax = crate::resolve_tools(&s, &mut p.plan).map_err(renamed)?;
+    let tools = crate::resolve_tools(&s, &mut p.plan).map_err(renamed)?;
     let think = crate::thinking(&s, &p.plan.request);
-    let (mut b, plan) = Builder::new(p, (syntax, think), &s.responses);
+    let (mut b, plan) = Builder::new(p, Parsing { tools, think }, &s.responses);
     let mut rs = start(&s, plan.choice(0)).await.map_err(renamed)?;
     if stream {
-        return Ok(Sse::new(ResponseEvents::new(rs, b))
+        let first = b.start();
+        return Ok(Sse::new(TypedEvents::new(rs, b, first))
             .keep_alive(KeepAlive::default())
             .into_response());
     }
@@ -1610,7 +1537,7 @@ mod tests {
     fn events_build_the_response_they_end_with() {
         let store = Arc::new(ResponseStore::new(1 << 20));
         let p = prep(json!({"input": "hi", "metadata": {"k": "v"}})).unwrap();
-        let (mut b, _) = Builder::new(p, (None, None), &store);
+        let (mut b, _) = Builder::new(p, Parsing::default(), &store);
         let mut evs = b.start();
         evs.extend(b.on_event(text("Hello")));
         evs.extend(b.on_event(text(", you")));
@@ -1660,7 +1587,14 @@ mod tests {
     fn thinking_comes_first_as_a_reasoning_item() {
         let store = Arc::new(ResponseStore::new(1 << 20));
         let p = prep(json!({"input": "hi"})).unwrap();
-        let (mut b, _) = Builder::new(p, (None, Some(false)), &store);
+        let (mut b, _) = Builder::new(
+            p,
+            Parsing {
+                tools: None,
+                think: Some(false),
+            },
+            &store,
+        );
         let mut evs = b.start();
         for t in ["<think>Hm", "m.</th", "ink>\n\nHel", "lo"] {
             evs.extend(b.on_event(text(t)));
@@ -1706,7 +1640,7 @@ mod tests {
     fn an_empty_answer_is_an_empty_message_and_a_failure_is_failed() {
         let store = Arc::new(ResponseStore::new(1 << 20));
         let p = prep(json!({"input": "hi", "store": false})).unwrap();
-        let (mut b, _) = Builder::new(p, (None, None), &store);
+        let (mut b, _) = Builder::new(p, Parsing::default(), &store);
         b.start();
         b.on_event(done(FinishReason::Stop));
         let r = b.response();
@@ -1715,7 +1649,7 @@ mod tests {
         assert_eq!(store.usage().0, 0, "store: false keeps nothing");
 
         let p = prep(json!({"input": "hi"})).unwrap();
-        let (mut b, _) = Builder::new(p, (None, None), &store);
+        let (mut b, _) = Builder::new(p, Parsing::default(), &store);
         b.start();
         b.on_event(text("a"));
         let evs = b.on_event(Event::Done {

@@ -346,6 +346,126 @@ impl CallGuard {
     }
 }
 
+/// A chat's output as it streams: a reasoning model's thinking split off
+/// first, then tool calls held back from the answer.
+#[derive(Debug, Default)]
+pub(crate) struct OutputRouter {
+    think: Option<ThinkSplitter>,
+    tools: Option<ToolSyntax>,
+    guard: CallGuard,
+}
+
+/// What [`OutputRouter::push`] lets out.
+#[derive(Debug, Default)]
+pub(crate) struct Routed {
+    /// Thinking.
+    pub(crate) reasoning: String,
+    /// Answer text (none of a tool call).
+    pub(crate) answer: String,
+    /// At the end: the calls written, as `(name, arguments)`.
+    pub(crate) calls: Vec<(String, String)>,
+}
+
+impl OutputRouter {
+    pub(crate) fn new(parsing: Parsing) -> Self {
+        OutputRouter {
+            think: parsing.think.map(ThinkSplitter::new),
+            tools: parsing.tools,
+            guard: CallGuard::default(),
+        }
+    }
+
+    /// Takes the model's next text (`end`: the output is over, and all
+    /// held back goes out); returns what can go out now.
+    pub(crate) fn push(&mut self, text: &str, end: bool) -> Routed {
+        let mut out = Routed::default();
+        let answer = match self.think.as_mut() {
+            None => text.to_string(),
+            Some(sp) => {
+                let mut split = sp.push(text);
+                if end {
+                    let tail = sp.finish();
+                    split.reasoning.push_str(&tail.reasoning);
+                    split.content.push_str(&tail.content);
+                }
+                out.reasoning = split.reasoning;
+                split.content
+            }
+        };
+        let Some(syntax) = self.tools else {
+            out.answer = answer;
+            return out;
+        };
+        out.answer = self.guard.push(syntax, answer);
+        if end {
+            let (held, calls) = self.guard.finish(syntax);
+            if calls.is_empty() {
+                out.answer.push_str(&held);
+            }
+            out.calls = calls;
+        }
+        out
+    }
+}
+
+/// A request's answer as a protocol's typed events (JSON objects with a
+/// `type`): the Responses API's and Anthropic's.
+pub(crate) trait EventMachine {
+    /// The events for the runtime's next event.
+    fn on_event(&mut self, ev: Event) -> Vec<Value>;
+    /// Ends the answer with an error.
+    fn fail(&mut self, e: ApiError) -> Vec<Value>;
+    /// The last event went out.
+    fn ended(&self) -> bool;
+}
+
+/// The SSE body of a typed-event protocol: each event named by its `type`.
+/// Dropping it (the client went away) drops the request's stream, which
+/// cancels it.
+pub(crate) struct TypedEvents<M> {
+    stream: RequestStream,
+    machine: M,
+    out: VecDeque<Value>,
+}
+
+impl<M: EventMachine> TypedEvents<M> {
+    /// `first`: the events that open the answer.
+    pub(crate) fn new(stream: RequestStream, machine: M, first: Vec<Value>) -> Self {
+        TypedEvents {
+            stream,
+            machine,
+            out: first.into(),
+        }
+    }
+}
+
+impl<M: EventMachine + Unpin> Stream for TypedEvents<M> {
+    type Item = Result<SseEvent, Infallible>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        loop {
+            if let Some(v) = this.out.pop_front() {
+                let kind = v["type"].as_str().unwrap_or("error").to_string();
+                let e = SseEvent::default().event(kind).data(v.to_string());
+                return Poll::Ready(Some(Ok(e)));
+            }
+            if this.machine.ended() {
+                return Poll::Ready(None);
+            }
+            let evs = match this.stream.poll_next(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(ev)) => this.machine.on_event(ev),
+                // The engine went away without a last event.
+                Poll::Ready(None) => this.machine.fail(ApiError::from_runtime(
+                    &siliceo_runtime::RuntimeError::Stopped,
+                )),
+            };
+            this.out.extend(evs);
+        }
+    }
+}
+
 struct Choice {
     stream: RequestStream,
     /// An event read before the response started.
