@@ -256,7 +256,7 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(server):
          "input[0].content[0].type"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning.effort"),
-        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "background": True, "store": False}, "background"),
         ({"input": "x", "truncation": "auto"}, "truncation"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema"),
         ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]}, "input[0].call_id"),
@@ -298,3 +298,52 @@ def test_a_closed_response_stream_frees_its_kv(server):
     stream.close()
     m = server.wait_idle(timeout=30)
     assert m["siliceo_kv_blocks_used"] == 0
+
+
+def test_background_responses_are_polled_and_cancelled(server):
+    """`background: true` answers at once (in progress) and runs on; GET
+    polls it to the same answer a foreground request gives. Cancelling one
+    in progress stops it and frees its KV."""
+    import time
+
+    c = client(server)
+    ask = dict(model="", instructions=SYSTEM, input=USER, max_output_tokens=24, temperature=0)
+    fg = c.responses.create(**ask)
+    bg = c.responses.create(**ask, background=True)
+    assert bg.background is True and bg.status in ("queued", "in_progress")
+    deadline = time.time() + 60
+    r = bg
+    while r.status in ("queued", "in_progress"):
+        assert time.time() < deadline, r
+        time.sleep(0.05)
+        r = c.responses.retrieve(bg.id)
+    assert (r.status, r.output_text) == (fg.status, fg.output_text)
+    assert r.usage.output_tokens == fg.usage.output_tokens
+    # Cancelling a finished one returns it as it is.
+    assert c.responses.cancel(bg.id).status == fg.status
+
+    long = c.responses.create(
+        model="", input="Count from one to a thousand: one, two, three,", max_output_tokens=1000,
+        temperature=0, background=True, extra_body={"ignore_eos": True},
+    )
+    deadline = time.time() + 60
+    while server.metrics()["siliceo_running_sequences"] == 0:
+        assert time.time() < deadline
+        time.sleep(0.02)
+    # Not continued while it runs.
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model="", input="Go on.", previous_response_id=long.id)
+    assert e.value.body["param"] == "previous_response_id"
+    assert c.responses.cancel(long.id).status == "cancelled"
+    m = server.wait_idle(timeout=30)
+    assert m["siliceo_kv_blocks_used"] == 0
+    assert c.responses.retrieve(long.id).status == "cancelled"
+
+    # What background cannot do is named; a foreground response cannot be cancelled.
+    for kw in [dict(store=False), dict(stream=True)]:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.responses.create(model="", input="x", background=True, **kw)
+        assert e.value.body["param"] == "background"
+    with pytest.raises(openai.BadRequestError):
+        c.responses.cancel(fg.id)
+    server.wait_idle()

@@ -214,6 +214,7 @@ pub fn router(rt: Arc<Runtime>, cfg: &HttpConfig) -> Router {
             "/v1/responses/{id}/input_items",
             get(responses::input_items),
         )
+        .route("/v1/responses/{id}/cancel", post(responses::cancel))
         .route("/v1/embeddings", post(embeddings))
         .route("/v1/rerank", post(rerank))
         .route("/v1/models", get(models))

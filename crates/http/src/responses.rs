@@ -1,21 +1,26 @@
 //! OpenAI's Responses API: `POST /v1/responses` (whole, or streamed as
-//! typed server-sent events), and the responses this server keeps:
-//! `GET`/`DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`.
+//! typed server-sent events, or in the `background`), and the responses
+//! this server keeps: `GET`/`DELETE /v1/responses/{id}`,
+//! `GET /v1/responses/{id}/input_items`, `POST /v1/responses/{id}/cancel`.
 //!
 //! A response runs as a chat: `instructions` become a system message, then
 //! the conversation of `previous_response_id` (kept in memory, oldest
 //! dropped first past a byte budget), then `input`'s items: messages,
 //! `function_call`s and their `function_call_output`s. Its output is a
-//! `message` item and, when the model calls tools, `function_call` items.
-//! The text, the tool calls and the streamed events come from one state
-//! machine, [`Builder`], for both the whole and the streamed answer.
+//! `message` item (after a `reasoning` item, for a model that thinks) and,
+//! when the model calls tools, `function_call` items. The text, the tool
+//! calls and the streamed events come from one state machine, [`Builder`],
+//! for the whole, the streamed and the background answer. A background
+//! response is kept as it starts; a task runs it and keeps its final
+//! version; cancelling aborts the task, which drops the request.
 //!
 //! Everything a chat completion serves is served here under the Responses
 //! API's names (`max_output_tokens`, `text.format`, flat `tools`,
 //! `include: ["message.output_text.logprobs"]` with `top_logprobs`), and the
 //! chat's extensions (`seed`, `top_k`, `stop`, `priority`, …) are taken as
 //! they are. What this server cannot do (built-in tools, images and files,
-//! `background`, `truncation: auto`, reasoning) is a 400 naming the field.
+//! a streamed background response, `truncation: auto`, reasoning effort)
+//! is a 400 naming the field.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -116,6 +121,8 @@ struct Head {
     /// The request's settings, echoed in the response object.
     echo: Map<String, Value>,
     store: bool,
+    /// Runs on after the request returns; polled with `GET`.
+    background: bool,
 }
 
 /// A response this server keeps for `previous_response_id` and `GET`.
@@ -140,6 +147,35 @@ struct StoreInner {
     map: HashMap<String, Arc<Stored>>,
     order: VecDeque<String>,
     bytes: usize,
+    /// Background responses still running: their tasks.
+    running: HashMap<String, tokio::task::AbortHandle>,
+}
+
+impl StoreInner {
+    /// Keeps `stored` as `id` (in place of an earlier version), dropping the
+    /// oldest others while over `max` bytes.
+    fn insert(&mut self, id: String, stored: Stored, max: usize) {
+        if let Some(o) = self.map.remove(&id) {
+            self.bytes -= o.bytes;
+            self.order.retain(|k| *k != id);
+        }
+        while self.bytes + stored.bytes > max {
+            let Some(old) = self.order.pop_front() else {
+                break;
+            };
+            if let Some(o) = self.map.remove(&old) {
+                self.bytes -= o.bytes;
+            }
+        }
+        self.bytes += stored.bytes;
+        self.order.push_back(id.clone());
+        self.map.insert(id, Arc::new(stored));
+    }
+}
+
+/// The status a kept response object shows.
+fn status_of(response: &Value) -> &str {
+    response["status"].as_str().unwrap_or_default()
 }
 
 impl ResponseStore {
@@ -157,6 +193,8 @@ impl ResponseStore {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Keeps a response (a new version of it replaces the old; a response
+    /// cancelled meanwhile stays cancelled).
     fn put(
         &self,
         id: String,
@@ -174,23 +212,60 @@ impl ResponseStore {
             return;
         }
         let mut s = self.lock();
-        while s.bytes + bytes > self.max_bytes {
-            let Some(old) = s.order.pop_front() else {
-                break;
-            };
-            if let Some(o) = s.map.remove(&old) {
-                s.bytes -= o.bytes;
-            }
+        if s.map
+            .get(&id)
+            .is_some_and(|o| status_of(&o.response) == "cancelled")
+        {
+            return;
         }
-        s.bytes += bytes;
-        s.order.push_back(id.clone());
         let stored = Stored {
             response,
             input_items,
             conversation,
             bytes,
         };
-        s.map.insert(id, Arc::new(stored));
+        s.insert(id, stored, self.max_bytes);
+    }
+
+    /// A background response's task, to abort when it is cancelled.
+    fn running(&self, id: String, task: tokio::task::AbortHandle) {
+        let mut s = self.lock();
+        // Finished already (its final version is kept): nothing to abort.
+        let done = s
+            .map
+            .get(&id)
+            .is_some_and(|o| !matches!(status_of(&o.response), "queued" | "in_progress"));
+        if !done {
+            s.running.insert(id, task);
+        }
+    }
+
+    /// A background response's task ended.
+    fn ran(&self, id: &str) {
+        self.lock().running.remove(id);
+    }
+
+    /// Cancels a background response in progress: its task is aborted,
+    /// which drops its request (and frees its KV), and it is kept as
+    /// `cancelled`. `None`: not running.
+    fn cancel(&self, id: &str) -> Option<Value> {
+        let mut s = self.lock();
+        let task = s.running.remove(id)?;
+        task.abort();
+        let old = s.map.get(id).cloned()?;
+        if !matches!(status_of(&old.response), "queued" | "in_progress") {
+            return Some(old.response.clone());
+        }
+        let mut response = old.response.clone();
+        response["status"] = json!("cancelled");
+        let stored = Stored {
+            response: response.clone(),
+            input_items: old.input_items.clone(),
+            conversation: old.conversation.clone(),
+            bytes: old.bytes,
+        };
+        s.insert(id.to_string(), stored, self.max_bytes);
+        Some(response)
     }
 
     fn get(&self, id: &str) -> Option<Arc<Stored>> {
@@ -199,6 +274,9 @@ impl ResponseStore {
 
     fn remove(&self, id: &str) -> bool {
         let mut s = self.lock();
+        if let Some(task) = s.running.remove(id) {
+            task.abort();
+        }
         match s.map.remove(id) {
             Some(o) => {
                 s.bytes -= o.bytes;
@@ -487,8 +565,19 @@ pub(crate) fn prepare(
         ));
     }
     // What cannot be served here is named, never ignored.
-    if r.background {
-        return Err(ApiError::unsupported("background", "background responses"));
+    let store = can_store && r.store.unwrap_or(true);
+    if r.background && !store {
+        return Err(ApiError::invalid(
+            "background",
+            "a background response is kept to be polled: it needs `store` (and a server \
+             that keeps responses, --responses-store-mb above 0)",
+        ));
+    }
+    if r.background && common.stream {
+        return Err(ApiError::unsupported(
+            "background",
+            "streaming a background response (poll it with GET /v1/responses/{id})",
+        ));
     }
     if r.conversation.as_ref().is_some_and(|c| !c.is_null()) {
         return Err(ApiError::unsupported(
@@ -652,7 +741,6 @@ pub(crate) fn prepare(
     plan.request.max_tokens_field = r.max_output_tokens.map(|_| "max_output_tokens");
 
     // What the response object repeats of the request.
-    let store = can_store && r.store.unwrap_or(true);
     let mut echo = Map::new();
     let given = |k: &str, default: Value| match v.get(k) {
         None | Some(Value::Null) => default,
@@ -683,7 +771,7 @@ pub(crate) fn prepare(
     );
     echo.insert("reasoning".into(), json!({"effort": null, "summary": null}));
     echo.insert("service_tier".into(), json!("default"));
-    echo.insert("background".into(), json!(false));
+    echo.insert("background".into(), json!(r.background));
     echo.insert("store".into(), json!(store));
     Ok(Prepared {
         plan,
@@ -693,6 +781,7 @@ pub(crate) fn prepare(
             model,
             echo,
             store,
+            background: r.background,
         },
         input_items,
         conversation,
@@ -992,7 +1081,26 @@ impl Builder {
         self.failed = Some(e);
         self.status = Status::Failed;
         let r = self.response();
-        out.push(self.event("response.failed", json!({"response": r})));
+        out.push(self.event("response.failed", json!({"response": r.clone()})));
+        // A background response's poller learns of the failure from it.
+        if self.head.background
+            && let Some((store, items, conversation)) = self.keep.take()
+        {
+            store.put(self.head.id.clone(), r, items, conversation);
+        }
+    }
+
+    /// Keeps the response as it stands (a background response, before it
+    /// runs).
+    fn keep_now(&self) {
+        if let Some((store, items, conversation)) = &self.keep {
+            store.put(
+                self.head.id.clone(),
+                self.response(),
+                items.clone(),
+                conversation.clone(),
+            );
+        }
     }
 
     fn finish(&mut self, finish: FinishReason, usage: Usage, out: &mut Vec<Value>) {
@@ -1144,6 +1252,17 @@ pub(crate) async fn create(
             )
         })?),
     };
+    if let Some(p) = &prior
+        && !matches!(status_of(&p.response), "completed" | "incomplete")
+    {
+        return Err(ApiError::invalid(
+            "previous_response_id",
+            format!(
+                "the previous response is {}; only a finished one can be continued",
+                status_of(&p.response)
+            ),
+        ));
+    }
     let model = s.model_ids[0].clone();
     let can_store = s.responses.max_bytes > 0;
     let mut p = prepare(&v, r, common, prior.as_deref(), (model, can_store))?;
@@ -1151,6 +1270,31 @@ pub(crate) async fn create(
     let think = crate::thinking(&s, &p.plan.request);
     let (mut b, plan) = Builder::new(p, Parsing { tools, think }, &s.responses);
     let mut rs = start(&s, plan.choice(0)).await.map_err(renamed)?;
+    if b.head.background {
+        // Kept as it starts; a task runs it to the end, which keeps the
+        // final version. Cancelling aborts the task, dropping the request.
+        b.start();
+        b.keep_now();
+        let first = b.response();
+        let id = b.head.id.clone();
+        let store = s.responses.clone();
+        let task_id = id.clone();
+        let task = tokio::spawn(async move {
+            while !b.ended() {
+                match rs.next().await {
+                    Some(ev) => {
+                        b.on_event(ev);
+                    }
+                    None => {
+                        b.fail(ApiError::from_runtime(&RuntimeError::Stopped));
+                    }
+                }
+            }
+            store.ran(&task_id);
+        });
+        s.responses.running(id, task.abort_handle());
+        return Ok(Json(first).into_response());
+    }
     if stream {
         let first = b.start();
         return Ok(Sse::new(TypedEvents::new(rs, b, first))
@@ -1203,6 +1347,25 @@ pub(crate) async fn delete(
     Ok(Json(
         json!({"id": id, "object": "response", "deleted": true}),
     ))
+}
+
+/// `POST /v1/responses/{id}/cancel`: a background response in progress is
+/// stopped and kept as `cancelled`; a finished one is returned as it is.
+pub(crate) async fn cancel(
+    State(s): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    if let Some(r) = s.responses.cancel(&id) {
+        return Ok(Json(r));
+    }
+    let r = s.responses.get(&id).ok_or_else(|| not_kept(&id))?;
+    if r.response["background"] != json!(true) {
+        return Err(ApiError::invalid(
+            "response_id",
+            "only background responses can be cancelled",
+        ));
+    }
+    Ok(Json(r.response.clone()))
 }
 
 /// A query string's pairs, percent-decoded.
@@ -1452,7 +1615,14 @@ mod tests {
                 json!({"input": "x", "response_format": {"type": "json_object"}}),
                 "response_format",
             ),
-            (json!({"input": "x", "background": true}), "background"),
+            (
+                json!({"input": "x", "background": true, "store": false}),
+                "background",
+            ),
+            (
+                json!({"input": "x", "background": true, "stream": true}),
+                "background",
+            ),
             (json!({"input": "x", "truncation": "auto"}), "truncation"),
             (
                 json!({"input": "x", "reasoning": {"effort": "high"}}),
@@ -1694,6 +1864,33 @@ mod tests {
         let off = ResponseStore::new(0);
         off.put("a".into(), json!({}), Vec::new(), Vec::new());
         assert!(off.get("a").is_none());
+    }
+
+    /// A background response cancelled stays cancelled, whatever its task
+    /// still writes; one that finished first is not cancelled; replacing a
+    /// version keeps the byte count.
+    #[tokio::test]
+    async fn a_cancelled_background_response_stays_cancelled() {
+        let store = ResponseStore::new(1 << 20);
+        let running = json!({"status": "in_progress", "background": true});
+        store.put("r".into(), running, Vec::new(), Vec::new());
+        let task = tokio::spawn(std::future::pending::<()>());
+        store.running("r".into(), task.abort_handle());
+        assert_eq!(store.cancel("r").unwrap()["status"], "cancelled");
+        assert!(task.await.unwrap_err().is_cancelled());
+        let late = json!({"status": "completed"});
+        store.put("r".into(), late, Vec::new(), Vec::new());
+        assert_eq!(store.get("r").unwrap().response["status"], "cancelled");
+        assert!(store.cancel("r").is_none());
+
+        let done = json!({"status": "completed"});
+        store.put("d".into(), done.clone(), Vec::new(), Vec::new());
+        let finished = tokio::spawn(async {});
+        store.running("d".into(), finished.abort_handle());
+        assert!(store.cancel("d").is_none());
+        let before = store.usage();
+        store.put("d".into(), done, Vec::new(), Vec::new());
+        assert_eq!(store.usage(), before);
     }
 
     #[test]
