@@ -51,6 +51,20 @@ def test_a_message_is_the_chat_completion_of_its_conversation(server):
     server.wait_idle()
 
 
+def test_models_as_the_client_lists_them(server):
+    import datetime
+
+    a = claude(server)
+    page = a.models.list()
+    assert [m.id for m in page.data] == ["SmolLM2-135M-Instruct.Q4_1"]
+    m = page.data[0]
+    assert (m.type, m.display_name, m.max_input_tokens) == ("model", m.id, 2048)
+    assert m.created_at.tzinfo is not None
+    assert abs(m.created_at.timestamp() - datetime.datetime.now(datetime.UTC).timestamp()) < 3600
+    assert (page.has_more, page.first_id, page.last_id) == (False, m.id, m.id)
+    assert a.models.retrieve(m.id).created_at == m.created_at
+
+
 def test_errors_and_keys_as_the_client_expects_them(server):
     a = claude(server)
     ok = [{"role": "user", "content": "hi"}]
