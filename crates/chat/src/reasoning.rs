@@ -37,15 +37,6 @@ pub struct Split {
     pub content: String,
 }
 
-/// The length of the longest tail of `text` that begins `tag` (a tag that
-/// may be completed by the next text).
-fn tag_prefix_len(text: &str, tag: &str) -> usize {
-    (1..tag.len().min(text.len() + 1))
-        .rev()
-        .find(|&k| text.is_char_boundary(text.len() - k) && text.ends_with(&tag[..k]))
-        .unwrap_or(0)
-}
-
 impl ThinkSplitter {
     /// A splitter for output that starts inside a thinking block (`open`:
     /// the prompt opened it) or may open one.
@@ -81,7 +72,7 @@ impl ThinkSplitter {
                         self.state = State::Closed;
                     }
                     None => {
-                        let keep = tag_prefix_len(&self.held, THINK_CLOSE);
+                        let keep = siliceo_core::held_prefix_len(&self.held, THINK_CLOSE);
                         let tail = self.held.split_off(self.held.len() - keep);
                         out.reasoning
                             .push_str(&std::mem::replace(&mut self.held, tail));

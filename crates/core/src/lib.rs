@@ -102,6 +102,29 @@ pub fn unix_time_s() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
+/// `secs` since the Unix epoch as an RFC 3339 time in UTC, to the second
+/// (`2026-12-06T21:03:58Z`): SMG's load reports and Anthropic's model dates.
+pub fn rfc3339(secs: u64) -> String {
+    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm:
+    // eras of 400 years from 0000-03-01).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3_600,
+        rem % 3_600 / 60,
+        rem % 60
+    )
+}
+
 /// A PEM certificate chain and its PEM private key: what both protocol
 /// crates serve TLS with (`--tls-cert`, `--tls-key`).
 #[derive(Clone)]
@@ -127,7 +150,20 @@ pub use sampler::Sampler;
 pub use sampling::{
     FinishReason, MAX_LOGIT_BIAS, MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS, Priority, SamplingParams,
 };
-pub use stop::{StopMatcher, StopOutcome};
+pub use stop::{StopMatcher, StopOutcome, held_prefix_len};
+
+#[cfg(test)]
+mod rfc3339_tests {
+    #[test]
+    fn times_are_rfc_3339_in_utc() {
+        use super::rfc3339;
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(rfc3339(1_796_590_238), "2026-12-06T20:50:38Z");
+        assert_eq!(rfc3339(4_107_542_399), "2100-02-28T23:59:59Z");
+        assert_eq!(rfc3339(4_107_542_400), "2100-03-01T00:00:00Z");
+    }
+}
 
 #[cfg(test)]
 mod api_key_tests {

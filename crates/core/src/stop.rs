@@ -9,6 +9,17 @@ pub enum StopOutcome {
     Stopped(String),
 }
 
+/// The length of the longest tail of `text` that is a proper prefix of
+/// `marker`: what a stream must hold back, as the next text may complete the
+/// marker (stop strings, tool-call and thinking tags).
+pub fn held_prefix_len(text: &str, marker: &str) -> usize {
+    (1..marker.len())
+        .rev()
+        .filter(|&n| marker.is_char_boundary(n))
+        .find(|&n| text.ends_with(&marker[..n]))
+        .unwrap_or(0)
+}
+
 /// Watches generated text for stop strings. Text that might be the start of a
 /// stop string is held back until it is either completed (and dropped) or
 /// proven harmless (and released).
@@ -57,13 +68,7 @@ impl StopMatcher {
         let keep = self
             .stops
             .iter()
-            .map(|s| {
-                (1..s.len())
-                    .rev()
-                    .filter(|&n| s.is_char_boundary(n))
-                    .find(|&n| self.held.ends_with(&s[..n]))
-                    .unwrap_or(0)
-            })
+            .map(|s| held_prefix_len(&self.held, s))
             .max()
             .unwrap_or(0);
         let cut = self.held.len() - keep;

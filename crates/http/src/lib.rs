@@ -397,29 +397,6 @@ async fn health(State(s): State<Arc<AppState>>) -> Response {
     }
 }
 
-/// `secs` since the Unix epoch as an RFC 3339 time in UTC
-/// (`2026-12-06T21:03:58Z`), as Anthropic's API dates its models.
-fn rfc3339(secs: u64) -> String {
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    // Days to a civil date (the proleptic Gregorian calendar), by eras of
-    // 400 years from 0000-03-01.
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
-        rem / 3_600,
-        rem % 3_600 / 60,
-        rem % 60
-    )
-}
-
 /// A model as both OpenAI's and Anthropic's clients read one (`object`,
 /// `created`, `owned_by`; `type`, `display_name`, `created_at`,
 /// `max_input_tokens`) with vLLM's `max_model_len`.
@@ -432,7 +409,7 @@ fn card(s: &AppState, id: &str, max_len: u32) -> Value {
         "max_model_len": max_len,
         "type": "model",
         "display_name": id,
-        "created_at": rfc3339(s.created),
+        "created_at": siliceo_core::rfc3339(s.created),
         "max_input_tokens": max_len,
     })
 }
@@ -972,15 +949,6 @@ async fn rerank(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn times_are_rfc_3339_in_utc() {
-        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
-        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
-        assert_eq!(rfc3339(1_796_590_238), "2026-12-06T20:50:38Z");
-        assert_eq!(rfc3339(4_107_542_399), "2100-02-28T23:59:59Z");
-        assert_eq!(rfc3339(4_107_542_400), "2100-03-01T00:00:00Z");
-    }
 
     #[test]
     fn allowed_origins_are_origins_or_star() {

@@ -319,14 +319,9 @@ impl CallGuard {
             return std::mem::replace(&mut self.held, rest);
         }
         // The longest tail of `held` that begins a marker stays.
-        let held = &self.held;
         let keep = markers
             .iter()
-            .filter_map(|m| {
-                (1..m.len().min(held.len() + 1))
-                    .rev()
-                    .find(|&k| held.is_char_boundary(held.len() - k) && held.ends_with(&m[..k]))
-            })
+            .map(|m| siliceo_core::held_prefix_len(&self.held, m))
             .max()
             .unwrap_or(0);
         let tail = self.held.split_off(self.held.len() - keep);
