@@ -299,7 +299,7 @@ fn tool_call_json(index: Option<usize>, name: &str, args: &str) -> Value {
 /// start and all after it until the end, and a tail that may begin a
 /// call's marker.
 #[derive(Debug, Default)]
-pub(crate) struct CallGuard {
+struct CallGuard {
     held: String,
     /// A call has started: everything from here on is held.
     in_call: bool,
@@ -307,7 +307,7 @@ pub(crate) struct CallGuard {
 
 impl CallGuard {
     /// Takes the model's next text; returns what of it can go out now.
-    pub(crate) fn push(&mut self, syntax: ToolSyntax, text: String) -> String {
+    fn push(&mut self, syntax: ToolSyntax, text: String) -> String {
         self.held.push_str(&text);
         if self.in_call {
             return String::new();
@@ -330,7 +330,7 @@ impl CallGuard {
 
     /// At the end: the calls written, or (none parsed) the text held back,
     /// which then goes out as text.
-    pub(crate) fn finish(&mut self, syntax: ToolSyntax) -> (String, Vec<(String, String)>) {
+    fn finish(&mut self, syntax: ToolSyntax) -> (String, Vec<(String, String)>) {
         let held = std::mem::take(&mut self.held);
         let calls = if self.in_call {
             syntax.parse(&held).calls
@@ -468,10 +468,8 @@ struct Choice {
     /// The role went out (chat's first chunk carries it).
     announced: bool,
     done: bool,
-    /// Text held back while it may be a tool call.
-    guard: CallGuard,
-    /// A reasoning model's thinking, split from its answer.
-    think: Option<ThinkSplitter>,
+    /// A chat's thinking split off, tool calls held back.
+    router: OutputRouter,
     /// Log-probabilities of tokens whose text has not gone out yet.
     pending_lp: Vec<TokenLogprob>,
     /// Text offset of the next token (completions' logprobs).
@@ -498,8 +496,6 @@ pub(crate) struct ChoiceStream {
     finished: bool,
     /// Round-robin start, so one busy choice cannot starve the others.
     next: usize,
-    /// The model's tool syntax when the request offers tools (chat).
-    tools: Option<ToolSyntax>,
     /// Alternatives per token, when log-probabilities were asked for.
     logprobs: Option<u32>,
     /// vLLM's `prompt_logprobs`: alternatives per prompt token.
@@ -555,8 +551,7 @@ impl ChoiceStream {
                     first,
                     announced: false,
                     done: false,
-                    guard: CallGuard::default(),
-                    think: parsing.think.map(ThinkSplitter::new),
+                    router: OutputRouter::new(parsing),
                     pending_lp: Vec::new(),
                     offset: 0,
                     echo: echoes.get(i / n).cloned(),
@@ -568,7 +563,6 @@ impl ChoiceStream {
             out: VecDeque::new(),
             finished: false,
             next: 0,
-            tools: parsing.tools,
             logprobs,
             prompt_logprobs,
         }
@@ -636,18 +630,15 @@ impl ChoiceStream {
             Event::Prompt { .. } => true,
             Event::Text { text, logprobs, .. } => {
                 self.choices[i].pending_lp.extend(logprobs);
-                let text = self.think(i, &text, false);
+                let r = self.choices[i].router.push(&text, false);
+                self.send_reasoning(i, r.reasoning);
                 let announce = chat && !self.choices[i].announced;
-                let text = match self.tools {
-                    Some(syntax) if chat => self.choices[i].guard.push(syntax, text),
-                    _ => text,
-                };
-                if text.is_empty() && !announce {
+                if r.answer.is_empty() && !announce {
                     return true;
                 }
                 self.choices[i].announced = true;
                 let lp = self.take_logprobs(i);
-                let c = self.kind.delta(i, Some(&text), announce, None, lp);
+                let c = self.kind.delta(i, Some(&r.answer), announce, None, lp);
                 let e = self.chunk(vec![c], None);
                 self.out.push_back(e);
                 true
@@ -672,38 +663,30 @@ impl ChoiceStream {
                 }
                 self.usage.completion_tokens += usage.completion_tokens;
                 let mut finish = finish_name(finish_reason);
-                let mut tail = self.think(i, "", true);
-                if let Some(syntax) = self.tools.filter(|_| chat) {
-                    tail = self.choices[i].guard.push(syntax, tail);
-                }
-                if !tail.is_empty() {
+                let r = self.choices[i].router.push("", true);
+                self.send_reasoning(i, r.reasoning);
+                if !r.answer.is_empty() {
                     let announce = chat && !self.choices[i].announced;
                     self.choices[i].announced = true;
-                    let c = self.kind.delta(i, Some(&tail), announce, None, Value::Null);
+                    let c = self
+                        .kind
+                        .delta(i, Some(&r.answer), announce, None, Value::Null);
                     let e = self.chunk(vec![c], None);
                     self.out.push_back(e);
                 }
-                let announce = chat && !self.choices[i].announced;
-                if let Some(syntax) = self.tools.filter(|_| chat) {
-                    let (held, calls) = self.choices[i].guard.finish(syntax);
-                    if !calls.is_empty() {
-                        // The calls, one chunk each, as OpenAI streams them.
-                        for (k, (name, args)) in calls.iter().enumerate() {
-                            let mut c =
-                                self.kind
-                                    .delta(i, None, announce && k == 0, None, Value::Null);
-                            c["delta"]["tool_calls"] = json!([tool_call_json(Some(k), name, args)]);
-                            let e = self.chunk(vec![c], None);
-                            self.out.push_back(e);
-                        }
-                        self.choices[i].announced = true;
-                        finish = "tool_calls";
-                    } else if !held.is_empty() {
-                        let c = self.kind.delta(i, Some(&held), announce, None, Value::Null);
+                if !r.calls.is_empty() {
+                    // The calls, one chunk each, as OpenAI streams them.
+                    let announce = chat && !self.choices[i].announced;
+                    for (k, (name, args)) in r.calls.iter().enumerate() {
+                        let mut c = self
+                            .kind
+                            .delta(i, None, announce && k == 0, None, Value::Null);
+                        c["delta"]["tool_calls"] = json!([tool_call_json(Some(k), name, args)]);
                         let e = self.chunk(vec![c], None);
                         self.out.push_back(e);
-                        self.choices[i].announced = true;
                     }
+                    self.choices[i].announced = true;
+                    finish = "tool_calls";
                 }
                 let announce = chat && !self.choices[i].announced;
                 self.choices[i].announced = true;
@@ -718,29 +701,19 @@ impl ChoiceStream {
         }
     }
 
-    /// A reasoning model's choice `i`: sends the thinking in `text` (and at
-    /// the `end`, all that is held back) as `reasoning_content` deltas, and
-    /// returns the answer's part of it.
-    fn think(&mut self, i: usize, text: &str, end: bool) -> String {
-        let Some(sp) = self.choices[i].think.as_mut() else {
-            return text.to_string();
-        };
-        let mut split = sp.push(text);
-        if end {
-            let tail = sp.finish();
-            split.reasoning.push_str(&tail.reasoning);
-            split.content.push_str(&tail.content);
+    /// Sends choice `i`'s thinking (a reasoning model's chat) as a
+    /// `reasoning_content` delta.
+    fn send_reasoning(&mut self, i: usize, reasoning: String) {
+        if reasoning.is_empty() {
+            return;
         }
-        if !split.reasoning.is_empty() {
-            let announce = !self.choices[i].announced;
-            self.choices[i].announced = true;
-            let lp = self.take_logprobs(i);
-            let mut c = self.kind.delta(i, None, announce, None, lp);
-            c["delta"]["reasoning_content"] = json!(split.reasoning);
-            let e = self.chunk(vec![c], None);
-            self.out.push_back(e);
-        }
-        split.content
+        let announce = !self.choices[i].announced;
+        self.choices[i].announced = true;
+        let lp = self.take_logprobs(i);
+        let mut c = self.kind.delta(i, None, announce, None, lp);
+        c["delta"]["reasoning_content"] = json!(reasoning);
+        let e = self.chunk(vec![c], None);
+        self.out.push_back(e);
     }
 
     /// The pending log-probabilities of choice `i` as the next chunk's
