@@ -591,8 +591,8 @@ async fn generate(
     let n = plan.n;
     // Each prompt's choice 0 first: a refused request fails before any
     // other choice is queued (those queued are dropped, which cancels them).
-    let mut firsts = Vec::with_capacity(plan.inputs.len());
-    for p in 0..plan.inputs.len() as u32 {
+    let mut firsts = Vec::with_capacity(plan.prompts() as usize);
+    for p in 0..plan.prompts() {
         firsts.push(start(s, plan.choice(p * n)).await?);
     }
     let mut started = Vec::with_capacity(plan.choices() as usize);

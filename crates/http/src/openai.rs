@@ -285,9 +285,9 @@ pub struct Plan {
     /// Completions' `echo`: each prompt goes back before its choices' text
     /// (one per prompt when set).
     pub echo: Vec<Echo>,
-    /// Each prompt of a batch (completions); `request` runs the first. Choice
-    /// `i` answers prompt `i / n`.
-    pub inputs: Vec<Input>,
+    /// A batch's prompts after the first, which `request` holds
+    /// (completions). Choice `i` answers prompt `i / n`.
+    pub batch: Vec<Input>,
     /// vLLM's `prompt_logprobs`: alternatives per prompt token to report.
     pub prompt_logprobs: Option<u32>,
 }
@@ -309,7 +309,7 @@ impl Plan {
         let mut r = self.request.clone();
         let (p, j) = ((i / self.n) as usize, i % self.n);
         if p > 0 {
-            r.input = self.inputs[p].clone();
+            r.input = self.batch[p - 1].clone();
         }
         if let Some(s) = r.sampling.seed {
             r.sampling.seed = Some(s.wrapping_add(u64::from(j)));
@@ -317,9 +317,14 @@ impl Plan {
         r
     }
 
+    /// Prompts in the request (a batch's, or one).
+    pub fn prompts(&self) -> u32 {
+        1 + self.batch.len() as u32
+    }
+
     /// Choices in all: `n` per prompt.
     pub fn choices(&self) -> u32 {
-        self.n * self.inputs.len() as u32
+        self.n * self.prompts()
     }
 }
 
@@ -424,7 +429,6 @@ fn plan(common: Common, input: Input, scores: bool) -> Result<Plan, ApiError> {
         ignore_eos: common.ignore_eos,
         logit_bias,
     };
-    let inputs = vec![input.clone()];
     let mut request = GenerateRequest::new(input);
     if let Some((field, c)) = constraint {
         request.constraint = Some(c);
@@ -444,7 +448,7 @@ fn plan(common: Common, input: Input, scores: bool) -> Result<Plan, ApiError> {
         include_usage: common.stream_options.is_some_and(|o| o.include_usage),
         tools: None,
         echo: Vec::new(),
-        inputs,
+        batch: Vec::new(),
         prompt_logprobs,
     })
 }
@@ -622,7 +626,7 @@ pub fn completion_plan(r: CompletionRequest, common: Common) -> Result<Plan, Api
         (_, Some(_)) => return Err(ApiError::invalid("suffix", "needs a text prompt")),
     };
     let mut plan = plan(common, input, !echo.is_empty())?;
-    plan.inputs.extend(rest);
+    plan.batch = rest;
     plan.request.logprobs = logprobs;
     if !echo.is_empty() {
         // The echoed prompt's tokens carry log-probabilities too; a request
