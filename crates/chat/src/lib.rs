@@ -203,6 +203,8 @@ pub struct ChatTemplate {
     tools: Option<ToolSyntax>,
     /// The template knows `<think>` blocks: the model reasons.
     reasons: bool,
+    /// Its prompt, without template arguments, leaves a block open.
+    opens: bool,
 }
 
 impl fmt::Debug for ChatTemplate {
@@ -241,13 +243,17 @@ impl ChatTemplate {
         });
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| ChatError::Template(describe(&e)))?;
-        Ok(ChatTemplate {
+        let mut t = ChatTemplate {
             env,
             bos: bos.to_string(),
             eos: eos.to_string(),
             tools: ToolSyntax::detect(source),
             reasons: source.contains(THINK_OPEN),
-        })
+            opens: false,
+        };
+        // Most requests set no template argument: probed once, here.
+        t.opens = t.probe_opens(&serde_json::Map::new());
+        Ok(t)
     }
 
     /// Whether the model thinks in `<think>` blocks before it answers (its
@@ -260,6 +266,16 @@ impl ChatTemplate {
     /// block open (DeepSeek-R1's template does; Qwen3's lets the model open
     /// it, or closes an empty one when `enable_thinking` is false).
     pub fn opens_thinking(&self, kwargs: &serde_json::Map<String, serde_json::Value>) -> bool {
+        if kwargs.is_empty() {
+            self.opens
+        } else {
+            self.probe_opens(kwargs)
+        }
+    }
+
+    /// Renders a one-message chat with `kwargs` to see whether its prompt
+    /// ends inside a thinking block.
+    fn probe_opens(&self, kwargs: &serde_json::Map<String, serde_json::Value>) -> bool {
         self.reasons
             && self
                 .render_with(&[Message::new("user", "x")], &[], true, kwargs)
