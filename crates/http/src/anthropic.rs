@@ -700,13 +700,12 @@ pub(crate) async fn messages(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, AnthropicError> {
     let (mut p, stream) = read(&s, body)?;
-    let tools = crate::resolve_tools(&s, &mut p.plan)?;
-    let think = crate::thinking(&s, &p.plan.request);
+    let parsing = crate::parsing(&s, &mut p.plan)?;
     let (mut rs, input_tokens) =
         s.rt.submit_accepted(p.plan.choice(0))
             .await
             .map_err(|e| ApiError::from_runtime(&e))?;
-    let mut reply = Reply::new(p.model, input_tokens, Parsing { tools, think });
+    let mut reply = Reply::new(p.model, input_tokens, parsing);
     if stream {
         let first = reply.start();
         return Ok(Sse::new(TypedEvents::new(rs, reply, first))

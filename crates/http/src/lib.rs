@@ -517,9 +517,19 @@ async fn start(
     Ok(stream)
 }
 
-/// Tools: the model's syntax parses calls out of its answers, and a
-/// required or named call is forced by a grammar with the tools' schemas.
-/// The syntax, when the plan offers tools.
+/// How a plan's output is read, for every chat endpoint: tool calls in
+/// the model's syntax (and a required or named call forced by a grammar
+/// with the tools' schemas), then a reasoning model's thinking.
+fn parsing(s: &AppState, plan: &mut openai::Plan) -> Result<stream::Parsing, ApiError> {
+    let tools = resolve_tools(s, plan)?;
+    let think = match plan.request.input {
+        Input::Chat(_) => thinking(s, &plan.request),
+        _ => None,
+    };
+    Ok(stream::Parsing { tools, think })
+}
+
+/// The model's tool syntax, when the plan offers tools.
 fn resolve_tools(
     s: &AppState,
     plan: &mut openai::Plan,
@@ -567,14 +577,7 @@ async fn generate(
         Kind::Chat => openai::chat_plan(field_of(&v)?, common)?,
         Kind::Completion => openai::completion_plan(field_of(&v)?, common)?,
     };
-    let tools = resolve_tools(s, &mut plan)?;
-    let parsing = stream::Parsing {
-        tools,
-        think: match kind {
-            Kind::Chat => thinking(s, &plan.request),
-            Kind::Completion => None,
-        },
-    };
+    let parsing = parsing(s, &mut plan)?;
     // The text each prompt's echo returns: a text prompt as it came, token
     // ids as text.
     let echoes: Vec<String> = plan

@@ -1266,9 +1266,8 @@ pub(crate) async fn create(
     let model = s.model_ids[0].clone();
     let can_store = s.responses.max_bytes > 0;
     let mut p = prepare(&v, r, common, prior.as_deref(), (model, can_store))?;
-    let tools = crate::resolve_tools(&s, &mut p.plan).map_err(renamed)?;
-    let think = crate::thinking(&s, &p.plan.request);
-    let (mut b, plan) = Builder::new(p, Parsing { tools, think }, &s.responses);
+    let parsing = crate::parsing(&s, &mut p.plan).map_err(renamed)?;
+    let (mut b, plan) = Builder::new(p, parsing, &s.responses);
     let mut rs = start(&s, plan.choice(0)).await.map_err(renamed)?;
     if b.head.background {
         // Kept as it starts; a task runs it to the end, which keeps the
