@@ -29,7 +29,7 @@ use siliceo_runtime::{
 };
 
 use crate::error::ApiError;
-use crate::openai::{self, Common, Plan, WireFunction, WireToolCall};
+use crate::openai::{self, Common, Plan};
 use crate::stream::{EventMachine, OutputRouter, Parsing, TypedEvents};
 use crate::{AppState, body_json, field_of, uuid_like};
 
@@ -206,17 +206,12 @@ fn read_messages(messages: &[Value]) -> Result<Vec<ChatMessage>, ApiError> {
                         None | Some(Value::Null) => String::new(),
                         Some(c) => text_of(c, &format!("{bat}.content"))?,
                     };
-                    let name = out
-                        .iter()
-                        .flat_map(|m| &m.tool_calls)
-                        .find(|c| c.id == id)
-                        .map(|c| c.name.clone())
-                        .ok_or_else(|| {
-                            ApiError::invalid(
-                                format!("{bat}.tool_use_id"),
-                                format!("no tool_use with id `{id}` before it"),
-                            )
-                        })?;
+                    let name = openai::called(&out, &id).ok_or_else(|| {
+                        ApiError::invalid(
+                            format!("{bat}.tool_use_id"),
+                            format!("no tool_use with id `{id}` before it"),
+                        )
+                    })?;
                     let is_error = b.get("is_error").and_then(Value::as_bool) == Some(true);
                     out.push(ChatMessage {
                         role: "tool".into(),
@@ -291,29 +286,15 @@ fn read_tools(
             ));
         }
         let name = str_of(t, &format!("tools[{i}]"), "name")?.to_string();
-        wire.push(WireToolCall {
-            id: None,
-            kind: Some("function".into()),
-            function: WireFunction {
-                name,
-                description: t
-                    .get("description")
-                    .and_then(Value::as_str)
-                    .map(str::to_string),
-                parameters: t.get("input_schema").cloned(),
-                arguments: None,
-            },
-        });
+        let description = t.get("description").and_then(Value::as_str);
+        let schema = t.get("input_schema").cloned();
+        wire.push(openai::nested_tool(
+            name,
+            description.map(str::to_string),
+            schema,
+        ));
     }
-    let tools = openai::tools_of(wire).map_err(|mut e| {
-        if let Some(p) = &e.param {
-            let to = p.replacen("].function.parameters", "].input_schema", 1);
-            let to = to.replacen("].function.", "].", 1);
-            e.message = e.message.replacen(p.as_str(), &to, 1);
-            e.param = Some(to);
-        }
-        e
-    })?;
+    let tools = openai::tools_of(wire).map_err(|e| openai::flat_tool_error(e, "input_schema"))?;
     let mut parallel = true;
     let choice = match choice {
         None | Some(Value::Null) => None,

@@ -829,6 +829,54 @@ fn messages_of(messages: Vec<Message>) -> Result<Vec<ChatMessage>, ApiError> {
     Ok(msgs)
 }
 
+/// A flat tool (`{name, description, <schema>}`, as the Responses and
+/// Messages APIs give one) in chat completions' nested shape, for
+/// [`tools_of`].
+pub(crate) fn nested_tool(
+    name: String,
+    description: Option<String>,
+    parameters: Option<serde_json::Value>,
+) -> WireToolCall {
+    WireToolCall {
+        id: None,
+        kind: Some("function".into()),
+        function: WireFunction {
+            name,
+            description,
+            parameters,
+            arguments: None,
+        },
+    }
+}
+
+/// [`tools_of`]'s complaint about a [`nested_tool`], in the flat shape's
+/// terms: `tools[i].function.parameters` becomes `tools[i].<schema>`, any
+/// other `tools[i].function.x` becomes `tools[i].x`.
+pub(crate) fn flat_tool_error(mut e: ApiError, schema: &str) -> ApiError {
+    let Some(p) = e.param.clone().filter(|p| p.starts_with("tools[")) else {
+        return e;
+    };
+    let to = p
+        .replacen("].function.parameters", &format!("].{schema}"), 1)
+        .replacen("].function.", "].", 1);
+    e.message = e.message.replacen(&p, &to, 1);
+    e.param = Some(to);
+    e
+}
+
+/// The name of the function the call `id` (made earlier in `history`)
+/// called: a tool's answer names it for the template.
+pub(crate) fn called<'a>(
+    history: impl IntoIterator<Item = &'a ChatMessage>,
+    id: &str,
+) -> Option<String> {
+    history
+        .into_iter()
+        .flat_map(|m| &m.tool_calls)
+        .find(|c| c.id == id)
+        .map(|c| c.name.clone())
+}
+
 /// `tools`: functions with a name and an object schema.
 pub(crate) fn tools_of(wire: Vec<WireToolCall>) -> Result<Vec<Tool>, ApiError> {
     let mut tools: Vec<Tool> = Vec::with_capacity(wire.len());

@@ -38,7 +38,7 @@ use siliceo_core::FinishReason;
 use siliceo_runtime::{Event, Message as ChatMessage, RuntimeError, TokenLogprob, ToolCall, Usage};
 
 use crate::error::ApiError;
-use crate::openai::{self, Common, Plan, WireFunction, WireToolCall};
+use crate::openai::{self, Common, Plan};
 use crate::stream::{EventMachine, Kind, OutputRouter, Parsing, TypedEvents, logprobs_json};
 use crate::{AppState, body_json, field_of, now_s, start, uuid_like};
 
@@ -310,15 +310,13 @@ fn renamed(mut e: ApiError) -> ApiError {
     let Some(param) = e.param.clone() else {
         return e;
     };
-    let tool = param.starts_with("tools[") && param.contains("].function.");
-    let to = if tool {
-        Some(param.replacen("].function.", "].", 1))
-    } else {
-        NAMES.iter().find_map(|(from, to)| {
-            let rest = param.strip_prefix(from)?;
-            (rest.is_empty() || rest.starts_with(['.', '['])).then(|| format!("{to}{rest}"))
-        })
-    };
+    if param.starts_with("tools[") {
+        return openai::flat_tool_error(e, "parameters");
+    }
+    let to = NAMES.iter().find_map(|(from, to)| {
+        let rest = param.strip_prefix(from)?;
+        (rest.is_empty() || rest.starts_with(['.', '['])).then(|| format!("{to}{rest}"))
+    });
     if let Some(to) = to {
         if let Some(rest) = e.message.strip_prefix(param.as_str()) {
             e.message = format!("{to}{rest}");
@@ -456,13 +454,8 @@ fn read_input(
             "function_call_output" => {
                 let call_id = str_field(&obj, &at, "call_id")?.to_string();
                 let output = text_of(obj.get("output"), &format!("{at}.output"))?;
-                let name = prior
-                    .iter()
-                    .chain(&msgs)
-                    .flat_map(|m| &m.tool_calls)
-                    .find(|c| c.id == call_id)
-                    .map(|c| c.name.clone())
-                    .ok_or_else(|| {
+                let name =
+                    openai::called(prior.iter().chain(&msgs), &call_id).ok_or_else(|| {
                         ApiError::invalid(
                             format!("{at}.call_id"),
                             format!("no function_call with call_id `{call_id}` before it"),
@@ -699,16 +692,7 @@ pub(crate) fn prepare(
         let name = t
             .name
             .ok_or_else(|| ApiError::invalid(format!("tools[{i}].name"), "required"))?;
-        wire.push(WireToolCall {
-            id: None,
-            kind: Some("function".into()),
-            function: WireFunction {
-                name,
-                description: t.description,
-                parameters: t.parameters,
-                arguments: None,
-            },
-        });
+        wire.push(openai::nested_tool(name, t.description, t.parameters));
     }
     let tools = openai::tools_of(wire).map_err(renamed)?;
     let choice = match &r.tool_choice {
