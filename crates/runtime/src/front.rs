@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use siliceo_chat::{ChatError, ChatTemplate, Tool};
+use siliceo_chat::{ChatError, ChatTemplate};
 use siliceo_constrain::{Grammars, Matcher, Vocabulary};
 use siliceo_core::{SamplingParams, TokenId};
 use siliceo_engine::Model;
@@ -99,19 +99,6 @@ impl Front {
     pub(crate) fn detokenize(&self, tokens: &[TokenId]) -> Result<String, RuntimeError> {
         self.check_ids("ids", tokens)?;
         Ok(self.model.detokenize(tokens, false))
-    }
-
-    /// The tokens the model would be given for `input` (a chat rendered with
-    /// `tools` as a request renders it), without running anything.
-    pub(crate) fn prompt_tokens(
-        &self,
-        input: Input,
-        tools: Vec<Tool>,
-    ) -> Result<Vec<TokenId>, RuntimeError> {
-        self.request_tokens(GenerateRequest {
-            tools,
-            ..GenerateRequest::new(input)
-        })
     }
 
     /// The prompt tokens `req` would run on.

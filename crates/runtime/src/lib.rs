@@ -214,20 +214,10 @@ impl Runtime {
         self.front.tokenize(text, add_special)
     }
 
-    /// The prompt tokens a request with `input` (and `tools`) would run on:
-    /// a chat rendered with the model's template, text tokenized with its
-    /// special tokens, ids checked. Bad input is an `InvalidRequest` as
-    /// [`submit`](Self::submit) gives it.
-    pub fn prompt_tokens(
-        &self,
-        input: Input,
-        tools: Vec<Tool>,
-    ) -> Result<Vec<TokenId>, RuntimeError> {
-        self.front.prompt_tokens(input, tools)
-    }
-
-    /// The prompt tokens `req` would run on (its chat rendered with its
-    /// tools and template arguments), without running anything.
+    /// The prompt tokens `req` would run on, without running anything: a
+    /// chat rendered with the model's template (its tools and template
+    /// arguments), text tokenized with its special tokens, ids checked. Bad
+    /// input is an `InvalidRequest` as [`submit`](Self::submit) gives it.
     pub fn request_tokens(&self, req: GenerateRequest) -> Result<Vec<TokenId>, RuntimeError> {
         self.front.request_tokens(req)
     }
