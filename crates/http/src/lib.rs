@@ -634,7 +634,7 @@ async fn generate(
             model,
             include_usage: plan.include_usage,
             parsing,
-            echoes: echoes.clone(),
+            echoes,
             n,
             logprobs: plan.request.logprobs,
             prompt_logprobs: plan.prompt_logprobs,

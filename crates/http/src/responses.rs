@@ -822,8 +822,6 @@ pub(crate) struct Builder {
     msg_id: String,
     /// The message item was announced (`output_item.added`).
     opened: bool,
-    /// Its place in `output`.
-    msg_index: usize,
     text: String,
     /// The output text's log-probability entries so far.
     lps: Vec<Value>,
@@ -860,7 +858,6 @@ impl Builder {
             rs_text: String::new(),
             msg_id: format!("msg_{}", uuid_like()),
             opened: false,
-            msg_index: 0,
             text: String::new(),
             lps: Vec::new(),
             pending: Vec::new(),
@@ -917,27 +914,32 @@ impl Builder {
         ]
     }
 
+    /// The message item's place in `output`: after the reasoning item, when
+    /// there is one (thinking ends before the answer starts).
+    fn msg_index(&self) -> usize {
+        usize::from(self.rs_opened)
+    }
+
     fn open(&mut self, out: &mut Vec<Value>) {
         if self.opened {
             return;
         }
         self.close_reasoning("completed", out);
         self.opened = true;
-        self.msg_index = self.output.len();
         let item = json!({
             "type": "message", "id": self.msg_id, "status": "in_progress",
             "role": "assistant", "content": [],
         });
         let e = self.event(
             "response.output_item.added",
-            json!({"output_index": self.msg_index, "item": item}),
+            json!({"output_index": self.msg_index(), "item": item}),
         );
         out.push(e);
         let part = json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []});
         let e = self.event(
             "response.content_part.added",
             json!({
-                "item_id": self.msg_id, "output_index": self.msg_index, "content_index": 0,
+                "item_id": self.msg_id, "output_index": self.msg_index(), "content_index": 0,
                 "part": part,
             }),
         );
@@ -1028,7 +1030,7 @@ impl Builder {
         let e = self.event(
             "response.output_text.delta",
             json!({
-                "item_id": self.msg_id, "output_index": self.msg_index, "content_index": 0,
+                "item_id": self.msg_id, "output_index": self.msg_index(), "content_index": 0,
                 "delta": text, "logprobs": lps,
             }),
         );
@@ -1111,7 +1113,7 @@ impl Builder {
                 "type": "output_text", "text": self.text, "annotations": [], "logprobs": self.lps,
             });
             let id = self.msg_id.clone();
-            let index = self.msg_index;
+            let index = self.msg_index();
             let e = self.event(
                 "response.output_text.done",
                 json!({
