@@ -143,6 +143,14 @@ class Server:
         assert self.proc.returncode == 0, "".join(self.stderr)
 
 
+def refused_start(*extra: str) -> str:
+    """Starts `siliceo serve` with `extra`, which must refuse to start:
+    what it said."""
+    with pytest.raises(RuntimeError) as e:
+        Server(*extra)
+    return str(e.value)
+
+
 @contextmanager
 def replica_set(n: int, **kw):
     """`n` servers (a fleet's replicas), stopped on the way out: the ones
