@@ -22,6 +22,7 @@ import grpc
 import jsonschema
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from conftest import Server, client, model_file
 
@@ -349,21 +350,29 @@ def test_tool_calls_on_qwen(qwen_server):
         for tc in calls:
             validate(tc.function.arguments, schema_of(tc.function.name))
 
-    # A named function, streamed: the call arrives as tool_calls deltas.
-    chunks = c.chat.completions.create(
-        model="",
-        messages=[{"role": "user", "content": "I have 20 euros. How many dollars is that?"}],
-        tools=TOOLS,
-        tool_choice={"type": "function", "function": {"name": "convert_currency"}},
-        parallel_tool_calls=False,
-        stream=True,
-        temperature=0,
-        max_tokens=80,
-    )
-    deltas, finish = read_stream(chunks, lambda d: d.tool_calls or [])
-    assert finish == "tool_calls" and len(deltas) == 1, deltas
-    assert deltas[0].function.name == "convert_currency"
-    validate(deltas[0].function.arguments, schema_of("convert_currency"))
+    # Streamed, a call arrives as it is written: its name first, then its
+    # arguments in many deltas, which the client's own accumulator joins
+    # into exactly the call of the whole answer. Forced (a named function)
+    # and unforced alike.
+    named = {"type": "function", "function": {"name": "convert_currency"}}
+    euros = [{"role": "user", "content": "I have 20 euros. How many dollars is that?"}]
+    for messages, choice in [(euros, named), (ask, "auto")]:
+        req = dict(
+            model="", messages=messages, tools=TOOLS, tool_choice=choice,
+            parallel_tool_calls=False, temperature=0, max_tokens=80,
+        )
+        whole = c.chat.completions.create(**req).choices[0]
+        state = ChatCompletionStreamState()
+        kinds = []
+        for chunk in c.chat.completions.create(stream=True, **req):
+            kinds.extend(e.type for e in state.handle_chunk(chunk))
+        got = state.get_final_completion().choices[0]
+        assert got.finish_reason == whole.finish_reason == "tool_calls", got
+        assert len(got.message.tool_calls) == len(whole.message.tool_calls) == 1
+        g, w = got.message.tool_calls[0].function, whole.message.tool_calls[0].function
+        assert (g.name, g.arguments) == (w.name, w.arguments)
+        assert kinds.count("tool_calls.function.arguments.delta") > 3, kinds
+        validate(g.arguments, schema_of(g.name))
 
     # The answer goes back through the template as a tool message (tools
     # not offered again: this small coder model would call it once more).
@@ -438,7 +447,16 @@ def test_responses_call_functions_on_qwen(qwen_server):
     assert [c.name for c in calls] == ["convert_currency"], final.output
     validate(calls[0].arguments, schema_of("convert_currency"))
     assert kinds.count("response.function_call_arguments.done") == 1
+    # The arguments streamed as written, and equal to a whole response's.
+    assert kinds.count("response.function_call_arguments.delta") > 3, kinds
     assert kinds[-1] == "response.completed"
+    whole = c.responses.create(
+        model="", input="I have 20 euros. How many dollars is that?", tools=RESPONSE_TOOLS,
+        tool_choice={"type": "function", "name": "convert_currency"},
+        parallel_tool_calls=False, temperature=0, max_output_tokens=80,
+    )
+    want = [o for o in whole.output if o.type == "function_call"]
+    assert [(w.name, w.arguments) for w in want] == [(c.name, c.arguments) for c in calls]
     qwen_server.wait_idle()
 
 
@@ -502,10 +520,14 @@ def test_claude_tool_use_on_qwen(qwen_server):
         tool_choice={"type": "tool", "name": "convert_currency", "disable_parallel_tool_use": True},
         messages=[{"role": "user", "content": "I have 20 euros. How many dollars is that?"}],
     ) as st:
+        pieces = [e.partial_json for e in st if e.type == "input_json"]
         final = st.get_final_message()
     uses = [b for b in final.content if b.type == "tool_use"]
     assert [u.name for u in uses] == ["convert_currency"] and final.stop_reason == "tool_use"
     validate(json.dumps(uses[0].input), schema_of("convert_currency"))
+    # The input streamed as written; it adds up to the input.
+    assert len(pieces) > 3, pieces
+    assert json.loads("".join(pieces)) == uses[0].input
     qwen_server.wait_idle()
 
 

@@ -28,6 +28,7 @@
 //! **Architecture invariant:** knows nothing of llama.cpp or any protocol.
 #![deny(missing_docs)]
 
+mod calls;
 mod json;
 mod reasoning;
 mod tools;
@@ -39,6 +40,7 @@ use minijinja::{Environment, ErrorKind};
 use serde::{Deserialize, Serialize};
 pub use siliceo_core::Constraint;
 
+pub use calls::{CallParser, CallPiece};
 pub use reasoning::{Split, THINK_CLOSE, THINK_OPEN, ThinkSplitter};
 pub use tools::{ParsedOutput, ToolChoice, ToolSyntax};
 

@@ -110,8 +110,8 @@ fn hermes_calls_parse_and_prose_stays() {
     assert_eq!(
         out.calls,
         vec![
-            ("get_weather".into(), r#"{"city":"Paris"}"#.into()),
-            ("get_weather".into(), r#"{"city":"Rome"}"#.into())
+            ("get_weather".into(), r#"{"city": "Paris"}"#.into()),
+            ("get_weather".into(), r#"{"city": "Rome"}"#.into())
         ]
     );
     // Not JSON: prose, no call.
@@ -132,7 +132,7 @@ fn mistral_calls_parse() {
     assert_eq!(out.calls.len(), 2);
     assert_eq!(
         out.calls[0],
-        ("get_weather".into(), r#"{"city":"Oslo"}"#.into())
+        ("get_weather".into(), r#"{"city": "Oslo"}"#.into())
     );
     assert_eq!(
         ToolSyntax::detect("{{ '[TOOL_CALLS]' }}"),
@@ -183,14 +183,169 @@ fn hermes_accepts_fenced_json_calls_but_not_plain_json_data() {
         s.parse("```json\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n```");
     assert_eq!(
         out.calls,
-        vec![("get_weather".into(), r#"{"city":"Paris"}"#.into())]
+        vec![("get_weather".into(), r#"{"city": "Paris"}"#.into())]
     );
     let data = "```json\n{\"name\": \"Bob\", \"age\": 3}\n```";
     assert_eq!(s.parse(data).calls, vec![]);
     assert_eq!(s.parse(data).content, data);
-    // Prose between two blocks: not a call sequence.
+    // From the first call on, the output is calls: prose between blocks
+    // is dropped (a stream has sent the first call before it is written).
     let mixed = "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>\nand then\n<tool_call>\n{\"name\": \"g\", \"arguments\": {}}\n</tool_call>";
-    assert!(s.parse(mixed).calls.is_empty());
+    let out = s.parse(mixed);
+    assert_eq!(out.content, "");
+    assert_eq!(
+        out.calls,
+        vec![("f".into(), "{}".into()), ("g".into(), "{}".into())]
+    );
+}
+
+/// Texts with calls in every shape the reader knows.
+const CALL_TEXTS: &[(ToolSyntax, &str)] = &[
+    (
+        ToolSyntax::Hermes,
+        "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Ro}]me\\\"\"}}\n</tool_call>",
+    ),
+    (
+        ToolSyntax::Hermes,
+        "Voilà — <tool_call>\n{\"name\": \"f\", \"arguments\": {\"q\": \"héllo <tool_call>\", \"n\": [1, {\"a\": null}]}, \"id\": \"x}\"}\n</tool_call> trailing",
+    ),
+    (
+        ToolSyntax::Hermes,
+        "<tool_call>\nnot json\n</tool_call> and more",
+    ),
+    (
+        ToolSyntax::Hermes,
+        "```json\n{\"name\": \"Bob\", \"age\": 3}\n```",
+    ),
+    (
+        ToolSyntax::Hermes,
+        "<tool_call>\n{\"arguments\": {\"a\": 1}, \"name\": \"f\"}\n</tool_call>",
+    ),
+    (
+        ToolSyntax::Hermes,
+        "<tool_call>\n{\"name\": \"f\", \"arguments\": \"{\\\"a\\\": 1}\"}\n</tool_call>",
+    ),
+    (
+        ToolSyntax::Hermes,
+        "<tool_call>\n[{\"name\": \"f\", \"arguments\": {}}, {\"name\": \"g\", \"arguments\": 7}]\n</tool_call>",
+    ),
+    (
+        ToolSyntax::Hermes,
+        "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"city\": \"Par",
+    ),
+    (ToolSyntax::Hermes, "No call here, just <tool_ca"),
+    (
+        ToolSyntax::Mistral,
+        "[TOOL_CALLS] [{\"name\": \"a\", \"arguments\": {\"x\": [1, 2]}}, {\"name\": \"b\", \"parameters\": {}}]",
+    ),
+];
+
+/// The pieces of `text` fed in `parts`, with neighbours of a kind merged.
+fn streamed(syntax: ToolSyntax, parts: &[&str]) -> (Vec<CallPiece>, bool) {
+    let mut p = CallParser::new(syntax);
+    let mut all: Vec<CallPiece> = Vec::new();
+    let pieces = parts.iter().flat_map(|t| p.push(t)).collect::<Vec<_>>();
+    for piece in pieces.into_iter().chain(p.finish()) {
+        match (all.last_mut(), piece) {
+            (Some(CallPiece::Text(a)), CallPiece::Text(b))
+            | (Some(CallPiece::Args(a)), CallPiece::Args(b)) => a.push_str(&b),
+            (_, piece) => all.push(piece),
+        }
+    }
+    (all, p.cut_short())
+}
+
+#[test]
+fn calls_read_while_streaming_equal_the_whole_text_read_at_every_cut() {
+    for &(syntax, text) in CALL_TEXTS {
+        let whole = streamed(syntax, &[text]);
+        let cuts: Vec<usize> = (1..text.len())
+            .filter(|&i| text.is_char_boundary(i))
+            .collect();
+        for &i in &cuts {
+            assert_eq!(
+                streamed(syntax, &[&text[..i], &text[i..]]),
+                whole,
+                "{text:?} cut at {i}"
+            );
+        }
+        // A character at a time.
+        let chars: Vec<String> = text.chars().map(String::from).collect();
+        let parts: Vec<&str> = chars.iter().map(String::as_str).collect();
+        assert_eq!(streamed(syntax, &parts), whole, "{text:?} by characters");
+    }
+}
+
+#[test]
+fn calls_stream_their_arguments_as_written() {
+    let whole = |i: usize| streamed(CALL_TEXTS[i].0, &[CALL_TEXTS[i].1]);
+    let (pieces, cut) = whole(0);
+    assert!(!cut);
+    assert_eq!(
+        pieces,
+        vec![
+            CallPiece::Text("Let me check.\n".into()),
+            CallPiece::Call("get_weather".into()),
+            CallPiece::Args(r#"{"city": "Paris"}"#.into()),
+            CallPiece::Call("get_weather".into()),
+            CallPiece::Args(r#"{"city": "Ro}]me\""}"#.into()),
+        ]
+    );
+    // Extra keys after the arguments and text after the block are dropped;
+    // a marker inside a string is data.
+    assert_eq!(
+        whole(1).0,
+        vec![
+            CallPiece::Text("Voilà — ".into()),
+            CallPiece::Call("f".into()),
+            CallPiece::Args(r#"{"q": "héllo <tool_call>", "n": [1, {"a": null}]}"#.into()),
+        ]
+    );
+    // Not calls: text, as written.
+    for i in [2, 3, 8] {
+        assert_eq!(whole(i).0, vec![CallPiece::Text(CALL_TEXTS[i].1.into())]);
+    }
+    // Another key order: read whole (serde_json's layout).
+    assert_eq!(whole(4).0[1], CallPiece::Args(r#"{"a":1}"#.into()));
+    // Arguments written as a JSON string: the JSON inside.
+    assert_eq!(whole(5).0[1], CallPiece::Args(r#"{"a": 1}"#.into()));
+    // A list in a block; a scalar argument kept as written.
+    assert_eq!(
+        whole(6).0,
+        vec![
+            CallPiece::Call("f".into()),
+            CallPiece::Args("{}".into()),
+            CallPiece::Call("g".into()),
+            CallPiece::Args("7".into()),
+        ]
+    );
+    // Cut short inside the arguments: the call, its arguments so far.
+    assert_eq!(
+        whole(7),
+        (
+            vec![
+                CallPiece::Call("f".into()),
+                CallPiece::Args(r#"{"city": "Par"#.into())
+            ],
+            true
+        )
+    );
+    assert!(ToolSyntax::Hermes.parse(CALL_TEXTS[7].1).cut_short);
+    assert_eq!(whole(9).0.len(), 4);
+
+    // The name goes out once written, the arguments as they grow.
+    let text = CALL_TEXTS[0].1;
+    let mut p = CallParser::new(ToolSyntax::Hermes);
+    let at = text.find("\"Paris").unwrap();
+    let first = p.push(&text[..at]);
+    assert_eq!(
+        first,
+        vec![
+            CallPiece::Text("Let me check.\n".into()),
+            CallPiece::Call("get_weather".into()),
+            CallPiece::Args(r#"{"city": "#.into()),
+        ]
+    );
 }
 
 #[test]

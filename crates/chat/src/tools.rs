@@ -5,6 +5,7 @@ use serde_json::Value;
 use siliceo_core::Constraint;
 
 use crate::Tool;
+use crate::calls::{CallParser, CallPiece};
 
 /// How a model family writes tool calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,6 +38,8 @@ pub struct ParsedOutput {
     pub content: String,
     /// `(name, arguments as JSON text)` per call, in order.
     pub calls: Vec<(String, String)>,
+    /// The text ended inside the last call's arguments.
+    pub cut_short: bool,
 }
 
 impl ToolSyntax {
@@ -59,8 +62,7 @@ impl ToolSyntax {
         }
     }
 
-    /// The texts that may open a call: output from one on is held back
-    /// while streaming until the end. Hermes models also write a call as a
+    /// The texts that may open a call. Hermes models also write a call as a
     /// fenced JSON block (Qwen2.5-Coder does, unforced).
     pub fn start_markers(self) -> &'static [&'static str] {
         match self {
@@ -69,50 +71,30 @@ impl ToolSyntax {
         }
     }
 
-    /// Splits generated text into prose and calls. When any block is not a
-    /// call (not JSON, no name), the whole text is prose.
+    /// Splits a whole generated text into prose and calls, as
+    /// [`CallParser`] reads them while streaming: the prose is the text
+    /// before the first call (trimmed); a block that is not a call is prose.
     pub fn parse(self, text: &str) -> ParsedOutput {
-        let prose = || ParsedOutput {
-            content: text.trim().to_string(),
-            calls: Vec::new(),
+        let mut p = CallParser::new(self);
+        let mut pieces = p.push(text);
+        pieces.extend(p.finish());
+        let mut out = ParsedOutput {
+            cut_short: p.cut_short(),
+            ..ParsedOutput::default()
         };
-        let markers = self.start_markers();
-        let Some((first, _)) = find_first(text, markers) else {
-            return prose();
-        };
-        let mut calls = Vec::new();
-        let mut rest = &text[first..];
-        let mut after_all = "";
-        while let Some((at, marker)) = find_first(rest, markers) {
-            if !rest[..at].trim().is_empty() {
-                // Prose between calls: not a call sequence.
-                return prose();
+        for piece in pieces {
+            match piece {
+                CallPiece::Text(t) => out.content.push_str(&t),
+                CallPiece::Call(name) => out.calls.push((name, String::new())),
+                CallPiece::Args(a) => {
+                    if let Some((_, args)) = out.calls.last_mut() {
+                        args.push_str(&a);
+                    }
+                }
             }
-            let body = &rest[at + marker.len()..];
-            let close = match marker {
-                "<tool_call>" => "</tool_call>",
-                "```json" => "```",
-                _ => "",
-            };
-            let (inner, after) = match body.find(close).filter(|_| !close.is_empty()) {
-                Some(end) => (&body[..end], &body[end + close.len()..]),
-                None => (body, ""),
-            };
-            match calls_of(inner.trim()) {
-                Some(cs) => calls.extend(cs),
-                None => return prose(),
-            }
-            rest = after;
-            after_all = after;
         }
-        let mut content = text[..first].trim().to_string();
-        if !after_all.trim().is_empty() {
-            if !content.is_empty() {
-                content.push('\n');
-            }
-            content.push_str(after_all.trim());
-        }
-        ParsedOutput { content, calls }
+        out.content = out.content.trim().to_string();
+        out
     }
 
     /// The constraint that forces a call (to any of `tools` for
@@ -183,7 +165,7 @@ impl ToolSyntax {
 }
 
 /// The earliest of `markers` in `text`.
-fn find_first<'a>(text: &str, markers: &[&'a str]) -> Option<(usize, &'a str)> {
+pub(crate) fn find_first<'a>(text: &str, markers: &[&'a str]) -> Option<(usize, &'a str)> {
     markers
         .iter()
         .filter_map(|m| text.find(m).map(|at| (at, *m)))
@@ -191,7 +173,7 @@ fn find_first<'a>(text: &str, markers: &[&'a str]) -> Option<(usize, &'a str)> {
 }
 
 /// One call or a list of calls.
-fn calls_of(body: &str) -> Option<Vec<(String, String)>> {
+pub(crate) fn calls_of(body: &str) -> Option<Vec<(String, String)>> {
     match serde_json::from_str::<Value>(body).ok()? {
         Value::Array(items) if !items.is_empty() => items.iter().map(call_of_value).collect(),
         v => Some(vec![call_of_value(&v)?]),

@@ -24,7 +24,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use siliceo_core::FinishReason;
 use siliceo_runtime::{
-    Event, GenerateRequest, Input, Message as ChatMessage, RuntimeError, Tool, ToolCall,
+    CallPiece, Event, GenerateRequest, Input, Message as ChatMessage, RuntimeError, Tool, ToolCall,
     ToolChoice, Usage,
 };
 
@@ -490,11 +490,15 @@ fn usage_json(u: &Usage, input: u32) -> Value {
     })
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The content block being written.
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Open {
     None,
     Thinking,
     Text,
+    /// A `tool_use` block: its id and tool's name (its input's JSON text
+    /// grows in `buf`).
+    Tool(String, String),
 }
 
 /// One message's state machine: the runtime's events in, Anthropic's
@@ -503,8 +507,10 @@ struct Reply {
     id: String,
     model: String,
     input_tokens: u32,
-    /// Thinking split off, tool calls held back.
+    /// Thinking split off, tool calls read.
     router: OutputRouter,
+    /// Tool calls begun.
+    calls: usize,
     /// Finished content blocks.
     blocks: Vec<Value>,
     open: Open,
@@ -523,6 +529,7 @@ impl Reply {
             model,
             input_tokens,
             router: OutputRouter::new(parsing),
+            calls: 0,
             blocks: Vec::new(),
             open: Open::None,
             buf: String::new(),
@@ -557,51 +564,82 @@ impl Reply {
     }
 
     fn close(&mut self, out: &mut Vec<Value>) {
-        let block = match self.open {
+        let block = match std::mem::replace(&mut self.open, Open::None) {
             Open::None => return,
             Open::Thinking => json!({
                 "type": "thinking", "thinking": std::mem::take(&mut self.buf), "signature": "",
             }),
             Open::Text => json!({"type": "text", "text": std::mem::take(&mut self.buf)}),
+            Open::Tool(id, name) => {
+                // Arguments cut short are no object: the input is empty.
+                let input: Value = serde_json::from_str(&std::mem::take(&mut self.buf))
+                    .ok()
+                    .filter(Value::is_object)
+                    .unwrap_or_else(|| json!({}));
+                json!({"type": "tool_use", "id": id, "name": name, "input": input})
+            }
         };
-        self.open = Open::None;
         out.push(json!({"type": "content_block_stop", "index": self.blocks.len()}));
         self.blocks.push(block);
     }
 
-    /// Appends to a block of `kind`, opening it (and closing another) first.
+    /// Opens a block of `kind` (closing another first).
+    fn open_block(&mut self, kind: Open, out: &mut Vec<Value>) {
+        self.close(out);
+        let block = match &kind {
+            Open::Thinking => json!({"type": "thinking", "thinking": "", "signature": ""}),
+            Open::Tool(id, name) => {
+                json!({"type": "tool_use", "id": id, "name": name, "input": {}})
+            }
+            _ => json!({"type": "text", "text": ""}),
+        };
+        out.push(json!({
+            "type": "content_block_start", "index": self.blocks.len(), "content_block": block,
+        }));
+        self.open = kind;
+    }
+
+    /// Appends to the open block, or to a new block of `kind` (a tool's
+    /// input to the open `tool_use` block).
     fn append(&mut self, kind: Open, text: &str, out: &mut Vec<Value>) {
         if text.is_empty() {
             return;
         }
-        if self.open != kind {
-            self.close(out);
-            let block = match kind {
-                Open::Thinking => json!({"type": "thinking", "thinking": "", "signature": ""}),
-                _ => json!({"type": "text", "text": ""}),
-            };
-            out.push(json!({
-                "type": "content_block_start", "index": self.blocks.len(), "content_block": block,
-            }));
-            self.open = kind;
-        }
-        self.buf.push_str(text);
         let delta = match kind {
             Open::Thinking => json!({"type": "thinking_delta", "thinking": text}),
-            _ => json!({"type": "text_delta", "text": text}),
+            Open::Text => json!({"type": "text_delta", "text": text}),
+            _ => json!({"type": "input_json_delta", "partial_json": text}),
         };
+        if !matches!(kind, Open::Tool(..)) && self.open != kind {
+            self.open_block(kind, out);
+        }
+        self.buf.push_str(text);
         out.push(
             json!({"type": "content_block_delta", "index": self.blocks.len(), "delta": delta}),
         );
     }
 
-    /// The model's text: thinking, then the answer (past any tool call's
-    /// start); `end`: and all held back. Returns the calls at the end.
-    fn route(&mut self, text: &str, end: bool, out: &mut Vec<Value>) -> Vec<(String, String)> {
+    /// The model's text: thinking, then the answer, then its calls as
+    /// `tool_use` blocks as they are written; `end`: and all held back.
+    /// Returns whether the output ended inside a call's arguments.
+    fn route(&mut self, text: &str, end: bool, out: &mut Vec<Value>) -> bool {
         let r = self.router.push(text, end);
         self.append(Open::Thinking, &r.reasoning, out);
         self.append(Open::Text, &r.answer, out);
-        r.calls
+        for piece in r.calls {
+            match piece {
+                CallPiece::Call(name) => {
+                    self.calls += 1;
+                    let id = format!("toolu_{}", uuid_like());
+                    self.open_block(Open::Tool(id, name), out);
+                }
+                CallPiece::Args(args) if matches!(self.open, Open::Tool(..)) => {
+                    self.append(Open::Tool(String::new(), String::new()), &args, out);
+                }
+                _ => {}
+            }
+        }
+        r.cut
     }
 
     fn events_of(&mut self, ev: Event) -> Vec<Value> {
@@ -618,25 +656,9 @@ impl Reply {
                 stop,
                 ..
             } => {
-                let calls = self.route("", true, &mut out);
+                let cut = self.route("", true, &mut out);
                 self.close(&mut out);
-                let has_calls = !calls.is_empty();
-                for (name, args) in calls {
-                    let index = self.blocks.len();
-                    let id = format!("toolu_{}", uuid_like());
-                    let input: Value = serde_json::from_str(&args).unwrap_or_else(|_| json!({}));
-                    out.push(json!({
-                        "type": "content_block_start", "index": index,
-                        "content_block": {"type": "tool_use", "id": id, "name": name, "input": {}},
-                    }));
-                    out.push(json!({
-                        "type": "content_block_delta", "index": index,
-                        "delta": {"type": "input_json_delta", "partial_json": args},
-                    }));
-                    out.push(json!({"type": "content_block_stop", "index": index}));
-                    self.blocks
-                        .push(json!({"type": "tool_use", "id": id, "name": name, "input": input}));
-                }
+                let has_calls = self.calls > 0 && !cut;
                 self.usage = usage;
                 self.stop_reason = Some(match (has_calls, finish_reason, &stop) {
                     (true, _, _) => "tool_use",
@@ -951,6 +973,47 @@ mod tests {
         r.on_event(done(FinishReason::Length, None));
         assert_eq!(r.message()["stop_reason"], "max_tokens");
         assert_eq!(r.message()["content"], json!([]));
+    }
+
+    /// A call's `tool_use` block opens once its name is written; its input
+    /// streams as the model writes it. Cut short, the input is empty and the
+    /// stop reason is the token limit.
+    #[test]
+    fn tool_use_blocks_stream_their_input() {
+        let call =
+            "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+        let parsing = Parsing {
+            tools: Some(siliceo_runtime::ToolSyntax::Hermes),
+            think: None,
+        };
+        let mut r = Reply::new("m".into(), 7, parsing);
+        let mut seen = Vec::new();
+        let mut started_at = None;
+        for (i, ch) in call.chars().enumerate() {
+            for e in r.on_event(text(&ch.to_string())) {
+                if e["type"] == "content_block_start" {
+                    started_at.get_or_insert(i);
+                }
+                if e["delta"]["type"] == "input_json_delta" {
+                    seen.push(e["delta"]["partial_json"].as_str().unwrap().to_string());
+                }
+            }
+        }
+        r.on_event(done(FinishReason::Stop, None));
+        let started_at = started_at.expect("a tool_use block");
+        assert!(started_at < call.find("Paris").unwrap(), "{started_at}");
+        assert!(seen.len() > 5, "{seen:?}");
+        assert_eq!(seen.concat(), r#"{"city": "Paris"}"#);
+        let m = r.message();
+        assert_eq!(m["content"][0]["input"], json!({"city": "Paris"}));
+        assert_eq!(m["stop_reason"], "tool_use");
+
+        let mut r = Reply::new("m".into(), 7, parsing);
+        r.on_event(text(&call[..call.find("Paris").unwrap()]));
+        r.on_event(done(FinishReason::Length, None));
+        let m = r.message();
+        assert_eq!(m["content"][0]["input"], json!({}));
+        assert_eq!(m["stop_reason"], "max_tokens");
     }
 
     #[test]

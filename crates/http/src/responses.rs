@@ -35,7 +35,9 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use siliceo_core::FinishReason;
-use siliceo_runtime::{Event, Message as ChatMessage, RuntimeError, TokenLogprob, ToolCall, Usage};
+use siliceo_runtime::{
+    CallPiece, Event, Message as ChatMessage, RuntimeError, TokenLogprob, ToolCall, Usage,
+};
 
 use crate::error::ApiError;
 use crate::openai::{self, Common, Plan};
@@ -805,6 +807,25 @@ impl Status {
     }
 }
 
+/// A `function_call` output item being written.
+struct OpenCall {
+    id: String,
+    call_id: String,
+    name: String,
+    arguments: String,
+    /// Its place in `output`.
+    index: usize,
+}
+
+impl OpenCall {
+    fn item(&self, status: &str) -> Value {
+        json!({
+            "type": "function_call", "id": self.id, "call_id": self.call_id,
+            "name": self.name, "arguments": self.arguments, "status": status,
+        })
+    }
+}
+
 /// One response's state machine: the runtime's events in, the Responses
 /// API's stream events out (each with its `type` and `sequence_number`),
 /// and at the end the response object, kept when asked.
@@ -827,8 +848,13 @@ pub(crate) struct Builder {
     lps: Vec<Value>,
     /// Log-probabilities of tokens whose text has not gone out yet.
     pending: Vec<TokenLogprob>,
+    /// The message item ended.
+    msg_closed: bool,
     /// Finished output items.
     output: Vec<Value>,
+    /// The function call being written.
+    call: Option<OpenCall>,
+    /// Finished function calls.
     calls: Vec<ToolCall>,
     status: Status,
     /// When it ended (seconds since the epoch).
@@ -861,7 +887,9 @@ impl Builder {
             text: String::new(),
             lps: Vec::new(),
             pending: Vec::new(),
+            msg_closed: false,
             output: Vec::new(),
+            call: None,
             calls: Vec::new(),
             status: Status::InProgress,
             completed_at: None,
@@ -994,14 +1022,116 @@ impl Builder {
         self.output.push(item);
     }
 
-    /// The model's text: thinking to the reasoning item, the answer (past
-    /// any tool call's start) to the message; `end`: and all held back.
-    /// Returns the calls at the end.
-    fn route(&mut self, text: &str, end: bool, out: &mut Vec<Value>) -> Vec<(String, String)> {
+    /// The model's text: thinking to the reasoning item, the answer to the
+    /// message, calls to `function_call` items as they are written; `end`:
+    /// and all held back. Returns whether the output ended inside a call's
+    /// arguments.
+    fn route(&mut self, text: &str, end: bool, out: &mut Vec<Value>) -> bool {
         let r = self.router.push(text, end);
         self.push_reasoning(&r.reasoning, out);
         self.push_text(&r.answer, out);
-        r.calls
+        for piece in r.calls {
+            match piece {
+                CallPiece::Call(name) => self.open_call(name, out),
+                CallPiece::Args(args) => self.push_args(&args, out),
+                CallPiece::Text(_) => {}
+            }
+        }
+        r.cut
+    }
+
+    /// A function call begins: the items before it end.
+    fn open_call(&mut self, name: String, out: &mut Vec<Value>) {
+        self.close_reasoning("completed", out);
+        self.close_message("completed", out);
+        self.close_call("completed", out);
+        let call = OpenCall {
+            id: format!("fc_{}", uuid_like()),
+            call_id: format!("call_{}", uuid_like()),
+            name,
+            arguments: String::new(),
+            index: self.output.len(),
+        };
+        let item = call.item("in_progress");
+        let e = self.event(
+            "response.output_item.added",
+            json!({"output_index": call.index, "item": item}),
+        );
+        out.push(e);
+        self.call = Some(call);
+    }
+
+    fn push_args(&mut self, args: &str, out: &mut Vec<Value>) {
+        let Some(call) = self.call.as_mut() else {
+            return;
+        };
+        call.arguments.push_str(args);
+        let v = json!({"item_id": call.id, "output_index": call.index, "delta": args});
+        let e = self.event("response.function_call_arguments.delta", v);
+        out.push(e);
+    }
+
+    /// Ends the function call being written, if any.
+    fn close_call(&mut self, status: &str, out: &mut Vec<Value>) {
+        let Some(call) = self.call.take() else {
+            return;
+        };
+        let v = json!({
+            "item_id": call.id, "output_index": call.index, "name": call.name,
+            "arguments": call.arguments,
+        });
+        let e = self.event("response.function_call_arguments.done", v);
+        out.push(e);
+        let item = call.item(status);
+        let e = self.event(
+            "response.output_item.done",
+            json!({"output_index": call.index, "item": item}),
+        );
+        out.push(e);
+        self.output.push(item);
+        self.calls.push(ToolCall {
+            id: call.call_id,
+            name: call.name,
+            arguments: call.arguments,
+        });
+    }
+
+    /// Ends the message item, if it was opened.
+    fn close_message(&mut self, status: &str, out: &mut Vec<Value>) {
+        if !self.opened || self.msg_closed {
+            return;
+        }
+        self.msg_closed = true;
+        let tail = self.take_logprobs();
+        self.lps.extend(tail);
+        let part = json!({
+            "type": "output_text", "text": self.text, "annotations": [], "logprobs": self.lps,
+        });
+        let id = self.msg_id.clone();
+        let index = self.msg_index();
+        let e = self.event(
+            "response.output_text.done",
+            json!({
+                "item_id": id, "output_index": index, "content_index": 0,
+                "text": self.text, "logprobs": self.lps,
+            }),
+        );
+        out.push(e);
+        let e = self.event(
+            "response.content_part.done",
+            json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}),
+        );
+        out.push(e);
+        let item = json!({
+            "type": "message", "id": id, "status": status,
+            "role": "assistant", "content": [part],
+        });
+        let e = self.event(
+            "response.output_item.done",
+            json!({"output_index": index, "item": item}),
+        );
+        out.push(e);
+        self.output.push(item);
     }
 
     /// The pending log-probabilities as output text entries.
@@ -1090,12 +1220,11 @@ impl Builder {
     }
 
     fn finish(&mut self, finish: FinishReason, usage: Usage, out: &mut Vec<Value>) {
-        let calls = self.route("", true, out);
-        let tail = self.take_logprobs();
-        self.lps.extend(tail);
+        let cut = self.route("", true, out);
+        let called = self.call.is_some() || !self.calls.is_empty();
         self.status = match finish {
             FinishReason::Stop => Status::Completed,
-            _ if !calls.is_empty() => Status::Completed,
+            _ if called && !cut => Status::Completed,
             _ => Status::Incomplete,
         };
         let status = if self.status == Status::Incomplete {
@@ -1104,81 +1233,12 @@ impl Builder {
             "completed"
         };
         self.close_reasoning(status, out);
+        self.close_call(if cut { "incomplete" } else { "completed" }, out);
         // A response always says something: an empty message if nothing.
-        if calls.is_empty() {
+        if !called {
             self.open(out);
         }
-        if self.opened {
-            let part = json!({
-                "type": "output_text", "text": self.text, "annotations": [], "logprobs": self.lps,
-            });
-            let id = self.msg_id.clone();
-            let index = self.msg_index();
-            let e = self.event(
-                "response.output_text.done",
-                json!({
-                    "item_id": id, "output_index": index, "content_index": 0,
-                    "text": self.text, "logprobs": self.lps,
-                }),
-            );
-            out.push(e);
-            let e = self.event(
-                "response.content_part.done",
-                json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}),
-            );
-            out.push(e);
-            let item = json!({
-                "type": "message", "id": id, "status": status,
-                "role": "assistant", "content": [part],
-            });
-            let e = self.event(
-                "response.output_item.done",
-                json!({"output_index": index, "item": item}),
-            );
-            out.push(e);
-            self.output.push(item);
-        }
-        for (name, args) in calls {
-            let index = self.output.len();
-            let id = format!("fc_{}", uuid_like());
-            let call_id = format!("call_{}", uuid_like());
-            let item = |arguments: &str, status: &str| {
-                json!({
-                    "type": "function_call", "id": id, "call_id": call_id,
-                    "name": name, "arguments": arguments, "status": status,
-                })
-            };
-            let added = item("", "in_progress");
-            let done = item(&args, "completed");
-            let evs = [
-                (
-                    "response.output_item.added",
-                    json!({"output_index": index, "item": added}),
-                ),
-                (
-                    "response.function_call_arguments.delta",
-                    json!({"item_id": id, "output_index": index, "delta": args}),
-                ),
-                (
-                    "response.function_call_arguments.done",
-                    json!({"item_id": id, "output_index": index, "name": name, "arguments": args}),
-                ),
-                (
-                    "response.output_item.done",
-                    json!({"output_index": index, "item": done}),
-                ),
-            ];
-            for (kind, v) in evs {
-                let e = self.event(kind, v);
-                out.push(e);
-            }
-            self.output.push(done);
-            self.calls.push(ToolCall {
-                id: call_id,
-                name,
-                arguments: args,
-            });
-        }
+        self.close_message(status, out);
         self.usage = Some(usage);
         self.completed_at = Some(now_s());
         let r = self.response();
@@ -1789,6 +1849,60 @@ mod tests {
             kept.conversation.last().unwrap().content.as_deref(),
             Some("Hello")
         );
+    }
+
+    /// Text, then a call streamed as written: the message ends when the
+    /// call begins, the call's item opens once its name is written, its
+    /// argument deltas add up to its arguments; cut short, it is incomplete.
+    #[test]
+    fn function_calls_stream_as_they_are_written() {
+        let store = Arc::new(ResponseStore::new(1 << 20));
+        let parsing = Parsing {
+            tools: Some(siliceo_runtime::ToolSyntax::Hermes),
+            think: None,
+        };
+        let out =
+            "Sure.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": [1, 2]}}\n</tool_call>";
+        let p = prep(json!({"input": "hi"})).unwrap();
+        let (mut b, _) = Builder::new(p, parsing, &store);
+        let mut evs = b.start();
+        for ch in out.chars() {
+            evs.extend(b.on_event(text(&ch.to_string())));
+        }
+        evs.extend(b.on_event(done(FinishReason::Stop)));
+        let kinds: Vec<&str> = evs.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        let at = |k: &str| kinds.iter().position(|x| *x == k).unwrap();
+        let deltas: Vec<&str> = evs
+            .iter()
+            .filter(|e| e["type"] == "response.function_call_arguments.delta")
+            .map(|e| e["delta"].as_str().unwrap())
+            .collect();
+        assert!(deltas.len() > 5, "{deltas:?}");
+        assert_eq!(deltas.concat(), r#"{"a": [1, 2]}"#);
+        let added = evs
+            .iter()
+            .rposition(|e| e["type"] == "response.output_item.added")
+            .unwrap();
+        assert_eq!(evs[added]["item"]["type"], "function_call");
+        assert_eq!(evs[added]["output_index"], 1);
+        assert!(at("response.output_text.done") < added);
+        assert!(added < at("response.function_call_arguments.delta"));
+        let r = b.response();
+        assert_eq!(r["status"], "completed");
+        assert_eq!(r["output"][0]["content"][0]["text"], "Sure.\n");
+        assert_eq!(r["output"][1]["name"], "f");
+        assert_eq!(r["output"][1]["arguments"], r#"{"a": [1, 2]}"#);
+        assert_eq!(r, evs.last().unwrap()["response"]);
+
+        let p = prep(json!({"input": "hi"})).unwrap();
+        let (mut b, _) = Builder::new(p, parsing, &store);
+        b.start();
+        b.on_event(text(&out[..out.find("2]").unwrap()]));
+        b.on_event(done(FinishReason::Length));
+        let r = b.response();
+        assert_eq!(r["status"], "incomplete");
+        assert_eq!(r["output"][1]["status"], "incomplete");
+        assert_eq!(r["output"][1]["arguments"], r#"{"a": [1, "#);
     }
 
     #[test]

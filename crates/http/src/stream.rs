@@ -9,7 +9,9 @@ use std::task::{Context, Poll};
 use axum::response::sse::Event as SseEvent;
 use serde_json::{Value, json};
 use siliceo_core::TokenId;
-use siliceo_runtime::{Event, RequestStream, ThinkSplitter, TokenLogprob, ToolSyntax, Usage};
+use siliceo_runtime::{
+    CallParser, CallPiece, Event, RequestStream, ThinkSplitter, TokenLogprob, ToolSyntax, Usage,
+};
 use tokio_stream::Stream;
 
 use crate::error::ApiError;
@@ -95,7 +97,9 @@ impl Kind {
                         let content = (!parsed.content.is_empty()).then_some(parsed.content);
                         c["message"]["content"] = json!(content);
                         c["message"]["tool_calls"] = json!(calls);
-                        c["finish_reason"] = json!("tool_calls");
+                        if !parsed.cut_short {
+                            c["finish_reason"] = json!("tool_calls");
+                        }
                     }
                 }
                 if let Some(s) = split {
@@ -295,78 +299,34 @@ fn tool_call_json(index: Option<usize>, name: &str, args: &str) -> Value {
     v
 }
 
-/// Text held back from a stream while it may be a tool call: a call's
-/// start and all after it until the end, and a tail that may begin a
-/// call's marker.
-#[derive(Debug, Default)]
-struct CallGuard {
-    held: String,
-    /// A call has started: everything from here on is held.
-    in_call: bool,
-}
-
-impl CallGuard {
-    /// Takes the model's next text; returns what of it can go out now.
-    fn push(&mut self, syntax: ToolSyntax, text: String) -> String {
-        self.held.push_str(&text);
-        if self.in_call {
-            return String::new();
-        }
-        let markers = syntax.start_markers();
-        if let Some(at) = markers.iter().filter_map(|m| self.held.find(m)).min() {
-            self.in_call = true;
-            let rest = self.held.split_off(at);
-            return std::mem::replace(&mut self.held, rest);
-        }
-        // The longest tail of `held` that begins a marker stays.
-        let keep = markers
-            .iter()
-            .map(|m| siliceo_core::held_prefix_len(&self.held, m))
-            .max()
-            .unwrap_or(0);
-        let tail = self.held.split_off(self.held.len() - keep);
-        std::mem::replace(&mut self.held, tail)
-    }
-
-    /// At the end: the calls written, or (none parsed) the text held back,
-    /// which then goes out as text.
-    fn finish(&mut self, syntax: ToolSyntax) -> (String, Vec<(String, String)>) {
-        let held = std::mem::take(&mut self.held);
-        let calls = if self.in_call {
-            syntax.parse(&held).calls
-        } else {
-            Vec::new()
-        };
-        (held, calls)
-    }
-}
-
 /// A chat's output as it streams: a reasoning model's thinking split off
-/// first, then tool calls held back from the answer.
+/// first, then tool calls read from the answer ([`CallParser`]).
 #[derive(Debug, Default)]
 pub(crate) struct OutputRouter {
     think: Option<ThinkSplitter>,
-    tools: Option<ToolSyntax>,
-    guard: CallGuard,
+    calls: Option<CallParser>,
 }
 
-/// What [`OutputRouter::push`] lets out.
+/// What [`OutputRouter::push`] lets out: thinking, then answer text, then
+/// calls (all the answer's text comes before its first call).
 #[derive(Debug, Default)]
 pub(crate) struct Routed {
     /// Thinking.
     pub(crate) reasoning: String,
     /// Answer text (none of a tool call).
     pub(crate) answer: String,
-    /// At the end: the calls written, as `(name, arguments)`.
-    pub(crate) calls: Vec<(String, String)>,
+    /// Calls begun ([`CallPiece::Call`]) and their arguments as they grow
+    /// ([`CallPiece::Args`]).
+    pub(crate) calls: Vec<CallPiece>,
+    /// At the end: the output ended inside a call's arguments.
+    pub(crate) cut: bool,
 }
 
 impl OutputRouter {
     pub(crate) fn new(parsing: Parsing) -> Self {
         OutputRouter {
             think: parsing.think.map(ThinkSplitter::new),
-            tools: parsing.tools,
-            guard: CallGuard::default(),
+            calls: parsing.tools.map(CallParser::new),
         }
     }
 
@@ -387,17 +347,20 @@ impl OutputRouter {
                 split.content
             }
         };
-        let Some(syntax) = self.tools else {
+        let Some(parser) = self.calls.as_mut() else {
             out.answer = answer;
             return out;
         };
-        out.answer = self.guard.push(syntax, answer);
+        let mut pieces = parser.push(&answer);
         if end {
-            let (held, calls) = self.guard.finish(syntax);
-            if calls.is_empty() {
-                out.answer.push_str(&held);
+            pieces.extend(parser.finish());
+            out.cut = parser.cut_short();
+        }
+        for piece in pieces {
+            match piece {
+                CallPiece::Text(t) => out.answer.push_str(&t),
+                p => out.calls.push(p),
             }
-            out.calls = calls;
         }
         out
     }
@@ -468,8 +431,10 @@ struct Choice {
     /// The role went out (chat's first chunk carries it).
     announced: bool,
     done: bool,
-    /// A chat's thinking split off, tool calls held back.
+    /// A chat's thinking split off, tool calls read.
     router: OutputRouter,
+    /// Tool calls begun.
+    calls: usize,
     /// Log-probabilities of tokens whose text has not gone out yet.
     pending_lp: Vec<TokenLogprob>,
     /// Text offset of the next token (completions' logprobs).
@@ -552,6 +517,7 @@ impl ChoiceStream {
                     announced: false,
                     done: false,
                     router: OutputRouter::new(parsing),
+                    calls: 0,
                     pending_lp: Vec::new(),
                     offset: 0,
                     echo: echoes.get(i / n).cloned(),
@@ -633,14 +599,14 @@ impl ChoiceStream {
                 let r = self.choices[i].router.push(&text, false);
                 self.send_reasoning(i, r.reasoning);
                 let announce = chat && !self.choices[i].announced;
-                if r.answer.is_empty() && !announce {
-                    return true;
+                if !r.answer.is_empty() || (announce && r.calls.is_empty()) {
+                    self.choices[i].announced = true;
+                    let lp = self.take_logprobs(i);
+                    let c = self.kind.delta(i, Some(&r.answer), announce, None, lp);
+                    let e = self.chunk(vec![c], None);
+                    self.out.push_back(e);
                 }
-                self.choices[i].announced = true;
-                let lp = self.take_logprobs(i);
-                let c = self.kind.delta(i, Some(&r.answer), announce, None, lp);
-                let e = self.chunk(vec![c], None);
-                self.out.push_back(e);
+                self.send_calls(i, r.calls);
                 true
             }
             Event::Done {
@@ -674,18 +640,8 @@ impl ChoiceStream {
                     let e = self.chunk(vec![c], None);
                     self.out.push_back(e);
                 }
-                if !r.calls.is_empty() {
-                    // The calls, one chunk each, as OpenAI streams them.
-                    let announce = chat && !self.choices[i].announced;
-                    for (k, (name, args)) in r.calls.iter().enumerate() {
-                        let mut c = self
-                            .kind
-                            .delta(i, None, announce && k == 0, None, Value::Null);
-                        c["delta"]["tool_calls"] = json!([tool_call_json(Some(k), name, args)]);
-                        let e = self.chunk(vec![c], None);
-                        self.out.push_back(e);
-                    }
-                    self.choices[i].announced = true;
+                self.send_calls(i, r.calls);
+                if self.choices[i].calls > 0 && !r.cut {
                     finish = "tool_calls";
                 }
                 let announce = chat && !self.choices[i].announced;
@@ -698,6 +654,31 @@ impl ChoiceStream {
                 self.out.push_back(e);
                 true
             }
+        }
+    }
+
+    /// Sends choice `i`'s tool calls as OpenAI streams them: a call's
+    /// first delta has its id and name, later ones more of its arguments.
+    fn send_calls(&mut self, i: usize, calls: Vec<CallPiece>) {
+        for piece in calls {
+            let k = self.choices[i].calls;
+            let call = match piece {
+                CallPiece::Call(name) => {
+                    self.choices[i].calls += 1;
+                    tool_call_json(Some(k), &name, "")
+                }
+                CallPiece::Args(args) if k > 0 => {
+                    json!({"index": k - 1, "function": {"arguments": args}})
+                }
+                _ => continue,
+            };
+            let announce = !self.choices[i].announced;
+            self.choices[i].announced = true;
+            let lp = self.take_logprobs(i);
+            let mut c = self.kind.delta(i, None, announce, None, lp);
+            c["delta"]["tool_calls"] = json!([call]);
+            let e = self.chunk(vec![c], None);
+            self.out.push_back(e);
         }
     }
 

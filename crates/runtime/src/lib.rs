@@ -54,7 +54,9 @@ pub use types::{
 };
 
 pub use engine_loop::store_plan;
-pub use siliceo_chat::{Message, Split, ThinkSplitter, Tool, ToolCall, ToolChoice, ToolSyntax};
+pub use siliceo_chat::{
+    CallParser, CallPiece, Message, Split, ThinkSplitter, Tool, ToolCall, ToolChoice, ToolSyntax,
+};
 pub use siliceo_kv_paging::planner::{StorePlan, StoreSize, StoreSplit};
 
 use std::sync::Arc;

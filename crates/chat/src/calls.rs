@@ -1,0 +1,522 @@
+//! Tool calls read as the model writes them, so that a stream can send a
+//! call's name as soon as it is written and its arguments as they grow.
+//!
+//! A call opens with one of the syntax's start markers. When the block then
+//! reads `{"name": "…", "arguments": ` (or `"parameters"`, or a list of such
+//! objects), the call is taken at once: its name goes out, then its
+//! arguments' JSON text as it arrives, exactly as the model wrote it. A
+//! block that opens otherwise (another key order, not JSON) is held to its
+//! close and read whole; if it is not a call, it is text.
+//!
+//! The answer's text is what comes before the first call. From the first
+//! call on the output is calls: text between and after blocks is dropped.
+//! [`ToolSyntax::parse`] runs this same reader over a whole text, so a whole
+//! answer and a streamed one agree by construction.
+
+use siliceo_core::held_prefix_len;
+
+use crate::tools::{ToolSyntax, calls_of, find_first};
+
+/// A piece of a model's answer, read for tool calls.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallPiece {
+    /// Answer text (all of it comes before the first call).
+    Text(String),
+    /// A call begins: its function's name.
+    Call(String),
+    /// More of the last call's arguments (JSON text).
+    Args(String),
+}
+
+/// Reads generated text for tool calls as it streams; see the module's
+/// documentation for the rules.
+#[derive(Debug)]
+pub struct CallParser {
+    syntax: ToolSyntax,
+    /// Text not read yet.
+    buf: String,
+    state: State,
+    /// Calls taken so far.
+    calls: usize,
+    out: Vec<CallPiece>,
+    /// The output ended inside a call's arguments.
+    cut: bool,
+}
+
+/// Where the reader is. `marker`: the start marker of the block it is in.
+#[derive(Debug, Clone, Copy)]
+enum State {
+    /// Before the first call: text goes out; a marker opens a block.
+    Prose,
+    /// After a call: text outside blocks is dropped.
+    After,
+    /// In a block, reading a call's head (`first`: at the block's start,
+    /// where a list may open; `list`: in a list of calls).
+    Head {
+        marker: &'static str,
+        first: bool,
+        list: bool,
+    },
+    /// A block whose head was not a call's: held to its close, read whole.
+    Hold { marker: &'static str },
+    /// A call's arguments (`kind` once their first character is seen).
+    Value {
+        marker: &'static str,
+        list: bool,
+        kind: Option<ValueKind>,
+        scan: Scan,
+    },
+    /// The rest of the call's object after its arguments.
+    Rest {
+        marker: &'static str,
+        list: bool,
+        scan: Scan,
+    },
+    /// After a call's object: the list goes on, or the block ends.
+    Between { marker: &'static str, list: bool },
+    /// Skipping to the block's close.
+    Close { marker: &'static str },
+}
+
+/// How a call's arguments are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ValueKind {
+    /// An object or a list: streamed as written.
+    Nested,
+    /// A string holding JSON (some models write that): held to its end.
+    Str,
+    /// Anything else (a number, `null`): held to its end.
+    Scalar,
+}
+
+/// Bracket depth through JSON text, strings skipped.
+#[derive(Debug, Clone, Copy, Default)]
+struct Scan {
+    depth: u32,
+    in_str: bool,
+    esc: bool,
+}
+
+impl Scan {
+    /// Reads one byte; true when it closes the outermost bracket.
+    fn step(&mut self, c: u8) -> bool {
+        if self.in_str {
+            if self.esc {
+                self.esc = false;
+            } else if c == b'\\' {
+                self.esc = true;
+            } else if c == b'"' {
+                self.in_str = false;
+            }
+            return false;
+        }
+        match c {
+            b'"' => self.in_str = true,
+            b'{' | b'[' => self.depth += 1,
+            b'}' | b']' => {
+                self.depth = self.depth.saturating_sub(1);
+                return self.depth == 0;
+            }
+            _ => {}
+        }
+        false
+    }
+
+    /// The index of the byte in `b` that closes the outermost bracket.
+    fn until_closed(&mut self, b: &[u8]) -> Option<usize> {
+        b.iter().position(|&c| self.step(c))
+    }
+}
+
+/// The text that closes a block opened by `marker` (none: to the end).
+fn close_of(marker: &str) -> &'static str {
+    match marker {
+        "<tool_call>" => "</tool_call>",
+        "```json" => "```",
+        _ => "",
+    }
+}
+
+/// Why a call's head was not read.
+enum NoHead {
+    /// The text so far may still become one.
+    Partial,
+    /// It cannot.
+    Fail,
+}
+
+/// A cursor over a block's text, for [`head`].
+struct Cursor<'a> {
+    b: &'a [u8],
+    i: usize,
+}
+
+impl Cursor<'_> {
+    fn ws(&mut self) {
+        while self.b.get(self.i).is_some_and(u8::is_ascii_whitespace) {
+            self.i += 1;
+        }
+    }
+
+    fn peek(&self) -> Result<u8, NoHead> {
+        self.b.get(self.i).copied().ok_or(NoHead::Partial)
+    }
+
+    fn eat(&mut self, lit: &str) -> Result<(), NoHead> {
+        let (lit, rest) = (lit.as_bytes(), &self.b[self.i..]);
+        let n = lit.len().min(rest.len());
+        if rest[..n] != lit[..n] {
+            return Err(NoHead::Fail);
+        }
+        if n < lit.len() {
+            return Err(NoHead::Partial);
+        }
+        self.i += n;
+        Ok(())
+    }
+
+    /// A JSON string literal: where it starts and ends.
+    fn string(&mut self) -> Result<(usize, usize), NoHead> {
+        let start = self.i;
+        self.eat("\"")?;
+        let mut scan = Scan {
+            in_str: true,
+            ..Scan::default()
+        };
+        while let Some(&c) = self.b.get(self.i) {
+            self.i += 1;
+            scan.step(c);
+            if !scan.in_str {
+                return Ok((start, self.i));
+            }
+        }
+        Err(NoHead::Partial)
+    }
+}
+
+/// A call's head, `{"name": "…", "arguments": ` (`[` first when `first`
+/// allows a list): the name, where the arguments start, and whether a list
+/// opened.
+fn head(s: &str, first: bool) -> Result<(String, usize, bool), NoHead> {
+    let mut c = Cursor {
+        b: s.as_bytes(),
+        i: 0,
+    };
+    c.ws();
+    let list = first && c.peek()? == b'[';
+    if list {
+        c.i += 1;
+        c.ws();
+    }
+    c.eat("{")?;
+    c.ws();
+    c.eat("\"name\"")?;
+    c.ws();
+    c.eat(":")?;
+    c.ws();
+    let (a, z) = c.string()?;
+    let name: String = serde_json::from_str(&s[a..z]).map_err(|_| NoHead::Fail)?;
+    c.ws();
+    c.eat(",")?;
+    c.ws();
+    match c.eat("\"arguments\"") {
+        Err(NoHead::Fail) => c.eat("\"parameters\"")?,
+        r => r?,
+    }
+    c.ws();
+    c.eat(":")?;
+    Ok((name, c.i, list))
+}
+
+/// Whether [`CallParser::step`] read on or needs more text.
+enum Step {
+    On,
+    Wait,
+}
+
+impl CallParser {
+    /// A reader for `syntax`'s calls.
+    pub fn new(syntax: ToolSyntax) -> Self {
+        CallParser {
+            syntax,
+            buf: String::new(),
+            state: State::Prose,
+            calls: 0,
+            out: Vec::new(),
+            cut: false,
+        }
+    }
+
+    /// Takes the model's next text; returns what can go out now.
+    pub fn push(&mut self, text: &str) -> Vec<CallPiece> {
+        self.buf.push_str(text);
+        while let Step::On = self.step() {}
+        std::mem::take(&mut self.out)
+    }
+
+    /// The output is over: returns all that was held back.
+    pub fn finish(&mut self) -> Vec<CallPiece> {
+        let rest = std::mem::take(&mut self.buf);
+        match self.state {
+            State::Prose => self.emit(CallPiece::Text(rest)),
+            State::Head {
+                marker,
+                first: true,
+                ..
+            }
+            | State::Hold { marker } => self.whole_block(marker, &rest, ""),
+            State::Value { kind, .. } => {
+                self.cut = true;
+                if kind != Some(ValueKind::Nested) {
+                    self.emit(CallPiece::Args(rest.trim_end().to_string()));
+                }
+            }
+            // Inside a call's object, after its arguments, or after the
+            // calls: nothing more to say.
+            _ => {}
+        }
+        self.state = State::After;
+        std::mem::take(&mut self.out)
+    }
+
+    /// The output ended inside a call's arguments (they are cut short).
+    pub fn cut_short(&self) -> bool {
+        self.cut
+    }
+
+    fn emit(&mut self, piece: CallPiece) {
+        match (self.out.last_mut(), piece) {
+            (_, CallPiece::Text(t) | CallPiece::Args(t)) if t.is_empty() => {}
+            (Some(CallPiece::Text(a)), CallPiece::Text(b))
+            | (Some(CallPiece::Args(a)), CallPiece::Args(b)) => a.push_str(&b),
+            (_, p) => self.out.push(p),
+        }
+    }
+
+    /// A held block read whole (its text after `marker`, and the `close`
+    /// that ended it): its calls, or, before any call, text.
+    fn whole_block(&mut self, marker: &'static str, inner: &str, close: &str) {
+        match calls_of(inner.trim()) {
+            Some(calls) => {
+                for (name, args) in calls {
+                    self.calls += 1;
+                    self.emit(CallPiece::Call(name));
+                    self.emit(CallPiece::Args(args));
+                }
+                self.state = State::After;
+            }
+            None if self.calls == 0 => {
+                self.emit(CallPiece::Text(format!("{marker}{inner}{close}")));
+                self.state = State::Prose;
+            }
+            None => self.state = State::After,
+        }
+    }
+
+    /// Skips whitespace at the front of `buf`; false when none is left.
+    fn skip_ws(&mut self) -> bool {
+        let n = self.buf.len() - self.buf.trim_start().len();
+        self.buf.drain(..n);
+        !self.buf.is_empty()
+    }
+
+    fn step(&mut self) -> Step {
+        match self.state {
+            State::Prose | State::After => {
+                let prose = matches!(self.state, State::Prose);
+                let markers = self.syntax.start_markers();
+                if let Some((at, marker)) = find_first(&self.buf, markers) {
+                    let before = self.buf[..at].to_string();
+                    self.buf.drain(..at + marker.len());
+                    if prose {
+                        self.emit(CallPiece::Text(before));
+                    }
+                    self.state = State::Head {
+                        marker,
+                        first: true,
+                        list: false,
+                    };
+                    return Step::On;
+                }
+                // The longest tail that may begin a marker stays.
+                let keep = markers
+                    .iter()
+                    .map(|m| held_prefix_len(&self.buf, m))
+                    .max()
+                    .unwrap_or(0);
+                let gone: String = self.buf.drain(..self.buf.len() - keep).collect();
+                if prose {
+                    self.emit(CallPiece::Text(gone));
+                }
+                Step::Wait
+            }
+            State::Head {
+                marker,
+                first,
+                list,
+            } => match head(&self.buf, first) {
+                Err(NoHead::Partial) => Step::Wait,
+                // Not the head we stream: the block is read whole.
+                Err(NoHead::Fail) if first => {
+                    self.state = State::Hold { marker };
+                    Step::On
+                }
+                // A list item that is not a call: the rest is skipped.
+                Err(NoHead::Fail) => {
+                    self.state = State::Close { marker };
+                    Step::On
+                }
+                Ok((name, end, opened)) => {
+                    self.buf.drain(..end);
+                    self.calls += 1;
+                    self.emit(CallPiece::Call(name));
+                    self.state = State::Value {
+                        marker,
+                        list: list || opened,
+                        kind: None,
+                        scan: Scan::default(),
+                    };
+                    Step::On
+                }
+            },
+            State::Hold { marker } => {
+                let close = close_of(marker);
+                let Some(at) = Some(close)
+                    .filter(|c| !c.is_empty())
+                    .and_then(|c| self.buf.find(c))
+                else {
+                    return Step::Wait;
+                };
+                let block: String = self.buf.drain(..at + close.len()).collect();
+                self.whole_block(marker, &block[..at], close);
+                Step::On
+            }
+            State::Value {
+                marker,
+                list,
+                kind,
+                mut scan,
+            } => {
+                let kind = match kind {
+                    Some(k) => k,
+                    None if !self.skip_ws() => return Step::Wait,
+                    None => match self.buf.as_bytes()[0] {
+                        b'{' | b'[' => ValueKind::Nested,
+                        b'"' => ValueKind::Str,
+                        _ => ValueKind::Scalar,
+                    },
+                };
+                let b = self.buf.as_bytes();
+                // Where the arguments end (exclusive).
+                let end = match kind {
+                    ValueKind::Nested => scan.until_closed(b).map(|i| i + 1),
+                    ValueKind::Str => {
+                        // The string's closing quote (read from the start
+                        // each time: nothing of it went out).
+                        let mut s = Scan {
+                            in_str: true,
+                            ..Scan::default()
+                        };
+                        b.iter()
+                            .skip(1)
+                            .position(|&c| {
+                                s.step(c);
+                                !s.in_str
+                            })
+                            .map(|i| i + 2)
+                    }
+                    ValueKind::Scalar => b
+                        .iter()
+                        .position(|c| matches!(c, b',' | b'}' | b']') || c.is_ascii_whitespace()),
+                };
+                let Some(end) = end else {
+                    if kind == ValueKind::Nested {
+                        let all = std::mem::take(&mut self.buf);
+                        self.emit(CallPiece::Args(all));
+                    }
+                    self.state = State::Value {
+                        marker,
+                        list,
+                        kind: Some(kind),
+                        scan,
+                    };
+                    return Step::Wait;
+                };
+                let value: String = self.buf.drain(..end).collect();
+                let args = match kind {
+                    ValueKind::Str => serde_json::from_str::<String>(&value)
+                        .ok()
+                        .filter(|s| serde_json::from_str::<serde_json::Value>(s).is_ok())
+                        .unwrap_or(value),
+                    _ => value,
+                };
+                self.emit(CallPiece::Args(args));
+                self.state = State::Rest {
+                    marker,
+                    list,
+                    scan: Scan {
+                        depth: 1,
+                        ..Scan::default()
+                    },
+                };
+                Step::On
+            }
+            State::Rest {
+                marker,
+                list,
+                mut scan,
+            } => match scan.until_closed(self.buf.as_bytes()) {
+                Some(end) => {
+                    self.buf.drain(..=end);
+                    self.state = State::Between { marker, list };
+                    Step::On
+                }
+                None => {
+                    self.buf.clear();
+                    self.state = State::Rest { marker, list, scan };
+                    Step::Wait
+                }
+            },
+            State::Between { marker, list } => {
+                if !list {
+                    self.state = State::Close { marker };
+                    return Step::On;
+                }
+                if !self.skip_ws() {
+                    return Step::Wait;
+                }
+                self.state = if self.buf.starts_with(',') {
+                    self.buf.drain(..1);
+                    State::Head {
+                        marker,
+                        first: false,
+                        list: true,
+                    }
+                } else {
+                    State::Close { marker }
+                };
+                Step::On
+            }
+            State::Close { marker } => {
+                let close = close_of(marker);
+                if close.is_empty() {
+                    // The block runs to the end: what follows is after it.
+                    self.state = State::After;
+                    return Step::On;
+                }
+                match self.buf.find(close) {
+                    Some(at) => {
+                        self.buf.drain(..at + close.len());
+                        self.state = State::After;
+                        Step::On
+                    }
+                    None => {
+                        let keep = held_prefix_len(&self.buf, close);
+                        self.buf.drain(..self.buf.len() - keep);
+                        Step::Wait
+                    }
+                }
+            }
+        }
+    }
+}
