@@ -340,10 +340,66 @@ def test_background_responses_are_polled_and_cancelled(server):
     assert c.responses.retrieve(long.id).status == "cancelled"
 
     # What background cannot do is named; a foreground response cannot be cancelled.
-    for kw in [dict(store=False), dict(stream=True)]:
-        with pytest.raises(openai.BadRequestError) as e:
-            c.responses.create(model="", input="x", background=True, **kw)
-        assert e.value.body["param"] == "background"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model="", input="x", background=True, store=False)
+    assert e.value.body["param"] == "background"
     with pytest.raises(openai.BadRequestError):
         c.responses.cancel(fg.id)
+    # Only a background response created with `stream` streams again.
+    with pytest.raises(openai.BadRequestError) as e:
+        list(c.responses.retrieve(bg.id, stream=True))
+    assert e.value.body["param"] == "stream"
     server.wait_idle()
+
+
+def test_a_streamed_background_response_is_resumed(server):
+    """`background` with `stream`: the creator reads the events as they
+    come, leaves, and the response runs on; `GET ?stream=true` resumes after
+    the last event seen (`starting_after`), or replays all from the first.
+    The events add up to the response a foreground request gives."""
+    c = client(server)
+    ask = dict(model="", instructions=SYSTEM, input=USER, max_output_tokens=40, temperature=0)
+    fg = c.responses.create(**ask)
+    stream = c.responses.create(**ask, background=True, stream=True)
+    seen = []
+    for e in stream:
+        seen.append(e)
+        if sum(x.type == "response.output_text.delta" for x in seen) == 3:
+            break
+    stream.close()
+    rid = seen[0].response.id
+    assert seen[0].type == "response.created" and seen[0].response.background is True
+    rest = list(c.responses.retrieve(rid, stream=True, starting_after=seen[-1].sequence_number))
+    events = seen + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type == "response.completed"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert text == final.output_text == fg.output_text
+    assert final.usage.output_tokens == fg.usage.output_tokens
+    assert c.responses.retrieve(rid).output_text == fg.output_text
+    # Replayed from the first event: the same events.
+    again = list(c.responses.retrieve(rid, stream=True))
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in events]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.with_raw_response.retrieve(rid, stream=True, starting_after=-1)
+    assert e.value.body["param"] == "starting_after"
+
+    # Cancelled while a client follows it: its stream ends, its KV is freed.
+    long = c.responses.create(
+        model="", input="Count from one to a thousand: one, two, three,", max_output_tokens=1000,
+        temperature=0, background=True, stream=True, extra_body={"ignore_eos": True},
+    )
+    first = next(iter(long))
+    follower = c.responses.retrieve(first.response.id, stream=True)
+    got = 0
+    for e in follower:
+        got += e.type == "response.output_text.delta"
+        if got == 5:
+            break
+    long.close()
+    assert c.responses.cancel(first.response.id).status == "cancelled"
+    list(follower)  # ends
+    m = server.wait_idle(timeout=30)
+    assert m["siliceo_kv_blocks_used"] == 0
+    assert c.responses.retrieve(first.response.id).status == "cancelled"

@@ -12,15 +12,17 @@
 //! calls and the streamed events come from one state machine, [`Builder`],
 //! for the whole, the streamed and the background answer. A background
 //! response is kept as it starts; a task runs it and keeps its final
-//! version; cancelling aborts the task, which drops the request.
+//! version; cancelling aborts the task, which drops the request. A
+//! background response created with `stream: true` also keeps its events
+//! ([`EventLog`]): its creator reads them as they come, and a client that
+//! left resumes with `GET /v1/responses/{id}?stream=true&starting_after=N`.
 //!
 //! Everything a chat completion serves is served here under the Responses
 //! API's names (`max_output_tokens`, `text.format`, flat `tools`,
 //! `include: ["message.output_text.logprobs"]` with `top_logprobs`), and the
 //! chat's extensions (`seed`, `top_k`, `stop`, `priority`, …) are taken as
 //! they are. What this server cannot do (built-in tools, images and files,
-//! a streamed background response, `truncation: auto`, reasoning effort)
-//! is a 400 naming the field.
+//! `truncation: auto`, reasoning effort) is a 400 naming the field.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -41,7 +43,9 @@ use siliceo_runtime::{
 
 use crate::error::ApiError;
 use crate::openai::{self, Common, Plan};
-use crate::stream::{EventMachine, Kind, OutputRouter, Parsing, TypedEvents, logprobs_json};
+use crate::stream::{
+    EventMachine, Kind, OutputRouter, Parsing, TypedEvents, logprobs_json, typed_sse,
+};
 use crate::{AppState, body_json, field_of, now_s, start, uuid_like};
 
 /// The `include` value that asks for the output's log-probabilities.
@@ -151,6 +155,8 @@ struct StoreInner {
     bytes: usize,
     /// Background responses still running: their tasks.
     running: HashMap<String, tokio::task::AbortHandle>,
+    /// The events of background responses created with `stream: true`.
+    logs: HashMap<String, Arc<EventLog>>,
 }
 
 impl StoreInner {
@@ -168,10 +174,133 @@ impl StoreInner {
             if let Some(o) = self.map.remove(&old) {
                 self.bytes -= o.bytes;
             }
+            self.logs.remove(&old);
         }
         self.bytes += stored.bytes;
         self.order.push_back(id.clone());
         self.map.insert(id, Arc::new(stored));
+    }
+}
+
+/// The stream events of a background response created with `stream: true`,
+/// kept for its creator and for clients that resume it
+/// (`GET /v1/responses/{id}?stream=true&starting_after=N`). Each event's
+/// `sequence_number` is its place in the log.
+#[derive(Debug)]
+pub(crate) struct EventLog {
+    inner: Mutex<LogInner>,
+    /// Bumped at each change (new events, the end).
+    changed: tokio::sync::watch::Sender<()>,
+}
+
+#[derive(Debug, Default)]
+struct LogInner {
+    events: Vec<Arc<Value>>,
+    bytes: usize,
+    ended: bool,
+}
+
+impl EventLog {
+    fn new() -> Self {
+        EventLog {
+            inner: Mutex::new(LogInner::default()),
+            changed: tokio::sync::watch::Sender::new(()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, LogInner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn extend(&self, events: Vec<Value>) {
+        if events.is_empty() {
+            return;
+        }
+        {
+            let mut l = self.lock();
+            for e in events {
+                l.bytes += e.to_string().len();
+                l.events.push(Arc::new(e));
+            }
+        }
+        self.changed.send_replace(());
+    }
+
+    /// No more events will come.
+    fn end(&self) {
+        self.lock().ended = true;
+        self.changed.send_replace(());
+    }
+
+    fn bytes(&self) -> usize {
+        self.lock().bytes
+    }
+
+    /// The events from `from` on, as they come, until the log ends.
+    fn read_from(self: Arc<Self>, from: usize) -> LogReader {
+        let changes = tokio_stream::wrappers::WatchStream::new(self.changed.subscribe());
+        LogReader {
+            log: self,
+            next: from,
+            changes,
+        }
+    }
+}
+
+/// A reader of an [`EventLog`], as SSE. Dropping it (its client left)
+/// changes nothing for the response, which runs on.
+pub(crate) struct LogReader {
+    log: Arc<EventLog>,
+    next: usize,
+    changes: tokio_stream::wrappers::WatchStream<()>,
+}
+
+impl tokio_stream::Stream for LogReader {
+    type Item = Result<axum::response::sse::Event, std::convert::Infallible>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        let this = &mut *self;
+        loop {
+            let (event, ended) = {
+                let l = this.log.lock();
+                (l.events.get(this.next).cloned(), l.ended)
+            };
+            if let Some(e) = event {
+                this.next += 1;
+                return Poll::Ready(Some(Ok(typed_sse(&e))));
+            }
+            if ended {
+                return Poll::Ready(None);
+            }
+            // Woken by the next change (one made since the check above
+            // counts: the watch remembers what this reader has seen).
+            match std::pin::Pin::new(&mut this.changes).poll_next(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(None) => return Poll::Ready(None),
+                Poll::Ready(Some(())) => {}
+            }
+        }
+    }
+}
+
+/// Ends a background response's run however its task stops (at the end,
+/// or aborted): its event log ends and the store learns it ran.
+struct RunGuard {
+    store: Arc<ResponseStore>,
+    id: String,
+    log: Option<Arc<EventLog>>,
+}
+
+impl Drop for RunGuard {
+    fn drop(&mut self) {
+        if let Some(log) = &self.log {
+            log.end();
+        }
+        self.store.ran(&self.id);
     }
 }
 
@@ -242,32 +371,66 @@ impl ResponseStore {
         }
     }
 
-    /// A background response's task ended.
+    /// A background response's task ended (or was aborted). Its event log,
+    /// if any, now counts in the budget; when it does not fit, the response
+    /// is kept without it.
     fn ran(&self, id: &str) {
-        self.lock().running.remove(id);
+        let mut s = self.lock();
+        s.running.remove(id);
+        let Some(log) = s.logs.get(id).cloned() else {
+            return;
+        };
+        let Some(old) = s.map.get(id).cloned() else {
+            s.logs.remove(id);
+            return;
+        };
+        let bytes = old.bytes + log.bytes();
+        if bytes > self.max_bytes {
+            s.logs.remove(id);
+            return;
+        }
+        let stored = Stored {
+            response: old.response.clone(),
+            input_items: old.input_items.clone(),
+            conversation: old.conversation.clone(),
+            bytes,
+        };
+        s.insert(id.to_string(), stored, self.max_bytes);
     }
 
     /// Cancels a background response in progress: its task is aborted,
     /// which drops its request (and frees its KV), and it is kept as
     /// `cancelled`. `None`: not running.
     fn cancel(&self, id: &str) -> Option<Value> {
-        let mut s = self.lock();
-        let task = s.running.remove(id)?;
-        task.abort();
-        let old = s.map.get(id).cloned()?;
-        if !matches!(status_of(&old.response), "queued" | "in_progress") {
-            return Some(old.response.clone());
-        }
-        let mut response = old.response.clone();
-        response["status"] = json!("cancelled");
-        let stored = Stored {
-            response: response.clone(),
-            input_items: old.input_items.clone(),
-            conversation: old.conversation.clone(),
-            bytes: old.bytes,
+        let (task, response) = {
+            let mut s = self.lock();
+            let task = s.running.remove(id)?;
+            let Some(old) = s.map.get(id).cloned() else {
+                drop(s);
+                task.abort();
+                return None;
+            };
+            let mut response = old.response.clone();
+            if matches!(status_of(&old.response), "queued" | "in_progress") {
+                response["status"] = json!("cancelled");
+                let stored = Stored {
+                    response: response.clone(),
+                    input_items: old.input_items.clone(),
+                    conversation: old.conversation.clone(),
+                    bytes: old.bytes,
+                };
+                s.insert(id.to_string(), stored, self.max_bytes);
+            }
+            (task, response)
         };
-        s.insert(id.to_string(), stored, self.max_bytes);
+        // Outside the lock: the task's end takes it.
+        task.abort();
         Some(response)
+    }
+
+    /// A background response's event log.
+    fn log(&self, id: &str) -> Option<Arc<EventLog>> {
+        self.lock().logs.get(id).cloned()
     }
 
     fn get(&self, id: &str) -> Option<Arc<Stored>> {
@@ -275,18 +438,25 @@ impl ResponseStore {
     }
 
     fn remove(&self, id: &str) -> bool {
-        let mut s = self.lock();
-        if let Some(task) = s.running.remove(id) {
+        let (task, found) = {
+            let mut s = self.lock();
+            s.logs.remove(id);
+            let task = s.running.remove(id);
+            let found = match s.map.remove(id) {
+                Some(o) => {
+                    s.bytes -= o.bytes;
+                    s.order.retain(|k| k != id);
+                    true
+                }
+                None => false,
+            };
+            (task, found)
+        };
+        // Outside the lock: the task's end takes it.
+        if let Some(task) = task {
             task.abort();
         }
-        match s.map.remove(id) {
-            Some(o) => {
-                s.bytes -= o.bytes;
-                s.order.retain(|k| k != id);
-                true
-            }
-            None => false,
-        }
+        found
     }
 
     /// Responses kept and their bytes.
@@ -566,12 +736,6 @@ pub(crate) fn prepare(
             "background",
             "a background response is kept to be polled: it needs `store` (and a server \
              that keeps responses, --responses-store-mb above 0)",
-        ));
-    }
-    if r.background && common.stream {
-        return Err(ApiError::unsupported(
-            "background",
-            "streaming a background response (poll it with GET /v1/responses/{id})",
         ));
     }
     if r.conversation.as_ref().is_some_and(|c| !c.is_null()) {
@@ -1318,27 +1482,41 @@ pub(crate) async fn create(
     if b.head.background {
         // Kept as it starts; a task runs it to the end, which keeps the
         // final version. Cancelling aborts the task, dropping the request.
-        b.start();
+        // Streamed, its events are logged for its creator and for clients
+        // that resume it.
+        let log = stream.then(|| Arc::new(EventLog::new()));
+        let first = b.start();
         b.keep_now();
-        let first = b.response();
+        let created = b.response();
         let id = b.head.id.clone();
-        let store = s.responses.clone();
-        let task_id = id.clone();
+        if let Some(l) = &log {
+            l.extend(first);
+            s.responses.lock().logs.insert(id.clone(), l.clone());
+        }
+        let guard = RunGuard {
+            store: s.responses.clone(),
+            id: id.clone(),
+            log: log.clone(),
+        };
         let task = tokio::spawn(async move {
+            let guard = guard;
             while !b.ended() {
-                match rs.next().await {
-                    Some(ev) => {
-                        b.on_event(ev);
-                    }
-                    None => {
-                        b.fail(ApiError::from_runtime(&RuntimeError::Stopped));
-                    }
+                let evs = match rs.next().await {
+                    Some(ev) => b.on_event(ev),
+                    None => b.fail(ApiError::from_runtime(&RuntimeError::Stopped)),
+                };
+                if let Some(l) = &guard.log {
+                    l.extend(evs);
                 }
             }
-            store.ran(&task_id);
         });
         s.responses.running(id, task.abort_handle());
-        return Ok(Json(first).into_response());
+        return Ok(match log {
+            Some(l) => Sse::new(l.read_from(0))
+                .keep_alive(KeepAlive::default())
+                .into_response(),
+            None => Json(created).into_response(),
+        });
     }
     if stream {
         let first = b.start();
@@ -1366,19 +1544,35 @@ fn not_kept(id: &str) -> ApiError {
 }
 
 /// `GET /v1/responses/{id}`.
+/// With `stream=true`, a background response created with `stream: true`
+/// is streamed (again) from the event after `starting_after`, or from its
+/// first: the events already sent, then the rest as they come.
 pub(crate) async fn retrieve(
     State(s): State<Arc<AppState>>,
     Path(id): Path<String>,
     uri: Uri,
-) -> Result<Json<Value>, ApiError> {
-    if query(&uri)?.get("stream").is_some_and(|v| v == "true") {
-        return Err(ApiError::unsupported(
-            "stream",
-            "streaming a kept response again",
-        ));
-    }
+) -> Result<Response, ApiError> {
+    let q = query(&uri)?;
     let r = s.responses.get(&id).ok_or_else(|| not_kept(&id))?;
-    Ok(Json(r.response.clone()))
+    if q.get("stream").is_none_or(|v| v != "true") {
+        return Ok(Json(r.response.clone()).into_response());
+    }
+    let from = match q.get("starting_after") {
+        None => 0,
+        Some(n) => n.parse::<usize>().map(|n| n + 1).map_err(|_| {
+            ApiError::invalid("starting_after", "must be an event's sequence number")
+        })?,
+    };
+    let log = s.responses.log(&id).ok_or_else(|| {
+        ApiError::invalid(
+            "stream",
+            "only a background response created with `stream: true` can be streamed again \
+             (its events are not kept otherwise, or were dropped for space)",
+        )
+    })?;
+    Ok(Sse::new(log.read_from(from))
+        .keep_alive(KeepAlive::default())
+        .into_response())
 }
 
 /// `DELETE /v1/responses/{id}`.
@@ -1485,6 +1679,7 @@ pub(crate) async fn input_items(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn prep(body: Value) -> Result<Prepared, ApiError> {
         prep_after(body, None)
@@ -1662,10 +1857,6 @@ mod tests {
             ),
             (
                 json!({"input": "x", "background": true, "store": false}),
-                "background",
-            ),
-            (
-                json!({"input": "x", "background": true, "stream": true}),
                 "background",
             ),
             (json!({"input": "x", "truncation": "auto"}), "truncation"),
@@ -1990,6 +2181,43 @@ mod tests {
         let before = store.usage();
         store.put("d".into(), done, Vec::new(), Vec::new());
         assert_eq!(store.usage(), before);
+    }
+
+    /// A log's readers get the events from where they start, wait for more,
+    /// and end with the log; a reader that leaves changes nothing.
+    #[tokio::test]
+    async fn event_logs_replay_and_follow() {
+        use tokio_stream::StreamExt;
+        let log = Arc::new(EventLog::new());
+        let ev = |n: u64| json!({"type": "t", "sequence_number": n});
+        log.extend(vec![ev(0), ev(1)]);
+        let mut from_start = log.clone().read_from(0);
+        let mut resumed = log.clone().read_from(2);
+        let early = log.clone().read_from(0);
+        drop(early);
+        let seq = |e: axum::response::sse::Event| format!("{e:?}");
+        let first = seq(from_start.next().await.unwrap().unwrap());
+        assert!(first.contains(r#"sequence_number\":0"#), "{first}");
+        let second = seq(from_start.next().await.unwrap().unwrap());
+        assert!(second.contains(r#"sequence_number\":1"#), "{second}");
+        // Nothing new yet: both wait.
+        let waiting = tokio::time::timeout(Duration::from_millis(50), resumed.next()).await;
+        assert!(waiting.is_err());
+        let writer = {
+            let log = log.clone();
+            tokio::spawn(async move {
+                log.extend(vec![ev(2)]);
+                log.end();
+            })
+        };
+        let got = seq(resumed.next().await.unwrap().unwrap());
+        assert!(got.contains(r#"sequence_number\":2"#), "{got}");
+        assert!(resumed.next().await.is_none());
+        writer.await.unwrap();
+        let third = seq(from_start.next().await.unwrap().unwrap());
+        assert!(third.contains(r#"sequence_number\":2"#), "{third}");
+        assert!(from_start.next().await.is_none());
+        assert_eq!(log.bytes(), 3 * ev(0).to_string().len());
     }
 
     #[test]

@@ -377,6 +377,12 @@ pub(crate) trait EventMachine {
     fn ended(&self) -> bool;
 }
 
+/// A typed event as SSE: named by its `type`.
+pub(crate) fn typed_sse(v: &Value) -> SseEvent {
+    let kind = v["type"].as_str().unwrap_or("error");
+    SseEvent::default().event(kind).data(v.to_string())
+}
+
 /// The SSE body of a typed-event protocol: each event named by its `type`.
 /// Dropping it (the client went away) drops the request's stream, which
 /// cancels it.
@@ -404,9 +410,7 @@ impl<M: EventMachine + Unpin> Stream for TypedEvents<M> {
         let this = &mut *self;
         loop {
             if let Some(v) = this.out.pop_front() {
-                let kind = v["type"].as_str().unwrap_or("error").to_string();
-                let e = SseEvent::default().event(kind).data(v.to_string());
-                return Poll::Ready(Some(Ok(e)));
+                return Poll::Ready(Some(Ok(typed_sse(&v))));
             }
             if this.machine.ended() {
                 return Poll::Ready(None);
