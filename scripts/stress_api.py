@@ -69,12 +69,27 @@ def main() -> int:
                     kept.append(x.id)
                 oa.responses.create(model="", input="And then?", previous_response_id=x.id,
                                     max_output_tokens=20)
-            elif kind == 2:  # background, most cancelled
+            elif kind == 2:  # background, most cancelled; half streamed, left and resumed
+                streamed = r.random() < 0.5
                 b = oa.responses.create(model="", input=count, max_output_tokens=300, background=True,
-                                        extra_body={"ignore_eos": True})
+                                        stream=streamed, extra_body={"ignore_eos": True})
+                if streamed:  # the id comes with the first event (response.created)
+                    rid = None
+                    for k, e in enumerate(b):
+                        rid = rid or e.response.id
+                        if k > r.randrange(2, 20):
+                            break
+                    b.close()
+                    b = oa.responses.retrieve(rid)
                 with lock:
                     background.append(b.id)
                 time.sleep(r.random())
+                if streamed and r.random() < 0.5:
+                    follow = oa.responses.retrieve(b.id, stream=True, starting_after=3)
+                    for k, _ in enumerate(follow):
+                        if k > r.randrange(2, 20):
+                            break
+                    follow.close()
                 if r.random() < 0.7:
                     oa.responses.cancel(b.id)
             elif kind == 3:  # a batch of prompts, whole or streamed
