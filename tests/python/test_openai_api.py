@@ -348,11 +348,67 @@ def test_tokenize_and_detokenize(server, grpc_api):
         ("/tokenize", {}, "prompt"),
         ("/tokenize", {"prompt": "a", "messages": QUESTION}, "prompt"),
         ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-        ("/tokenize", {"messages": QUESTION, "add_generation_prompt": False}, "add_generation_prompt"),
+        ("/tokenize", {"prompt": "a", "add_generation_prompt": False}, "add_generation_prompt"),
         ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
     ]:
         status, e = post(path, body)
         assert status in (400, 404) and e["error"]["param"] == param, (body, e)
+
+
+def test_a_final_assistant_message_is_continued(server, grpc_api):
+    """vLLM's `continue_final_message`: the model goes on from the final
+    assistant message's text (a prefill) instead of answering it. Greedy,
+    the continuation equals a completion of the tokens `/tokenize` renders
+    for it, whole and streamed; gRPC's `continue_final_message` and
+    Anthropic's prefill (a final assistant message) give the same text.
+    `add_generation_prompt: false` renders the chat closed."""
+    import anthropic
+
+    pb, stub, meta = grpc_api
+    c = client(server)
+    prefill = "The capital of France is"
+    msgs = [{"role": "user", "content": "Tell me about France."},
+            {"role": "assistant", "content": prefill}]
+    go_on = {"continue_final_message": True, "add_generation_prompt": False}
+    status, t = post_json(server, "/tokenize", {"messages": msgs, **go_on, "return_token_strs": True})
+    assert status == 200 and "".join(t["token_strs"]).endswith(prefill), t
+    ask = dict(model="", messages=msgs, max_tokens=16, temperature=0)
+    r = c.chat.completions.create(**ask, extra_body=go_on)
+    cont = r.choices[0].message.content
+    assert cont and r.usage.prompt_tokens == t["count"]
+    want = c.completions.create(model="", prompt=t["tokens"], max_tokens=16, temperature=0)
+    assert cont == want.choices[0].text
+    chunks = c.chat.completions.create(**ask, stream=True, extra_body={"continue_final_message": True})
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == cont
+
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in msgs])
+    req = pb.GenerateRequest(chat=chat, max_tokens=16, continue_final_message=True)
+    assert "".join(x.text for x in stub.Generate(req, metadata=meta)) == cont
+    a = anthropic.Anthropic(base_url=server.http, api_key=API_KEY, max_retries=0)
+    m = a.messages.create(model="", max_tokens=16, messages=msgs, extra_body={"temperature": 0})
+    assert m.content[0].text == cont and m.usage.input_tokens == t["count"]
+
+    # Answered (the default), the chat gets a new assistant turn; closed, none.
+    answered = post_json(server, "/tokenize", {"messages": msgs})[1]["count"]
+    closed = post_json(server, "/tokenize", {"messages": msgs, "add_generation_prompt": False})[1]
+    assert t["count"] < closed["count"] < answered
+
+    for body, param in [
+        (dict(messages=QUESTION, extra_body=go_on), "messages"),
+        (dict(messages=msgs, extra_body={**go_on, "add_generation_prompt": True}),
+         "continue_final_message"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="", max_tokens=4, **body)
+        assert e.value.body["param"] == param, e.value.body
+    with pytest.raises(anthropic.BadRequestError) as e:
+        a.messages.create(model="", max_tokens=4, messages=[msgs[0], {"role": "assistant", "content": "Paris "}])
+    assert "whitespace" in e.value.body["error"]["message"]
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.GenerateRequest(prompt="x", continue_final_message=True), metadata=meta))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "continue_final_message" in e.value.details()
+    server.wait_idle()
 
 
 def test_embeddings_and_rerank(embed_server):

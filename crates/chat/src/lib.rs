@@ -58,6 +58,24 @@ pub enum ChatError {
     /// Tools were given to a template that has no tool syntax.
     #[error("the model's chat template has no tool-call syntax siliceo knows")]
     NoToolSyntax,
+    /// [`ChatEnd::Continue`] on a conversation whose final message cannot
+    /// be continued.
+    #[error("the final message cannot be continued: {0}")]
+    Continue(String),
+}
+
+/// How a rendered conversation ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ChatEnd {
+    /// The assistant's turn opened (`add_generation_prompt`): the model
+    /// answers the conversation.
+    #[default]
+    Answer,
+    /// The final message, an assistant's, left open: the model continues
+    /// its text (vLLM's `continue_final_message`, Anthropic's prefill).
+    Continue,
+    /// As the template ends the last message, no turn opened.
+    Closed,
 }
 
 /// A tool call an assistant message made.
@@ -319,6 +337,46 @@ impl ChatTemplate {
         "bos_token",
         "eos_token",
     ];
+
+    /// [`ChatTemplate::render_with`], ending as `end` says. To continue
+    /// the final message, the conversation is rendered closed and cut right
+    /// after that message's text (or its trimmed text, for templates that
+    /// trim), as `transformers` does for `continue_final_message`. That
+    /// message must be an assistant's, with text and no tool calls.
+    pub fn render_ending(
+        &self,
+        messages: &[Message],
+        tools: &[Tool],
+        end: ChatEnd,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, ChatError> {
+        if end != ChatEnd::Continue {
+            return self.render_with(messages, tools, end == ChatEnd::Answer, kwargs);
+        }
+        let last = messages
+            .last()
+            .ok_or_else(|| ChatError::Continue("there are no messages".into()))?;
+        if last.role != "assistant" {
+            return Err(ChatError::Continue(format!(
+                "it is a `{}` message, not an assistant's",
+                last.role
+            )));
+        }
+        if !last.tool_calls.is_empty() {
+            return Err(ChatError::Continue("it calls tools".into()));
+        }
+        let content = last.content.as_deref().unwrap_or_default();
+        if content.trim().is_empty() {
+            return Err(ChatError::Continue("it has no text".into()));
+        }
+        let text = self.render_with(messages, tools, false, kwargs)?;
+        [content, content.trim()]
+            .into_iter()
+            .find_map(|c| text.rfind(c).map(|at| text[..at + c.len()].to_string()))
+            .ok_or_else(|| {
+                ChatError::Continue("the chat template does not write its text as given".into())
+            })
+    }
 
     /// [`ChatTemplate::render`] with more variables for the template
     /// (`chat_template_kwargs`, such as Qwen3's `enable_thinking`). A name in

@@ -466,3 +466,67 @@ fn thinking_templates_are_known_and_may_open_the_block() {
     assert!(r1_like.opens_thinking(&none));
     assert!(!qwen().reasons() && !qwen().opens_thinking(&none));
 }
+
+#[test]
+fn a_final_assistant_message_is_continued_or_the_chat_closed() {
+    let t = qwen();
+    let mut msgs = vec![
+        Message::new("user", "Capital of France?"),
+        Message::new("assistant", "The capital is "),
+    ];
+    let cont = t
+        .render_ending(&msgs, &[], ChatEnd::Continue, &Default::default())
+        .unwrap();
+    let closed = t
+        .render_ending(&msgs, &[], ChatEnd::Closed, &Default::default())
+        .unwrap();
+    // Qwen's template writes the text as given: the cut keeps its space.
+    assert!(
+        cont.ends_with("<|im_start|>assistant\nThe capital is "),
+        "{cont:?}"
+    );
+    assert!(closed.starts_with(&cont), "{closed:?}");
+    assert!(
+        closed.ends_with("The capital is <|im_end|>\n"),
+        "{closed:?}"
+    );
+    let answer = t
+        .render_ending(&msgs, &[], ChatEnd::Answer, &Default::default())
+        .unwrap();
+    assert_eq!(answer, format!("{closed}<|im_start|>assistant\n"));
+
+    // A template that trims the text: the trimmed text is found.
+    let trims = ChatTemplate::new(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>{% endfor %}",
+        "",
+        "",
+    )
+    .unwrap();
+    let cont = trims
+        .render_ending(&msgs, &[], ChatEnd::Continue, &Default::default())
+        .unwrap();
+    assert!(cont.ends_with("<assistant>The capital is"), "{cont:?}");
+
+    let refused = |msgs: &[Message], t: &ChatTemplate| {
+        t.render_ending(msgs, &[], ChatEnd::Continue, &Default::default())
+            .unwrap_err()
+    };
+    assert!(matches!(refused(&msgs[..1], &t), ChatError::Continue(m) if m.contains("`user`")));
+    msgs[1].content = Some("  ".into());
+    assert!(matches!(refused(&msgs, &t), ChatError::Continue(m) if m.contains("no text")));
+    msgs[1] = Message {
+        role: "assistant".into(),
+        content: Some("Let me look.".into()),
+        tool_calls: vec![ToolCall {
+            id: "c".into(),
+            name: "f".into(),
+            arguments: "{}".into(),
+        }],
+        ..Message::default()
+    };
+    assert!(matches!(refused(&msgs, &t), ChatError::Continue(m) if m.contains("tools")));
+    let drops =
+        ChatTemplate::new("{% for m in messages %}<{{ m.role }}>{% endfor %}", "", "").unwrap();
+    msgs[1].tool_calls.clear();
+    assert!(matches!(refused(&msgs, &drops), ChatError::Continue(m) if m.contains("as given")));
+}

@@ -24,8 +24,8 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use siliceo_core::FinishReason;
 use siliceo_runtime::{
-    CallPiece, Event, GenerateRequest, Input, Message as ChatMessage, RuntimeError, Tool, ToolCall,
-    ToolChoice, Usage,
+    CallPiece, ChatEnd, Event, GenerateRequest, Input, Message as ChatMessage, RuntimeError, Tool,
+    ToolCall, ToolChoice, Usage,
 };
 
 use crate::error::ApiError;
@@ -447,6 +447,19 @@ fn prepare(r: MessagesRequest, served: &str) -> Result<Prepared, ApiError> {
         e
     })?;
     plan.request.max_tokens_field = Some("max_tokens");
+    // A final assistant message is a prefill: the answer continues its text.
+    if let Input::Chat(m) = &plan.request.input
+        && let Some(last) = m.last().filter(|l| l.role == "assistant")
+    {
+        let text = last.content.as_deref().unwrap_or_default();
+        if text != text.trim_end() {
+            return Err(ApiError::invalid(
+                format!("messages[{}].content", messages.len() - 1),
+                "a final assistant message (a prefill) cannot end with whitespace",
+            ));
+        }
+        plan.request.chat_end = ChatEnd::Continue;
+    }
     Ok(Prepared {
         plan,
         model: r
@@ -973,6 +986,24 @@ mod tests {
         r.on_event(done(FinishReason::Length, None));
         assert_eq!(r.message()["stop_reason"], "max_tokens");
         assert_eq!(r.message()["content"], json!([]));
+    }
+
+    /// A final assistant message is a prefill, continued; one ending in
+    /// whitespace is refused, naming it.
+    #[test]
+    fn a_final_assistant_message_is_a_prefill() {
+        let body = |last: &str| {
+            json!({"max_tokens": 5, "messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": last},
+            ]})
+        };
+        let p = prep(body("Hello,")).unwrap();
+        assert_eq!(p.plan.request.chat_end, ChatEnd::Continue);
+        let p = prep(json!({"max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}]}));
+        assert_eq!(p.unwrap().plan.request.chat_end, ChatEnd::Answer);
+        let e = prep(body("Hello, ")).err().unwrap();
+        assert_eq!(e.param.as_deref(), Some("messages[1].content"));
     }
 
     /// A call's `tool_use` block opens once its name is written; its input

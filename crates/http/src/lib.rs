@@ -47,8 +47,8 @@ use serde_json::{Value, json};
 pub use siliceo_core::ApiKeys;
 use siliceo_core::{FinishReason, TlsIdentity, TokenId};
 use siliceo_runtime::{
-    EmbedInput, EmbeddingService, Event, Input, RequestStream, Runtime, RuntimeError, TokenLogprob,
-    Usage,
+    ChatEnd, EmbedInput, EmbeddingService, Event, Input, RequestStream, Runtime, RuntimeError,
+    THINK_CLOSE, THINK_OPEN, TokenLogprob, Usage,
 };
 use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
 
@@ -560,7 +560,20 @@ fn resolve_tools(
 /// the block: the constrained output is then the answer.
 fn thinking(s: &AppState, req: &siliceo_runtime::GenerateRequest) -> Option<bool> {
     let t = s.rt.chat_template().filter(|t| t.reasons())?;
-    let open = t.opens_thinking(&req.chat_template_kwargs);
+    let open = match (&req.chat_end, &req.input) {
+        // The output goes on from the final message's text: inside a
+        // thinking block that text opened and did not close, or in the
+        // answer (nothing to split).
+        (ChatEnd::Continue, Input::Chat(msgs)) => {
+            let text = msgs.last().and_then(|m| m.content.as_deref());
+            let text = text.unwrap_or_default();
+            if text.rfind(THINK_OPEN) <= text.rfind(THINK_CLOSE) {
+                return None;
+            }
+            true
+        }
+        _ => t.opens_thinking(&req.chat_template_kwargs),
+    };
     (!(open && req.constraint.is_some())).then_some(open)
 }
 

@@ -11,7 +11,8 @@ use std::collections::HashMap;
 use serde::Deserialize;
 use siliceo_core::{Constraint, Priority, SamplingParams, TokenId};
 use siliceo_runtime::{
-    GenerateRequest, Input, MAX_TOP_LOGPROBS, Message as ChatMessage, Tool, ToolCall, ToolChoice,
+    ChatEnd, GenerateRequest, Input, MAX_TOP_LOGPROBS, Message as ChatMessage, Tool, ToolCall,
+    ToolChoice,
 };
 
 use crate::error::ApiError;
@@ -267,6 +268,30 @@ pub struct ChatRequest {
     pub tool_choice: Option<serde_json::Value>,
     /// Several calls in one answer (default true).
     pub parallel_tool_calls: Option<bool>,
+    /// vLLM's: end the chat with the assistant's turn opened [true]; false
+    /// renders it closed.
+    pub add_generation_prompt: Option<bool>,
+    /// vLLM's: continue the final (assistant) message instead of answering
+    /// it [false].
+    pub continue_final_message: Option<bool>,
+}
+
+/// How a chat's rendering ends, from vLLM's two fields: continuing the final
+/// message leaves no turn to open, so both true is a 400.
+pub(crate) fn chat_end_of(
+    add_generation_prompt: Option<bool>,
+    continue_final_message: Option<bool>,
+) -> Result<ChatEnd, ApiError> {
+    match (add_generation_prompt, continue_final_message) {
+        (Some(true), Some(true)) => Err(ApiError::invalid(
+            "continue_final_message",
+            "continues the final message, so no assistant turn is opened: \
+             add_generation_prompt must not be true",
+        )),
+        (_, Some(true)) => Ok(ChatEnd::Continue),
+        (Some(false), _) => Ok(ChatEnd::Closed),
+        _ => Ok(ChatEnd::Answer),
+    }
 }
 
 /// A request translated: what to submit, how many times, and how to answer.
@@ -670,7 +695,10 @@ pub fn chat_plan(r: ChatRequest, common: Common) -> Result<Plan, ApiError> {
     let choice = tool_choice_of(r.tool_choice.as_ref(), &tools)?;
     let msgs = messages_of(r.messages)?;
     let parallel = r.parallel_tool_calls.unwrap_or(true);
-    conversation_plan(msgs, (tools, choice, parallel), logprobs, common)
+    let end = chat_end_of(r.add_generation_prompt, r.continue_final_message)?;
+    let mut plan = conversation_plan(msgs, (tools, choice, parallel), logprobs, common)?;
+    plan.request.chat_end = end;
+    Ok(plan)
 }
 
 /// A chat's plan once its messages and tools are read (chat completions and
@@ -715,8 +743,10 @@ pub struct TokenizeRequest {
     pub tools: Option<Vec<WireToolCall>>,
     /// Add the model's special tokens (BOS) to `prompt` [true].
     pub add_special_tokens: Option<bool>,
-    /// End the chat with the assistant's turn opened [true; only true].
+    /// End the chat with the assistant's turn opened [true].
     pub add_generation_prompt: Option<bool>,
+    /// Continue the final (assistant) message [false].
+    pub continue_final_message: Option<bool>,
     /// Also return each token's text.
     #[serde(default, deserialize_with = "or_default")]
     pub return_token_strs: bool,
@@ -728,12 +758,7 @@ pub struct TokenizeRequest {
 /// answers (a chat with its tools and template arguments), and whether a
 /// prompt gets special tokens.
 pub fn tokenize_input(r: TokenizeRequest) -> Result<(GenerateRequest, bool), ApiError> {
-    if r.add_generation_prompt == Some(false) {
-        return Err(ApiError::unsupported(
-            "add_generation_prompt",
-            "add_generation_prompt: false",
-        ));
-    }
+    let end = chat_end_of(r.add_generation_prompt, r.continue_final_message)?;
     let tools = tools_of(r.tools.unwrap_or_default())?;
     let kwargs = r.chat_template_kwargs.unwrap_or_default();
     let (input, special) = match (r.prompt, r.messages) {
@@ -771,9 +796,16 @@ pub fn tokenize_input(r: TokenizeRequest) -> Result<(GenerateRequest, bool), Api
             ));
         }
     };
+    if end != ChatEnd::Answer && !matches!(input, Input::Chat(_)) {
+        return Err(ApiError::invalid(
+            "add_generation_prompt",
+            "add_generation_prompt and continue_final_message apply to messages",
+        ));
+    }
     let mut req = GenerateRequest::new(input);
     req.tools = tools;
     req.chat_template_kwargs = kwargs;
+    req.chat_end = end;
     Ok((req, special))
 }
 

@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use siliceo_chat::{ChatError, ChatTemplate};
+use siliceo_chat::{ChatEnd, ChatError, ChatTemplate};
 use siliceo_constrain::{Grammars, Matcher, Vocabulary};
 use siliceo_core::{SamplingParams, TokenId};
 use siliceo_engine::Model;
@@ -214,6 +214,21 @@ impl Front {
                     "template arguments apply to chat messages",
                 ));
             }
+            match req.chat_end {
+                ChatEnd::Answer => {}
+                ChatEnd::Continue => {
+                    return Err(invalid(
+                        "continue_final_message",
+                        "continues a chat's final message: it needs chat messages",
+                    ));
+                }
+                ChatEnd::Closed => {
+                    return Err(invalid(
+                        "add_generation_prompt",
+                        "ends a chat: it needs chat messages",
+                    ));
+                }
+            }
             return Ok(req);
         };
         if let Some(k) = kwargs
@@ -245,13 +260,21 @@ impl Front {
                      --chat-template-file)",
                 ));
             }
+            if req.chat_end != ChatEnd::Answer {
+                return Err(invalid(
+                    "messages",
+                    "continuing or closing a chat needs a chat template siliceo renders \
+                     (give one with --chat-template-file)",
+                ));
+            }
             return Ok(req);
         };
         let text = chat
             .template
-            .render_with(msgs, &req.tools, true, kwargs)
+            .render_ending(msgs, &req.tools, req.chat_end, kwargs)
             .map_err(|e| match e {
                 ChatError::NoToolSyntax => invalid("tools", e.to_string()),
+                ChatError::Continue(_) => invalid("messages", e.to_string()),
                 other => invalid("chat", other.to_string()),
             })?;
         // Tokenizing puts the BOS back where the model wants one.

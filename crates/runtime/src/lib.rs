@@ -55,7 +55,8 @@ pub use types::{
 
 pub use engine_loop::store_plan;
 pub use siliceo_chat::{
-    CallParser, CallPiece, Message, Split, ThinkSplitter, Tool, ToolCall, ToolChoice, ToolSyntax,
+    CallParser, CallPiece, ChatEnd, Message, Split, THINK_CLOSE, THINK_OPEN, ThinkSplitter, Tool,
+    ToolCall, ToolChoice, ToolSyntax,
 };
 pub use siliceo_kv_paging::planner::{StorePlan, StoreSize, StoreSplit};
 

@@ -3,7 +3,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crossbeam_channel::Sender;
-use siliceo_chat::{Message, Tool};
+use siliceo_chat::{ChatEnd, Message, Tool};
 use siliceo_core::{FinishReason, Priority, RequestId, SamplingParams, TokenId};
 use siliceo_engine::{ContextOptions, KvFormat, ModelOptions};
 use siliceo_kv_paging::planner::{StorePlan, StoreSize};
@@ -237,6 +237,10 @@ pub struct GenerateRequest {
     /// Qwen3's `enable_thinking`; they cannot replace `messages`, `tools`,
     /// `add_generation_prompt`, `bos_token` or `eos_token`.
     pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
+    /// How a chat's rendering ends (chat input only): the assistant's turn
+    /// opened (the default), the final assistant message continued, or
+    /// closed.
+    pub chat_end: ChatEnd,
 }
 
 impl GenerateRequest {
@@ -257,6 +261,7 @@ impl GenerateRequest {
             prompt_logprobs: None,
             max_tokens_field: None,
             chat_template_kwargs: serde_json::Map::new(),
+            chat_end: ChatEnd::Answer,
         }
     }
 }

@@ -9,7 +9,8 @@ use prost::Message;
 use siliceo_core::{Constraint, FinishReason, Priority, RequestId, SamplingParams, TokenId};
 use siliceo_runtime::Message as ChatMessage;
 use siliceo_runtime::{
-    EmbeddingService, Event, GenerateRequest, Input, RequestStream, Runtime, RuntimeError, Usage,
+    ChatEnd, EmbeddingService, Event, GenerateRequest, Input, RequestStream, Runtime, RuntimeError,
+    Usage,
 };
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
@@ -182,6 +183,11 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
         } else {
             serde_json::from_str(&r.chat_template_kwargs)
                 .map_err(|e| invalid("chat_template_kwargs", format!("not a JSON object: {e}")))?
+        },
+        chat_end: if r.continue_final_message {
+            ChatEnd::Continue
+        } else {
+            ChatEnd::Answer
         },
     })
 }
