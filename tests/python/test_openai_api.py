@@ -1021,6 +1021,71 @@ ANSWER: /[A-Z][a-z ]{3,30}\./
 """
 
 
+# Llama 3's tool-call format (a call is the answer's JSON, `parameters` for
+# the arguments, no marker) in ChatML's turns, which SmolLM2 knows.
+LLAMA_JSON_TOOLS = (
+    "{%- if tools -%}<|im_start|>system\nTo call a function, respond in the format "
+    "{\"name\": function name, \"parameters\": dictionary of argument name and its value}.\n"
+    "{%- for t in tools %}{{ t | tojson }}\n{% endfor -%}<|im_end|>\n{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{{ '<|im_start|>' + ('ipython' if m.role == 'tool' else m.role) + '\n' }}"
+    "{%- if m.tool_calls -%}{%- set c = m.tool_calls[0].function -%}"
+    "{{ '{\"name\": \"' + c.name + '\", \"parameters\": ' + c.arguments | tojson + '}' }}"
+    "{%- else -%}{{ m.content }}{%- endif -%}{{ '<|im_end|>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+
+
+def test_llama3_json_tool_calls(tmp_path):
+    """A template that writes calls as Llama 3's does (the answer's JSON,
+    `parameters`, no marker) is known by how it renders a call: a required
+    call is forced with the tool's schema and read back as `tool_calls`,
+    streamed as written and equal to the whole answer; the call and its
+    result render back through the template."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    path = tmp_path / "llama_json.jinja"
+    path.write_text(LLAMA_JSON_TOOLS)
+    s = Server("--chat-template-file", str(path))
+    try:
+        c = client(s)
+        tools = [{"type": "function", "function": {
+            "name": "get_weather", "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {
+                "city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}]
+        ask = dict(model="", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                   tools=tools, tool_choice="required", temperature=0, max_tokens=60)
+        whole = c.chat.completions.create(**ask).choices[0]
+        assert whole.finish_reason == "tool_calls", whole
+        call = whole.message.tool_calls[0]
+        assert call.function.name == "get_weather" and whole.message.content is None
+        assert set(json.loads(call.function.arguments)) == {"city"}
+        state = ChatCompletionStreamState()
+        kinds = []
+        for chunk in c.chat.completions.create(**ask, stream=True):
+            kinds.extend(e.type for e in state.handle_chunk(chunk))
+        got = state.get_final_completion().choices[0]
+        assert got.finish_reason == "tool_calls"
+        assert [(t.function.name, t.function.arguments) for t in got.message.tool_calls] == [
+            (call.function.name, call.function.arguments)]
+        assert kinds.count("tool_calls.function.arguments.delta") > 1, kinds
+        # The call and its result go back through the template.
+        follow = ask["messages"] + [
+            {"role": "assistant", "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "18 C"},
+        ]
+        status, t = post_json(s, "/tokenize", {"messages": follow, "return_token_strs": True})
+        text = "".join(t["token_strs"])
+        assert status == 200 and '{"name": "get_weather", "parameters": {"city": ' in text, text
+        assert "ipython\n18 C" in text
+        r = c.chat.completions.create(model="", messages=follow, max_tokens=5)
+        assert r.usage.prompt_tokens == t["count"]
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
 def test_a_reasoning_models_thinking_is_split_from_its_answer(grpc_api, think_server):
     """With a template that knows `<think>`, a chat's leading thinking block
     goes to `reasoning_content` (chat completions, whole and streamed) or a

@@ -1,7 +1,8 @@
 //! Tool calls read as the model writes them, so that a stream can send a
 //! call's name as soon as it is written and its arguments as they grow.
 //!
-//! A call opens with one of the syntax's start markers. When the block then
+//! A call opens with one of the syntax's start markers (or, for a syntax
+//! without one, is the answer's opening `{`). When the block then
 //! reads `{"name": "…", "arguments": ` (or `"parameters"`, or a list of such
 //! objects), the call is taken at once: its name goes out, then its
 //! arguments' JSON text as it arrives, exactly as the model wrote it. A
@@ -41,6 +42,9 @@ pub struct CallParser {
     out: Vec<CallPiece>,
     /// The output ended inside a call's arguments.
     cut: bool,
+    /// Text other than whitespace went out (a marker-less syntax's call
+    /// can no longer begin).
+    spoke: bool,
 }
 
 /// Where the reader is. `marker`: the start marker of the block it is in.
@@ -244,6 +248,7 @@ impl CallParser {
             calls: 0,
             out: Vec::new(),
             cut: false,
+            spoke: false,
         }
     }
 
@@ -259,6 +264,10 @@ impl CallParser {
         let rest = std::mem::take(&mut self.buf);
         match self.state {
             State::Prose => self.emit(CallPiece::Text(rest)),
+            // A marker-less syntax's answer that never became a call.
+            State::Head { marker: "", .. } if self.calls == 0 => {
+                self.emit(CallPiece::Text(rest));
+            }
             State::Head {
                 marker,
                 first: true,
@@ -285,6 +294,9 @@ impl CallParser {
     }
 
     fn emit(&mut self, piece: CallPiece) {
+        if let CallPiece::Text(t) = &piece {
+            self.spoke |= !t.trim().is_empty();
+        }
         match (self.out.last_mut(), piece) {
             (_, CallPiece::Text(t) | CallPiece::Args(t)) if t.is_empty() => {}
             (Some(CallPiece::Text(a)), CallPiece::Text(b))
@@ -322,6 +334,28 @@ impl CallParser {
 
     fn step(&mut self) -> Step {
         match self.state {
+            // A marker-less syntax: a call is the answer's opening `{`.
+            State::Prose if self.syntax.start_markers().is_empty() => {
+                if self.spoke {
+                    let all = std::mem::take(&mut self.buf);
+                    self.emit(CallPiece::Text(all));
+                    return Step::Wait;
+                }
+                let Some(first) = self.buf.trim_start().chars().next() else {
+                    return Step::Wait;
+                };
+                if first == '{' {
+                    self.state = State::Head {
+                        marker: "",
+                        first: false,
+                        list: true,
+                    };
+                } else {
+                    let all = std::mem::take(&mut self.buf);
+                    self.emit(CallPiece::Text(all));
+                }
+                Step::On
+            }
             State::Prose | State::After => {
                 let prose = matches!(self.state, State::Prose);
                 let markers = self.syntax.start_markers();
@@ -356,6 +390,14 @@ impl CallParser {
                 list,
             } => match head(&self.buf, first) {
                 Err(NoHead::Partial) => Step::Wait,
+                // A marker-less syntax's answer that is not a call: text.
+                Err(NoHead::Fail) if marker.is_empty() && self.calls == 0 => {
+                    let all = std::mem::take(&mut self.buf);
+                    self.emit(CallPiece::Text(all));
+                    self.spoke = true;
+                    self.state = State::Prose;
+                    Step::On
+                }
                 // Not the head we stream: the block is read whole.
                 Err(NoHead::Fail) if first => {
                     self.state = State::Hold { marker };
@@ -485,7 +527,8 @@ impl CallParser {
                 if !self.skip_ws() {
                     return Step::Wait;
                 }
-                self.state = if self.buf.starts_with(',') {
+                // `,` in a JSON list; `;` between marker-less calls.
+                self.state = if self.buf.starts_with([',', ';']) {
                     self.buf.drain(..1);
                     State::Head {
                         marker,

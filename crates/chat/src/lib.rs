@@ -273,7 +273,30 @@ impl ChatTemplate {
         };
         // Most requests set no template argument: probed once, here.
         t.opens = t.probe_opens(&serde_json::Map::new());
+        if t.tools.is_none() {
+            t.tools = t.probe_tool_syntax();
+        }
         Ok(t)
+    }
+
+    /// The tool syntax a template that names no marker writes calls in:
+    /// seen in how it renders an assistant's call.
+    fn probe_tool_syntax(&self) -> Option<ToolSyntax> {
+        const NAME: &str = "siliceo_probe";
+        let call = Message {
+            role: "assistant".into(),
+            tool_calls: vec![ToolCall {
+                id: "call_0".into(),
+                name: NAME.into(),
+                arguments: r#"{"arg": 1}"#.into(),
+            }],
+            ..Message::default()
+        };
+        let chat = [Message::new("user", "Hi"), call];
+        let text = self
+            .render_with(&chat, &[], false, &serde_json::Map::new())
+            .ok()?;
+        ToolSyntax::of_rendered_call(&text, NAME)
     }
 
     /// Whether the model thinks in `<think>` blocks before it answers (its

@@ -238,6 +238,20 @@ const CALL_TEXTS: &[(ToolSyntax, &str)] = &[
         ToolSyntax::Mistral,
         "[TOOL_CALLS] [{\"name\": \"a\", \"arguments\": {\"x\": [1, 2]}}, {\"name\": \"b\", \"parameters\": {}}]",
     ),
+    (
+        ToolSyntax::Llama3Json,
+        "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}",
+    ),
+    (
+        ToolSyntax::Llama3Json,
+        " {\"name\": \"a\", \"parameters\": {}}; {\"name\": \"b\", \"parameters\": {\"x\": 1}} and text",
+    ),
+    (ToolSyntax::Llama3Json, "{\"answer\": 42}"),
+    (
+        ToolSyntax::Llama3Json,
+        "It is {\"name\": \"f\", \"parameters\": {}}",
+    ),
+    (ToolSyntax::Llama3Json, "{\"name\": \"f\", \"param"),
 ];
 
 /// The pieces of `text` fed in `parts`, with neighbours of a kind merged.
@@ -358,6 +372,8 @@ fn smollm2_renders_as_jinja2_does() {
         "<|im_end|>",
     )
     .unwrap();
+    // It writes no tool calls: no syntax, by marker or by probe.
+    assert_eq!(t.tool_syntax(), None);
     let text = t
         .render(
             &[Message::new("user", "What is the capital of France?")],
@@ -529,4 +545,59 @@ fn a_final_assistant_message_is_continued_or_the_chat_closed() {
         ChatTemplate::new("{% for m in messages %}<{{ m.role }}>{% endfor %}", "", "").unwrap();
     msgs[1].tool_calls.clear();
     assert!(matches!(refused(&msgs, &drops), ChatError::Continue(m) if m.contains("as given")));
+}
+
+/// Llama 3's calls, `{"name": …, "parameters": …}` with no marker: known by
+/// how a template writes an assistant's call; read only where the answer
+/// opens with one; forced by a grammar with the `parameters` key.
+#[test]
+fn llama3_calls_are_the_answers_opening_json() {
+    let t = ChatTemplate::new(
+        "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n\
+         {% if m.tool_calls %}{% set c = m.tool_calls[0].function %}\
+         {{ '{\"name\": \"' + c.name + '\", \"parameters\": ' + c.arguments | tojson + '}' }}\
+         {% else %}{{ m.content }}{% endif %}<|eot_id|>{% endfor %}",
+        "",
+        "",
+    )
+    .unwrap();
+    assert_eq!(t.tool_syntax(), Some(ToolSyntax::Llama3Json));
+    assert_eq!(qwen().tool_syntax(), Some(ToolSyntax::Hermes));
+
+    let whole = |i: usize| streamed(CALL_TEXTS[i].0, &[CALL_TEXTS[i].1]).0;
+    assert_eq!(
+        whole(10),
+        vec![
+            CallPiece::Call("get_weather".into()),
+            CallPiece::Args(r#"{"city": "Paris"}"#.into()),
+        ]
+    );
+    // Several, separated by `;`; what follows the calls is dropped.
+    assert_eq!(
+        whole(11),
+        vec![
+            CallPiece::Call("a".into()),
+            CallPiece::Args("{}".into()),
+            CallPiece::Call("b".into()),
+            CallPiece::Args(r#"{"x": 1}"#.into()),
+        ]
+    );
+    // JSON that is no call, a call after text, a head cut short: text.
+    for i in [12, 13, 14] {
+        assert_eq!(whole(i), vec![CallPiece::Text(CALL_TEXTS[i].1.into())]);
+    }
+    // A JSON answer goes out as soon as it cannot be a call.
+    let mut p = CallParser::new(ToolSyntax::Llama3Json);
+    assert_eq!(p.push("{\"ans"), vec![CallPiece::Text("{\"ans".into())]);
+
+    let Some(Constraint::Lark(g)) =
+        ToolSyntax::Llama3Json.constraint(&[weather()], &ToolChoice::Required, true)
+    else {
+        panic!()
+    };
+    assert!(
+        g.starts_with("start: call (\"; \" call)*\ncall: %json "),
+        "{g}"
+    );
+    assert!(g.contains(r#""required":["name","parameters"]"#), "{g}");
 }

@@ -16,6 +16,10 @@ pub enum ToolSyntax {
     Hermes,
     /// `[TOOL_CALLS] [{"name": …, "arguments": {…}}, …]` (Mistral).
     Mistral,
+    /// `{"name": …, "parameters": {…}}` as the whole answer, with no marker
+    /// (Llama 3.1–3.3, whose templates write calls so); several are
+    /// separated by `;`. Only an answer that opens with it is a call.
+    Llama3Json,
 }
 
 /// Which tools the model may or must call (OpenAI's `tool_choice`).
@@ -54,11 +58,31 @@ impl ToolSyntax {
         }
     }
 
-    /// A short name (`hermes`, `mistral`).
+    /// The syntax a template writes an assistant's call in, seen in its
+    /// rendering of a chat whose assistant called `name` with
+    /// `{"arg": 1}` (for templates that name no marker, [`detect`]
+    /// finding none).
+    ///
+    /// [`detect`]: ToolSyntax::detect
+    pub fn of_rendered_call(rendered: &str, name: &str) -> Option<ToolSyntax> {
+        let head = format!(r#"{{"name": "{name}", "parameters": "#);
+        rendered.contains(&head).then_some(ToolSyntax::Llama3Json)
+    }
+
+    /// A short name (`hermes`, `mistral`, `llama3_json`).
     pub fn name(self) -> &'static str {
         match self {
             ToolSyntax::Hermes => "hermes",
             ToolSyntax::Mistral => "mistral",
+            ToolSyntax::Llama3Json => "llama3_json",
+        }
+    }
+
+    /// The key a call's arguments go under.
+    fn arguments_key(self) -> &'static str {
+        match self {
+            ToolSyntax::Llama3Json => "parameters",
+            _ => "arguments",
         }
     }
 
@@ -68,6 +92,8 @@ impl ToolSyntax {
         match self {
             ToolSyntax::Hermes => &["<tool_call>", "```json"],
             ToolSyntax::Mistral => &["[TOOL_CALLS]"],
+            // The call is the answer's opening `{` (see CallParser).
+            ToolSyntax::Llama3Json => &[],
         }
     }
 
@@ -126,9 +152,9 @@ impl ToolSyntax {
                     "type": "object",
                     "properties": {
                         "name": {"const": t.name},
-                        "arguments": t.parameters_value(),
+                        self.arguments_key(): t.parameters_value(),
                     },
-                    "required": ["name", "arguments"],
+                    "required": ["name", self.arguments_key()],
                     "additionalProperties": false,
                 }))
                 .collect::<Vec<_>>(),
@@ -158,6 +184,12 @@ impl ToolSyntax {
                     list["maxItems"] = 1.into();
                 }
                 format!("start: \"[TOOL_CALLS] \" body\nbody: %json {list}\n")
+            }
+            ToolSyntax::Llama3Json => {
+                let mut body = one_call;
+                body["x-guidance"] = layout;
+                let repeat = if parallel { " (\"; \" call)*" } else { "" };
+                format!("start: call{repeat}\ncall: %json {body}\n")
             }
         };
         Some(Constraint::Lark(grammar))

@@ -544,7 +544,8 @@ fn resolve_tools(
                 ApiError::invalid(
                     "tools",
                     "the model's chat template has no tool-call syntax siliceo knows \
-                 (`<tool_call>` as Qwen2.5 and Hermes write it, or Mistral's `[TOOL_CALLS]`)",
+                 (`<tool_call>` as Qwen2.5 and Hermes write it, Mistral's `[TOOL_CALLS]`, \
+                 or Llama 3's `{\"name\": …, \"parameters\": …}`)",
                 )
             })?;
     if let Some(c) = syntax.constraint(&plan.request.tools, &tp.choice, tp.parallel) {
