@@ -411,6 +411,75 @@ def test_a_final_assistant_message_is_continued(server, grpc_api):
     server.wait_idle()
 
 
+def test_vllms_guided_decoding_and_stop_token_ids(server, grpc_api):
+    """vLLM's guided decoding in its older (`guided_*`) and newer
+    (`structured_outputs`) shapes: sampled outputs are one of the choices
+    (quotes and all), match the regex, or validate against the schema (an
+    object or its text). `stop_token_ids` ends a request at the token, whose
+    text is returned, as vLLM does. What vLLM serves and this server does
+    not is a 400 naming it."""
+    import jsonschema
+
+    c = client(server)
+    ask = [{"role": "user", "content": "Is the sky blue?"}]
+    choices = ["yes", "no", 'it depends "really"']
+    for i in range(4):
+        for body in [{"guided_choice": choices}, {"structured_outputs": {"choice": choices}}]:
+            r = c.chat.completions.create(model="", messages=ask, max_tokens=20, temperature=1.0,
+                                          seed=i, extra_body=body)
+            assert r.choices[0].message.content in choices, (body, r.choices[0].message.content)
+    # A choice's quotes, backslashes and newlines are its own.
+    odd = 'say "hi" \\ then\nbye'
+    r = c.chat.completions.create(model="", messages=ask, max_tokens=20, temperature=0,
+                                  extra_body={"guided_choice": [odd]})
+    assert r.choices[0].message.content == odd
+    rx = "[0-9]{3}-[a-z]{2}"
+    for body in [{"guided_regex": rx}, {"structured_outputs": {"regex": rx}}]:
+        r = c.completions.create(model="", prompt="Code:", max_tokens=20, temperature=1.0, seed=3,
+                                 extra_body=body)
+        assert re.fullmatch(rx, r.choices[0].text), r.choices[0].text
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 12},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+    for body in [{"guided_json": schema}, {"guided_json": json.dumps(schema)},
+                 {"structured_outputs": {"json": schema}}]:
+        r = c.chat.completions.create(model="", messages=[{"role": "user", "content": "A person."}],
+                                      max_tokens=60, temperature=0.8, seed=5, extra_body=body)
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = c.chat.completions.create(model="", messages=ask, max_tokens=40, temperature=0,
+                                  extra_body={"structured_outputs": {"json_object": True}})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+    # The token that ends it is returned.
+    pb, stub, meta = grpc_api
+    prompt = "The capital of France is"
+    ids = [t for x in stub.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=12), metadata=meta)
+           for t in x.token_ids]
+    k = 3
+    k = ids.index(ids[k])  # its first place
+    r = c.completions.create(model="", prompt=prompt, max_tokens=12, temperature=0,
+                             extra_body={"stop_token_ids": [ids[k]]})
+    status, want = post_json(server, "/detokenize", {"tokens": ids[: k + 1]})
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want["prompt"], "stop")
+    assert r.usage.completion_tokens == k + 1
+
+    for body, param in [
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
+        ({"guided_regex": "a", "regex": "b"}, "regex"),
+        ({"guided_json": 3}, "guided_json"),
+        ({"guided_grammar": "start: nope_rule"}, "guided_grammar"),
+        ({"min_tokens": 5}, "min_tokens"),
+        ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"stop_token_ids": [10**8]}, "stop_token_ids"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="", messages=ask, max_tokens=4, extra_body=body)
+        assert e.value.body["param"] == param, (body, e.value.body)
+    server.wait_idle()
+
+
 def test_embeddings_and_rerank(embed_server):
     c = client(embed_server, key="unused")
     r = c.embeddings.create(

@@ -40,7 +40,9 @@ pub struct SamplingParams {
     pub max_tokens: u32,
     /// Generation stops before any of these strings; they are not returned.
     pub stop: Vec<String>,
-    /// Generation stops after any of these tokens (in addition to end-of-generation tokens).
+    /// Generation stops after any of these tokens (in addition to
+    /// end-of-generation tokens), whose text is returned (a control token
+    /// has none), as vLLM does.
     pub stop_token_ids: Vec<TokenId>,
     /// Keep going past end-of-generation tokens (benchmarks only).
     pub ignore_eos: bool,

@@ -124,11 +124,13 @@ impl<'m> TokenText<'m> {
     }
 
     /// The text `token` makes safe to emit, and whether the generation stops
-    /// here (a stop token, or a completed stop string, which is not emitted).
+    /// here: an end-of-generation token (not emitted), a requested stop
+    /// token (emitted as vLLM does: its text, which a control token has
+    /// none of), or a completed stop string (not emitted).
     pub fn push(&mut self, token: TokenId) -> (String, bool) {
-        let is_stop_token =
-            (!self.ignore_eos && self.model.is_eog(token)) || self.stop_token_ids.contains(&token);
-        let piece = if is_stop_token {
+        let eog = !self.ignore_eos && self.model.is_eog(token);
+        let is_stop_token = eog || self.stop_token_ids.contains(&token);
+        let piece = if eog {
             String::new()
         } else {
             self.detok.push(token)

@@ -138,6 +138,27 @@ pub struct Common {
     /// Extension: the output is derived by this Lark grammar (llguidance's
     /// dialect, `start` the root rule).
     pub grammar: Option<String>,
+    /// Extension (vLLM's): generation also stops at these tokens, whose
+    /// text is returned (a control token has none).
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// vLLM's guided decoding, older names: a JSON schema (an object, or
+    /// its text).
+    pub guided_json: Option<serde_json::Value>,
+    /// vLLM's: the output matches this regex.
+    pub guided_regex: Option<String>,
+    /// vLLM's: the output is one of these texts.
+    pub guided_choice: Option<Vec<String>>,
+    /// vLLM's: a grammar (Lark, llguidance's dialect, here).
+    pub guided_grammar: Option<String>,
+    /// vLLM's guided decoding, newer shape: `json`, `regex`, `choice`,
+    /// `grammar` or `json_object`.
+    pub structured_outputs: Option<StructuredOutputs>,
+    /// vLLM's; refused above 0 (not served).
+    pub min_tokens: Option<u32>,
+    /// vLLM's; refused when true (not served).
+    pub include_stop_str_in_output: Option<bool>,
+    /// vLLM's; refused when true (not served).
+    pub use_beam_search: Option<bool>,
     /// Extension (vLLM's): each prompt token's log-probability with this
     /// many alternatives, in `prompt_logprobs` (a completion's choice, or a
     /// chat completion's top level).
@@ -450,7 +471,12 @@ fn plan(common: Common, input: Input, scores: bool) -> Result<Plan, ApiError> {
         penalty_last_n: d.penalty_last_n,
         max_tokens,
         stop: common.stop.map(OneOrMany::into_vec).unwrap_or_default(),
-        stop_token_ids: Vec::new(),
+        stop_token_ids: common
+            .stop_token_ids
+            .iter()
+            .flatten()
+            .map(|&t| TokenId(t))
+            .collect(),
         ignore_eos: common.ignore_eos,
         logit_bias,
     };
@@ -522,13 +548,106 @@ fn refuse_unserved(c: &Common) -> Result<(), ApiError> {
             &format!("verbosity `{v}`"),
         ));
     }
+    // vLLM's sampling extensions that are not served.
+    if c.min_tokens.is_some_and(|m| m > 0) {
+        return Err(ApiError::unsupported("min_tokens", "min_tokens above 0"));
+    }
+    if c.include_stop_str_in_output == Some(true) {
+        return Err(ApiError::unsupported(
+            "include_stop_str_in_output",
+            "returning the stop string",
+        ));
+    }
+    if c.use_beam_search == Some(true) {
+        return Err(ApiError::unsupported("use_beam_search", "beam search"));
+    }
     Ok(())
 }
 
-/// The constraint a request asks for (`response_format`, or the `regex` and
-/// `grammar` extensions; at most one) and the field it came from.
+/// vLLM's `structured_outputs` (one of its fields).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StructuredOutputs {
+    /// A JSON schema (an object, or its text).
+    pub json: Option<serde_json::Value>,
+    /// A regex the output matches.
+    pub regex: Option<String>,
+    /// Texts the output is one of.
+    pub choice: Option<Vec<String>>,
+    /// A grammar (Lark, llguidance's dialect).
+    pub grammar: Option<String>,
+    /// Any JSON object.
+    #[serde(default, deserialize_with = "or_default")]
+    pub json_object: bool,
+}
+
+/// A JSON schema given as an object or as its text (vLLM takes both).
+fn schema_of(field: &'static str, v: &serde_json::Value) -> Result<Constraint, ApiError> {
+    let schema = match v {
+        serde_json::Value::String(text) => text.clone(),
+        serde_json::Value::Object(_) | serde_json::Value::Bool(_) => v.to_string(),
+        _ => return Err(ApiError::invalid(field, "must be a JSON schema")),
+    };
+    Ok(Constraint::JsonSchema {
+        schema,
+        strict: false,
+    })
+}
+
+/// A grammar whose language is exactly `choices` (vLLM's `guided_choice`).
+fn choice_of(field: &'static str, choices: &[String]) -> Result<Constraint, ApiError> {
+    if choices.is_empty() {
+        return Err(ApiError::invalid(field, "at least one choice is required"));
+    }
+    // Lark string literals take JSON's escapes.
+    let alts: Vec<String> = choices
+        .iter()
+        .map(|c| serde_json::Value::String(c.clone()).to_string())
+        .collect();
+    Ok(Constraint::Lark(format!("start: {}\n", alts.join(" | "))))
+}
+
+/// vLLM's guided-decoding fields as constraints, each with its field.
+fn guided_of(common: &Common) -> Result<Vec<(&'static str, Constraint)>, ApiError> {
+    let mut found = Vec::new();
+    if let Some(v) = &common.guided_json {
+        found.push(("guided_json", schema_of("guided_json", v)?));
+    }
+    if let Some(rx) = &common.guided_regex {
+        found.push(("guided_regex", Constraint::Regex(rx.clone())));
+    }
+    if let Some(c) = &common.guided_choice {
+        found.push(("guided_choice", choice_of("guided_choice", c)?));
+    }
+    if let Some(g) = &common.guided_grammar {
+        found.push(("guided_grammar", Constraint::Lark(g.clone())));
+    }
+    if let Some(so) = &common.structured_outputs {
+        if let Some(v) = &so.json {
+            let field = "structured_outputs.json";
+            found.push((field, schema_of(field, v)?));
+        }
+        if let Some(rx) = &so.regex {
+            found.push(("structured_outputs.regex", Constraint::Regex(rx.clone())));
+        }
+        if let Some(c) = &so.choice {
+            let field = "structured_outputs.choice";
+            found.push((field, choice_of(field, c)?));
+        }
+        if let Some(g) = &so.grammar {
+            found.push(("structured_outputs.grammar", Constraint::Lark(g.clone())));
+        }
+        if so.json_object {
+            found.push(("structured_outputs.json_object", Constraint::JsonObject));
+        }
+    }
+    Ok(found)
+}
+
+/// The constraint a request asks for (`response_format`, the `regex` and
+/// `grammar` extensions, or vLLM's guided decoding; at most one) and the
+/// field it came from.
 fn constraint_of(common: &Common) -> Result<Option<(&'static str, Constraint)>, ApiError> {
-    let mut found: Vec<(&'static str, Constraint)> = Vec::new();
+    let mut found: Vec<(&'static str, Constraint)> = guided_of(common)?;
     if let Some(f) = &common.response_format {
         let kind = f.get("type").and_then(|t| t.as_str());
         match kind {
@@ -712,7 +831,10 @@ pub(crate) fn conversation_plan(
 ) -> Result<Plan, ApiError> {
     let forced = matches!(choice, ToolChoice::Required | ToolChoice::Function(_));
     if forced
-        && (common.response_format.is_some() || common.regex.is_some() || common.grammar.is_some())
+        && (common.response_format.is_some()
+            || common.regex.is_some()
+            || common.grammar.is_some()
+            || !guided_of(&common)?.is_empty())
     {
         return Err(ApiError::invalid(
             "tool_choice",

@@ -163,6 +163,12 @@ impl Front {
             }
         }
         let n_vocab = self.model.geometry().n_vocab;
+        if let Some(t) = req.sampling.stop_token_ids.iter().find(|t| t.0 >= n_vocab) {
+            return Err(invalid(
+                "stop_token_ids",
+                format!("token id {} is outside the vocabulary of {n_vocab}", t.0),
+            ));
+        }
         if let Some((t, _)) = req.sampling.logit_bias.iter().find(|(t, _)| t.0 >= n_vocab) {
             return Err(invalid(
                 "logit_bias",
