@@ -132,6 +132,14 @@ def test_previous_response_id_continues_from_the_cache(server):
     # The first turn's prompt came from the prefix cache.
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 1
 
+    # Counted beforehand: the prompt tokens each turn ran on.
+    count = c.responses.input_tokens.count(
+        model="", instructions=SYSTEM, input="What is my name?", previous_response_id=first.id)
+    assert (count.object, count.input_tokens) == ("response.input_tokens", second.usage.input_tokens)
+    assert c.responses.input_tokens.count(
+        model="", instructions=SYSTEM, input="My name is Ada. Say hello to me.",
+    ).input_tokens == first.usage.input_tokens
+
     # Kept: retrieved as it was answered, its input listed.
     got = c.responses.retrieve(first.id)
     assert got.model_dump() == first.model_dump()
@@ -144,9 +152,10 @@ def test_previous_response_id_continues_from_the_cache(server):
     c.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(first.id)
-    with pytest.raises(openai.NotFoundError) as e:
-        c.responses.create(model="", input="Hi", previous_response_id=first.id)
-    assert e.value.body["param"] == "previous_response_id"
+    for call in (c.responses.create, c.responses.input_tokens.count):
+        with pytest.raises(openai.NotFoundError) as e:
+            call(model="", input="Hi", previous_response_id=first.id)
+        assert e.value.body["param"] == "previous_response_id"
     # The second turn keeps the whole conversation on its own.
     third = c.responses.create(
         model="", input="Thanks.", previous_response_id=second.id,

@@ -760,11 +760,7 @@ pub(crate) async fn count_tokens(
     if !matches!(req.input, Input::Chat(_)) {
         return Err(ApiError::internal("a message request is a chat").into());
     }
-    let rt = s.rt.clone();
-    let tokens = tokio::task::spawn_blocking(move || rt.request_tokens(req))
-        .await
-        .map_err(|e| ApiError::internal(e.to_string()))?
-        .map_err(|e| ApiError::from_runtime(&e))?;
+    let tokens = crate::prompt_tokens(&s, req).await?;
     Ok(Json(json!({"input_tokens": tokens.len()})))
 }
 

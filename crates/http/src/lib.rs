@@ -206,6 +206,7 @@ pub fn router(rt: Arc<Runtime>, cfg: &HttpConfig) -> Router {
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/responses", post(responses::create))
+        .route("/v1/responses/input_tokens", post(responses::input_tokens))
         .route(
             "/v1/responses/{id}",
             get(responses::retrieve).delete(responses::delete),
@@ -439,6 +440,19 @@ async fn model(State(s): State<Arc<AppState>>, Path(id): Path<String>) -> Respon
     }
 }
 
+/// The prompt tokens `req` runs on (its chat rendered), counted off the
+/// async threads: a template may take a while.
+pub(crate) async fn prompt_tokens(
+    s: &AppState,
+    req: siliceo_runtime::GenerateRequest,
+) -> Result<Vec<siliceo_core::TokenId>, ApiError> {
+    let rt = s.rt.clone();
+    tokio::task::spawn_blocking(move || rt.request_tokens(req))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(|e| ApiError::from_runtime(&e))
+}
+
 /// `POST /tokenize`: the tokens a prompt or a chat gives, as a request would
 /// run on them (vLLM's answer: `tokens`, `count`, `max_model_len`).
 async fn tokenize(
@@ -451,10 +465,7 @@ async fn tokenize(
     let (req, special) = openai::tokenize_input(r)?;
     let tokens = match &req.input {
         Input::Prompt(p) if !special => s.rt.tokenize(p, false).map_err(|e| named(e, "prompt")),
-        _ => {
-            s.rt.request_tokens(req)
-                .map_err(|e| ApiError::from_runtime(&e))
-        }
+        _ => prompt_tokens(&s, req).await,
     }?;
     let mut out = json!({
         "count": tokens.len(),

@@ -1,6 +1,7 @@
 //! OpenAI's Responses API: `POST /v1/responses` (whole, or streamed as
 //! typed server-sent events, or in the `background`), and the responses
 //! this server keeps: `GET`/`DELETE /v1/responses/{id}`,
+//! `POST /v1/responses/input_tokens` (a request's prompt tokens, counted),
 //! `GET /v1/responses/{id}/input_items`, `POST /v1/responses/{id}/cancel`.
 //!
 //! A response runs as a chat: `instructions` become a system message, then
@@ -1453,26 +1454,7 @@ pub(crate) async fn create(
     let common: Common = field_of(&v)?;
     openai::check_model(common.model.as_deref(), &s.model_ids)?;
     let stream = common.stream;
-    let prior = match r.previous_response_id.as_deref().filter(|i| !i.is_empty()) {
-        None => None,
-        Some(id) => Some(s.responses.get(id).ok_or_else(|| {
-            ApiError::not_found(
-                Some("previous_response_id"),
-                format!("previous response with id `{id}` not found (never kept, deleted, or dropped for space)"),
-            )
-        })?),
-    };
-    if let Some(p) = &prior
-        && !matches!(status_of(&p.response), "completed" | "incomplete")
-    {
-        return Err(ApiError::invalid(
-            "previous_response_id",
-            format!(
-                "the previous response is {}; only a finished one can be continued",
-                status_of(&p.response)
-            ),
-        ));
-    }
+    let prior = prior_of(&s, &r)?;
     let model = s.model_ids[0].clone();
     let can_store = s.responses.max_bytes > 0;
     let mut p = prepare(&v, r, common, prior.as_deref(), (model, can_store))?;
@@ -1537,6 +1519,55 @@ pub(crate) async fn create(
         return Err(e);
     }
     Ok(Json(b.response()).into_response())
+}
+
+/// The kept response `previous_response_id` names, which must have ended.
+fn prior_of(s: &AppState, r: &ResponsesRequest) -> Result<Option<Arc<Stored>>, ApiError> {
+    let Some(id) = r.previous_response_id.as_deref().filter(|i| !i.is_empty()) else {
+        return Ok(None);
+    };
+    let p = s.responses.get(id).ok_or_else(|| {
+        ApiError::not_found(
+            Some("previous_response_id"),
+            format!(
+                "previous response with id `{id}` not found (never kept, deleted, or dropped \
+                 for space)"
+            ),
+        )
+    })?;
+    if !matches!(status_of(&p.response), "completed" | "incomplete") {
+        return Err(ApiError::invalid(
+            "previous_response_id",
+            format!(
+                "the previous response is {}; only a finished one can be continued",
+                status_of(&p.response)
+            ),
+        ));
+    }
+    Ok(Some(p))
+}
+
+/// `POST /v1/responses/input_tokens`: the prompt tokens a response request
+/// with the same input (`instructions`, `previous_response_id`, `input`,
+/// `tools`) runs on.
+pub(crate) async fn input_tokens(
+    State(s): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let v = body_json(body, s.max_request_bytes)?;
+    let r: ResponsesRequest = field_of(&v)?;
+    let common: Common = field_of(&v)?;
+    openai::check_model(common.model.as_deref(), &s.model_ids)?;
+    let prior = prior_of(&s, &r)?;
+    // Counting keeps nothing.
+    let model = s.model_ids[0].clone();
+    let p = prepare(&v, r, common, prior.as_deref(), (model, false))?;
+    let tokens = crate::prompt_tokens(&s, p.plan.request)
+        .await
+        .map_err(renamed)?;
+    Ok(Json(
+        json!({"object": "response.input_tokens", "input_tokens": tokens.len()}),
+    ))
 }
 
 fn not_kept(id: &str) -> ApiError {
