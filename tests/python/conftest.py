@@ -195,8 +195,8 @@ def client(server, key=API_KEY, **kw) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="session")
-def grpc_api(server):
-    """grpcio stubs compiled from our .proto, a stub on `server`, its metadata."""
+def grpc_protos():
+    """grpcio modules compiled from our .proto: messages and stubs."""
     out = Path(tempfile.mkdtemp())
     subprocess.run(
         [
@@ -211,10 +211,18 @@ def grpc_api(server):
         check=True,
     )
     sys.path.insert(0, str(out))
-    import grpc
     from siliceo.v1 import inference_pb2 as pb
     from siliceo.v1 import inference_pb2_grpc as pbg
 
+    return pb, pbg
+
+
+@pytest.fixture(scope="session")
+def grpc_api(server, grpc_protos):
+    """A stub on `server`, with our messages and the key's metadata."""
+    import grpc
+
+    pb, pbg = grpc_protos
     channel = grpc.insecure_channel(server.grpc)
     yield pb, pbg.InferenceStub(channel), [("authorization", f"Bearer {API_KEY}")]
     channel.close()

@@ -326,6 +326,18 @@ def schema_of(name: str) -> dict:
     return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
 
 
+PARIS = "What is the weather like in Paris right now?"
+
+
+def chat_call(c, ask: str):
+    """A greedy chat completion of `ask` with TOOLS, and its first call."""
+    chat = c.chat.completions.create(
+        model="", messages=[{"role": "user", "content": ask}], tools=TOOLS,
+        temperature=0, max_tokens=80,
+    )
+    return chat, chat.choices[0].message.tool_calls[0]
+
+
 def test_tool_calls_on_qwen(qwen_server):
     c = client(qwen_server, timeout=600)
     ask = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
@@ -388,6 +400,67 @@ def test_tool_calls_on_qwen(qwen_server):
     qwen_server.wait_idle()
 
 
+def test_grpc_tool_calls_on_qwen(qwen_server, grpc_protos):
+    """Tools over gRPC: the call a chat completion makes comes in
+    `tool_calls` deltas (the first with its id and name, then its arguments
+    as written) with FINISH_REASON_TOOL_CALLS, and the tool's answer,
+    sent back as an assistant message with the call and a tool message,
+    gives the chat completion's answer exactly."""
+    import grpc
+
+    from conftest import API_KEY
+
+    pb, pbg = grpc_protos
+    meta = [("authorization", f"Bearer {API_KEY}")]
+    c = client(qwen_server, timeout=600)
+    ask = PARIS
+    chat, want = chat_call(c, ask)
+    tools = [pb.Tool(name=t["function"]["name"], description=t["function"]["description"],
+                     parameters=json.dumps(t["function"]["parameters"])) for t in TOOLS]
+    with grpc.insecure_channel(qwen_server.grpc) as ch:
+        stub = pbg.InferenceStub(ch)
+        msgs = [pb.ChatMessage(role="user", content=ask)]
+        req = pb.GenerateRequest(chat=pb.ChatMessages(messages=msgs), tools=tools, max_tokens=80)
+        out = list(stub.Generate(req, metadata=meta))
+        deltas = [d for r in out for d in r.tool_calls]
+        assert out[-1].finish_reason == pb.FINISH_REASON_TOOL_CALLS
+        assert "".join(r.text for r in out) == (chat.choices[0].message.content or "")
+        assert {d.index for d in deltas} == {0} and deltas[0].name == want.function.name
+        assert deltas[0].id and all(not d.name for d in deltas[1:])
+        assert len(deltas) > 3, deltas
+        args = "".join(d.arguments for d in deltas)
+        assert args == want.function.arguments
+
+        answer = "18 degrees celsius and sunny"
+        follow = msgs + [
+            pb.ChatMessage(role="assistant", tool_calls=[
+                pb.ToolCall(id=deltas[0].id, name=deltas[0].name, arguments=args)]),
+            pb.ChatMessage(role="tool", tool_call_id=deltas[0].id, content=answer),
+        ]
+        req = pb.GenerateRequest(chat=pb.ChatMessages(messages=follow), tools=tools,
+                                 tool_choice="none", max_tokens=40)
+        text = "".join(r.text for r in stub.Generate(req, metadata=meta))
+        turns = [
+            {"role": "user", "content": ask},
+            {"role": "assistant", "tool_calls": [{"id": deltas[0].id, "type": "function",
+             "function": {"name": deltas[0].name, "arguments": args}}]},
+            {"role": "tool", "tool_call_id": deltas[0].id, "content": answer},
+        ]
+        r = c.chat.completions.create(model="", messages=turns, tools=TOOLS, tool_choice="none",
+                                      temperature=0, max_tokens=40)
+        assert text == r.choices[0].message.content and "18" in text
+
+        # A named function is forced, as on HTTP.
+        req = pb.GenerateRequest(
+            chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Say hello.")]),
+            tools=tools, tool_choice="convert_currency", parallel_tool_calls=False, max_tokens=80)
+        out = list(stub.Generate(req, metadata=meta))
+        deltas = [d for r in out for d in r.tool_calls]
+        assert [d.name for d in deltas if d.name] == ["convert_currency"]
+        validate("".join(d.arguments for d in deltas), schema_of("convert_currency"))
+    qwen_server.wait_idle()
+
+
 # The same tools as the Responses API takes them (flat).
 RESPONSE_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
 
@@ -397,12 +470,8 @@ def test_responses_call_functions_on_qwen(qwen_server):
     as a `function_call` item; its output continues the kept conversation
     as the chat with a tool message does."""
     c = client(qwen_server, timeout=600)
-    ask = "What is the weather like in Paris right now?"
-    chat = c.chat.completions.create(
-        model="", messages=[{"role": "user", "content": ask}], tools=TOOLS,
-        temperature=0, max_tokens=80,
-    )
-    want = chat.choices[0].message.tool_calls[0]
+    ask = PARIS
+    chat, want = chat_call(c, ask)
     r = c.responses.create(
         model="", input=ask, tools=RESPONSE_TOOLS, temperature=0, max_output_tokens=80
     )
@@ -473,12 +542,8 @@ def test_claude_tool_use_on_qwen(qwen_server):
          "input_schema": t["function"]["parameters"]}
         for t in TOOLS
     ]
-    ask = "What is the weather like in Paris right now?"
-    chat = c.chat.completions.create(
-        model="", messages=[{"role": "user", "content": ask}], tools=TOOLS,
-        temperature=0, max_tokens=80,
-    )
-    want = chat.choices[0].message.tool_calls[0]
+    ask = PARIS
+    chat, want = chat_call(c, ask)
     greedy = {"temperature": 0}
     m = a.messages.create(
         model="", max_tokens=80, extra_body=greedy, tools=tools,

@@ -31,6 +31,7 @@
 mod calls;
 mod json;
 mod reasoning;
+mod router;
 mod tools;
 
 use std::fmt;
@@ -42,6 +43,7 @@ pub use siliceo_core::Constraint;
 
 pub use calls::{CallParser, CallPiece};
 pub use reasoning::{Split, THINK_CLOSE, THINK_OPEN, ThinkSplitter};
+pub use router::{OutputRouter, Routed};
 pub use tools::{ParsedOutput, ToolChoice, ToolSyntax};
 
 /// Why a template could not be used.
@@ -195,6 +197,55 @@ pub struct Tool {
     pub description: Option<String>,
     /// Its arguments' JSON schema (an object schema), as JSON text.
     pub parameters: String,
+}
+
+/// Client tools, checked: each name 1 to 64 letters, digits, `_` or `-`,
+/// and given once; each schema (absent: no arguments) a JSON object. The
+/// error gives the tool's index, the field (`name`, `parameters`) and why.
+pub fn checked_tools(
+    tools: impl IntoIterator<Item = (String, Option<String>, Option<serde_json::Value>)>,
+) -> Result<Vec<Tool>, (usize, &'static str, String)> {
+    let mut out: Vec<Tool> = Vec::new();
+    for (i, (name, description, parameters)) in tools.into_iter().enumerate() {
+        let ok_name = !name.is_empty()
+            && name.len() <= 64
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        if !ok_name {
+            return Err((i, "name", "1 to 64 letters, digits, `_` or `-`".into()));
+        }
+        if out.iter().any(|o| o.name == name) {
+            return Err((i, "name", format!("`{name}` is defined twice")));
+        }
+        let parameters =
+            parameters.unwrap_or_else(|| serde_json::json!({"type": "object", "properties": {}}));
+        if !parameters.is_object() {
+            return Err((i, "parameters", "must be a JSON schema object".into()));
+        }
+        out.push(Tool {
+            name,
+            description,
+            parameters: parameters.to_string(),
+        });
+    }
+    Ok(out)
+}
+
+impl ToolChoice {
+    /// Whether this choice can be met with `tools`: a required call needs
+    /// tools, a named one a tool of that name.
+    pub fn check(&self, tools: &[Tool]) -> Result<(), String> {
+        match self {
+            ToolChoice::Required | ToolChoice::Function(_) if tools.is_empty() => {
+                Err("a tool call was required but no tools were given".into())
+            }
+            ToolChoice::Function(name) if !tools.iter().any(|t| &t.name == name) => {
+                Err(format!("no tool named `{name}` in tools"))
+            }
+            _ => Ok(()),
+        }
+    }
 }
 
 impl Tool {

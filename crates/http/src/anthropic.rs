@@ -30,7 +30,7 @@ use siliceo_runtime::{
 
 use crate::error::ApiError;
 use crate::openai::{self, Common, Plan};
-use crate::stream::{EventMachine, OutputRouter, Parsing, TypedEvents};
+use crate::stream::{EventMachine, Parsing, TypedEvents};
 use crate::{AppState, body_json, field_of, uuid_like};
 
 /// An error in Anthropic's shape.
@@ -521,7 +521,7 @@ struct Reply {
     model: String,
     input_tokens: u32,
     /// Thinking split off, tool calls read.
-    router: OutputRouter,
+    router: siliceo_runtime::OutputRouter,
     /// Tool calls begun.
     calls: usize,
     /// Finished content blocks.
@@ -541,7 +541,7 @@ impl Reply {
             id: format!("msg_{}", uuid_like()),
             model,
             input_tokens,
-            router: OutputRouter::new(parsing),
+            router: parsing.router(),
             calls: 0,
             blocks: Vec::new(),
             open: Open::None,

@@ -540,7 +540,8 @@ fn parsing(s: &AppState, plan: &mut openai::Plan) -> Result<stream::Parsing, Api
     Ok(stream::Parsing { tools, think })
 }
 
-/// The model's tool syntax, when the plan offers tools.
+/// The model's tool syntax, when the plan offers tools (a required or named
+/// call forced by a grammar).
 fn resolve_tools(
     s: &AppState,
     plan: &mut openai::Plan,
@@ -548,22 +549,8 @@ fn resolve_tools(
     let Some(tp) = &plan.tools else {
         return Ok(None);
     };
-    let syntax =
-        s.rt.chat_template()
-            .and_then(|t| t.tool_syntax())
-            .ok_or_else(|| {
-                ApiError::invalid(
-                    "tools",
-                    "the model's chat template has no tool-call syntax siliceo knows \
-                 (`<tool_call>` as Qwen2.5 and Hermes write it, Mistral's `[TOOL_CALLS]`, \
-                 or Llama 3's `{\"name\": …, \"parameters\": …}`)",
-                )
-            })?;
-    if let Some(c) = syntax.constraint(&plan.request.tools, &tp.choice, tp.parallel) {
-        plan.request.constraint = Some(c);
-        plan.request.constraint_field = "tools";
-    }
-    Ok(Some(syntax))
+    s.rt.offer_tools(&mut plan.request, &tp.choice, tp.parallel)
+        .map_err(|e| ApiError::from_runtime(&e))
 }
 
 /// Whether a chat's output holds a reasoning model's thinking to split off

@@ -1033,49 +1033,24 @@ pub(crate) fn called<'a>(
 
 /// `tools`: functions with a name and an object schema.
 pub(crate) fn tools_of(wire: Vec<WireToolCall>) -> Result<Vec<Tool>, ApiError> {
-    let mut tools: Vec<Tool> = Vec::with_capacity(wire.len());
-    for (i, t) in wire.into_iter().enumerate() {
-        if t.kind.as_deref().is_some_and(|k| k != "function") {
-            return Err(ApiError::invalid(
-                format!("tools[{i}].type"),
-                "only `function` tools are served",
-            ));
-        }
-        let name = t.function.name;
-        let ok_name = !name.is_empty()
-            && name.len() <= 64
-            && name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-        if !ok_name {
-            return Err(ApiError::invalid(
-                format!("tools[{i}].function.name"),
-                "1 to 64 letters, digits, `_` or `-`",
-            ));
-        }
-        if tools.iter().any(|o| o.name == name) {
-            return Err(ApiError::invalid(
-                format!("tools[{i}].function.name"),
-                format!("`{name}` is defined twice"),
-            ));
-        }
-        let parameters = t
-            .function
-            .parameters
-            .unwrap_or_else(|| serde_json::json!({"type": "object", "properties": {}}));
-        if !parameters.is_object() {
-            return Err(ApiError::invalid(
-                format!("tools[{i}].function.parameters"),
-                "must be a JSON schema object",
-            ));
-        }
-        tools.push(Tool {
-            name,
-            description: t.function.description,
-            parameters: parameters.to_string(),
-        });
+    if let Some(i) = wire
+        .iter()
+        .position(|t| t.kind.as_deref().is_some_and(|k| k != "function"))
+    {
+        return Err(ApiError::invalid(
+            format!("tools[{i}].type"),
+            "only `function` tools are served",
+        ));
     }
-    Ok(tools)
+    let tools = wire.into_iter().map(|t| {
+        (
+            t.function.name,
+            t.function.description,
+            t.function.parameters,
+        )
+    });
+    siliceo_runtime::checked_tools(tools)
+        .map_err(|(i, field, why)| ApiError::invalid(format!("tools[{i}].function.{field}"), why))
 }
 
 /// `tool_choice` (default `auto` with tools, `none` without).
@@ -1112,18 +1087,10 @@ pub(crate) fn tool_choice_of(
             ToolChoice::Function(name.to_string())
         }
     };
-    match &choice {
-        ToolChoice::Required | ToolChoice::Function(_) if tools.is_empty() => {
-            Err(ApiError::invalid(
-                "tool_choice",
-                "a tool call was required but no tools were given",
-            ))
-        }
-        ToolChoice::Function(name) if !tools.iter().any(|t| &t.name == name) => Err(
-            ApiError::invalid("tool_choice", format!("no tool named `{name}` in tools")),
-        ),
-        _ => Ok(choice),
-    }
+    choice
+        .check(tools)
+        .map_err(|why| ApiError::invalid("tool_choice", why))?;
+    Ok(choice)
 }
 
 #[cfg(test)]

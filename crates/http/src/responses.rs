@@ -44,9 +44,7 @@ use siliceo_runtime::{
 
 use crate::error::ApiError;
 use crate::openai::{self, Common, Plan};
-use crate::stream::{
-    EventMachine, Kind, OutputRouter, Parsing, TypedEvents, logprobs_json, typed_sse,
-};
+use crate::stream::{EventMachine, Kind, Parsing, TypedEvents, logprobs_json, typed_sse};
 use crate::{AppState, body_json, field_of, now_s, start, uuid_like};
 
 /// The `include` value that asks for the output's log-probabilities.
@@ -999,7 +997,7 @@ pub(crate) struct Builder {
     logprobs: bool,
     seq: u64,
     /// Thinking split off, tool calls held back.
-    router: OutputRouter,
+    router: siliceo_runtime::OutputRouter,
     rs_id: String,
     /// The reasoning item was announced, and ended.
     rs_opened: bool,
@@ -1042,7 +1040,7 @@ impl Builder {
             head: p.head,
             logprobs: p.logprobs,
             seq: 0,
-            router: OutputRouter::new(parsing),
+            router: parsing.router(),
             rs_id: format!("rs_{}", uuid_like()),
             rs_opened: false,
             rs_closed: false,

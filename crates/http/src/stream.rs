@@ -10,7 +10,7 @@ use axum::response::sse::Event as SseEvent;
 use serde_json::{Value, json};
 use siliceo_core::TokenId;
 use siliceo_runtime::{
-    CallParser, CallPiece, Event, RequestStream, ThinkSplitter, TokenLogprob, ToolSyntax, Usage,
+    CallPiece, Event, OutputRouter, RequestStream, ThinkSplitter, TokenLogprob, ToolSyntax, Usage,
 };
 use tokio_stream::Stream;
 
@@ -24,6 +24,13 @@ use crate::{finish_name, usage_json};
 pub(crate) struct Parsing {
     pub(crate) tools: Option<ToolSyntax>,
     pub(crate) think: Option<bool>,
+}
+
+impl Parsing {
+    /// The reader of an output parsed so.
+    pub(crate) fn router(self) -> OutputRouter {
+        OutputRouter::new(self.tools, self.think)
+    }
 }
 
 /// Which endpoint a response belongs to.
@@ -299,73 +306,6 @@ fn tool_call_json(index: Option<usize>, name: &str, args: &str) -> Value {
     v
 }
 
-/// A chat's output as it streams: a reasoning model's thinking split off
-/// first, then tool calls read from the answer ([`CallParser`]).
-#[derive(Debug, Default)]
-pub(crate) struct OutputRouter {
-    think: Option<ThinkSplitter>,
-    calls: Option<CallParser>,
-}
-
-/// What [`OutputRouter::push`] lets out: thinking, then answer text, then
-/// calls (all the answer's text comes before its first call).
-#[derive(Debug, Default)]
-pub(crate) struct Routed {
-    /// Thinking.
-    pub(crate) reasoning: String,
-    /// Answer text (none of a tool call).
-    pub(crate) answer: String,
-    /// Calls begun ([`CallPiece::Call`]) and their arguments as they grow
-    /// ([`CallPiece::Args`]).
-    pub(crate) calls: Vec<CallPiece>,
-    /// At the end: the output ended inside a call's arguments.
-    pub(crate) cut: bool,
-}
-
-impl OutputRouter {
-    pub(crate) fn new(parsing: Parsing) -> Self {
-        OutputRouter {
-            think: parsing.think.map(ThinkSplitter::new),
-            calls: parsing.tools.map(CallParser::new),
-        }
-    }
-
-    /// Takes the model's next text (`end`: the output is over, and all
-    /// held back goes out); returns what can go out now.
-    pub(crate) fn push(&mut self, text: &str, end: bool) -> Routed {
-        let mut out = Routed::default();
-        let answer = match self.think.as_mut() {
-            None => text.to_string(),
-            Some(sp) => {
-                let mut split = sp.push(text);
-                if end {
-                    let tail = sp.finish();
-                    split.reasoning.push_str(&tail.reasoning);
-                    split.content.push_str(&tail.content);
-                }
-                out.reasoning = split.reasoning;
-                split.content
-            }
-        };
-        let Some(parser) = self.calls.as_mut() else {
-            out.answer = answer;
-            return out;
-        };
-        let mut pieces = parser.push(&answer);
-        if end {
-            pieces.extend(parser.finish());
-            out.cut = parser.cut_short();
-        }
-        for piece in pieces {
-            match piece {
-                CallPiece::Text(t) => out.answer.push_str(&t),
-                p => out.calls.push(p),
-            }
-        }
-        out
-    }
-}
-
 /// A request's answer as a protocol's typed events (JSON objects with a
 /// `type`): the Responses API's and Anthropic's.
 pub(crate) trait EventMachine {
@@ -520,7 +460,7 @@ impl ChoiceStream {
                     first,
                     announced: false,
                     done: false,
-                    router: OutputRouter::new(parsing),
+                    router: parsing.router(),
                     calls: 0,
                     pending_lp: Vec::new(),
                     offset: 0,

@@ -55,8 +55,8 @@ pub use types::{
 
 pub use engine_loop::store_plan;
 pub use siliceo_chat::{
-    CallParser, CallPiece, ChatEnd, Message, Split, THINK_CLOSE, THINK_OPEN, ThinkSplitter, Tool,
-    ToolCall, ToolChoice, ToolSyntax,
+    CallParser, CallPiece, ChatEnd, Message, OutputRouter, Routed, Split, THINK_CLOSE, THINK_OPEN,
+    ThinkSplitter, Tool, ToolCall, ToolChoice, ToolSyntax, checked_tools,
 };
 pub use siliceo_kv_paging::planner::{StorePlan, StoreSize, StoreSplit};
 
@@ -367,6 +367,38 @@ impl Runtime {
     /// render: chats then use llama.cpp's built-in guess, without tools).
     pub fn chat_template(&self) -> Option<&ChatTemplate> {
         self.front.chat_template()
+    }
+
+    /// Offers `req.tools` (when there are any) in the model's tool syntax,
+    /// which it returns, to read the calls back with; `choice` `required`
+    /// or a named function forces a call (several when `parallel`) with a
+    /// grammar of the tools' schemas, set as the request's constraint.
+    /// `None` without tools; an error naming `tools` when the model's
+    /// template has no tool syntax siliceo knows.
+    pub fn offer_tools(
+        &self,
+        req: &mut GenerateRequest,
+        choice: &ToolChoice,
+        parallel: bool,
+    ) -> Result<Option<ToolSyntax>, RuntimeError> {
+        if req.tools.is_empty() {
+            return Ok(None);
+        }
+        let syntax = self
+            .chat_template()
+            .and_then(|t| t.tool_syntax())
+            .ok_or_else(|| RuntimeError::InvalidRequest {
+                field: "tools",
+                reason: "the model's chat template has no tool-call syntax siliceo knows \
+                         (`<tool_call>` as Qwen2.5 and Hermes write it, Mistral's \
+                         `[TOOL_CALLS]`, or Llama 3's `{\"name\": …, \"parameters\": …}`)"
+                    .into(),
+            })?;
+        if let Some(c) = syntax.constraint(&req.tools, choice, parallel) {
+            req.constraint = Some(c);
+            req.constraint_field = "tools";
+        }
+        Ok(Some(syntax))
     }
 
     /// Cancels a request by id; its KV is free when this returns. Returns

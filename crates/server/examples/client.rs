@@ -27,6 +27,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             messages: vec![pb::ChatMessage {
                 role: "user".into(),
                 content: prompt,
+                ..Default::default()
             }],
         })),
         max_tokens: 200,

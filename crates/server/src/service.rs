@@ -9,8 +9,8 @@ use prost::Message;
 use siliceo_core::{Constraint, FinishReason, Priority, RequestId, SamplingParams, TokenId};
 use siliceo_runtime::Message as ChatMessage;
 use siliceo_runtime::{
-    ChatEnd, EmbeddingService, Event, GenerateRequest, Input, RequestStream, Runtime, RuntimeError,
-    Usage,
+    CallPiece, ChatEnd, EmbeddingService, Event, GenerateRequest, Input, OutputRouter,
+    RequestStream, Runtime, RuntimeError, ToolCall, ToolChoice, Usage,
 };
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
@@ -34,14 +34,20 @@ impl InferenceService {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<GenerateStream>, Status> {
         self.check_size(request.get_ref())?;
-        let req = to_runtime(request.into_inner())
+        let (mut req, choice, parallel) = to_runtime(request.into_inner())
             .inspect_err(|_| self.rt.metrics().error("invalid_request"))?;
+        let syntax = self
+            .rt
+            .offer_tools(&mut req, &choice, parallel)
+            .map_err(|e| status_of(&e))?;
         let inner = self.rt.submit_async(req).await.map_err(|e| status_of(&e))?;
         Ok(Response::new(GenerateStream {
             inner,
             sent_id: false,
             trailer: None,
             ended: false,
+            router: syntax.map(|s| OutputRouter::new(Some(s), None)),
+            calls: 0,
         }))
     }
 
@@ -88,8 +94,9 @@ fn invalid(field: &str, reason: impl std::fmt::Display) -> Status {
 }
 
 /// Translates a wire request into a runtime request (wire-level checks only;
-/// the runtime validates the rest and names the field).
-fn to_runtime(r: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
+/// the runtime validates the rest and names the field), with its
+/// `tool_choice` and whether calls may be parallel.
+fn to_runtime(r: pb::GenerateRequest) -> Result<(GenerateRequest, ToolChoice, bool), Status> {
     let input = match r.input {
         None => {
             return Err(invalid(
@@ -108,14 +115,39 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
         Some(pb::generate_request::Input::Chat(c)) => {
             let mut msgs = Vec::with_capacity(c.messages.len());
             for (i, m) in c.messages.into_iter().enumerate() {
-                let m = ChatMessage::new(m.role, m.content)
-                    .checked()
-                    .map_err(|(field, why)| invalid(&format!("chat.messages[{i}].{field}"), why))?;
-                msgs.push(m);
+                msgs.push(chat_message(i, m)?);
             }
             Input::Chat(msgs)
         }
     };
+    let mut wire = Vec::with_capacity(r.tools.len());
+    for (i, t) in r.tools.into_iter().enumerate() {
+        let parameters = match t.parameters.as_str() {
+            "" => None,
+            p => Some(serde_json::from_str(p).map_err(|e| {
+                invalid(&format!("tools[{i}].parameters"), format!("not JSON: {e}"))
+            })?),
+        };
+        let description = (!t.description.is_empty()).then_some(t.description);
+        wire.push((t.name, description, parameters));
+    }
+    let mut tools = siliceo_runtime::checked_tools(wire)
+        .map_err(|(i, field, why)| invalid(&format!("tools[{i}].{field}"), why))?;
+    let choice = match r.tool_choice.as_str() {
+        "" | "auto" if tools.is_empty() => ToolChoice::None,
+        "" | "auto" => ToolChoice::Auto,
+        "none" => ToolChoice::None,
+        "required" => ToolChoice::Required,
+        name => ToolChoice::Function(name.to_string()),
+    };
+    choice
+        .check(&tools)
+        .map_err(|why| invalid("tool_choice", why))?;
+    if choice == ToolChoice::None {
+        // Not offered.
+        tools.clear();
+    }
+    let parallel = r.parallel_tool_calls.unwrap_or(true);
     let s = r.sampling.unwrap_or_default();
     let d = SamplingParams::greedy();
     let sampling = SamplingParams {
@@ -155,7 +187,7 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
         Ok(pb::Priority::Normal | pb::Priority::Unspecified) => Priority::Normal,
         Err(_) => return Err(invalid("priority", format!("unknown value {}", r.priority))),
     };
-    Ok(GenerateRequest {
+    let req = GenerateRequest {
         id: (!r.request_id.is_empty()).then_some(RequestId(r.request_id)),
         input,
         sampling,
@@ -165,7 +197,7 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
         cache_salt: (!r.cache_salt.is_empty()).then_some(r.cache_salt),
         constraint_field: constraint_field(r.constraint.as_ref()),
         constraint: constraint_of(r.constraint)?,
-        tools: Vec::new(),
+        tools,
         logprobs: match (r.logprobs, r.top_logprobs) {
             (true, k) => Some(k),
             (false, 0) => None,
@@ -189,7 +221,41 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<GenerateRequest, Status> {
         } else {
             ChatEnd::Answer
         },
-    })
+    };
+    Ok((req, choice, parallel))
+}
+
+/// A wire chat message as the runtime takes it: an assistant's tool calls
+/// (their arguments JSON text), a tool message's call id and name.
+fn chat_message(i: usize, m: pb::ChatMessage) -> Result<ChatMessage, Status> {
+    let mut calls = Vec::with_capacity(m.tool_calls.len());
+    for (j, c) in m.tool_calls.into_iter().enumerate() {
+        if serde_json::from_str::<serde_json::Value>(&c.arguments).is_err() {
+            return Err(invalid(
+                &format!("chat.messages[{i}].tool_calls[{j}].arguments"),
+                "must be JSON text",
+            ));
+        }
+        calls.push(ToolCall {
+            id: if c.id.is_empty() {
+                format!("call_{i}_{j}")
+            } else {
+                c.id
+            },
+            name: c.name,
+            arguments: c.arguments,
+        });
+    }
+    let msg = ChatMessage {
+        role: m.role,
+        // An assistant message that only calls tools has no text.
+        content: (!m.content.is_empty() || calls.is_empty()).then_some(m.content),
+        tool_calls: calls,
+        tool_call_id: (!m.tool_call_id.is_empty()).then_some(m.tool_call_id),
+        name: (!m.name.is_empty()).then_some(m.name),
+    };
+    msg.checked()
+        .map_err(|(field, why)| invalid(&format!("chat.messages[{i}].{field}"), why))
 }
 
 /// A token's log-probability on the wire.
@@ -277,6 +343,45 @@ pub struct GenerateStream {
     /// A status to send after the final message (engine failures).
     trailer: Option<Status>,
     ended: bool,
+    /// With tools: the calls read out of the text.
+    router: Option<OutputRouter>,
+    /// Tool calls begun.
+    calls: u32,
+}
+
+impl GenerateStream {
+    /// With tools, `text` split into the answer and the calls' pieces
+    /// (`end`: all held back goes out); without, as it is. Also whether the
+    /// output ended inside a call's arguments.
+    fn route(&mut self, text: String, end: bool) -> (String, Vec<pb::ToolCallDelta>, bool) {
+        let Some(router) = self.router.as_mut() else {
+            return (text, Vec::new(), false);
+        };
+        let r = router.push(&text, end);
+        let mut deltas = Vec::new();
+        for piece in r.calls {
+            match piece {
+                CallPiece::Call(name) => {
+                    deltas.push(pb::ToolCallDelta {
+                        index: self.calls,
+                        id: format!("call_{}_{}", self.inner.id().0, self.calls),
+                        name,
+                        arguments: String::new(),
+                    });
+                    self.calls += 1;
+                }
+                CallPiece::Args(arguments) if self.calls > 0 => {
+                    deltas.push(pb::ToolCallDelta {
+                        index: self.calls - 1,
+                        arguments,
+                        ..Default::default()
+                    });
+                }
+                _ => {}
+            }
+        }
+        (r.answer, deltas, r.cut)
+    }
 }
 
 impl std::fmt::Debug for GenerateStream {
@@ -317,6 +422,7 @@ impl Stream for GenerateStream {
                 logprobs,
             }) => {
                 let id = request_id(&mut this.sent_id, this.inner.id());
+                let (text, tool_calls, _) = this.route(text, false);
                 Poll::Ready(Some(Ok(pb::GenerateResponse {
                     text,
                     token_ids: tokens.into_iter().map(|t| t.0).collect(),
@@ -326,6 +432,7 @@ impl Stream for GenerateStream {
                     logprobs: logprobs.into_iter().map(token_logprob_pb).collect(),
                     prompt_logprobs: Vec::new(),
                     stop_sequence: String::new(),
+                    tool_calls,
                 })))
             }
             Some(Event::Prompt { first, logprobs }) => {
@@ -365,15 +472,23 @@ impl Stream for GenerateStream {
                         return Poll::Ready(Some(Err(status)));
                     }
                 }
+                let (text, tool_calls, cut) = this.route(String::new(), true);
+                let finish = match finish_pb(finish_reason) {
+                    pb::FinishReason::Stop | pb::FinishReason::Length if this.calls > 0 && !cut => {
+                        pb::FinishReason::ToolCalls
+                    }
+                    f => f,
+                };
                 Poll::Ready(Some(Ok(pb::GenerateResponse {
-                    text: String::new(),
+                    text,
                     token_ids: Vec::new(),
-                    finish_reason: finish_pb(finish_reason) as i32,
+                    finish_reason: finish as i32,
                     usage: Some(usage_pb(&usage)),
                     request_id: this.inner.id().0.clone(),
                     logprobs: Vec::new(),
                     prompt_logprobs: Vec::new(),
                     stop_sequence: stop.unwrap_or_default(),
+                    tool_calls,
                 })))
             }
             None => {

@@ -107,6 +107,41 @@ impl TestServer {
 /// context of 2,048 tokens beside a short prompt.
 const LONG: u32 = 2000;
 
+/// A function tool on the wire (`parameters`: its schema's text).
+fn tool(name: &str, parameters: &str) -> pb::Tool {
+    pb::Tool {
+        name: name.into(),
+        description: String::new(),
+        parameters: parameters.into(),
+    }
+}
+
+/// A chat of `messages` (a request for 4 tokens).
+fn chat_req(messages: Vec<pb::ChatMessage>) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        input: Some(Input::Chat(pb::ChatMessages { messages })),
+        ..prompt_req("", 4)
+    }
+}
+
+/// A message of `role` saying `content`.
+fn said(role: &str, content: &str) -> pb::ChatMessage {
+    pb::ChatMessage {
+        role: role.into(),
+        content: content.into(),
+        ..Default::default()
+    }
+}
+
+/// A one-message chat offering `t`, with `tool_choice`.
+fn chat_with_tools(t: pb::Tool, tool_choice: &str) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        tools: vec![t],
+        tool_choice: tool_choice.into(),
+        ..chat_req(vec![said("user", "Weather in Paris?")])
+    }
+}
+
 fn prompt_req(p: &str, max_tokens: u32) -> pb::GenerateRequest {
     pb::GenerateRequest {
         input: Some(Input::Prompt(p.to_string())),
@@ -326,15 +361,7 @@ async fn bad_requests_get_invalid_argument_naming_the_field() {
             "stop:",
         ),
         (
-            pb::GenerateRequest {
-                input: Some(Input::Chat(pb::ChatMessages {
-                    messages: vec![pb::ChatMessage {
-                        role: "wizard".into(),
-                        content: "hi".into(),
-                    }],
-                })),
-                ..prompt_req("", 4)
-            },
+            chat_req(vec![said("wizard", "hi")]),
             "chat.messages[0].role:",
         ),
         (
@@ -343,6 +370,34 @@ async fn bad_requests_get_invalid_argument_naming_the_field() {
                 ..prompt_req("hi", 4)
             },
             "priority:",
+        ),
+        // Tools: checked on the wire, then against the model's template
+        // (SmolLM2's writes no tool calls).
+        (chat_with_tools(tool("get_weather", ""), ""), "tools:"),
+        (
+            chat_with_tools(tool("get weather", ""), ""),
+            "tools[0].name:",
+        ),
+        (
+            chat_with_tools(tool("f", "[1]"), ""),
+            "tools[0].parameters:",
+        ),
+        (chat_with_tools(tool("f", "{"), ""), "tools[0].parameters:"),
+        (chat_with_tools(tool("f", ""), "g"), "tool_choice:"),
+        (
+            chat_req(vec![
+                said("user", "hi"),
+                pb::ChatMessage {
+                    role: "assistant".into(),
+                    tool_calls: vec![pb::ToolCall {
+                        id: "c".into(),
+                        name: "f".into(),
+                        arguments: "{not json".into(),
+                    }],
+                    ..Default::default()
+                },
+            ]),
+            "chat.messages[1].tool_calls[0].arguments:",
         ),
         (prompt_req(&"x".repeat(100 * 1024), 4), "request:"),
         // One limit for both protocols: a prompt plus max_tokens over the
