@@ -1159,7 +1159,8 @@ def test_a_reasoning_models_thinking_is_split_from_its_answer(grpc_api, think_se
     """With a template that knows `<think>`, a chat's leading thinking block
     goes to `reasoning_content` (chat completions, whole and streamed) or a
     `reasoning` item (the Responses API), the answer to `content`; gRPC
-    gives the raw text they were split from."""
+    gives the raw text they were split from, or, with `split_reasoning`,
+    the same split."""
     pb, _, _ = grpc_api
     from siliceo.v1 import inference_pb2_grpc as pbg
 
@@ -1178,7 +1179,15 @@ def test_a_reasoning_models_thinking_is_split_from_its_answer(grpc_api, think_se
         raw = "".join(m.text for m in stub.Generate(pb.GenerateRequest(
             chat=chat, max_tokens=80, constraint=pb.Constraint(lark=THINK_THEN_ANSWER)
         )))
+        # Asked to, gRPC splits it too.
+        split = list(stub.Generate(pb.GenerateRequest(
+            chat=chat, max_tokens=80, constraint=pb.Constraint(lark=THINK_THEN_ANSWER),
+            split_reasoning=True,
+        )))
     assert raw == f"<think>{thought}</think>\n\n{answer}"
+    assert "".join(m.reasoning for m in split) == thought
+    assert "".join(m.text for m in split) == answer
+    assert sum(bool(m.reasoning) for m in split) > 1
 
     chunks = list(c.chat.completions.create(**kw, stream=True, extra_body=g))
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]

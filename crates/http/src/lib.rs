@@ -47,8 +47,8 @@ use serde_json::{Value, json};
 pub use siliceo_core::ApiKeys;
 use siliceo_core::{FinishReason, TlsIdentity, TokenId};
 use siliceo_runtime::{
-    ChatEnd, EmbedInput, EmbeddingService, Event, Input, RequestStream, Runtime, RuntimeError,
-    THINK_CLOSE, THINK_OPEN, TokenLogprob, Usage,
+    EmbedInput, EmbeddingService, Event, Input, RequestStream, Runtime, RuntimeError, TokenLogprob,
+    Usage,
 };
 use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
 
@@ -534,7 +534,7 @@ async fn start(
 fn parsing(s: &AppState, plan: &mut openai::Plan) -> Result<stream::Parsing, ApiError> {
     let tools = resolve_tools(s, plan)?;
     let think = match plan.request.input {
-        Input::Chat(_) => thinking(s, &plan.request),
+        Input::Chat(_) => s.rt.thinking(&plan.request),
         _ => None,
     };
     Ok(stream::Parsing { tools, think })
@@ -551,29 +551,6 @@ fn resolve_tools(
     };
     s.rt.offer_tools(&mut plan.request, &tp.choice, tp.parallel)
         .map_err(|e| ApiError::from_runtime(&e))
-}
-
-/// Whether a chat's output holds a reasoning model's thinking to split off
-/// (`Some(open)`, `open` when the prompt opened the block). Not when a
-/// constraint holds the output from its first token and the prompt opened
-/// the block: the constrained output is then the answer.
-fn thinking(s: &AppState, req: &siliceo_runtime::GenerateRequest) -> Option<bool> {
-    let t = s.rt.chat_template().filter(|t| t.reasons())?;
-    let open = match (&req.chat_end, &req.input) {
-        // The output goes on from the final message's text: inside a
-        // thinking block that text opened and did not close, or in the
-        // answer (nothing to split).
-        (ChatEnd::Continue, Input::Chat(msgs)) => {
-            let text = msgs.last().and_then(|m| m.content.as_deref());
-            let text = text.unwrap_or_default();
-            if text.rfind(THINK_OPEN) <= text.rfind(THINK_CLOSE) {
-                return None;
-            }
-            true
-        }
-        _ => t.opens_thinking(&req.chat_template_kwargs),
-    };
-    (!(open && req.constraint.is_some())).then_some(open)
 }
 
 /// Serves a chat or text completion request.

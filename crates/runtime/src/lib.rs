@@ -401,6 +401,30 @@ impl Runtime {
         Ok(Some(syntax))
     }
 
+    /// Whether a chat's output holds a reasoning model's thinking to split
+    /// off (`Some(open)`, `open` when the prompt opened the block). Not when
+    /// a constraint holds the output from its first token and the prompt
+    /// opened the block: the constrained output is then the answer.
+    pub fn thinking(&self, req: &GenerateRequest) -> Option<bool> {
+        let t = self.chat_template().filter(|t| t.reasons())?;
+        let open = match (&req.chat_end, &req.input) {
+            // The output goes on from the final message's text: inside a
+            // thinking block that text opened and did not close, or in the
+            // answer (nothing to split).
+            (ChatEnd::Continue, Input::Chat(msgs)) => {
+                let text = msgs.last().and_then(|m| m.content.as_deref());
+                let text = text.unwrap_or_default();
+                if text.rfind(THINK_OPEN) <= text.rfind(THINK_CLOSE) {
+                    return None;
+                }
+                true
+            }
+            (_, Input::Chat(_)) => t.opens_thinking(&req.chat_template_kwargs),
+            _ => return None,
+        };
+        (!(open && req.constraint.is_some())).then_some(open)
+    }
+
     /// Cancels a request by id; its KV is free when this returns. Returns
     /// false when no such request is queued or running.
     pub fn cancel(&self, id: &RequestId) -> Result<bool, RuntimeError> {

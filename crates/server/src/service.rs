@@ -34,19 +34,20 @@ impl InferenceService {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<GenerateStream>, Status> {
         self.check_size(request.get_ref())?;
-        let (mut req, choice, parallel) = to_runtime(request.into_inner())
+        let (mut req, read) = to_runtime(request.into_inner())
             .inspect_err(|_| self.rt.metrics().error("invalid_request"))?;
         let syntax = self
             .rt
-            .offer_tools(&mut req, &choice, parallel)
+            .offer_tools(&mut req, &read.choice, read.parallel)
             .map_err(|e| status_of(&e))?;
+        let think = read.reasoning.then(|| self.rt.thinking(&req)).flatten();
         let inner = self.rt.submit_async(req).await.map_err(|e| status_of(&e))?;
         Ok(Response::new(GenerateStream {
             inner,
             sent_id: false,
             trailer: None,
             ended: false,
-            router: syntax.map(|s| OutputRouter::new(Some(s), None)),
+            router: (syntax.is_some() || think.is_some()).then(|| OutputRouter::new(syntax, think)),
             calls: 0,
         }))
     }
@@ -93,10 +94,20 @@ fn invalid(field: &str, reason: impl std::fmt::Display) -> Status {
     Status::invalid_argument(format!("{field}: {reason}"))
 }
 
+/// How a request's output is to be read.
+struct Reading {
+    /// `tool_choice`.
+    choice: ToolChoice,
+    /// `parallel_tool_calls`.
+    parallel: bool,
+    /// `split_reasoning`.
+    reasoning: bool,
+}
+
 /// Translates a wire request into a runtime request (wire-level checks only;
-/// the runtime validates the rest and names the field), with its
-/// `tool_choice` and whether calls may be parallel.
-fn to_runtime(r: pb::GenerateRequest) -> Result<(GenerateRequest, ToolChoice, bool), Status> {
+/// the runtime validates the rest and names the field), and how its output
+/// is to be read.
+fn to_runtime(r: pb::GenerateRequest) -> Result<(GenerateRequest, Reading), Status> {
     let input = match r.input {
         None => {
             return Err(invalid(
@@ -222,7 +233,12 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<(GenerateRequest, ToolChoice, bo
             ChatEnd::Answer
         },
     };
-    Ok((req, choice, parallel))
+    let read = Reading {
+        choice,
+        parallel,
+        reasoning: r.split_reasoning,
+    };
+    Ok((req, read))
 }
 
 /// A wire chat message as the runtime takes it: an assistant's tool calls
@@ -350,12 +366,15 @@ pub struct GenerateStream {
 }
 
 impl GenerateStream {
-    /// With tools, `text` split into the answer and the calls' pieces
-    /// (`end`: all held back goes out); without, as it is. Also whether the
-    /// output ended inside a call's arguments.
-    fn route(&mut self, text: String, end: bool) -> (String, Vec<pb::ToolCallDelta>, bool) {
+    /// With tools or thinking to read, `text` split into the thinking, the
+    /// answer and the calls' pieces (`end`: all held back goes out);
+    /// without, the text as it is.
+    fn route(&mut self, text: String, end: bool) -> Split {
         let Some(router) = self.router.as_mut() else {
-            return (text, Vec::new(), false);
+            return Split {
+                text,
+                ..Split::default()
+            };
         };
         let r = router.push(&text, end);
         let mut deltas = Vec::new();
@@ -380,8 +399,23 @@ impl GenerateStream {
                 _ => {}
             }
         }
-        (r.answer, deltas, r.cut)
+        Split {
+            reasoning: r.reasoning,
+            text: r.answer,
+            calls: deltas,
+            cut: r.cut,
+        }
     }
+}
+
+/// A chunk of output as [`GenerateStream::route`] reads it.
+#[derive(Default)]
+struct Split {
+    reasoning: String,
+    text: String,
+    calls: Vec<pb::ToolCallDelta>,
+    /// The output ended inside a call's arguments.
+    cut: bool,
 }
 
 impl std::fmt::Debug for GenerateStream {
@@ -422,9 +456,11 @@ impl Stream for GenerateStream {
                 logprobs,
             }) => {
                 let id = request_id(&mut this.sent_id, this.inner.id());
-                let (text, tool_calls, _) = this.route(text, false);
+                let out = this.route(text, false);
                 Poll::Ready(Some(Ok(pb::GenerateResponse {
-                    text,
+                    text: out.text,
+                    reasoning: out.reasoning,
+                    tool_calls: out.calls,
                     token_ids: tokens.into_iter().map(|t| t.0).collect(),
                     finish_reason: pb::FinishReason::Unspecified as i32,
                     usage: None,
@@ -432,7 +468,6 @@ impl Stream for GenerateStream {
                     logprobs: logprobs.into_iter().map(token_logprob_pb).collect(),
                     prompt_logprobs: Vec::new(),
                     stop_sequence: String::new(),
-                    tool_calls,
                 })))
             }
             Some(Event::Prompt { first, logprobs }) => {
@@ -472,15 +507,19 @@ impl Stream for GenerateStream {
                         return Poll::Ready(Some(Err(status)));
                     }
                 }
-                let (text, tool_calls, cut) = this.route(String::new(), true);
+                let out = this.route(String::new(), true);
                 let finish = match finish_pb(finish_reason) {
-                    pb::FinishReason::Stop | pb::FinishReason::Length if this.calls > 0 && !cut => {
+                    pb::FinishReason::Stop | pb::FinishReason::Length
+                        if this.calls > 0 && !out.cut =>
+                    {
                         pb::FinishReason::ToolCalls
                     }
                     f => f,
                 };
                 Poll::Ready(Some(Ok(pb::GenerateResponse {
-                    text,
+                    text: out.text,
+                    reasoning: out.reasoning,
+                    tool_calls: out.calls,
                     token_ids: Vec::new(),
                     finish_reason: finish as i32,
                     usage: Some(usage_pb(&usage)),
@@ -488,7 +527,6 @@ impl Stream for GenerateStream {
                     logprobs: Vec::new(),
                     prompt_logprobs: Vec::new(),
                     stop_sequence: stop.unwrap_or_default(),
-                    tool_calls,
                 })))
             }
             None => {
