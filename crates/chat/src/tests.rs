@@ -601,3 +601,103 @@ fn llama3_calls_are_the_answers_opening_json() {
     );
     assert!(g.contains(r#""required":["name","parameters"]"#), "{g}");
 }
+
+/// Random texts built from the pieces calls are made of: read whole, in
+/// random cuts and a character at a time, the reader gives the same pieces,
+/// never panics, and a text with no call comes back exactly as text.
+#[test]
+fn random_texts_read_alike_however_cut() {
+    const PARTS: &[&str] = &[
+        "<tool_call>",
+        "</tool_call>",
+        "```json",
+        "```",
+        "[TOOL_CALLS]",
+        "{",
+        "}",
+        "[",
+        "]",
+        "\"name\"",
+        "\"arguments\"",
+        "\"parameters\"",
+        ": ",
+        ", ",
+        ";",
+        "\"f\"",
+        "\"é\\\"}\"",
+        "\\",
+        "\"",
+        " ",
+        "\n",
+        "1",
+        "null",
+        "text",
+        "🦀",
+        "{\"name\": \"g\", \"arguments\": ",
+        "{\"name\": \"h\", \"parameters\": {\"a\": [1, \"x\"]}}",
+    ];
+    // A fixed xorshift stream: the same texts every run.
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = |n: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as usize
+    };
+    let syntaxes = [
+        ToolSyntax::Hermes,
+        ToolSyntax::Mistral,
+        ToolSyntax::Llama3Json,
+    ];
+    // How many texts held calls, and how many ended inside arguments: the
+    // texts must reach the reader's paths, not only its prose.
+    let (mut with_calls, mut cut_short) = (0, 0);
+    for round in 0..3000 {
+        let len = next(24);
+        let syntax = syntaxes[round % syntaxes.len()];
+        // Half open as a call in the syntax would, to reach its paths.
+        let opener = match syntax {
+            _ if next(2) == 0 => "",
+            ToolSyntax::Hermes => "<tool_call>\n{\"name\": \"f\", \"arguments\": ",
+            ToolSyntax::Mistral => "[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": ",
+            _ => "{\"name\": \"f\", \"parameters\": ",
+        };
+        let text: String = std::iter::once(opener)
+            .chain((0..len).map(|_| PARTS[next(PARTS.len())]))
+            .collect();
+        let whole = streamed(syntax, &[&text]);
+        let chars: Vec<String> = text.chars().map(String::from).collect();
+        let parts: Vec<&str> = chars.iter().map(String::as_str).collect();
+        assert_eq!(streamed(syntax, &parts), whole, "{syntax:?} {text:?}");
+        let bounds: Vec<usize> = (0..=text.len())
+            .filter(|&i| text.is_char_boundary(i))
+            .collect();
+        let (mut a, mut b) = (bounds[next(bounds.len())], bounds[next(bounds.len())]);
+        if a > b {
+            std::mem::swap(&mut a, &mut b);
+        }
+        let cut = [&text[..a], &text[a..b], &text[b..]];
+        assert_eq!(
+            streamed(syntax, &cut),
+            whole,
+            "{syntax:?} {text:?} at {a},{b}"
+        );
+        with_calls += usize::from(whole.0.iter().any(|p| matches!(p, CallPiece::Call(_))));
+        cut_short += usize::from(whole.1);
+        if !whole.0.iter().any(|p| matches!(p, CallPiece::Call(_))) {
+            let said: String = whole
+                .0
+                .iter()
+                .map(|p| match p {
+                    CallPiece::Text(t) => t.as_str(),
+                    _ => "",
+                })
+                .collect();
+            assert_eq!(said, text, "{syntax:?}: no call, so all of it is text");
+        }
+    }
+    assert!(
+        with_calls > 1000 && cut_short > 150,
+        "{with_calls} {cut_short}"
+    );
+}
