@@ -149,6 +149,37 @@ def test_n_choices_seeded_sampling(server):
     server.wait_idle()
 
 
+def test_best_of_returns_the_likeliest_choices(server):
+    """Completions' `best_of`: `best_of` choices are generated per prompt
+    (the ones `n=best_of` gives, seed for seed) and the `n` with the highest
+    mean log-probability per token come back, likeliest first; all are
+    counted in usage. It cannot be streamed, nor be below `n`."""
+    c = client(server)
+    prompts = ["Once upon a time", "The best thing about Paris is"]
+    kw = dict(model="", prompt=prompts, max_tokens=12, temperature=1.0, seed=7)
+    every = c.completions.create(**kw, n=4, logprobs=0)
+    best = c.completions.create(**kw, n=2, best_of=4)
+    assert [ch.index for ch in best.choices] == [0, 1, 2, 3]
+    for p in range(2):
+        group = every.choices[4 * p: 4 * p + 4]
+        lps = [ch.logprobs.token_logprobs for ch in group]
+        means = [sum(lp) / len(lp) if lp else -math.inf for lp in lps]
+        order = sorted(range(4), key=lambda j: (-means[j], j))
+        want = [group[j].text for j in order[:2]]
+        assert [ch.text for ch in best.choices[2 * p: 2 * p + 2]] == want, (means, want)
+        assert all(ch.logprobs is None for ch in best.choices)
+    assert best.usage.completion_tokens == every.usage.completion_tokens
+    assert best.usage.prompt_tokens == every.usage.prompt_tokens
+    # With logprobs asked for, they stay.
+    shown = c.completions.create(**kw, n=1, best_of=3, logprobs=2)
+    assert shown.choices[0].logprobs.top_logprobs and len(shown.choices) == 2
+    for body in [dict(n=3, best_of=2), dict(best_of=17), dict(best_of=2, stream=True)]:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="", prompt="x", max_tokens=2, **body)
+        assert e.value.body["param"] == "best_of", body
+    server.wait_idle()
+
+
 def test_errors_are_the_clients_typed_exceptions(server):
     with pytest.raises(openai.AuthenticationError):
         client(server, key="wrong").models.list()

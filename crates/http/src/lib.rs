@@ -634,6 +634,8 @@ async fn generate(
             .into_response());
     }
     let mut choices = Vec::with_capacity(started.len());
+    // Each choice's mean log-probability per token (`best_of` ranks by it).
+    let mut scores = Vec::with_capacity(started.len());
     let mut usage_all = Usage::default();
     // vLLM's `prompt_logprobs`: per choice on completions, once on chat.
     let mut chat_prompt_logprobs = Value::Null;
@@ -652,6 +654,10 @@ async fn generate(
             usage_all.cached_prompt_tokens += usage.cached_prompt_tokens;
         }
         usage_all.completion_tokens += usage.completion_tokens;
+        scores.push(match lps.len() {
+            0 => f64::NEG_INFINITY,
+            len => lps.iter().map(|l| f64::from(l.logprob)).sum::<f64>() / len as f64,
+        });
         let lps = plan.request.logprobs.map(|_| lps.as_slice());
         let echoed = echoes.get(i / n as usize).map(|text| stream::Echoed {
             text,
@@ -671,6 +677,9 @@ async fn generate(
             }
         }
         choices.push(c);
+    }
+    if let Some(b) = plan.best_of {
+        choices = openai::keep_best(choices, &scores, n as usize, b);
     }
     let mut body = json!({
         "id": id,

@@ -198,7 +198,8 @@ pub struct CompletionRequest {
     /// Text after the completion: the model fills in the middle (a model with
     /// FIM tokens).
     pub suffix: Option<String>,
-    /// Candidates to rank (not implemented beyond 1).
+    /// Choices to generate per prompt, of which the `n` likeliest are
+    /// returned (not streamed).
     pub best_of: Option<u32>,
 }
 
@@ -336,6 +337,18 @@ pub struct Plan {
     pub batch: Vec<Input>,
     /// vLLM's `prompt_logprobs`: alternatives per prompt token to report.
     pub prompt_logprobs: Option<u32>,
+    /// Completions' `best_of`: of the `n` choices generated per prompt, the
+    /// likeliest are returned.
+    pub best_of: Option<BestOf>,
+}
+
+/// What completions' `best_of` returns of the choices it generated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BestOf {
+    /// Choices returned per prompt (the request's `n`).
+    pub keep: u32,
+    /// The client asked for log-probabilities (they are on to rank by).
+    pub logprobs: bool,
 }
 
 /// The prompt a completion echoes.
@@ -501,6 +514,7 @@ fn plan(common: Common, input: Input, scores: bool) -> Result<Plan, ApiError> {
         echo: Vec::new(),
         batch: Vec::new(),
         prompt_logprobs,
+        best_of: None,
     })
 }
 
@@ -714,9 +728,6 @@ fn constraint_of(common: &Common) -> Result<Option<(&'static str, Constraint)>, 
 /// Translates `/v1/completions` (`common`: the same body's shared fields).
 pub fn completion_plan(r: CompletionRequest, common: Common) -> Result<Plan, ApiError> {
     let logprobs = r.logprobs.map(|k| check_top(k, "logprobs")).transpose()?;
-    if r.best_of.is_some_and(|b| b > 1) {
-        return Err(ApiError::unsupported("best_of", "best_of > 1"));
-    }
     let inputs: Vec<Input> = match r.prompt {
         Prompt::Text(t) => vec![Input::Prompt(t)],
         Prompt::Tokens(ids) => vec![Input::Tokens(ids.into_iter().map(TokenId).collect())],
@@ -781,7 +792,56 @@ pub fn completion_plan(r: CompletionRequest, common: Common) -> Result<Plan, Api
         plan.request.prompt_logprobs = plan.request.prompt_logprobs.max(echoed);
     }
     plan.echo = echo;
+    if let Some(b) = r.best_of.filter(|&b| b > 1) {
+        if b < plan.n || b > MAX_N {
+            return Err(ApiError::invalid(
+                "best_of",
+                format!("must be in n..={MAX_N} (n is {})", plan.n),
+            ));
+        }
+        if plan.stream {
+            return Err(ApiError::invalid(
+                "best_of",
+                "the best of several choices is known at their end: it cannot be streamed",
+            ));
+        }
+        plan.best_of = Some(BestOf {
+            keep: plan.n,
+            logprobs: plan.request.logprobs.is_some(),
+        });
+        plan.n = b;
+        // Ranked by their tokens' log-probabilities.
+        plan.request.logprobs.get_or_insert(0);
+    }
     Ok(plan)
+}
+
+/// Completions' `best_of`: each prompt's `keep` likeliest choices of the `n`
+/// generated (the highest mean log-probability per token, the earlier
+/// first on ties), numbered anew; their log-probabilities dropped unless
+/// asked for. `scores[i]`: choice `i`'s mean log-probability.
+pub(crate) fn keep_best(
+    choices: Vec<serde_json::Value>,
+    scores: &[f64],
+    n: usize,
+    b: BestOf,
+) -> Vec<serde_json::Value> {
+    let keep = b.keep as usize;
+    let mut out = Vec::with_capacity(choices.len() / n.max(1) * keep);
+    for (p, group) in choices.chunks(n.max(1)).enumerate() {
+        let score = |j: usize| scores[p * n + j];
+        let mut order: Vec<usize> = (0..group.len()).collect();
+        order.sort_by(|&a, &c| score(c).total_cmp(&score(a)).then(a.cmp(&c)));
+        for (j, &k) in order.iter().take(keep).enumerate() {
+            let mut c = group[k].clone();
+            c["index"] = serde_json::json!(p * keep + j);
+            if !b.logprobs {
+                c["logprobs"] = serde_json::Value::Null;
+            }
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// Alternatives per token: at most [`MAX_TOP_LOGPROBS`].
