@@ -1170,6 +1170,24 @@ def test_llama3_json_tool_calls(tmp_path):
         assert [(t.function.name, t.function.arguments) for t in got.message.tool_calls] == [
             (call.function.name, call.function.arguments)]
         assert kinds.count("tool_calls.function.arguments.delta") > 1, kinds
+        # Two calls written (forced here by a regex, the model deciding on
+        # its own under `auto`): both read, or with `parallel_tool_calls:
+        # false` only the first, whole and streamed.
+        two = ('\\{"name": "get_weather", "parameters": \\{"city": "Paris"\\}\\}; '
+               '\\{"name": "get_weather", "parameters": \\{"city": "Rome"\\}\\}')
+        auto = dict(ask, tool_choice="auto", extra_body={"regex": two})
+        r = c.chat.completions.create(**auto)
+        cities = [json.loads(t.function.arguments)["city"] for t in r.choices[0].message.tool_calls]
+        assert cities == ["Paris", "Rome"], r
+        r = c.chat.completions.create(**auto, parallel_tool_calls=False)
+        assert [t.function.arguments for t in r.choices[0].message.tool_calls] == [
+            '{"city": "Paris"}']
+        state = ChatCompletionStreamState()
+        for chunk in c.chat.completions.create(**auto, parallel_tool_calls=False, stream=True):
+            state.handle_chunk(chunk)
+        calls = state.get_final_completion().choices[0].message.tool_calls
+        assert [t.function.arguments for t in calls] == ['{"city": "Paris"}']
+
         # The call and its result go back through the template.
         follow = ask["messages"] + [
             {"role": "assistant", "tool_calls": [call.model_dump()]},

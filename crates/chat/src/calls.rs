@@ -45,6 +45,8 @@ pub struct CallParser {
     /// Text other than whitespace went out (a marker-less syntax's call
     /// can no longer begin).
     spoke: bool,
+    /// Calls read at most; later ones are dropped.
+    max_calls: usize,
 }
 
 /// Where the reader is. `marker`: the start marker of the block it is in.
@@ -249,7 +251,15 @@ impl CallParser {
             out: Vec::new(),
             cut: false,
             spoke: false,
+            max_calls: usize::MAX,
         }
+    }
+
+    /// This reader, taking only the first call (`parallel_tool_calls:
+    /// false`): later ones are dropped.
+    pub fn single(mut self) -> Self {
+        self.max_calls = 1;
+        self
     }
 
     /// Takes the model's next text; returns what can go out now.
@@ -310,7 +320,8 @@ impl CallParser {
     fn whole_block(&mut self, marker: &'static str, inner: &str, close: &str) {
         match calls_of(inner.trim()) {
             Some(calls) => {
-                for (name, args) in calls {
+                let room = self.max_calls - self.calls;
+                for (name, args) in calls.into_iter().take(room) {
                     self.calls += 1;
                     self.emit(CallPiece::Call(name));
                     self.emit(CallPiece::Args(args));
@@ -407,6 +418,12 @@ impl CallParser {
                 Err(NoHead::Fail) => {
                     self.state = State::Close { marker };
                     Step::On
+                }
+                // A call past the last one taken: it and all after go.
+                Ok(_) if self.calls >= self.max_calls => {
+                    self.buf.clear();
+                    self.state = State::After;
+                    Step::Wait
                 }
                 Ok((name, end, opened)) => {
                     self.buf.drain(..end);

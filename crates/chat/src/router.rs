@@ -40,6 +40,13 @@ impl OutputRouter {
         }
     }
 
+    /// This router, taking only a chat's first call
+    /// (`parallel_tool_calls: false`).
+    pub fn single_call(mut self) -> Self {
+        self.calls = self.calls.map(CallParser::single);
+        self
+    }
+
     /// Takes the model's next text (`end`: the output is over, and all
     /// held back goes out); returns what can go out now.
     pub fn push(&mut self, text: &str, end: bool) -> Routed {

@@ -701,3 +701,49 @@ fn random_texts_read_alike_however_cut() {
         "{with_calls} {cut_short}"
     );
 }
+
+/// `parallel_tool_calls: false`: the first call is taken, later ones are
+/// dropped, however the text is cut, in every syntax.
+#[test]
+fn a_single_call_reader_drops_later_calls() {
+    for &(syntax, i) in &[
+        (ToolSyntax::Hermes, 0),
+        (ToolSyntax::Hermes, 6),
+        (ToolSyntax::Mistral, 9),
+        (ToolSyntax::Llama3Json, 11),
+    ] {
+        let text = CALL_TEXTS[i].1;
+        let read = |parts: &[&str]| {
+            let mut p = CallParser::new(syntax).single();
+            let mut all: Vec<CallPiece> = parts.iter().flat_map(|t| p.push(t)).collect();
+            all.extend(p.finish());
+            let calls: Vec<String> = all
+                .iter()
+                .filter_map(|c| match c {
+                    CallPiece::Call(n) => Some(n.clone()),
+                    _ => None,
+                })
+                .collect();
+            let args: String = all
+                .iter()
+                .filter_map(|c| match c {
+                    CallPiece::Args(a) => Some(a.as_str()),
+                    _ => None,
+                })
+                .collect();
+            (calls, args)
+        };
+        let whole = read(&[text]);
+        let all = syntax.parse(text);
+        assert!(all.calls.len() > 1, "{text:?}");
+        assert_eq!(
+            whole,
+            (vec![all.calls[0].0.clone()], all.calls[0].1.clone())
+        );
+        let single = syntax.parse_single(text);
+        assert_eq!(single.calls, all.calls[..1].to_vec());
+        for at in (1..text.len()).filter(|&a| text.is_char_boundary(a)) {
+            assert_eq!(read(&[&text[..at], &text[at..]]), whole, "{text:?} at {at}");
+        }
+    }
+}

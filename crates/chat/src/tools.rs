@@ -101,7 +101,15 @@ impl ToolSyntax {
     /// [`CallParser`] reads them while streaming: the prose is the text
     /// before the first call (trimmed); a block that is not a call is prose.
     pub fn parse(self, text: &str) -> ParsedOutput {
-        let mut p = CallParser::new(self);
+        Self::parse_with(CallParser::new(self), text)
+    }
+
+    /// [`ToolSyntax::parse`], taking only the first call.
+    pub fn parse_single(self, text: &str) -> ParsedOutput {
+        Self::parse_with(CallParser::new(self).single(), text)
+    }
+
+    fn parse_with(mut p: CallParser, text: &str) -> ParsedOutput {
         let mut pieces = p.push(text);
         pieces.extend(p.finish());
         let mut out = ParsedOutput {

@@ -921,6 +921,7 @@ mod tests {
             Parsing {
                 tools,
                 think: Some(false),
+                one_call: false,
             },
         );
         let mut evs = r.start();
@@ -1012,6 +1013,7 @@ mod tests {
         let parsing = Parsing {
             tools: Some(siliceo_runtime::ToolSyntax::Hermes),
             think: None,
+            one_call: false,
         };
         let mut r = Reply::new("m".into(), 7, parsing);
         let mut seen = Vec::new();

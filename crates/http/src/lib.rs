@@ -537,7 +537,12 @@ fn parsing(s: &AppState, plan: &mut openai::Plan) -> Result<stream::Parsing, Api
         Input::Chat(_) => s.rt.thinking(&plan.request),
         _ => None,
     };
-    Ok(stream::Parsing { tools, think })
+    let one_call = plan.tools.as_ref().is_some_and(|t| !t.parallel);
+    Ok(stream::Parsing {
+        tools,
+        think,
+        one_call,
+    })
 }
 
 /// The model's tool syntax, when the plan offers tools (a required or named

@@ -2027,6 +2027,7 @@ mod tests {
             Parsing {
                 tools: None,
                 think: Some(false),
+                one_call: false,
             },
             &store,
         );
@@ -2080,6 +2081,7 @@ mod tests {
         let parsing = Parsing {
             tools: Some(siliceo_runtime::ToolSyntax::Hermes),
             think: None,
+            one_call: false,
         };
         let out =
             "Sure.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": [1, 2]}}\n</tool_call>";

@@ -24,12 +24,15 @@ use crate::{finish_name, usage_json};
 pub(crate) struct Parsing {
     pub(crate) tools: Option<ToolSyntax>,
     pub(crate) think: Option<bool>,
+    /// Only the first call is taken (`parallel_tool_calls: false`).
+    pub(crate) one_call: bool,
 }
 
 impl Parsing {
     /// The reader of an output parsed so.
     pub(crate) fn router(self) -> OutputRouter {
-        OutputRouter::new(self.tools, self.think)
+        let r = OutputRouter::new(self.tools, self.think);
+        if self.one_call { r.single_call() } else { r }
     }
 }
 
@@ -94,7 +97,11 @@ impl Kind {
                     "finish_reason": finish_name(finish),
                 });
                 if let Some(syntax) = parsing.tools {
-                    let parsed = syntax.parse(text);
+                    let parsed = if parsing.one_call {
+                        syntax.parse_single(text)
+                    } else {
+                        syntax.parse(text)
+                    };
                     if !parsed.calls.is_empty() {
                         let calls: Vec<Value> = parsed
                             .calls
@@ -764,6 +771,7 @@ mod tests {
     fn thinking_is_split_off_before_tool_calls_are_read() {
         let parsing = Parsing {
             tools: Some(ToolSyntax::Hermes),
+            one_call: false,
             think: Some(false),
         };
         let call = "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>";

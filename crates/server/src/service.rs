@@ -47,7 +47,10 @@ impl InferenceService {
             sent_id: false,
             trailer: None,
             ended: false,
-            router: (syntax.is_some() || think.is_some()).then(|| OutputRouter::new(syntax, think)),
+            router: (syntax.is_some() || think.is_some()).then(|| {
+                let r = OutputRouter::new(syntax, think);
+                if read.parallel { r } else { r.single_call() }
+            }),
             calls: 0,
         }))
     }
