@@ -501,7 +501,6 @@ def test_vllms_guided_decoding_and_stop_token_ids(server, grpc_api):
         ({"guided_json": 3}, "guided_json"),
         ({"guided_grammar": "start: nope_rule"}, "guided_grammar"),
         ({"min_tokens": 5}, "min_tokens"),
-        ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
         ({"use_beam_search": True}, "use_beam_search"),
         ({"stop_token_ids": [10**8]}, "stop_token_ids"),
     ]:
@@ -1281,6 +1280,24 @@ def test_the_stop_string_that_ended_a_request_is_named(server, grpc_api):
     assert "".join(m.text for m in msgs) == r.choices[0].message.content
     msgs = list(stub.Generate(pb.GenerateRequest(prompt="One, two,", max_tokens=2), metadata=meta))
     assert msgs[-1].stop_sequence == ""
+    # vLLM's `include_stop_str_in_output`: the stop string ends the text,
+    # whole and streamed, and on the Responses API.
+    keep = {"include_stop_str_in_output": True}
+    kw = dict(model="", messages=QUESTION, max_tokens=12, temperature=0, stop=["qqq", word])
+    r2 = c.chat.completions.create(**kw, extra_body=keep)
+    assert r2.choices[0].message.content == r.choices[0].message.content + word
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in
+                       c.chat.completions.create(**kw, stream=True, extra_body=keep) if ch.choices)
+    assert streamed == r2.choices[0].message.content
+    resp = c.responses.create(model="", instructions=QUESTION[0]["content"],
+                              input=QUESTION[1]["content"], max_output_tokens=12, temperature=0,
+                              extra_body={"stop": ["qqq", word], **keep})
+    assert resp.output_text == r2.choices[0].message.content
+    msgs = list(stub.Generate(pb.GenerateRequest(
+        chat=pb.ChatMessages(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in QUESTION]),
+        max_tokens=12, stop=["qqq", word], include_stop_str_in_output=True,
+    ), metadata=meta))
+    assert "".join(m.text for m in msgs) == r2.choices[0].message.content
 
 
 def test_claude_gets_thinking_blocks(think_server):

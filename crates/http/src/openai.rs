@@ -155,7 +155,7 @@ pub struct Common {
     pub structured_outputs: Option<StructuredOutputs>,
     /// vLLM's; refused above 0 (not served).
     pub min_tokens: Option<u32>,
-    /// vLLM's; refused when true (not served).
+    /// vLLM's: the stop string that ended the output is returned with it.
     pub include_stop_str_in_output: Option<bool>,
     /// vLLM's; refused when true (not served).
     pub use_beam_search: Option<bool>,
@@ -505,6 +505,7 @@ fn plan(common: Common, input: Input, scores: bool) -> Result<Plan, ApiError> {
     request.cache_salt = common.cache_salt.filter(|s| !s.is_empty());
     request.prompt_logprobs = prompt_logprobs;
     request.chat_template_kwargs = common.chat_template_kwargs.unwrap_or_default();
+    request.include_stop_str = common.include_stop_str_in_output == Some(true);
     Ok(Plan {
         request,
         n,
@@ -565,12 +566,6 @@ fn refuse_unserved(c: &Common) -> Result<(), ApiError> {
     // vLLM's sampling extensions that are not served.
     if c.min_tokens.is_some_and(|m| m > 0) {
         return Err(ApiError::unsupported("min_tokens", "min_tokens above 0"));
-    }
-    if c.include_stop_str_in_output == Some(true) {
-        return Err(ApiError::unsupported(
-            "include_stop_str_in_output",
-            "returning the stop string",
-        ));
     }
     if c.use_beam_search == Some(true) {
         return Err(ApiError::unsupported("use_beam_search", "beam search"));

@@ -241,6 +241,9 @@ pub struct GenerateRequest {
     /// opened (the default), the final assistant message continued, or
     /// closed.
     pub chat_end: ChatEnd,
+    /// The stop string that ends the request is sent as its last text (it
+    /// is not, by default), as vLLM's `include_stop_str_in_output` asks.
+    pub include_stop_str: bool,
 }
 
 impl GenerateRequest {
@@ -262,6 +265,7 @@ impl GenerateRequest {
             max_tokens_field: None,
             chat_template_kwargs: serde_json::Map::new(),
             chat_end: ChatEnd::Answer,
+            include_stop_str: false,
         }
     }
 }

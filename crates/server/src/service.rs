@@ -235,6 +235,7 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<(GenerateRequest, Reading), Stat
         } else {
             ChatEnd::Answer
         },
+        include_stop_str: r.include_stop_str_in_output,
     };
     let read = Reading {
         choice,

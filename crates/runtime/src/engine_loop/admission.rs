@@ -130,6 +130,7 @@ impl Engine<'_> {
                     only: req.sampling.max_tokens == 0,
                 }),
                 text: TokenText::new(self.model, &req.sampling),
+                include_stop: req.include_stop_str,
                 seq: None,
                 snapshot: None,
                 prompt_tokens: tokens.len() as u32,

@@ -88,6 +88,8 @@ struct Live<'m> {
     /// `prompt_logprobs`).
     prompt_lp: Option<PromptLogprobs>,
     text: TokenText<'m>,
+    /// Send the stop string that ended it, as text, before `Done`.
+    include_stop: bool,
     /// Its sequence id while it runs (the draft model's cells, a grafted
     /// step's sequence, llama.cpp's cells).
     seq: Option<SeqId>,

@@ -122,6 +122,13 @@ impl Engine<'_> {
                 }
             }
             let stop = live.text.stop_string().map(str::to_string);
+            if let Some(s) = stop.as_ref().filter(|_| live.include_stop) {
+                let _ = live.tx.send(Event::Text {
+                    text: s.clone(),
+                    tokens: Vec::new(),
+                    logprobs: Vec::new(),
+                });
+            }
             done(&live.tx, reason, live.usage(), error, stop);
         }
     }
