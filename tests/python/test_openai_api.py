@@ -500,7 +500,6 @@ def test_vllms_guided_decoding_and_stop_token_ids(server, grpc_api):
         ({"guided_regex": "a", "regex": "b"}, "regex"),
         ({"guided_json": 3}, "guided_json"),
         ({"guided_grammar": "start: nope_rule"}, "guided_grammar"),
-        ({"min_tokens": 5}, "min_tokens"),
         ({"use_beam_search": True}, "use_beam_search"),
         ({"stop_token_ids": [10**8]}, "stop_token_ids"),
     ]:
@@ -1261,6 +1260,40 @@ def test_a_reasoning_models_thinking_is_split_from_its_answer(grpc_api, think_se
     assert r.choices[0].message.content.startswith("Paris is ")
     assert r.choices[0].message.reasoning_content is None
     think_server.wait_idle()
+
+
+def test_min_tokens_holds_off_the_end(server, grpc_api):
+    """vLLM's `min_tokens`: until that many tokens, what would end the
+    output (its end-of-generation token, a stop string) does not. Greedy,
+    the output goes on past where it ended, from the same text; gRPC's
+    `min_tokens` gives the same; above max_tokens it is a 400."""
+    pb, stub, meta = grpc_api
+    c = client(server)
+    kw = dict(model="", messages=QUESTION, max_tokens=80, temperature=0)
+    short = c.chat.completions.create(**kw)
+    k = short.usage.completion_tokens
+    assert short.choices[0].finish_reason == "stop" and k < 60, short
+    text = short.choices[0].message.content
+    at_least = {"min_tokens": k + 10}
+    longer = c.chat.completions.create(**kw, extra_body=at_least)
+    assert longer.usage.completion_tokens >= k + 10
+    assert longer.choices[0].message.content.startswith(text)
+    assert len(longer.choices[0].message.content) > len(text)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in
+                       c.chat.completions.create(**kw, stream=True, extra_body=at_least) if ch.choices)
+    assert streamed == longer.choices[0].message.content
+    # A stop string met early does not stop it.
+    word = text.split()[1]
+    r = c.chat.completions.create(**kw, stop=[word], extra_body=at_least)
+    assert r.choices[0].message.content.startswith(text), r.choices[0].message.content
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in QUESTION])
+    msgs = list(stub.Generate(pb.GenerateRequest(chat=chat, max_tokens=80, min_tokens=k + 10),
+                              metadata=meta))
+    assert "".join(m.text for m in msgs) == longer.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="", messages=QUESTION, max_tokens=5, extra_body={"min_tokens": 6})
+    assert e.value.body["param"] == "min_tokens"
+    server.wait_idle()
 
 
 def test_the_stop_string_that_ended_a_request_is_named(server, grpc_api):

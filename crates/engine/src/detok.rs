@@ -109,9 +109,21 @@ pub struct TokenText<'m> {
     stops: StopMatcher,
     ignore_eos: bool,
     stop_token_ids: Vec<TokenId>,
+    /// Tokens before which nothing stops the generation.
+    min_tokens: u32,
+    /// Tokens pushed so far.
+    seen: u32,
 }
 
 impl<'m> TokenText<'m> {
+    /// This text, where nothing stops the generation before its
+    /// `min_tokens`-th token (vLLM's `min_tokens`: end-of-generation and
+    /// stop tokens, which the sampler bans meanwhile, and stop strings).
+    pub fn with_min_tokens(mut self, min_tokens: u32) -> Self {
+        self.min_tokens = min_tokens;
+        self
+    }
+
     /// Text for a generation under `params` (stop strings, stop tokens, `ignore_eos`).
     pub fn new(model: &'m Model, params: &SamplingParams) -> Self {
         TokenText {
@@ -120,6 +132,8 @@ impl<'m> TokenText<'m> {
             stops: StopMatcher::new(&params.stop),
             ignore_eos: params.ignore_eos,
             stop_token_ids: params.stop_token_ids.clone(),
+            min_tokens: 0,
+            seen: 0,
         }
     }
 
@@ -128,7 +142,20 @@ impl<'m> TokenText<'m> {
     /// token (emitted as vLLM does: its text, which a control token has
     /// none of), or a completed stop string (not emitted).
     pub fn push(&mut self, token: TokenId) -> (String, bool) {
+        self.seen += 1;
         let eog = !self.ignore_eos && self.model.is_eog(token);
+        if self.seen < self.min_tokens {
+            // Too early to stop: an end-of-generation token (let through
+            // only when nothing else was allowed) is no text.
+            return (
+                if eog {
+                    String::new()
+                } else {
+                    self.detok.push(token)
+                },
+                false,
+            );
+        }
         let is_stop_token = eog || self.stop_token_ids.contains(&token);
         let piece = if eog {
             String::new()

@@ -153,7 +153,7 @@ pub struct Common {
     /// vLLM's guided decoding, newer shape: `json`, `regex`, `choice`,
     /// `grammar` or `json_object`.
     pub structured_outputs: Option<StructuredOutputs>,
-    /// vLLM's; refused above 0 (not served).
+    /// vLLM's: generate at least this many tokens.
     pub min_tokens: Option<u32>,
     /// vLLM's: the stop string that ended the output is returned with it.
     pub include_stop_str_in_output: Option<bool>,
@@ -506,6 +506,7 @@ fn plan(common: Common, input: Input, scores: bool) -> Result<Plan, ApiError> {
     request.prompt_logprobs = prompt_logprobs;
     request.chat_template_kwargs = common.chat_template_kwargs.unwrap_or_default();
     request.include_stop_str = common.include_stop_str_in_output == Some(true);
+    request.min_tokens = common.min_tokens.unwrap_or(0);
     Ok(Plan {
         request,
         n,
@@ -564,9 +565,6 @@ fn refuse_unserved(c: &Common) -> Result<(), ApiError> {
         ));
     }
     // vLLM's sampling extensions that are not served.
-    if c.min_tokens.is_some_and(|m| m > 0) {
-        return Err(ApiError::unsupported("min_tokens", "min_tokens above 0"));
-    }
     if c.use_beam_search == Some(true) {
         return Err(ApiError::unsupported("use_beam_search", "beam search"));
     }

@@ -198,6 +198,15 @@ impl Front {
             Some(_) => {}
             None => req.sampling.max_tokens = max.min(max_seq - prompt) as u32,
         }
+        if req.min_tokens > req.sampling.max_tokens {
+            return Err(invalid(
+                "min_tokens",
+                format!(
+                    "{} is more than the {} tokens the request may generate",
+                    req.min_tokens, req.sampling.max_tokens
+                ),
+            ));
+        }
         let matcher = self.compile(&req)?;
         Ok(Prepared {
             req,

@@ -244,6 +244,10 @@ pub struct GenerateRequest {
     /// The stop string that ends the request is sent as its last text (it
     /// is not, by default), as vLLM's `include_stop_str_in_output` asks.
     pub include_stop_str: bool,
+    /// Generate at least this many tokens (vLLM's `min_tokens`): until
+    /// then end-of-generation and stop tokens are banned and stop strings
+    /// do not stop. Such a request is not decoded speculatively.
+    pub min_tokens: u32,
 }
 
 impl GenerateRequest {
@@ -266,6 +270,7 @@ impl GenerateRequest {
             chat_template_kwargs: serde_json::Map::new(),
             chat_end: ChatEnd::Answer,
             include_stop_str: false,
+            min_tokens: 0,
         }
     }
 }

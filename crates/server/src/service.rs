@@ -236,6 +236,7 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<(GenerateRequest, Reading), Stat
             ChatEnd::Answer
         },
         include_stop_str: r.include_stop_str_in_output,
+        min_tokens: r.min_tokens,
     };
     let read = Reading {
         choice,

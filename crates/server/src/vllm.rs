@@ -164,9 +164,6 @@ fn to_runtime(r: vpb::GenerateRequest) -> Result<(GenerateRequest, u32), Status>
         None => return Err(invalid("input", "one of tokenized or text is required")),
     };
     let s = r.sampling_params.unwrap_or_default();
-    if s.min_tokens > 0 {
-        return Err(invalid("sampling_params.min_tokens", "is not supported"));
-    }
     let n = s.n.max(1);
     if n > MAX_N {
         return Err(invalid(
@@ -256,6 +253,7 @@ fn to_runtime(r: vpb::GenerateRequest) -> Result<(GenerateRequest, u32), Status>
     req.logprobs = logprobs;
     req.prompt_logprobs = prompt_logprobs;
     req.max_tokens_field = s.max_tokens.map(|_| "sampling_params.max_tokens");
+    req.min_tokens = s.min_tokens;
     Ok((req, n))
 }
 
@@ -878,13 +876,12 @@ mod tests {
             },
             "sampling_params.n",
         );
-        bad(
-            vpb::SamplingParams {
-                min_tokens: 2,
-                ..Default::default()
-            },
-            "sampling_params.min_tokens",
-        );
+        let (r, _) = to_runtime(req(vpb::SamplingParams {
+            min_tokens: 2,
+            ..Default::default()
+        }))
+        .unwrap();
+        assert_eq!(r.min_tokens, 2);
     }
 
     #[test]

@@ -81,7 +81,8 @@ impl Engine<'_> {
         for &t in &tokens {
             sampler.accept(t);
         }
-        let spec = match (&self.speculative, req.speculative) {
+        // `min_tokens` bans what would end the request: not with drafts.
+        let spec = match (&self.speculative, req.speculative && req.min_tokens == 0) {
             (Some(c), true) => Some(Spec {
                 drafter: NgramDrafter::default(),
                 len: match (c.fixed_draft, c.cost_switch_off) {
@@ -129,8 +130,20 @@ impl Engine<'_> {
                     sent: false,
                     only: req.sampling.max_tokens == 0,
                 }),
-                text: TokenText::new(self.model, &req.sampling),
+                text: TokenText::new(self.model, &req.sampling).with_min_tokens(req.min_tokens),
                 include_stop: req.include_stop_str,
+                min_tokens: req.min_tokens,
+                banned: if req.min_tokens > 0 {
+                    let n = self.model.geometry().n_vocab;
+                    (0..n)
+                        .map(siliceo_core::TokenId)
+                        .filter(|&t| self.model.is_eog(t))
+                        .chain(req.sampling.stop_token_ids.iter().copied())
+                        .collect()
+                } else {
+                    Vec::new()
+                },
+                ban_buf: Vec::new(),
                 seq: None,
                 snapshot: None,
                 prompt_tokens: tokens.len() as u32,

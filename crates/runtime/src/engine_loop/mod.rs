@@ -90,6 +90,12 @@ struct Live<'m> {
     text: TokenText<'m>,
     /// Send the stop string that ended it, as text, before `Done`.
     include_stop: bool,
+    /// `min_tokens`: until it has generated so many, these tokens (its
+    /// end-of-generation and stop tokens) are banned.
+    min_tokens: u32,
+    banned: Vec<TokenId>,
+    /// The logits with `banned` masked.
+    ban_buf: Vec<f32>,
     /// Its sequence id while it runs (the draft model's cells, a grafted
     /// step's sequence, llama.cpp's cells).
     seq: Option<SeqId>,

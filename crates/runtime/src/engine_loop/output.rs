@@ -218,6 +218,20 @@ impl Engine<'_> {
                     Err(e) => return self.end(id, FinishReason::Error, Some(constraint_failed(e))),
                 }
             }
+            // `min_tokens`: nothing that would end it yet, unless nothing
+            // else is left (a constraint that must end).
+            if live.completion_tokens < live.min_tokens && !live.banned.is_empty() {
+                live.ban_buf.clear();
+                live.ban_buf.extend_from_slice(logits);
+                for t in &live.banned {
+                    if let Some(l) = live.ban_buf.get_mut(t.0 as usize) {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+                if live.ban_buf.iter().any(|l| l.is_finite()) {
+                    logits = &live.ban_buf;
+                }
+            }
             let Some(&d) = w.drafts.get(i) else {
                 let t = live.sampler.sample(logits);
                 if let Some(k) = live.logprobs {
