@@ -92,9 +92,22 @@ def main() -> int:
                     follow.close()
                 if r.random() < 0.7:
                     oa.responses.cancel(b.id)
-            elif kind == 3:  # a batch of prompts, whole or streamed
-                oa.completions.create(model="", prompt=["a", "b c", "d e f"], n=2, max_tokens=20,
-                                      stream=r.random() < 0.5)
+            elif kind == 3:  # a batch of prompts, whole or streamed; best_of; vLLM's extras
+                pick = r.randrange(3)
+                if pick == 0:
+                    oa.completions.create(model="", prompt=["a", "b c", "d e f"], n=2, max_tokens=20,
+                                          stream=r.random() < 0.5)
+                elif pick == 1:
+                    oa.completions.create(model="", prompt=["a", "b c"], n=2, best_of=3,
+                                          max_tokens=20)
+                else:
+                    oa.chat.completions.create(
+                        model="", max_tokens=30, stream=r.random() < 0.5,
+                        messages=[{"role": "user", "content": "Pick one."},
+                                  {"role": "assistant", "content": "I pick"}],
+                        extra_body={"continue_final_message": True, "min_tokens": 5,
+                                    "guided_choice": [" red", " blue", " green"],
+                                    "include_stop_str_in_output": True})
             elif kind == 4:  # a client that gives up
                 oa.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}],
                                            max_tokens=20, timeout=0.3)
