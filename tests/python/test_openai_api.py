@@ -1202,6 +1202,39 @@ def test_llama3_json_tool_calls(tmp_path):
         s.stop()
 
 
+def test_each_api_switches_thinking_off(think_server):
+    """Asking for no thinking (chat's `reasoning_effort: "none"`, the
+    Responses API's `reasoning.effort: "none"`, Anthropic's `thinking:
+    {"type": "disabled"}`) sets the template's own switch
+    (`enable_thinking: false`): each prompt, and each count of it, is the
+    one `chat_template_kwargs` gives; explicit template arguments win."""
+    import anthropic
+
+    s = think_server
+    c = client(s)
+    hi = [{"role": "user", "content": "Hi"}]
+    off = post_json(s, "/tokenize", {"messages": hi,
+                                     "chat_template_kwargs": {"enable_thinking": False}})[1]["count"]
+    on = post_json(s, "/tokenize", {"messages": hi})[1]["count"]
+    assert off > on
+    r = c.chat.completions.create(model="", messages=hi, max_tokens=1, reasoning_effort="none")
+    assert r.usage.prompt_tokens == off
+    r = c.chat.completions.create(model="", messages=hi, max_tokens=1, reasoning_effort="none",
+                                  extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert r.usage.prompt_tokens == on
+    none = {"effort": "none"}
+    resp = c.responses.create(model="", input="Hi", max_output_tokens=1, reasoning=none)
+    assert resp.usage.input_tokens == off
+    assert c.responses.input_tokens.count(model="", input="Hi", reasoning=none).input_tokens == off
+    a = anthropic.Anthropic(base_url=s.http, api_key="k", max_retries=0)
+    m = a.messages.create(model="", max_tokens=1, messages=hi, thinking={"type": "disabled"})
+    assert m.usage.input_tokens == off
+    counted = a.messages.count_tokens(model="", messages=hi, thinking={"type": "disabled"})
+    assert counted.input_tokens == off
+    assert a.messages.count_tokens(model="", messages=hi).input_tokens == on
+    s.wait_idle()
+
+
 def test_a_reasoning_models_thinking_is_split_from_its_answer(grpc_api, think_server):
     """With a template that knows `<think>`, a chat's leading thinking block
     goes to `reasoning_content` (chat completions, whole and streamed) or a

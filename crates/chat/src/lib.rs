@@ -274,6 +274,8 @@ pub struct ChatTemplate {
     tools: Option<ToolSyntax>,
     /// The template knows `<think>` blocks: the model reasons.
     reasons: bool,
+    /// It has Qwen3's switch for thinking, `enable_thinking`.
+    switch: bool,
     /// Its prompt, without template arguments, leaves a block open.
     opens: bool,
 }
@@ -320,6 +322,7 @@ impl ChatTemplate {
             eos: eos.to_string(),
             tools: ToolSyntax::detect(source),
             reasons: source.contains(THINK_OPEN),
+            switch: source.contains(Self::THINKING_SWITCH),
             opens: false,
         };
         // Most requests set no template argument: probed once, here.
@@ -354,6 +357,14 @@ impl ChatTemplate {
     /// template knows them).
     pub fn reasons(&self) -> bool {
         self.reasons
+    }
+
+    /// The template argument that turns thinking on or off (Qwen3's).
+    pub const THINKING_SWITCH: &'static str = "enable_thinking";
+
+    /// Whether the template has [`ChatTemplate::THINKING_SWITCH`].
+    pub fn has_thinking_switch(&self) -> bool {
+        self.switch
     }
 
     /// Whether a chat's prompt, rendered with `kwargs`, leaves a thinking

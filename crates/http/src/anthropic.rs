@@ -447,6 +447,17 @@ fn prepare(r: MessagesRequest, served: &str) -> Result<Prepared, ApiError> {
         e
     })?;
     plan.request.max_tokens_field = Some("max_tokens");
+    // Thinking on or off: the template's own switch, where it has one.
+    plan.thinking = match r
+        .thinking
+        .as_ref()
+        .and_then(|t| t.get("type"))
+        .and_then(Value::as_str)
+    {
+        Some("disabled") => Some(false),
+        Some("enabled" | "adaptive") => Some(true),
+        _ => None,
+    };
     // A final assistant message is a prefill: the answer continues its text.
     if let Input::Chat(m) = &plan.request.input
         && let Some(last) = m.last().filter(|l| l.role == "assistant")
@@ -755,7 +766,8 @@ pub(crate) async fn count_tokens(
     }
     let r: MessagesRequest = field_of(&v)?;
     openai::check_model(r.model.as_deref(), &s.model_ids)?;
-    let p = prepare(r, &s.model_ids[0])?;
+    let mut p = prepare(r, &s.model_ids[0])?;
+    crate::switch_thinking(&s, &mut p.plan);
     let req: GenerateRequest = p.plan.request;
     if !matches!(req.input, Input::Chat(_)) {
         return Err(ApiError::internal("a message request is a chat").into());

@@ -533,6 +533,7 @@ async fn start(
 /// with the tools' schemas), then a reasoning model's thinking.
 fn parsing(s: &AppState, plan: &mut openai::Plan) -> Result<stream::Parsing, ApiError> {
     let tools = resolve_tools(s, plan)?;
+    switch_thinking(s, plan);
     let think = match plan.request.input {
         Input::Chat(_) => s.rt.thinking(&plan.request),
         _ => None,
@@ -543,6 +544,15 @@ fn parsing(s: &AppState, plan: &mut openai::Plan) -> Result<stream::Parsing, Api
         think,
         one_call,
     })
+}
+
+/// Thinking asked on or off: the template's own switch set in the request's
+/// template arguments (where it has one), before the prompt is rendered or
+/// counted.
+pub(crate) fn switch_thinking(s: &AppState, plan: &mut openai::Plan) {
+    if let Some(on) = plan.thinking {
+        s.rt.switch_thinking(&mut plan.request, on);
+    }
 }
 
 /// The model's tool syntax, when the plan offers tools (a required or named

@@ -340,6 +340,9 @@ pub struct Plan {
     /// Completions' `best_of`: of the `n` choices generated per prompt, the
     /// likeliest are returned.
     pub best_of: Option<BestOf>,
+    /// Thinking asked on or off (`reasoning_effort: none`, Anthropic's
+    /// `thinking.type`): the template's own switch is set, where it has one.
+    pub thinking: Option<bool>,
 }
 
 /// What completions' `best_of` returns of the choices it generated.
@@ -517,6 +520,7 @@ fn plan(common: Common, input: Input, scores: bool) -> Result<Plan, ApiError> {
         batch: Vec::new(),
         prompt_logprobs,
         best_of: None,
+        thinking: (common.reasoning_effort.as_deref() == Some("none")).then_some(false),
     })
 }
 

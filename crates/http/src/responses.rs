@@ -888,6 +888,9 @@ pub(crate) fn prepare(
     let mut plan = openai::conversation_plan(msgs, (tools, choice, parallel), logprobs, common)
         .map_err(renamed)?;
     plan.request.max_tokens_field = r.max_output_tokens.map(|_| "max_output_tokens");
+    if r.reasoning.as_ref().and_then(|x| x.effort.as_deref()) == Some("none") {
+        plan.thinking = Some(false);
+    }
 
     // What the response object repeats of the request.
     let mut echo = Map::new();
@@ -1559,7 +1562,8 @@ pub(crate) async fn input_tokens(
     let prior = prior_of(&s, &r)?;
     // Counting keeps nothing.
     let model = s.model_ids[0].clone();
-    let p = prepare(&v, r, common, prior.as_deref(), (model, false))?;
+    let mut p = prepare(&v, r, common, prior.as_deref(), (model, false))?;
+    crate::switch_thinking(&s, &mut p.plan);
     let tokens = crate::prompt_tokens(&s, p.plan.request)
         .await
         .map_err(renamed)?;
