@@ -149,6 +149,32 @@ def test_n_choices_seeded_sampling(server):
     server.wait_idle()
 
 
+def test_continuous_usage_in_every_chunk(server):
+    """vLLM's `stream_options.continuous_usage_stats`: every chunk of a
+    choice carries its usage so far (the prompt's tokens, the tokens
+    generated up to it); the last one's equals the final usage."""
+    c = client(server)
+    for n in (1, 2):
+        chunks = list(c.completions.create(
+            model="", prompt="Once upon a time", max_tokens=16, temperature=0.8, seed=1, n=n,
+            stream=True,
+            extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        ))
+        final = chunks[-1].usage
+        assert not chunks[-1].choices and final.completion_tokens > 0
+        seen = {}
+        for ch in chunks[:-1]:
+            assert len(ch.choices) == 1 and ch.usage is not None, ch
+            i, u = ch.choices[0].index, ch.usage
+            assert u.prompt_tokens == final.prompt_tokens
+            assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+            assert u.completion_tokens >= seen.get(i, 0)
+            seen[i] = u.completion_tokens
+        assert sorted(seen) == list(range(n))
+        assert sum(seen.values()) == final.completion_tokens
+    server.wait_idle()
+
+
 def test_best_of_returns_the_likeliest_choices(server):
     """Completions' `best_of`: `best_of` choices are generated per prompt
     (the ones `n=best_of` gives, seed for seed) and the `n` with the highest

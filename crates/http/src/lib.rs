@@ -521,11 +521,17 @@ async fn start(
     s: &AppState,
     req: siliceo_runtime::GenerateRequest,
 ) -> Result<RequestStream, ApiError> {
-    let (stream, _) =
-        s.rt.submit_accepted(req)
-            .await
-            .map_err(|e| ApiError::from_runtime(&e))?;
-    Ok(stream)
+    Ok(start_counted(s, req).await?.0)
+}
+
+/// [`start`], with the prompt's tokens counted.
+async fn start_counted(
+    s: &AppState,
+    req: siliceo_runtime::GenerateRequest,
+) -> Result<(RequestStream, u32), ApiError> {
+    s.rt.submit_accepted(req)
+        .await
+        .map_err(|e| ApiError::from_runtime(&e))
 }
 
 /// How a plan's output is read, for every chat endpoint: tool calls in
@@ -599,8 +605,12 @@ async fn generate(
     // Each prompt's choice 0 first: a refused request fails before any
     // other choice is queued (those queued are dropped, which cancels them).
     let mut firsts = Vec::with_capacity(plan.prompts() as usize);
+    // Each prompt's tokens (vLLM's continuous usage reports them).
+    let mut prompt_tokens = Vec::with_capacity(plan.prompts() as usize);
     for p in 0..plan.prompts() {
-        firsts.push(start(s, plan.choice(p * n)).await?);
+        let (first, count) = start_counted(s, plan.choice(p * n)).await?;
+        firsts.push(first);
+        prompt_tokens.push(count);
     }
     let mut started = Vec::with_capacity(plan.choices() as usize);
     for (p, mut first) in (0u32..).zip(firsts) {
@@ -637,6 +647,7 @@ async fn generate(
             created,
             model,
             include_usage: plan.include_usage,
+            continuous_usage: plan.continuous_usage.then_some(prompt_tokens),
             parsing,
             echoes,
             n,

@@ -75,6 +75,9 @@ pub struct StreamOptions {
     /// Send a last chunk with the usage.
     #[serde(default, deserialize_with = "or_default")]
     pub include_usage: bool,
+    /// vLLM's: every chunk also carries its choice's usage so far.
+    #[serde(default, deserialize_with = "or_default")]
+    pub continuous_usage_stats: bool,
 }
 
 /// `priority` (an extension): a name or a number (lower is more urgent, as
@@ -327,6 +330,8 @@ pub struct Plan {
     pub stream: bool,
     /// Send a usage chunk last.
     pub include_usage: bool,
+    /// vLLM's `continuous_usage_stats`: usage in every chunk.
+    pub continuous_usage: bool,
     /// Tools offered (chat; `None` when absent or `tool_choice` is `none`).
     pub tools: Option<ToolPlan>,
     /// Completions' `echo`: each prompt goes back before its choices' text
@@ -514,7 +519,14 @@ fn plan(common: Common, input: Input, scores: bool) -> Result<Plan, ApiError> {
         request,
         n,
         stream: common.stream,
-        include_usage: common.stream_options.is_some_and(|o| o.include_usage),
+        include_usage: common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage),
+        continuous_usage: common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.continuous_usage_stats),
         tools: None,
         echo: Vec::new(),
         batch: Vec::new(),

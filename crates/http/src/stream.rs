@@ -386,6 +386,8 @@ struct Choice {
     router: OutputRouter,
     /// Tool calls begun.
     calls: usize,
+    /// Tokens generated so far.
+    completion_tokens: u32,
     /// Log-probabilities of tokens whose text has not gone out yet.
     pending_lp: Vec<TokenLogprob>,
     /// Text offset of the next token (completions' logprobs).
@@ -404,6 +406,8 @@ pub(crate) struct ChoiceStream {
     model: String,
     choices: Vec<Choice>,
     include_usage: bool,
+    /// vLLM's `continuous_usage_stats`: each prompt's tokens.
+    continuous_usage: Option<Vec<u32>>,
     /// Choices per prompt.
     n: usize,
     usage: Usage,
@@ -425,6 +429,9 @@ pub(crate) struct StreamHead {
     pub(crate) created: u64,
     pub(crate) model: String,
     pub(crate) include_usage: bool,
+    /// vLLM's `continuous_usage_stats`: each prompt's tokens, and usage in
+    /// every chunk.
+    pub(crate) continuous_usage: Option<Vec<u32>>,
     /// How a chat's output is read.
     pub(crate) parsing: Parsing,
     /// Each prompt's text to echo first (completions' `echo`): choice `i`
@@ -447,6 +454,7 @@ impl ChoiceStream {
             created,
             model,
             include_usage,
+            continuous_usage,
             parsing,
             echoes,
             n,
@@ -469,12 +477,14 @@ impl ChoiceStream {
                     done: false,
                     router: parsing.router(),
                     calls: 0,
+                    completion_tokens: 0,
                     pending_lp: Vec::new(),
                     offset: 0,
                     echo: echoes.get(i / n).cloned(),
                 })
                 .collect(),
             include_usage,
+            continuous_usage,
             n,
             usage: Usage::default(),
             out: VecDeque::new(),
@@ -490,6 +500,16 @@ impl ChoiceStream {
     }
 
     fn chunk_value(&self, choices: Vec<Value>, usage: Option<Value>) -> Value {
+        // vLLM's continuous usage: a choice's chunk carries its usage so far.
+        let usage = usage.or_else(|| {
+            let prompts = self.continuous_usage.as_ref()?;
+            let [c] = choices.as_slice() else {
+                return None;
+            };
+            let i = usize::try_from(c["index"].as_u64()?).ok()?;
+            let (p, done) = (prompts[i / self.n], self.choices[i].completion_tokens);
+            Some(json!({"prompt_tokens": p, "completion_tokens": done, "total_tokens": p + done}))
+        });
         let mut v = json!({
             "id": self.id,
             "object": self.kind.chunk_object(),
@@ -545,7 +565,12 @@ impl ChoiceStream {
         };
         match ev {
             Event::Prompt { .. } => true,
-            Event::Text { text, logprobs, .. } => {
+            Event::Text {
+                text,
+                logprobs,
+                tokens,
+            } => {
+                self.choices[i].completion_tokens += tokens.len() as u32;
                 self.choices[i].pending_lp.extend(logprobs);
                 let r = self.choices[i].router.push(&text, false);
                 self.send_reasoning(i, r.reasoning);
