@@ -28,6 +28,9 @@ pub(crate) struct Prepared {
     pub(crate) req: GenerateRequest,
     pub(crate) tokens: Vec<TokenId>,
     pub(crate) matcher: Option<Matcher>,
+    /// What `min_tokens` bans until then: the end-of-generation and stop
+    /// tokens (empty without it).
+    pub(crate) banned: Vec<TokenId>,
 }
 
 /// Templates, tokenizes, validates and compiles (see the module's doc).
@@ -38,6 +41,8 @@ pub(crate) struct Front {
     chat: Option<Chat>,
     /// The longest sequence, prompt plus generation.
     max_seq_len: u32,
+    /// The model's end-of-generation tokens.
+    end_of_generation: Vec<TokenId>,
 }
 
 fn invalid(field: &'static str, reason: impl Into<String>) -> RuntimeError {
@@ -61,7 +66,9 @@ fn vocabulary(model: &Model) -> Vocabulary {
 impl Front {
     /// `chat_template`: a template to use instead of the GGUF's.
     pub(crate) fn new(model: Arc<Model>, max_seq_len: u32, chat_template: Option<String>) -> Front {
-        let grammars = Grammars::new(vocabulary(&model));
+        let vocab = vocabulary(&model);
+        let end_of_generation = vocab.end_of_generation.clone();
+        let grammars = Grammars::new(vocab);
         let (bos, eos, adds_bos) = model.bos_eos();
         let source = chat_template.or_else(|| model.chat_template());
         let chat = source.and_then(|source| {
@@ -79,6 +86,7 @@ impl Front {
             grammars,
             chat,
             max_seq_len,
+            end_of_generation,
         }
     }
 
@@ -162,13 +170,8 @@ impl Front {
                 ));
             }
         }
+        self.check_ids("stop_token_ids", &req.sampling.stop_token_ids)?;
         let n_vocab = self.model.geometry().n_vocab;
-        if let Some(t) = req.sampling.stop_token_ids.iter().find(|t| t.0 >= n_vocab) {
-            return Err(invalid(
-                "stop_token_ids",
-                format!("token id {} is outside the vocabulary of {n_vocab}", t.0),
-            ));
-        }
         if let Some((t, _)) = req.sampling.logit_bias.iter().find(|(t, _)| t.0 >= n_vocab) {
             return Err(invalid(
                 "logit_bias",
@@ -208,10 +211,21 @@ impl Front {
             ));
         }
         let matcher = self.compile(&req)?;
+        let banned = if req.min_tokens > 0 {
+            let stops = req.sampling.stop_token_ids.iter();
+            self.end_of_generation
+                .iter()
+                .chain(stops)
+                .copied()
+                .collect()
+        } else {
+            Vec::new()
+        };
         Ok(Prepared {
             req,
             tokens,
             matcher,
+            banned,
         })
     }
 

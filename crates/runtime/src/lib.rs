@@ -91,6 +91,8 @@ pub(crate) struct Submission {
     pub(crate) tx: tokio::sync::mpsc::UnboundedSender<Event>,
     pub(crate) accepted: Option<Accepted>,
     pub(crate) matcher: Option<siliceo_constrain::Matcher>,
+    /// What `min_tokens` bans until then.
+    pub(crate) banned: Vec<TokenId>,
     /// When the caller submitted it (queue time and TTFT count from here).
     pub(crate) submitted: std::time::Instant,
 }
@@ -326,6 +328,7 @@ impl Runtime {
             req,
             tokens,
             matcher,
+            banned,
         } = prepared.inspect_err(|e| {
             self.metrics.error(e.error_kind());
             self.metrics.finished("error");
@@ -339,6 +342,7 @@ impl Runtime {
                 tx: etx,
                 accepted,
                 matcher,
+                banned,
                 submitted,
             })))
             .map_err(|_| RuntimeError::Stopped)?;

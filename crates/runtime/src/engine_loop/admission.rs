@@ -45,6 +45,7 @@ impl Engine<'_> {
             id,
             tx,
             matcher,
+            banned,
             submitted,
             ..
         } = sub;
@@ -133,16 +134,7 @@ impl Engine<'_> {
                 text: TokenText::new(self.model, &req.sampling).with_min_tokens(req.min_tokens),
                 include_stop: req.include_stop_str,
                 min_tokens: req.min_tokens,
-                banned: if req.min_tokens > 0 {
-                    let n = self.model.geometry().n_vocab;
-                    (0..n)
-                        .map(siliceo_core::TokenId)
-                        .filter(|&t| self.model.is_eog(t))
-                        .chain(req.sampling.stop_token_ids.iter().copied())
-                        .collect()
-                } else {
-                    Vec::new()
-                },
+                banned,
                 ban_buf: Vec::new(),
                 seq: None,
                 snapshot: None,
