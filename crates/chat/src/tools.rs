@@ -46,6 +46,31 @@ pub struct ParsedOutput {
     pub cut_short: bool,
 }
 
+impl ParsedOutput {
+    /// A whole output's pieces as [`CallParser`] read them: the text
+    /// (trimmed) and each call with its arguments joined; `cut_short` as
+    /// the reader said.
+    pub fn from_pieces(pieces: impl IntoIterator<Item = CallPiece>, cut_short: bool) -> Self {
+        let mut out = ParsedOutput {
+            cut_short,
+            ..ParsedOutput::default()
+        };
+        for piece in pieces {
+            match piece {
+                CallPiece::Text(t) => out.content.push_str(&t),
+                CallPiece::Call(name) => out.calls.push((name, String::new())),
+                CallPiece::Args(a) => {
+                    if let Some((_, args)) = out.calls.last_mut() {
+                        args.push_str(&a);
+                    }
+                }
+            }
+        }
+        out.content = out.content.trim().to_string();
+        out
+    }
+}
+
 impl ToolSyntax {
     /// The syntax a chat template teaches, if any.
     pub fn detect(template: &str) -> Option<ToolSyntax> {
@@ -112,23 +137,7 @@ impl ToolSyntax {
     fn parse_with(mut p: CallParser, text: &str) -> ParsedOutput {
         let mut pieces = p.push(text);
         pieces.extend(p.finish());
-        let mut out = ParsedOutput {
-            cut_short: p.cut_short(),
-            ..ParsedOutput::default()
-        };
-        for piece in pieces {
-            match piece {
-                CallPiece::Text(t) => out.content.push_str(&t),
-                CallPiece::Call(name) => out.calls.push((name, String::new())),
-                CallPiece::Args(a) => {
-                    if let Some((_, args)) = out.calls.last_mut() {
-                        args.push_str(&a);
-                    }
-                }
-            }
-        }
-        out.content = out.content.trim().to_string();
-        out
+        ParsedOutput::from_pieces(pieces, p.cut_short())
     }
 
     /// The constraint that forces a call (to any of `tools` for

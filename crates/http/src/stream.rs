@@ -10,7 +10,7 @@ use axum::response::sse::Event as SseEvent;
 use serde_json::{Value, json};
 use siliceo_core::TokenId;
 use siliceo_runtime::{
-    CallPiece, Event, OutputRouter, RequestStream, ThinkSplitter, TokenLogprob, ToolSyntax, Usage,
+    CallPiece, Event, OutputRouter, ParsedOutput, RequestStream, TokenLogprob, ToolSyntax, Usage,
 };
 use tokio_stream::Stream;
 
@@ -88,37 +88,31 @@ impl Kind {
         }
         match self {
             Kind::Chat => {
-                let split = parsing.think.map(|open| ThinkSplitter::split(open, text));
-                let text = split.as_ref().map_or(text, |s| s.content.as_str());
+                // Read as a stream is: the same router, all at once.
+                let r = parsing.router().push(text, true);
                 let mut c = json!({
                     "index": index,
-                    "message": {"role": "assistant", "content": text},
+                    "message": {"role": "assistant", "content": r.answer},
                     "logprobs": logprobs,
                     "finish_reason": finish_name(finish),
                 });
-                if let Some(syntax) = parsing.tools {
-                    let parsed = if parsing.one_call {
-                        syntax.parse_single(text)
-                    } else {
-                        syntax.parse(text)
-                    };
-                    if !parsed.calls.is_empty() {
-                        let calls: Vec<Value> = parsed
-                            .calls
-                            .iter()
-                            .map(|(name, args)| tool_call_json(None, name, args))
-                            .collect();
-                        let content = (!parsed.content.is_empty()).then_some(parsed.content);
-                        c["message"]["content"] = json!(content);
-                        c["message"]["tool_calls"] = json!(calls);
-                        if !parsed.cut_short {
-                            c["finish_reason"] = json!("tool_calls");
-                        }
+                if !r.calls.is_empty() {
+                    let parsed = ParsedOutput::from_pieces(r.calls, r.cut);
+                    let calls: Vec<Value> = parsed
+                        .calls
+                        .iter()
+                        .map(|(name, args)| tool_call_json(None, name, args))
+                        .collect();
+                    let content = r.answer.trim();
+                    c["message"]["content"] = json!((!content.is_empty()).then_some(content));
+                    c["message"]["tool_calls"] = json!(calls);
+                    if !parsed.cut_short {
+                        c["finish_reason"] = json!("tool_calls");
                     }
                 }
-                if let Some(s) = split {
-                    let r = (!s.reasoning.is_empty()).then_some(s.reasoning);
-                    c["message"]["reasoning_content"] = json!(r);
+                if parsing.think.is_some() {
+                    let reasoning = (!r.reasoning.is_empty()).then_some(r.reasoning);
+                    c["message"]["reasoning_content"] = json!(reasoning);
                 }
                 c
             }

@@ -55,8 +55,8 @@ pub use types::{
 
 pub use engine_loop::store_plan;
 pub use siliceo_chat::{
-    CallParser, CallPiece, ChatEnd, Message, OutputRouter, Routed, Split, THINK_CLOSE, THINK_OPEN,
-    ThinkSplitter, Tool, ToolCall, ToolChoice, ToolSyntax, checked_tools,
+    CallParser, CallPiece, ChatEnd, Message, OutputRouter, ParsedOutput, Routed, Split,
+    THINK_CLOSE, THINK_OPEN, ThinkSplitter, Tool, ToolCall, ToolChoice, ToolSyntax, checked_tools,
 };
 pub use siliceo_kv_paging::planner::{StorePlan, StoreSize, StoreSplit};
 
