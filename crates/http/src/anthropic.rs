@@ -623,20 +623,24 @@ impl Reply {
         self.open = kind;
     }
 
-    /// Appends to the open block, or to a new block of `kind` (a tool's
-    /// input to the open `tool_use` block).
+    /// Appends to a block of `kind`, opening it (and closing another) first.
     fn append(&mut self, kind: Open, text: &str, out: &mut Vec<Value>) {
         if text.is_empty() {
             return;
         }
-        let delta = match kind {
-            Open::Thinking => json!({"type": "thinking_delta", "thinking": text}),
-            Open::Text => json!({"type": "text_delta", "text": text}),
-            _ => json!({"type": "input_json_delta", "partial_json": text}),
-        };
-        if !matches!(kind, Open::Tool(..)) && self.open != kind {
+        if self.open != kind {
             self.open_block(kind, out);
         }
+        self.push_delta(text, out);
+    }
+
+    /// More of the open block: its text, thinking, or tool input.
+    fn push_delta(&mut self, text: &str, out: &mut Vec<Value>) {
+        let delta = match self.open {
+            Open::Thinking => json!({"type": "thinking_delta", "thinking": text}),
+            Open::Tool(..) => json!({"type": "input_json_delta", "partial_json": text}),
+            _ => json!({"type": "text_delta", "text": text}),
+        };
         self.buf.push_str(text);
         out.push(
             json!({"type": "content_block_delta", "index": self.blocks.len(), "delta": delta}),
@@ -658,7 +662,7 @@ impl Reply {
                     self.open_block(Open::Tool(id, name), out);
                 }
                 CallPiece::Args(args) if matches!(self.open, Open::Tool(..)) => {
-                    self.append(Open::Tool(String::new(), String::new()), &args, out);
+                    self.push_delta(&args, out);
                 }
                 _ => {}
             }
