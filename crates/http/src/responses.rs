@@ -44,7 +44,7 @@ use siliceo_runtime::{
 
 use crate::error::ApiError;
 use crate::openai::{self, Common, Plan};
-use crate::stream::{EventMachine, Kind, Parsing, TypedEvents, logprobs_json, typed_sse};
+use crate::stream::{EventMachine, Kind, Parsing, TypedEvents, logprobs_json};
 use crate::{AppState, body_json, field_of, now_s, start, uuid_like};
 
 /// The `include` value that asks for the output's log-probabilities.
@@ -194,7 +194,9 @@ pub(crate) struct EventLog {
 
 #[derive(Debug, Default)]
 struct LogInner {
-    events: Vec<Arc<Value>>,
+    /// Each event's name (its `type`) and its JSON text, serialized once
+    /// for every reader.
+    events: Vec<Arc<(String, String)>>,
     bytes: usize,
     ended: bool,
 }
@@ -218,8 +220,10 @@ impl EventLog {
         {
             let mut l = self.lock();
             for e in events {
-                l.bytes += e.to_string().len();
-                l.events.push(Arc::new(e));
+                let kind = e["type"].as_str().unwrap_or("error").to_string();
+                let data = e.to_string();
+                l.bytes += data.len();
+                l.events.push(Arc::new((kind, data)));
             }
         }
         self.changed.send_replace(());
@@ -270,7 +274,9 @@ impl tokio_stream::Stream for LogReader {
             };
             if let Some(e) = event {
                 this.next += 1;
-                return Poll::Ready(Some(Ok(typed_sse(&e))));
+                let (kind, data) = &*e;
+                let sse = axum::response::sse::Event::default().event(kind).data(data);
+                return Poll::Ready(Some(Ok(sse)));
             }
             if ended {
                 return Poll::Ready(None);

@@ -319,7 +319,7 @@ pub(crate) trait EventMachine {
 }
 
 /// A typed event as SSE: named by its `type`.
-pub(crate) fn typed_sse(v: &Value) -> SseEvent {
+fn typed_sse(v: &Value) -> SseEvent {
     let kind = v["type"].as_str().unwrap_or("error");
     SseEvent::default().event(kind).data(v.to_string())
 }
