@@ -629,6 +629,21 @@ fn choice_of(field: &'static str, choices: &[String]) -> Result<Constraint, ApiE
     Ok(Constraint::Lark(format!("start: {}\n", alts.join(" | "))))
 }
 
+impl Common {
+    /// Whether any of the fields that constrain the output is set
+    /// (`response_format`, `regex`, `grammar`, vLLM's guided decoding).
+    fn asks_constraint(&self) -> bool {
+        self.response_format.is_some()
+            || self.regex.is_some()
+            || self.grammar.is_some()
+            || self.guided_json.is_some()
+            || self.guided_regex.is_some()
+            || self.guided_choice.is_some()
+            || self.guided_grammar.is_some()
+            || self.structured_outputs.is_some()
+    }
+}
+
 /// vLLM's guided-decoding fields as constraints, each with its field.
 fn guided_of(common: &Common) -> Result<Vec<(&'static str, Constraint)>, ApiError> {
     let mut found = Vec::new();
@@ -899,12 +914,7 @@ pub(crate) fn conversation_plan(
     common: Common,
 ) -> Result<Plan, ApiError> {
     let forced = matches!(choice, ToolChoice::Required | ToolChoice::Function(_));
-    if forced
-        && (common.response_format.is_some()
-            || common.regex.is_some()
-            || common.grammar.is_some()
-            || !guided_of(&common)?.is_empty())
-    {
+    if forced && common.asks_constraint() {
         return Err(ApiError::invalid(
             "tool_choice",
             "a forced tool call cannot be combined with response_format, regex or grammar",
