@@ -10,7 +10,7 @@ use siliceo_core::{Constraint, FinishReason, Priority, RequestId, SamplingParams
 use siliceo_runtime::Message as ChatMessage;
 use siliceo_runtime::{
     CallPiece, ChatEnd, EmbeddingService, Event, GenerateRequest, Input, OutputRouter,
-    RequestStream, Runtime, RuntimeError, ToolCall, ToolChoice, Usage,
+    RequestStream, Routed, Runtime, RuntimeError, ToolCall, ToolChoice, Usage,
 };
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
@@ -371,19 +371,20 @@ pub struct GenerateStream {
 }
 
 impl GenerateStream {
-    /// With tools or thinking to read, `text` split into the thinking, the
-    /// answer and the calls' pieces (`end`: all held back goes out);
+    /// With tools or thinking to read, `text` as the router splits it
+    /// (`end`: all held back goes out), its calls' pieces as wire deltas;
     /// without, the text as it is.
-    fn route(&mut self, text: String, end: bool) -> Split {
+    fn route(&mut self, text: String, end: bool) -> (Routed, Vec<pb::ToolCallDelta>) {
         let Some(router) = self.router.as_mut() else {
-            return Split {
-                text,
-                ..Split::default()
+            let r = Routed {
+                answer: text,
+                ..Routed::default()
             };
+            return (r, Vec::new());
         };
-        let r = router.push(&text, end);
+        let mut r = router.push(&text, end);
         let mut deltas = Vec::new();
-        for piece in r.calls {
+        for piece in std::mem::take(&mut r.calls) {
             match piece {
                 CallPiece::Call(name) => {
                     deltas.push(pb::ToolCallDelta {
@@ -404,23 +405,8 @@ impl GenerateStream {
                 _ => {}
             }
         }
-        Split {
-            reasoning: r.reasoning,
-            text: r.answer,
-            calls: deltas,
-            cut: r.cut,
-        }
+        (r, deltas)
     }
-}
-
-/// A chunk of output as [`GenerateStream::route`] reads it.
-#[derive(Default)]
-struct Split {
-    reasoning: String,
-    text: String,
-    calls: Vec<pb::ToolCallDelta>,
-    /// The output ended inside a call's arguments.
-    cut: bool,
 }
 
 impl std::fmt::Debug for GenerateStream {
@@ -461,11 +447,11 @@ impl Stream for GenerateStream {
                 logprobs,
             }) => {
                 let id = request_id(&mut this.sent_id, this.inner.id());
-                let out = this.route(text, false);
+                let (out, tool_calls) = this.route(text, false);
                 Poll::Ready(Some(Ok(pb::GenerateResponse {
-                    text: out.text,
+                    text: out.answer,
                     reasoning: out.reasoning,
-                    tool_calls: out.calls,
+                    tool_calls,
                     token_ids: tokens.into_iter().map(|t| t.0).collect(),
                     finish_reason: pb::FinishReason::Unspecified as i32,
                     usage: None,
@@ -512,7 +498,7 @@ impl Stream for GenerateStream {
                         return Poll::Ready(Some(Err(status)));
                     }
                 }
-                let out = this.route(String::new(), true);
+                let (out, tool_calls) = this.route(String::new(), true);
                 let finish = match finish_pb(finish_reason) {
                     pb::FinishReason::Stop | pb::FinishReason::Length
                         if this.calls > 0 && !out.cut =>
@@ -522,9 +508,9 @@ impl Stream for GenerateStream {
                     f => f,
                 };
                 Poll::Ready(Some(Ok(pb::GenerateResponse {
-                    text: out.text,
+                    text: out.answer,
                     reasoning: out.reasoning,
-                    tool_calls: out.calls,
+                    tool_calls,
                     token_ids: Vec::new(),
                     finish_reason: finish as i32,
                     usage: Some(usage_pb(&usage)),
