@@ -1059,6 +1059,7 @@ CHATML_THINK = (
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and not enable_thinking -%}"
     "{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif -%}"
+    "{%- if open_thinking is defined and open_thinking -%}{{ '<think>\\n' }}{%- endif -%}"
     "{%- endif -%}"
 )
 
@@ -1069,7 +1070,7 @@ def think_server(tmp_path_factory):
     reasoning model's does."""
     path = tmp_path_factory.mktemp("template") / "chatml.jinja"
     path.write_text(CHATML_THINK)
-    s = Server("--chat-template-file", str(path))
+    s = Server("--chat-template-file", str(path), "--reasoning-budgets", "low=8")
     yield s
     s.stop()
 
@@ -1319,6 +1320,112 @@ def test_a_reasoning_models_thinking_is_split_from_its_answer(grpc_api, think_se
     assert r.choices[0].message.content.startswith("Paris is ")
     assert r.choices[0].message.reasoning_content is None
     think_server.wait_idle()
+
+
+def test_a_thinking_budget_closes_the_block(grpc_api, server, think_server):
+    """A thinking budget (gRPC's `thinking_budget`, vLLM's
+    `thinking_token_budget`, Anthropic's `budget_tokens`, an effort level):
+    once the model has thought that many tokens, `\\n</think>\\n\\n` is
+    forced and it answers. Greedy, the output is exactly the unbudgeted
+    thought's first tokens, the close's tokens, then what the model writes
+    after those tokens (a generation from them); every API gives the same
+    split. A budget a grammar's thinking cannot take changes nothing."""
+    import anthropic
+
+    pb, plain_stub, meta = grpc_api
+    from siliceo.v1 import inference_pb2_grpc as pbg
+
+    ask = "Why is the sky blue?"
+    opened = {"open_thinking": True}  # the prompt opens the block, as DeepSeek-R1's
+    n, budget = 40, 8
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=ask)])
+    with grpc.insecure_channel(think_server.grpc) as ch:
+        stub = pbg.InferenceStub(ch)
+
+        def gen(**kw):
+            kw.setdefault("chat", chat)
+            kw.setdefault("chat_template_kwargs", json.dumps(opened))
+            kw.setdefault("max_tokens", n)
+            out = list(stub.Generate(pb.GenerateRequest(**kw)))
+            return [t for m in out for t in m.token_ids], out
+
+        free, _ = gen()
+        capped, out = gen(thinking_budget=budget)
+        _, split = gen(thinking_budget=budget, split_reasoning=True)
+        close = list(stub.Tokenize(pb.TokenizeRequest(text="\n</think>\n\n")).ids)
+        status, p = post_json(think_server, "/tokenize", {
+            "messages": [{"role": "user", "content": ask}], "chat_template_kwargs": opened})
+        assert status == 200
+        head = capped[: budget + len(close)]
+        after, _ = gen(chat=None, chat_template_kwargs="",
+                       tokens=pb.TokenIds(ids=p["tokens"] + head), max_tokens=n - len(head))
+        # Without a budget SmolLM2 never closes the block by itself.
+        status, d = post_json(think_server, "/detokenize", {"tokens": free})
+        assert "</think>" not in d["prompt"]
+        at0, _ = gen(thinking_budget=0)
+    assert capped[:budget] == free[:budget]
+    assert capped[budget: budget + len(close)] == close
+    assert capped[budget + len(close):] == after and after
+    assert at0[: len(close)] == close
+    raw = "".join(m.text for m in out)
+    thought = "".join(m.reasoning for m in split)
+    answer = "".join(m.text for m in split)
+    assert raw.startswith(thought + "</think>") and thought.endswith("\n")
+    assert answer and raw.endswith(answer)
+
+    # The same split on each API: chat (whole and streamed), an effort
+    # level (`--reasoning-budgets low=8`), the Responses API, Anthropic's.
+    c = client(think_server)
+    msgs = [{"role": "user", "content": ask}]
+    kw = dict(model="", messages=msgs, max_tokens=n, temperature=0)
+    tk = {"chat_template_kwargs": opened}
+    for body in ({"thinking_token_budget": budget}, {}):
+        extra = dict(tk, **body)
+        r = c.chat.completions.create(**kw, extra_body=extra,
+                                      **({} if body else {"reasoning_effort": "low"}))
+        m = r.choices[0].message
+        assert (m.reasoning_content, m.content) == (thought, answer), body
+    deltas = [ch.choices[0].delta for ch in c.chat.completions.create(
+        **kw, stream=True, extra_body=dict(tk, thinking_token_budget=budget)) if ch.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == thought
+    assert "".join(d.content or "" for d in deltas) == answer
+    resp = c.responses.create(model="", input=ask, max_output_tokens=n, temperature=0,
+                              reasoning={"effort": "low"}, extra_body=tk)
+    assert resp.reasoning.effort == "low"
+    assert resp.output[0].content[0].text == thought and resp.output_text == answer
+    a = anthropic.Anthropic(base_url=think_server.http, api_key="k", max_retries=0)
+    am = a.messages.create(model="", max_tokens=n, messages=msgs,
+                           thinking={"type": "enabled", "budget_tokens": budget},
+                           extra_body=dict(tk, temperature=0))
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in am.content] == [
+        ("thinking", thought), ("text", answer)]
+
+    # A grammar that writes the thinking and cannot take the close keeps
+    # its course: the budget changes nothing.
+    g = {"grammar": THINK_THEN_ANSWER}
+    gk = dict(model="", messages=msgs, max_tokens=80, temperature=0)
+    want = c.chat.completions.create(**gk, extra_body=g).choices[0].message
+    for b in (3, 1000):
+        got = c.chat.completions.create(**gk, extra_body=dict(g, thinking_token_budget=b))
+        assert got.choices[0].message == want
+
+    # An unknown level, or a budget for a model that does not think: 400s.
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(**kw, reasoning_effort="extreme")
+    assert e.value.body["param"] == "reasoning_effort"
+    assert "minimal, low" in e.value.body["message"]
+    plain = client(server)
+    for extra in ({"reasoning_effort": "low"}, {"thinking_token_budget": 4}):
+        with pytest.raises(openai.BadRequestError) as e:
+            plain.chat.completions.create(model="", messages=msgs, max_tokens=4, extra_body=extra)
+        assert e.value.body["param"] == next(iter(extra)), extra
+    with pytest.raises(grpc.RpcError) as e:
+        list(plain_stub.Generate(pb.GenerateRequest(chat=chat, max_tokens=4, thinking_budget=4),
+                                 metadata=meta))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "thinking_budget" in e.value.details()
+    think_server.wait_idle()
+    server.wait_idle()
 
 
 def test_min_tokens_holds_off_the_end(server, grpc_api):

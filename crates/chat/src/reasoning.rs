@@ -47,6 +47,17 @@ impl ThinkSplitter {
         }
     }
 
+    /// Whether the output is inside the thinking block now.
+    pub fn thinking(&self) -> bool {
+        self.state == State::Thinking
+    }
+
+    /// Whether the thinking is over: the block closed, or the answer began
+    /// without one.
+    pub fn settled(&self) -> bool {
+        matches!(self.state, State::Closed | State::Answer)
+    }
+
     /// Takes the model's next text; returns what of it can go out now.
     pub fn push(&mut self, text: &str) -> Split {
         self.held.push_str(text);

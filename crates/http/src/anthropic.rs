@@ -354,9 +354,32 @@ fn prepare(r: MessagesRequest, served: &str) -> Result<Prepared, ApiError> {
             format!("must be in [0, 1], got {t}"),
         ));
     }
+    let mut budget = None;
     if let Some(th) = &r.thinking {
         match th.get("type").and_then(Value::as_str) {
-            Some("enabled" | "disabled" | "adaptive") => {}
+            Some("enabled") => {
+                // As Anthropic's API: a budget, below `max_tokens`.
+                let b = th.get("budget_tokens").ok_or_else(|| {
+                    ApiError::invalid(
+                        "thinking.budget_tokens",
+                        "required when thinking is enabled",
+                    )
+                })?;
+                let b = b
+                    .as_u64()
+                    .and_then(|b| u32::try_from(b).ok())
+                    .ok_or_else(|| {
+                        ApiError::invalid("thinking.budget_tokens", "must be a token count")
+                    })?;
+                if r.max_tokens.is_some_and(|m| b >= m) {
+                    return Err(ApiError::invalid(
+                        "thinking.budget_tokens",
+                        format!("must be less than `max_tokens`, got {b}"),
+                    ));
+                }
+                budget = Some(b);
+            }
+            Some("disabled" | "adaptive") => {}
             _ => {
                 return Err(ApiError::invalid(
                     "thinking.type",
@@ -382,17 +405,16 @@ fn prepare(r: MessagesRequest, served: &str) -> Result<Prepared, ApiError> {
     msgs.extend(read_messages(&messages)?);
     let tools = read_tools(r.tools.as_deref(), r.tool_choice.as_ref())?;
     let config = r.output_config.as_ref().filter(|c| !c.is_null());
-    if let Some(e) = config
-        .and_then(|c| c.get("effort"))
-        .filter(|e| !e.is_null())
-    {
-        return Err(ApiError::unsupported(
-            "output_config.effort",
-            &format!(
-                "effort {e} (a template's own thinking switch goes through `chat_template_kwargs`)"
-            ),
-        ));
-    }
+    let effort = match config.and_then(|c| c.get("effort")) {
+        None | Some(Value::Null) => None,
+        Some(Value::String(e)) => Some(e.clone()),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "output_config.effort",
+                "must be a string",
+            ));
+        }
+    };
     let (format, field) = match config
         .and_then(|c| c.get("format"))
         .filter(|f| !f.is_null())
@@ -447,6 +469,8 @@ fn prepare(r: MessagesRequest, served: &str) -> Result<Prepared, ApiError> {
         e
     })?;
     plan.request.max_tokens_field = Some("max_tokens");
+    plan.request.thinking_budget = budget;
+    plan.effort = effort.map(|e| ("output_config.effort", e));
     // Thinking on or off: the template's own switch, where it has one.
     plan.thinking = match r
         .thinking
@@ -771,7 +795,7 @@ pub(crate) async fn count_tokens(
     let r: MessagesRequest = field_of(&v)?;
     openai::check_model(r.model.as_deref(), &s.model_ids)?;
     let mut p = prepare(r, &s.model_ids[0])?;
-    crate::switch_thinking(&s, &mut p.plan);
+    crate::apply_thinking(&s, &mut p.plan)?;
     let req: GenerateRequest = p.plan.request;
     if !matches!(req.input, Input::Chat(_)) {
         return Err(ApiError::internal("a message request is a chat").into());
@@ -890,8 +914,22 @@ mod tests {
             ),
             (json!({"max_tokens": 0, "messages": ok}), "max_tokens"),
             (
-                json!({"max_tokens": 5, "messages": ok, "output_config": {"effort": "max"}}),
+                json!({"max_tokens": 5, "messages": ok, "output_config": {"effort": 3}}),
                 "output_config.effort",
+            ),
+            (
+                json!({"max_tokens": 5, "messages": ok, "thinking": {"type": "enabled"}}),
+                "thinking.budget_tokens",
+            ),
+            (
+                json!({"max_tokens": 5, "messages": ok,
+                       "thinking": {"type": "enabled", "budget_tokens": 5}}),
+                "thinking.budget_tokens",
+            ),
+            (
+                json!({"max_tokens": 5, "messages": ok,
+                       "thinking": {"type": "enabled", "budget_tokens": -1}}),
+                "thinking.budget_tokens",
             ),
             (
                 json!({"max_tokens": 5, "messages": ok, "output_config": {"format": {"type": "yaml"}}}),
@@ -1017,6 +1055,21 @@ mod tests {
         assert_eq!(p.unwrap().plan.request.chat_end, ChatEnd::Answer);
         let e = prep(body("Hello, ")).err().unwrap();
         assert_eq!(e.param.as_deref(), Some("messages[1].content"));
+    }
+
+    #[test]
+    fn thinking_budgets_and_effort_reach_the_plan() {
+        let hi = json!([{"role": "user", "content": "Hi"}]);
+        let p = prep(json!({"max_tokens": 9, "messages": hi,
+                            "thinking": {"type": "enabled", "budget_tokens": 4}}))
+        .unwrap();
+        assert_eq!(p.plan.request.thinking_budget, Some(4));
+        assert_eq!((p.plan.thinking, p.plan.effort), (Some(true), None));
+        let p = prep(json!({"max_tokens": 9, "messages": hi,
+                            "output_config": {"effort": "low"}}))
+        .unwrap();
+        assert_eq!(p.plan.request.thinking_budget, None);
+        assert_eq!(p.plan.effort, Some(("output_config.effort", "low".into())));
     }
 
     /// A call's `tool_use` block opens once its name is written; its input

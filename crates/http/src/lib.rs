@@ -22,6 +22,7 @@
 #![deny(missing_docs)]
 
 mod anthropic;
+mod effort;
 mod error;
 mod openai;
 mod responses;
@@ -52,6 +53,7 @@ use siliceo_runtime::{
 };
 use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
 
+pub use effort::ReasoningBudgets;
 pub use error::ApiError;
 pub use openai::MAX_N;
 
@@ -79,6 +81,8 @@ pub struct HttpConfig {
     /// Memory for the Responses API's kept responses (`store`, which
     /// `previous_response_id` continues); the oldest go first. 0: none kept.
     pub responses_store_bytes: usize,
+    /// Thinking budgets of the effort levels requests may name.
+    pub reasoning_budgets: ReasoningBudgets,
 }
 
 /// The origins whose pages may call the API from a browser (CORS); none by
@@ -156,6 +160,7 @@ impl Default for HttpConfig {
             tls: None,
             allow_origins: AllowOrigins::None,
             responses_store_bytes: DEFAULT_RESPONSES_STORE_BYTES,
+            reasoning_budgets: ReasoningBudgets::default(),
         }
     }
 }
@@ -173,6 +178,8 @@ struct AppState {
     created: u64,
     /// The Responses API's kept responses.
     responses: Arc<responses::ResponseStore>,
+    /// Thinking budgets of effort levels.
+    reasoning_budgets: ReasoningBudgets,
 }
 
 fn now_s() -> u64 {
@@ -199,6 +206,7 @@ pub fn router(rt: Arc<Runtime>, cfg: &HttpConfig) -> Router {
         embeddings: cfg.embeddings.clone(),
         created: now_s(),
         responses: Arc::new(responses::ResponseStore::new(cfg.responses_store_bytes)),
+        reasoning_budgets: cfg.reasoning_budgets.clone(),
     });
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
@@ -539,7 +547,7 @@ async fn start_counted(
 /// with the tools' schemas), then a reasoning model's thinking.
 fn parsing(s: &AppState, plan: &mut openai::Plan) -> Result<stream::Parsing, ApiError> {
     let tools = resolve_tools(s, plan)?;
-    switch_thinking(s, plan);
+    apply_thinking(s, plan)?;
     let think = match plan.request.input {
         Input::Chat(_) => s.rt.thinking(&plan.request),
         _ => None,
@@ -552,13 +560,41 @@ fn parsing(s: &AppState, plan: &mut openai::Plan) -> Result<stream::Parsing, Api
     })
 }
 
-/// Thinking asked on or off: the template's own switch set in the request's
-/// template arguments (where it has one), before the prompt is rendered or
-/// counted.
-pub(crate) fn switch_thinking(s: &AppState, plan: &mut openai::Plan) {
+/// Thinking as the request asks, before its prompt is rendered or counted:
+/// an effort level becomes a thinking budget (an explicit budget wins) and
+/// turns thinking on; on or off sets the template's own switch, where it
+/// has one. An unknown level is a 400, and so is an effort or budget for a
+/// model that does not think.
+pub(crate) fn apply_thinking(s: &AppState, plan: &mut openai::Plan) -> Result<(), ApiError> {
+    let reasons = s.rt.chat_template().is_some_and(|t| t.reasons());
+    if let Some((field, level)) = &plan.effort {
+        let budget = s.reasoning_budgets.get(level).ok_or_else(|| {
+            ApiError::invalid(
+                *field,
+                format!("must be one of {}", s.reasoning_budgets.names()),
+            )
+        })?;
+        if !reasons {
+            return Err(ApiError::unsupported(
+                field,
+                &format!("reasoning effort `{level}` (the model served does not think)"),
+            ));
+        }
+        plan.thinking.get_or_insert(true);
+        if plan.request.thinking_budget.is_none() {
+            plan.request.thinking_budget = budget;
+        }
+    }
+    if plan.request.thinking_budget.is_some() && !reasons {
+        return Err(ApiError::unsupported(
+            "thinking_token_budget",
+            "a thinking budget (the model served does not think)",
+        ));
+    }
     if let Some(on) = plan.thinking {
         s.rt.switch_thinking(&mut plan.request, on);
     }
+    Ok(())
 }
 
 /// The model's tool syntax, when the plan offers tools (a required or named

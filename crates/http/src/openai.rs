@@ -173,9 +173,12 @@ pub struct Common {
     pub functions: Option<serde_json::Value>,
     /// Refused (deprecated; `tool_choice`).
     pub function_call: Option<serde_json::Value>,
-    /// Refused unless `none`: `chat_template_kwargs` sets a template's own
-    /// switch.
+    /// `none` switches a reasoning model's thinking off; another level
+    /// caps it at that level's thinking budget (`--reasoning-budgets`).
     pub reasoning_effort: Option<String>,
+    /// vLLM's: think for at most this many tokens (a reasoning model's
+    /// `<think>` block is then closed for it).
+    pub thinking_token_budget: Option<u32>,
     /// Only `text` is served.
     pub modalities: Option<Vec<String>>,
     /// Refused: audio output.
@@ -348,6 +351,9 @@ pub struct Plan {
     /// Thinking asked on or off (`reasoning_effort: none`, Anthropic's
     /// `thinking.type`): the template's own switch is set, where it has one.
     pub thinking: Option<bool>,
+    /// An effort level other than `none`, and the field it came from: a
+    /// thinking budget ([`crate::apply_thinking`]).
+    pub effort: Option<(&'static str, String)>,
 }
 
 /// What completions' `best_of` returns of the choices it generated.
@@ -515,6 +521,8 @@ fn plan(common: Common, input: Input, scores: bool) -> Result<Plan, ApiError> {
     request.chat_template_kwargs = common.chat_template_kwargs.unwrap_or_default();
     request.include_stop_str = common.include_stop_str_in_output == Some(true);
     request.min_tokens = common.min_tokens.unwrap_or(0);
+    request.thinking_budget = common.thinking_token_budget;
+    let effort = common.reasoning_effort.as_deref();
     Ok(Plan {
         request,
         n,
@@ -532,7 +540,10 @@ fn plan(common: Common, input: Input, scores: bool) -> Result<Plan, ApiError> {
         batch: Vec::new(),
         prompt_logprobs,
         best_of: None,
-        thinking: (common.reasoning_effort.as_deref() == Some("none")).then_some(false),
+        thinking: (effort == Some("none")).then_some(false),
+        effort: effort
+            .filter(|e| *e != "none")
+            .map(|e| ("reasoning_effort", e.to_string())),
     })
 }
 
@@ -551,15 +562,6 @@ fn refuse_unserved(c: &Common) -> Result<(), ApiError> {
         return Err(ApiError::unsupported(
             "function_call",
             "the deprecated `function_call` (use `tool_choice`)",
-        ));
-    }
-    if let Some(e) = c.reasoning_effort.as_deref().filter(|e| *e != "none") {
-        return Err(ApiError::unsupported(
-            "reasoning_effort",
-            &format!(
-                "reasoning effort `{e}` (set a template's own switch, such as Qwen3's \
-                 `enable_thinking`, with `chat_template_kwargs`)"
-            ),
         ));
     }
     if let Some(m) = c.modalities.iter().flatten().find(|m| *m != "text") {
@@ -1418,7 +1420,6 @@ mod tests {
         for (field, value) in [
             ("functions", serde_json::json!([{"name": "f"}])),
             ("function_call", serde_json::json!("auto")),
-            ("reasoning_effort", serde_json::json!("high")),
             ("modalities", serde_json::json!(["text", "audio"])),
             ("audio", serde_json::json!({"voice": "alloy"})),
             ("web_search_options", serde_json::json!({})),
@@ -1438,6 +1439,18 @@ mod tests {
             "prediction": {"type": "content", "content": "x"},
         }))
         .unwrap();
+        // An effort level is left for the server's budgets; `none` is off.
+        let msgs = serde_json::json!([{"role": "user", "content": "hi"}]);
+        let p = chat(serde_json::json!({"messages": msgs, "reasoning_effort": "high"})).unwrap();
+        assert_eq!(p.effort, Some(("reasoning_effort", "high".to_string())));
+        assert_eq!(p.thinking, None);
+        let p = chat(
+            serde_json::json!({"messages": msgs, "reasoning_effort": "none",
+                                        "thinking_token_budget": 9}),
+        )
+        .unwrap();
+        assert_eq!((p.effort, p.thinking), (None, Some(false)));
+        assert_eq!(p.request.thinking_budget, Some(9));
         // A prompt of no known shape says which shapes there are.
         let e = serde_json::from_value::<Prompt>(serde_json::json!([-1])).unwrap_err();
         assert!(e.to_string().contains("an array of token ids"), "{e}");

@@ -767,17 +767,6 @@ pub(crate) fn prepare(
             ));
         }
     }
-    if let Some(effort) = r.reasoning.as_ref().and_then(|x| x.effort.as_deref())
-        && effort != "none"
-    {
-        return Err(ApiError::unsupported(
-            "reasoning.effort",
-            &format!(
-                "reasoning effort `{effort}` (set a template's own switch, such as Qwen3's \
-                 `enable_thinking`, with `chat_template_kwargs`)"
-            ),
-        ));
-    }
     if r.reasoning
         .as_ref()
         .and_then(|x| x.summary.as_ref())
@@ -894,8 +883,10 @@ pub(crate) fn prepare(
     let mut plan = openai::conversation_plan(msgs, (tools, choice, parallel), logprobs, common)
         .map_err(renamed)?;
     plan.request.max_tokens_field = r.max_output_tokens.map(|_| "max_output_tokens");
-    if r.reasoning.as_ref().and_then(|x| x.effort.as_deref()) == Some("none") {
-        plan.thinking = Some(false);
+    match r.reasoning.as_ref().and_then(|x| x.effort.as_deref()) {
+        Some("none") => plan.thinking = Some(false),
+        Some(e) => plan.effort = Some(("reasoning.effort", e.to_string())),
+        None => {}
     }
 
     // What the response object repeats of the request.
@@ -927,7 +918,11 @@ pub(crate) fn prepare(
         "text".into(),
         json!({"format": format.filter(|f| !f.is_null()).cloned().unwrap_or(json!({"type": "text"}))}),
     );
-    echo.insert("reasoning".into(), json!({"effort": null, "summary": null}));
+    let effort = r.reasoning.as_ref().and_then(|x| x.effort.as_deref());
+    echo.insert(
+        "reasoning".into(),
+        json!({"effort": effort, "summary": null}),
+    );
     echo.insert("service_tier".into(), json!("default"));
     echo.insert("background".into(), json!(r.background));
     echo.insert("store".into(), json!(store));
@@ -1569,7 +1564,7 @@ pub(crate) async fn input_tokens(
     // Counting keeps nothing.
     let model = s.model_ids[0].clone();
     let mut p = prepare(&v, r, common, prior.as_deref(), (model, false))?;
-    crate::switch_thinking(&s, &mut p.plan);
+    crate::apply_thinking(&s, &mut p.plan).map_err(renamed)?;
     let tokens = crate::prompt_tokens(&s, p.plan.request)
         .await
         .map_err(renamed)?;
@@ -1899,10 +1894,6 @@ mod tests {
                 "background",
             ),
             (json!({"input": "x", "truncation": "auto"}), "truncation"),
-            (
-                json!({"input": "x", "reasoning": {"effort": "high"}}),
-                "reasoning.effort",
-            ),
             (
                 json!({"input": "x", "include": ["file_search_call.results"]}),
                 "include[0]",

@@ -8,11 +8,12 @@
 
 use std::sync::Arc;
 
-use siliceo_chat::{ChatEnd, ChatError, ChatTemplate};
+use siliceo_chat::{ChatEnd, ChatError, ChatTemplate, THINK_CLOSE, THINK_OPEN};
 use siliceo_constrain::{Grammars, Matcher, Vocabulary};
 use siliceo_core::{SamplingParams, TokenId};
 use siliceo_engine::Model;
 
+use crate::think_budget::{self, ThinkBudget};
 use crate::{GenerateRequest, Input, RuntimeError};
 
 /// The model's chat template, compiled for rendering on submitting threads.
@@ -31,6 +32,8 @@ pub(crate) struct Prepared {
     /// What `min_tokens` bans until then: the end-of-generation and stop
     /// tokens (empty without it).
     pub(crate) banned: Vec<TokenId>,
+    /// Its thinking budget, where one applies.
+    pub(crate) think: Option<ThinkBudget>,
 }
 
 /// Templates, tokenizes, validates and compiles (see the module's doc).
@@ -43,6 +46,8 @@ pub(crate) struct Front {
     max_seq_len: u32,
     /// The model's end-of-generation tokens.
     end_of_generation: Vec<TokenId>,
+    /// The tokens that close a thinking block for a model out of budget.
+    think_close: Arc<[TokenId]>,
 }
 
 fn invalid(field: &'static str, reason: impl Into<String>) -> RuntimeError {
@@ -81,17 +86,70 @@ impl Front {
                 }
             }
         });
+        let think_close = model
+            .tokenize(think_budget::CLOSE_TEXT, false)
+            .unwrap_or_default()
+            .into();
         Front {
             model,
             grammars,
             chat,
             max_seq_len,
             end_of_generation,
+            think_close,
         }
     }
 
     pub(crate) fn chat_template(&self) -> Option<&ChatTemplate> {
         self.chat.as_ref().map(|c| &c.template)
+    }
+
+    /// Whether a chat's output holds a reasoning model's thinking to split
+    /// off (`Some(open)`, `open` when the prompt opened the block). Not when
+    /// a constraint holds the output from its first token and the prompt
+    /// opened the block: the constrained output is then the answer.
+    pub(crate) fn thinking(&self, req: &GenerateRequest) -> Option<bool> {
+        let t = self.chat_template().filter(|t| t.reasons())?;
+        let open = match (&req.chat_end, &req.input) {
+            // The output goes on from the final message's text: inside a
+            // thinking block that text opened and did not close, or in the
+            // answer (nothing to split).
+            (ChatEnd::Continue, Input::Chat(msgs)) => {
+                let text = msgs.last().and_then(|m| m.content.as_deref());
+                let text = text.unwrap_or_default();
+                if text.rfind(THINK_OPEN) <= text.rfind(THINK_CLOSE) {
+                    return None;
+                }
+                true
+            }
+            (_, Input::Chat(_)) => t.opens_thinking(&req.chat_template_kwargs),
+            _ => return None,
+        };
+        (!(open && req.constraint.is_some())).then_some(open)
+    }
+
+    /// `req`'s thinking budget: none where its output holds no thinking
+    /// (the answer is constrained from the start, or continues after a
+    /// closed block); refused where no thinking can happen at all.
+    fn think_budget(&self, req: &GenerateRequest) -> Result<Option<ThinkBudget>, RuntimeError> {
+        let Some(budget) = req.thinking_budget else {
+            return Ok(None);
+        };
+        if !matches!(req.input, Input::Chat(_)) {
+            return Err(invalid(
+                "thinking_budget",
+                "a thinking budget applies to chat messages",
+            ));
+        }
+        if !self.chat_template().is_some_and(ChatTemplate::reasons) {
+            return Err(invalid(
+                "thinking_budget",
+                "the model served does not think (its chat template knows no `<think>` block)",
+            ));
+        }
+        Ok(self
+            .thinking(req)
+            .map(|open| ThinkBudget::new(open, budget, self.think_close.clone())))
     }
 
     pub(crate) fn tokenize(
@@ -178,6 +236,7 @@ impl Front {
                 format!("token id {} is outside the vocabulary of {n_vocab}", t.0),
             ));
         }
+        let think = self.think_budget(&req)?;
         let (mut req, tokens) = self.rendered(req)?;
         let (prompt, max_seq) = (tokens.len() as u64, u64::from(self.max_seq_len));
         if prompt >= max_seq {
@@ -226,6 +285,7 @@ impl Front {
             tokens,
             matcher,
             banned,
+            think,
         })
     }
 

@@ -46,6 +46,7 @@ pub mod hf_tokenizer;
 pub mod kv_events;
 pub mod metrics;
 pub mod synth;
+mod think_budget;
 mod types;
 
 pub use types::{
@@ -93,6 +94,8 @@ pub(crate) struct Submission {
     pub(crate) matcher: Option<siliceo_constrain::Matcher>,
     /// What `min_tokens` bans until then.
     pub(crate) banned: Vec<TokenId>,
+    /// Its thinking budget, where one applies.
+    pub(crate) think: Option<think_budget::ThinkBudget>,
     /// When the caller submitted it (queue time and TTFT count from here).
     pub(crate) submitted: std::time::Instant,
 }
@@ -329,6 +332,7 @@ impl Runtime {
             tokens,
             matcher,
             banned,
+            think,
         } = prepared.inspect_err(|e| {
             self.metrics.error(e.error_kind());
             self.metrics.finished("error");
@@ -343,6 +347,7 @@ impl Runtime {
                 accepted,
                 matcher,
                 banned,
+                think,
                 submitted,
             })))
             .map_err(|_| RuntimeError::Stopped)?;
@@ -425,23 +430,7 @@ impl Runtime {
     /// a constraint holds the output from its first token and the prompt
     /// opened the block: the constrained output is then the answer.
     pub fn thinking(&self, req: &GenerateRequest) -> Option<bool> {
-        let t = self.chat_template().filter(|t| t.reasons())?;
-        let open = match (&req.chat_end, &req.input) {
-            // The output goes on from the final message's text: inside a
-            // thinking block that text opened and did not close, or in the
-            // answer (nothing to split).
-            (ChatEnd::Continue, Input::Chat(msgs)) => {
-                let text = msgs.last().and_then(|m| m.content.as_deref());
-                let text = text.unwrap_or_default();
-                if text.rfind(THINK_OPEN) <= text.rfind(THINK_CLOSE) {
-                    return None;
-                }
-                true
-            }
-            (_, Input::Chat(_)) => t.opens_thinking(&req.chat_template_kwargs),
-            _ => return None,
-        };
-        (!(open && req.constraint.is_some())).then_some(open)
+        self.front.thinking(req)
     }
 
     /// Cancels a request by id; its KV is free when this returns. Returns

@@ -248,6 +248,13 @@ pub struct GenerateRequest {
     /// then end-of-generation and stop tokens are banned and stop strings
     /// do not stop. Such a request is not decoded speculatively.
     pub min_tokens: u32,
+    /// Think for at most this many tokens (chat input, a model whose
+    /// template knows `<think>` blocks): a block still open then is closed
+    /// for the model with `"\n</think>\n\n"`, and it answers. Tokens count
+    /// from the one that opens the block (the prompt's, or the model's own
+    /// tag). Drafted tokens never run past it. A constraint that writes the
+    /// thinking itself and refuses the close keeps its own course.
+    pub thinking_budget: Option<u32>,
 }
 
 impl GenerateRequest {
@@ -271,6 +278,7 @@ impl GenerateRequest {
             chat_end: ChatEnd::Answer,
             include_stop_str: false,
             min_tokens: 0,
+            thinking_budget: None,
         }
     }
 }

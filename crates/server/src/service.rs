@@ -237,6 +237,7 @@ fn to_runtime(r: pb::GenerateRequest) -> Result<(GenerateRequest, Reading), Stat
         },
         include_stop_str: r.include_stop_str_in_output,
         min_tokens: r.min_tokens,
+        thinking_budget: r.thinking_budget,
     };
     let read = Reading {
         choice,

@@ -135,6 +135,13 @@ pub struct ServeArgs {
     /// returns; the oldest go first), 0 to keep none [default: 64].
     #[arg(long)]
     responses_store_mb: Option<usize>,
+    /// Thinking budgets of the effort levels requests name
+    /// (`reasoning_effort`, `reasoning.effort`, Anthropic's
+    /// `output_config.effort`), as LEVEL=TOKENS or LEVEL=none (no cap),
+    /// comma-separated; unnamed levels keep their defaults [default:
+    /// minimal=0,low=1024,medium=4096,high=16384,xhigh=none,max=none].
+    #[arg(long)]
+    reasoning_budgets: Option<String>,
     /// Serve gRPC and the HTTP API over TLS with this PEM certificate chain
     /// (with --tls-key).
     #[arg(long, requires = "tls_key")]
@@ -206,6 +213,7 @@ impl ServeArgs {
             shutdown_grace_s: self.shutdown_grace_s.or(file.shutdown_grace_s),
             max_request_bytes: self.max_request_bytes.or(file.max_request_bytes),
             responses_store_mb: self.responses_store_mb.or(file.responses_store_mb),
+            reasoning_budgets: self.reasoning_budgets.or(file.reasoning_budgets),
             spec_ngram: self.spec_ngram || file.spec_ngram,
             spec_max_draft: self.spec_max_draft.or(file.spec_max_draft),
             spec_tree_width: self.spec_tree_width.or(file.spec_tree_width),
@@ -388,6 +396,13 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig, Option<HttpConf
             };
             let allow_origins = siliceo_http::AllowOrigins::parse(&a.allow_origin)
                 .map_err(|e| anyhow::anyhow!("--allow-origin: {e}"))?;
+            let reasoning_budgets = a
+                .reasoning_budgets
+                .as_deref()
+                .map(siliceo_http::ReasoningBudgets::parse)
+                .transpose()
+                .map_err(|e| anyhow::anyhow!("--reasoning-budgets: {e}"))?
+                .unwrap_or_default();
             Some(HttpConfig {
                 listen,
                 allow_origins,
@@ -397,6 +412,7 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig, Option<HttpConf
                 responses_store_bytes: a
                     .responses_store_mb
                     .map_or(siliceo_http::DEFAULT_RESPONSES_STORE_BYTES, |mb| mb << 20),
+                reasoning_budgets,
                 ..HttpConfig::default()
             })
         }

@@ -46,6 +46,7 @@ impl Engine<'_> {
             tx,
             matcher,
             banned,
+            think,
             submitted,
             ..
         } = sub;
@@ -136,6 +137,7 @@ impl Engine<'_> {
                 min_tokens: req.min_tokens,
                 banned,
                 ban_buf: Vec::new(),
+                think,
                 seq: None,
                 snapshot: None,
                 prompt_tokens: tokens.len() as u32,

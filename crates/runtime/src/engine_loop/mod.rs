@@ -96,6 +96,9 @@ struct Live<'m> {
     banned: Vec<TokenId>,
     /// The logits with `banned` masked.
     ban_buf: Vec<f32>,
+    /// Its thinking budget while it has work (dropped once the block
+    /// closed or the answer began).
+    think: Option<crate::think_budget::ThinkBudget>,
     /// Its sequence id while it runs (the draft model's cells, a grafted
     /// step's sequence, llama.cpp's cells).
     seq: Option<SeqId>,

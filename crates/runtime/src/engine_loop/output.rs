@@ -233,7 +233,18 @@ impl Engine<'_> {
                 }
             }
             let Some(&d) = w.drafts.get(i) else {
-                let t = live.sampler.sample(logits);
+                // A thinking budget spent closes the block: its tokens are
+                // taken, not sampled. A constraint that refuses one keeps
+                // its own course, and the budget ends.
+                let forced = match live.think.as_ref().and_then(|t| t.forced()) {
+                    Some(f) if logits.get(f.0 as usize).is_some_and(|l| l.is_finite()) => Some(f),
+                    Some(_) => {
+                        live.think = None;
+                        None
+                    }
+                    None => None,
+                };
+                let t = forced.unwrap_or_else(|| live.sampler.sample(logits));
                 if let Some(k) = live.logprobs {
                     lps.push(logprob_of(self.model, raw, t, k));
                 }
@@ -329,6 +340,11 @@ impl Engine<'_> {
         let mut stopped = false;
         for &token in accepted.iter().chain(std::iter::once(&next)) {
             live.completion_tokens += 1;
+            if let Some(t) = live.think.as_mut()
+                && !t.push(token, &self.model.token_bytes(token, false))
+            {
+                live.think = None;
+            }
             let (piece, stop) = live.text.push(token);
             text.push_str(&piece);
             tokens.push(token);

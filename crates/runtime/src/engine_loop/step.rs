@@ -21,7 +21,9 @@ impl Engine<'_> {
             let running = self.sched.stats().running;
             for (id, live) in &mut self.live {
                 if let Some(spec) = &mut live.spec {
-                    self.sched.set_draft_len(id, spec.len.next_k(running));
+                    let k = spec.len.next_k(running);
+                    let cap = live.think.as_ref().map_or(k, |t| t.max_drafts());
+                    self.sched.set_draft_len(id, k.min(cap));
                 }
             }
         }

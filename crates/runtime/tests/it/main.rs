@@ -1077,3 +1077,63 @@ fn qwen_serves_coherent_code_from_k5v4_with_a_tail() {
     }
     assert_clean(&rt);
 }
+
+/// ChatML whose generation prompt opens a thinking block, as DeepSeek-R1's
+/// does (SmolLM2's vocabulary has ChatML's markers).
+const OPENS_THINKING: &str = "{%- for m in messages -%}\
+    {{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}\
+    {%- endfor -%}\
+    {%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n<think>\\n' }}{%- endif -%}";
+
+/// A thinking budget closes the block after exactly that many tokens with
+/// the close's tokens (`"\n</think>\n\n"`), and the model goes on from
+/// them. Under n-gram speculation, token trees included, the output is the
+/// same token for token: drafts never run past the budget.
+#[test]
+fn a_thinking_budget_closes_the_block_with_and_without_drafts() {
+    let chat = |budget: Option<u32>| GenerateRequest {
+        sampling: SamplingParams {
+            max_tokens: 48,
+            ignore_eos: true,
+            ..SamplingParams::greedy()
+        },
+        speculative: true,
+        thinking_budget: budget,
+        ..GenerateRequest::new(Input::Chat(vec![siliceo_runtime::Message::new(
+            "user",
+            REPETITIVE[0],
+        )]))
+    };
+    let run = |rt: &Runtime, budget| {
+        let (_, tokens, done) = rt.submit(chat(budget)).unwrap().blocking_collect();
+        (tokens, usage_of(&done))
+    };
+    let mut cfg = RuntimeConfig::new(model_path());
+    cfg.chat_template = Some(OPENS_THINKING.to_string());
+    let plain = Runtime::start(cfg.clone()).unwrap();
+    let close = plain.tokenize("\n</think>\n\n", false).unwrap();
+    // Inside the repetition, where n-gram drafts are accepted.
+    let budget = 20;
+    let (free, _) = run(&plain, None);
+    let (capped, _) = run(&plain, Some(budget as u32));
+    let text = plain.detokenize(&free).unwrap();
+    assert!(!text.contains("</think>"), "the model closed it: {text:?}");
+    assert_eq!(capped[..budget], free[..budget]);
+    assert_eq!(capped[budget..budget + close.len()], close[..]);
+    assert_eq!(capped.len(), 48);
+    drop(plain);
+    for tree_width in [1, 3] {
+        let mut cfg = cfg.clone();
+        cfg.speculative = Some(siliceo_runtime::SpeculativeConfig {
+            tree_width,
+            cost_switch_off: false,
+            ..Default::default()
+        });
+        let rt = Runtime::start(cfg).unwrap();
+        let (got, usage) = run(&rt, Some(budget as u32));
+        assert_eq!(got, capped, "tree width {tree_width}");
+        assert!(usage.accepted_draft_tokens > 0, "{usage:?}");
+        assert_eq!(run(&rt, None).0, free, "tree width {tree_width}");
+        assert_clean(&rt);
+    }
+}
