@@ -1229,6 +1229,76 @@ def test_llama3_json_tool_calls(tmp_path):
         s.stop()
 
 
+def test_qwen3_coder_xml_tool_calls(grpc_api):
+    """Qwen3-Coder's own template (its calls in XML: one tag per argument)
+    on SmolLM2: a required call is forced in that shape and read back with
+    its values typed by the tool's schema, streamed as written and equal to
+    the whole answer, and the same over gRPC; a call the model writes under
+    `auto` is read too; the call and its result render back."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    pb, _, _ = grpc_api
+    from siliceo.v1 import inference_pb2_grpc as pbg
+
+    template = ROOT / "crates" / "chat" / "src" / "testdata_qwen3_coder.jinja"
+    s = Server("--chat-template-file", str(template))
+    try:
+        c = client(s)
+        params = {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 20}, "days": {"type": "integer"}},
+            "required": ["city", "days"]}
+        tools = [{"type": "function", "function": {
+            "name": "get_weather", "description": "The weather in a city", "parameters": params}}]
+        msgs = [{"role": "user", "content": "Weather in Paris for 2 days?"}]
+        ask = dict(model="", messages=msgs, tools=tools, tool_choice="required",
+                   parallel_tool_calls=False, temperature=0, max_tokens=80)
+        whole = c.chat.completions.create(**ask).choices[0]
+        assert whole.finish_reason == "tool_calls", whole
+        call = whole.message.tool_calls[0]
+        args = json.loads(call.function.arguments)
+        assert call.function.name == "get_weather" and set(args) == {"city", "days"}
+        assert isinstance(args["city"], str) and isinstance(args["days"], int), args
+        state = ChatCompletionStreamState()
+        kinds = []
+        for chunk in c.chat.completions.create(**ask, stream=True):
+            kinds.extend(e.type for e in state.handle_chunk(chunk))
+        got = state.get_final_completion().choices[0]
+        assert [(t.function.name, t.function.arguments) for t in got.message.tool_calls] == [
+            (call.function.name, call.function.arguments)]
+        assert kinds.count("tool_calls.function.arguments.delta") > 1, kinds
+        with grpc.insecure_channel(s.grpc) as ch:
+            stub = pbg.InferenceStub(ch)
+            out = list(stub.Generate(pb.GenerateRequest(
+                chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=msgs[0]["content"])]),
+                max_tokens=80, tools=[pb.Tool(name="get_weather", parameters=json.dumps(params))],
+                tool_choice="required", parallel_tool_calls=False)))
+        deltas = [d for m in out for d in m.tool_calls]
+        assert deltas[0].name == "get_weather"
+        assert "".join(d.arguments for d in deltas) == call.function.arguments
+        # Written by the model under `auto` (a regex here): read, typed.
+        written = ("<tool_call>\\n<function=get_weather>\\n<parameter=city>\\nRome\\n</parameter>\\n"
+                   "<parameter=days>\\n3\\n</parameter>\\n</function>\\n</tool_call>")
+        r = c.chat.completions.create(**dict(ask, tool_choice="auto"), extra_body={"regex": written})
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {
+            "city": "Rome", "days": 3}
+        # The call and its result go back through the template, in XML.
+        follow = msgs + [
+            {"role": "assistant", "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "18 C"},
+        ]
+        status, t = post_json(s, "/tokenize", {"messages": follow, "return_token_strs": True})
+        text = "".join(t["token_strs"])
+        assert status == 200, t
+        assert f"<parameter=days>\n{args['days']}\n</parameter>" in text, text
+        assert "<tool_response>\n18 C\n</tool_response>" in text, text
+        r = c.chat.completions.create(model="", messages=follow, max_tokens=5)
+        assert r.usage.prompt_tokens == t["count"]
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
 def test_each_api_switches_thinking_off(think_server):
     """Asking for no thinking (chat's `reasoning_effort: "none"`, the
     Responses API's `reasoning.effort: "none"`, Anthropic's `thinking:

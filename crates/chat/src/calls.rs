@@ -9,6 +9,12 @@
 //! block that opens otherwise (another key order, not JSON) is held to its
 //! close and read whole; if it is not a call, it is text.
 //!
+//! Qwen3-Coder's XML calls (`<function=NAME>` and one `<parameter=KEY>`
+//! tag per argument) are read the same way: the name goes out once its tag
+//! is read, then the arguments as JSON text, one parameter at a time, each
+//! value typed by the tool's schema ([`CallParser::with_tools`]). A string
+//! value streams as it is written.
+//!
 //! The answer's text is what comes before the first call. From the first
 //! call on the output is calls: text between and after blocks is dropped.
 //! [`ToolSyntax::parse`] runs this same reader over a whole text, so a whole
@@ -16,7 +22,8 @@
 
 use siliceo_core::held_prefix_len;
 
-use crate::tools::{ToolSyntax, calls_of, find_first};
+use crate::Tool;
+use crate::tools::{ToolSyntax, calls_of, find_first, param_type};
 
 /// A piece of a model's answer, read for tool calls.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,6 +54,12 @@ pub struct CallParser {
     spoke: bool,
     /// Calls read at most; later ones are dropped.
     max_calls: usize,
+    /// Each tool's parameters and their types (XML calls' values).
+    types: Vec<(String, Vec<(String, String)>)>,
+    /// The XML call being read: its function, and the parameter whose
+    /// value is being read.
+    func: String,
+    param: String,
 }
 
 /// Where the reader is. `marker`: the start marker of the block it is in.
@@ -82,6 +95,50 @@ enum State {
     Between { marker: &'static str, list: bool },
     /// Skipping to the block's close.
     Close { marker: &'static str },
+    /// An XML call's function name, to its `>`.
+    XmlName { marker: &'static str },
+    /// Between an XML call's parameters (`n` written so far).
+    XmlParams { marker: &'static str, n: usize },
+    /// A parameter's value, to its closing tag (`text`: a string, streamed;
+    /// `lead`: its leading newline is still to be dropped).
+    XmlValue {
+        marker: &'static str,
+        n: usize,
+        text: bool,
+        lead: bool,
+    },
+}
+
+const XML_FUNCTION: &str = "<function=";
+const XML_PARAM: &str = "<parameter=";
+const XML_PARAM_END: &str = "</parameter>";
+const XML_FUNCTION_END: &str = "</function>";
+
+/// A JSON string's text without its quotes.
+fn escaped(s: &str) -> String {
+    let q = serde_json::to_string(s).unwrap_or_default();
+    q[1..q.len() - 1].to_string()
+}
+
+/// An XML parameter's value as JSON text, as its schema types it: the
+/// model's own text when it is a value of that type, else a string.
+fn typed(value: &str, ty: &str) -> String {
+    let v = value.trim();
+    let as_string = || serde_json::to_string(value).unwrap_or_default();
+    match ty {
+        "boolean" if v.eq_ignore_ascii_case("true") || v.eq_ignore_ascii_case("false") => {
+            v.to_ascii_lowercase()
+        }
+        "integer" | "number" => match serde_json::from_str::<serde_json::Value>(v) {
+            Ok(serde_json::Value::Number(_)) => v.to_string(),
+            _ => as_string(),
+        },
+        "boolean" | "string" => as_string(),
+        _ => match serde_json::from_str::<serde_json::Value>(v) {
+            Ok(_) => v.to_string(),
+            Err(_) => as_string(),
+        },
+    }
 }
 
 /// How a call's arguments are written.
@@ -252,7 +309,38 @@ impl CallParser {
             cut: false,
             spoke: false,
             max_calls: usize::MAX,
+            types: Vec::new(),
+            func: String::new(),
+            param: String::new(),
         }
+    }
+
+    /// This reader, typing XML calls' values by `tools`' schemas (a
+    /// parameter the schema does not type is a string).
+    pub fn with_tools(mut self, tools: &[Tool]) -> Self {
+        self.types = tools
+            .iter()
+            .map(|t| {
+                let schema = t.parameters_value();
+                let props = schema.get("properties").and_then(|p| p.as_object());
+                let params = props
+                    .into_iter()
+                    .flatten()
+                    .map(|(k, v)| (k.clone(), param_type(v).to_string()))
+                    .collect();
+                (t.name.clone(), params)
+            })
+            .collect();
+        self
+    }
+
+    /// The type of the current XML call's parameter.
+    fn param_type(&self) -> &str {
+        self.types
+            .iter()
+            .find(|(f, _)| *f == self.func)
+            .and_then(|(_, ps)| ps.iter().find(|(p, _)| *p == self.param))
+            .map_or("string", |(_, t)| t.as_str())
     }
 
     /// This reader, taking only the first call (`parallel_tool_calls:
@@ -289,6 +377,18 @@ impl CallParser {
                 if kind != Some(ValueKind::Nested) {
                     self.emit(CallPiece::Args(rest.trim_end().to_string()));
                 }
+            }
+            // An XML call cut short: its arguments so far, a string value's
+            // text included.
+            State::XmlValue { text, .. } => {
+                self.cut = true;
+                if text {
+                    self.emit(CallPiece::Args(escaped(&rest)));
+                }
+            }
+            State::XmlParams { .. } => self.cut = true,
+            State::XmlName { marker } if self.calls == 0 => {
+                self.emit(CallPiece::Text(format!("{marker}{rest}")));
             }
             // Inside a call's object, after its arguments, or after the
             // calls: nothing more to say.
@@ -376,10 +476,14 @@ impl CallParser {
                     if prose {
                         self.emit(CallPiece::Text(before));
                     }
-                    self.state = State::Head {
-                        marker,
-                        first: true,
-                        list: false,
+                    self.state = if marker == XML_FUNCTION {
+                        State::XmlName { marker }
+                    } else {
+                        State::Head {
+                            marker,
+                            first: true,
+                            list: false,
+                        }
                     };
                     return Step::On;
                 }
@@ -394,6 +498,129 @@ impl CallParser {
                     self.emit(CallPiece::Text(gone));
                 }
                 Step::Wait
+            }
+            // Qwen3-Coder's block: `<function=` after the tag.
+            State::Head { marker, .. }
+                if self.syntax == ToolSyntax::QwenXml
+                    && !self.buf.trim_start().starts_with(['{', '[']) =>
+            {
+                let lead = self.buf.trim_start();
+                if lead.starts_with(XML_FUNCTION) {
+                    self.state = State::XmlName { marker };
+                    return Step::On;
+                }
+                if XML_FUNCTION.starts_with(lead) {
+                    return Step::Wait;
+                }
+                self.state = State::Hold { marker };
+                Step::On
+            }
+            // The name follows `<function=` (in `buf` unless it was the
+            // block's marker).
+            State::XmlName { marker } => {
+                let start = if marker == XML_FUNCTION {
+                    0
+                } else {
+                    self.buf.len() - self.buf.trim_start().len() + XML_FUNCTION.len()
+                };
+                let Some(gt) = self.buf[start..].find('>').map(|g| g + start) else {
+                    return Step::Wait;
+                };
+                let name = self.buf[start..gt].trim().to_string();
+                self.buf.drain(..=gt);
+                if self.calls >= self.max_calls {
+                    self.buf.clear();
+                    self.state = State::After;
+                    return Step::Wait;
+                }
+                self.calls += 1;
+                self.emit(CallPiece::Call(name.clone()));
+                self.func = name;
+                self.state = State::XmlParams { marker, n: 0 };
+                Step::On
+            }
+            State::XmlParams { marker, n } => {
+                if !self.skip_ws() {
+                    return Step::Wait;
+                }
+                let open = if n == 0 { "{" } else { ", " };
+                if self.buf.starts_with(XML_PARAM) {
+                    let Some(gt) = self.buf.find('>') else {
+                        return Step::Wait;
+                    };
+                    self.param = self.buf[XML_PARAM.len()..gt].trim().to_string();
+                    self.buf.drain(..=gt);
+                    let text = self.param_type() == "string";
+                    if text {
+                        let key = serde_json::to_string(&self.param).unwrap_or_default();
+                        self.emit(CallPiece::Args(format!("{open}{key}: \"")));
+                    }
+                    self.state = State::XmlValue {
+                        marker,
+                        n,
+                        text,
+                        lead: true,
+                    };
+                    return Step::On;
+                }
+                if [XML_PARAM, XML_FUNCTION_END]
+                    .iter()
+                    .any(|t| t.len() > self.buf.len() && t.starts_with(self.buf.as_str()))
+                {
+                    return Step::Wait;
+                }
+                // `</function>`, or anything else: the call ends.
+                if self.buf.starts_with(XML_FUNCTION_END) {
+                    self.buf.drain(..XML_FUNCTION_END.len());
+                }
+                let close = if n == 0 { "{}" } else { "}" };
+                self.emit(CallPiece::Args(close.to_string()));
+                self.state = State::Close { marker };
+                Step::On
+            }
+            State::XmlValue {
+                marker,
+                n,
+                text,
+                lead,
+            } => {
+                if lead {
+                    if self.buf.is_empty() {
+                        return Step::Wait;
+                    }
+                    if self.buf.starts_with('\n') {
+                        self.buf.drain(..1);
+                    }
+                }
+                let Some(at) = self.buf.find(XML_PARAM_END) else {
+                    if text {
+                        // What may begin the closing tag (its newline
+                        // before it optional).
+                        let keep = held_prefix_len(&self.buf, "\n</parameter>")
+                            .max(held_prefix_len(&self.buf, XML_PARAM_END));
+                        let out: String = self.buf.drain(..self.buf.len() - keep).collect();
+                        self.emit(CallPiece::Args(escaped(&out)));
+                    }
+                    self.state = State::XmlValue {
+                        marker,
+                        n,
+                        text,
+                        lead: false,
+                    };
+                    return Step::Wait;
+                };
+                let raw: String = self.buf.drain(..at + XML_PARAM_END.len()).collect();
+                let value = raw[..at].strip_suffix('\n').unwrap_or(&raw[..at]);
+                let args = if text {
+                    format!("{}\"", escaped(value))
+                } else {
+                    let open = if n == 0 { "{" } else { ", " };
+                    let key = serde_json::to_string(&self.param).unwrap_or_default();
+                    format!("{open}{key}: {}", typed(value, self.param_type()))
+                };
+                self.emit(CallPiece::Args(args));
+                self.state = State::XmlParams { marker, n: n + 1 };
+                Step::On
             }
             State::Head {
                 marker,

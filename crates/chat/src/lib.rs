@@ -303,6 +303,16 @@ impl ChatTemplate {
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_filter("tojson", tojson);
+        // As Python's jinja2: `none` (what `tools` is without tools) is not
+        // iterable; minijinja's own test says it is.
+        env.add_test("iterable", |v: &Value| {
+            use minijinja::value::ValueKind as K;
+            match v.kind() {
+                K::String | K::Bytes | K::Seq | K::Map | K::Iterable => true,
+                K::Plain => v.try_iter().is_ok(),
+                _ => false,
+            }
+        });
         env.add_function(
             "raise_exception",
             |msg: String| -> Result<Value, minijinja::Error> {

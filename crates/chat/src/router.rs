@@ -40,6 +40,13 @@ impl OutputRouter {
         }
     }
 
+    /// This router, typing XML calls' values by `tools`' schemas
+    /// ([`CallParser::with_tools`]).
+    pub fn with_tools(mut self, tools: &[crate::Tool]) -> Self {
+        self.calls = self.calls.map(|c| c.with_tools(tools));
+        self
+    }
+
     /// This router, taking only a chat's first call
     /// (`parallel_tool_calls: false`).
     pub fn single_call(mut self) -> Self {

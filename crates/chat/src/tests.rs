@@ -105,6 +105,7 @@ fn hermes_calls_parse_and_prose_stays() {
     let out = s.parse(
         "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n\
          <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n</tool_call>",
+        &[],
     );
     assert_eq!(out.content, "Let me check.");
     assert_eq!(
@@ -115,11 +116,11 @@ fn hermes_calls_parse_and_prose_stays() {
         ]
     );
     // Not JSON: prose, no call.
-    let out = s.parse("<tool_call>\nnot json\n</tool_call>");
+    let out = s.parse("<tool_call>\nnot json\n</tool_call>", &[]);
     assert!(out.calls.is_empty() && out.content.contains("not json"));
-    assert_eq!(s.parse("Paris is sunny.").content, "Paris is sunny.");
+    assert_eq!(s.parse("Paris is sunny.", &[]).content, "Paris is sunny.");
     // An unclosed last block still counts (generation stopped at EOS).
-    let out = s.parse("<tool_call>\n{\"name\": \"f\", \"arguments\": {}}");
+    let out = s.parse("<tool_call>\n{\"name\": \"f\", \"arguments\": {}}", &[]);
     assert_eq!(out.calls, vec![("f".into(), "{}".into())]);
 }
 
@@ -127,6 +128,7 @@ fn hermes_calls_parse_and_prose_stays() {
 fn mistral_calls_parse() {
     let out = ToolSyntax::Mistral.parse(
         "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}, {\"name\": \"now\", \"arguments\": {}}]",
+        &[],
     );
     assert_eq!(out.content, "");
     assert_eq!(out.calls.len(), 2);
@@ -179,19 +181,21 @@ fn forced_calls_are_lark_grammars_with_the_tools_schemas() {
 #[test]
 fn hermes_accepts_fenced_json_calls_but_not_plain_json_data() {
     let s = ToolSyntax::Hermes;
-    let out =
-        s.parse("```json\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n```");
+    let out = s.parse(
+        "```json\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n```",
+        &[],
+    );
     assert_eq!(
         out.calls,
         vec![("get_weather".into(), r#"{"city": "Paris"}"#.into())]
     );
     let data = "```json\n{\"name\": \"Bob\", \"age\": 3}\n```";
-    assert_eq!(s.parse(data).calls, vec![]);
-    assert_eq!(s.parse(data).content, data);
+    assert_eq!(s.parse(data, &[]).calls, vec![]);
+    assert_eq!(s.parse(data, &[]).content, data);
     // From the first call on, the output is calls: prose between blocks
     // is dropped (a stream has sent the first call before it is written).
     let mixed = "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>\nand then\n<tool_call>\n{\"name\": \"g\", \"arguments\": {}}\n</tool_call>";
-    let out = s.parse(mixed);
+    let out = s.parse(mixed, &[]);
     assert_eq!(out.content, "");
     assert_eq!(
         out.calls,
@@ -252,11 +256,44 @@ const CALL_TEXTS: &[(ToolSyntax, &str)] = &[
         "It is {\"name\": \"f\", \"parameters\": {}}",
     ),
     (ToolSyntax::Llama3Json, "{\"name\": \"f\", \"param"),
+    (
+        ToolSyntax::QwenXml,
+        "I'll check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=now>\n</function>\n</tool_call>",
+    ),
+    (
+        ToolSyntax::QwenXml,
+        "<function=write>\n<parameter=text>\nline \"one\"\n<b>two</b>\n\n</parameter>\n<parameter=flag>\nTrue\n</parameter>\n<parameter=opts>\n{\"a\": [1]}\n</parameter>\n<parameter=n>\nmany\n</parameter>\n</function>",
+    ),
+    (
+        ToolSyntax::QwenXml,
+        "<tool_call>\n<function=write>\n<parameter=text>\nhalf a li",
+    ),
+    (ToolSyntax::QwenXml, "<tool_call>\n<function=wri"),
 ];
+
+/// Tools whose schemas type the XML calls' values in [`CALL_TEXTS`].
+fn xml_tools() -> Vec<Tool> {
+    let tool = |name: &str, props: &str| Tool {
+        name: name.into(),
+        description: None,
+        parameters: format!(r#"{{"type": "object", "properties": {props}}}"#),
+    };
+    vec![
+        tool(
+            "get_weather",
+            r#"{"city": {"type": "string"}, "days": {"type": ["integer", "null"]}}"#,
+        ),
+        tool(
+            "write",
+            r#"{"text": {"type": "string"}, "flag": {"type": "boolean"}, "opts": {"type": "object"}, "n": {"type": "integer"}}"#,
+        ),
+        tool("now", "{}"),
+    ]
+}
 
 /// The pieces of `text` fed in `parts`, with neighbours of a kind merged.
 fn streamed(syntax: ToolSyntax, parts: &[&str]) -> (Vec<CallPiece>, bool) {
-    let mut p = CallParser::new(syntax);
+    let mut p = CallParser::new(syntax).with_tools(&xml_tools());
     let mut all: Vec<CallPiece> = Vec::new();
     let pieces = parts.iter().flat_map(|t| p.push(t)).collect::<Vec<_>>();
     for piece in pieces.into_iter().chain(p.finish()) {
@@ -344,7 +381,7 @@ fn calls_stream_their_arguments_as_written() {
             true
         )
     );
-    assert!(ToolSyntax::Hermes.parse(CALL_TEXTS[7].1).cut_short);
+    assert!(ToolSyntax::Hermes.parse(CALL_TEXTS[7].1, &[]).cut_short);
     assert_eq!(whole(9).0.len(), 4);
 
     // The name goes out once written, the arguments as they grow.
@@ -360,6 +397,155 @@ fn calls_stream_their_arguments_as_written() {
             CallPiece::Args(r#"{"city": "#.into()),
         ]
     );
+}
+
+/// Qwen3-Coder's XML calls: one tag per argument, each value typed by the
+/// tool's schema (text that is no value of its type stays a string), a
+/// string streamed as written, the outer tag optional.
+#[test]
+fn xml_calls_read_as_json_arguments() {
+    let whole = |i: usize| streamed(CALL_TEXTS[i].0, &[CALL_TEXTS[i].1]);
+    assert_eq!(
+        whole(15),
+        (
+            vec![
+                CallPiece::Text("I'll check.\n".into()),
+                CallPiece::Call("get_weather".into()),
+                CallPiece::Args(r#"{"city": "Paris", "days": 3}"#.into()),
+                CallPiece::Call("now".into()),
+                CallPiece::Args("{}".into()),
+            ],
+            false
+        )
+    );
+    let (pieces, cut) = whole(16);
+    assert!(!cut);
+    let CallPiece::Args(args) = &pieces[1] else {
+        panic!("{pieces:?}")
+    };
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(args).unwrap(),
+        serde_json::json!({"text": "line \"one\"\n<b>two</b>\n", "flag": true,
+                           "opts": {"a": [1]}, "n": "many"})
+    );
+    // Cut short inside a string: what was written of it.
+    assert_eq!(
+        whole(17),
+        (
+            vec![
+                CallPiece::Call("write".into()),
+                CallPiece::Args(r#"{"text": "half a li"#.into()),
+            ],
+            true
+        )
+    );
+    // Cut short in the name: text, as written.
+    assert_eq!(whole(18).0, vec![CallPiece::Text(CALL_TEXTS[18].1.into())]);
+    // A string's text goes out before its closing tag is written.
+    let mut p = CallParser::new(ToolSyntax::QwenXml).with_tools(&xml_tools());
+    p.push("<tool_call>\n<function=write>\n<parameter=text>\nab");
+    assert_eq!(
+        p.push("c\nd\n</para"),
+        vec![CallPiece::Args(r"c\nd".into())]
+    );
+    // Without the tools' schemas every value is a string.
+    assert_eq!(
+        ToolSyntax::QwenXml.parse(CALL_TEXTS[15].1, &[]).calls[0].1,
+        r#"{"city": "Paris", "days": "3"}"#
+    );
+}
+
+/// Qwen3-Coder's own template (as its model card's `chat_template.jinja`
+/// ships it): its syntax is known, a call it renders reads back as the
+/// call, and the grammar forcing a call accepts that text.
+#[test]
+fn qwen3_coder_calls_render_read_back_and_are_forced() {
+    let t =
+        ChatTemplate::new(include_str!("testdata_qwen3_coder.jinja"), "", "<|im_end|>").unwrap();
+    assert_eq!(t.tool_syntax(), Some(ToolSyntax::QwenXml));
+    let tools = xml_tools();
+    let call = Message {
+        role: "assistant".into(),
+        tool_calls: vec![ToolCall {
+            id: "call_0".into(),
+            name: "get_weather".into(),
+            arguments: r#"{"city": "Paris", "days": 3}"#.into(),
+        }],
+        ..Message::default()
+    };
+    let chat = [Message::new("user", "Weather?"), call];
+    // Without tools (`none`, which it tests `is iterable` as jinja2 does).
+    let plain = t.render(&chat, &[], false).unwrap();
+    assert!(!plain.contains("<tools>"), "{plain}");
+    let text = t.render(&chat, &tools, false).unwrap();
+    let written = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n\
+                   <parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
+    assert!(text.contains(written), "{text}");
+    assert!(text.contains("<name>get_weather</name>"), "{text}");
+    let read = ToolSyntax::QwenXml.parse(written, &tools);
+    assert_eq!(
+        read.calls,
+        vec![(
+            "get_weather".into(),
+            r#"{"city": "Paris", "days": 3}"#.into()
+        )]
+    );
+    // The forcing grammar takes exactly such calls, one or several.
+    let Some(siliceo_core::Constraint::Lark(g)) =
+        ToolSyntax::QwenXml.constraint(&tools, &ToolChoice::Required, true)
+    else {
+        panic!()
+    };
+    let eos = siliceo_core::TokenId(256);
+    let mut tokens: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+    tokens.push(b"<eos>".to_vec());
+    let grammars = siliceo_constrain::Grammars::new(siliceo_constrain::Vocabulary {
+        special: (0..tokens.len()).map(|i| i == 256).collect(),
+        tokens,
+        end_of_generation: vec![eos],
+    });
+    // Whether `lark` takes `text`, then the end.
+    let accepts = |lark: &siliceo_core::Constraint, text: &str| {
+        let mut m = grammars.compile(lark).unwrap();
+        let mut ids: Vec<siliceo_core::TokenId> = text
+            .bytes()
+            .map(|b| siliceo_core::TokenId(b.into()))
+            .collect();
+        ids.push(eos);
+        m.valid_prefix(&ids) == ids.len()
+    };
+    let lark = siliceo_core::Constraint::Lark(g.clone());
+    let takes = |text: &str| accepts(&lark, text);
+    let other = "<tool_call>\n<function=write>\n<parameter=text>\na </b>\nb\n</parameter>\n\
+                 <parameter=n>\n7\n</parameter>\n</function>\n</tool_call>";
+    assert!(takes(written), "{g}");
+    assert!(takes(&format!("{written}\n{other}")), "{g}");
+    // Not a value of its type; a parameter the schema lacks; no call.
+    assert!(!takes(&written.replace(">\n3\n<", ">\nthree\n<")), "{g}");
+    assert!(!takes(&written.replace("city>", "town>")), "{g}");
+    assert!(!takes("Paris is sunny."), "{g}");
+    // A string's `enum` and length bounds hold too.
+    let bounded = Tool {
+        name: "f".into(),
+        description: None,
+        parameters:
+            r#"{"type": "object", "properties": {"unit": {"type": "string", "enum": ["C", "F"]},
+                        "city": {"type": "string", "maxLength": 5}}, "required": ["unit", "city"]}"#
+                .into(),
+    };
+    let Some(lark) = ToolSyntax::QwenXml.constraint(&[bounded], &ToolChoice::Required, false)
+    else {
+        panic!()
+    };
+    let call = |unit: &str, city: &str| {
+        let text = format!(
+            "<tool_call>\n<function=f>\n<parameter=unit>\n{unit}\n</parameter>\n\
+             <parameter=city>\n{city}\n</parameter>\n</function>\n</tool_call>"
+        );
+        accepts(&lark, &text)
+    };
+    assert!(call("C", "Paris") && call("F", ""));
+    assert!(!call("K", "Paris") && !call("C", "Lisbon"));
 }
 
 #[test]
@@ -734,13 +920,13 @@ fn a_single_call_reader_drops_later_calls() {
             (calls, args)
         };
         let whole = read(&[text]);
-        let all = syntax.parse(text);
+        let all = syntax.parse(text, &[]);
         assert!(all.calls.len() > 1, "{text:?}");
         assert_eq!(
             whole,
             (vec![all.calls[0].0.clone()], all.calls[0].1.clone())
         );
-        let single = syntax.parse_single(text);
+        let single = syntax.parse_single(text, &[]);
         assert_eq!(single.calls, all.calls[..1].to_vec());
         for at in (1..text.len()).filter(|&a| text.is_char_boundary(a)) {
             assert_eq!(read(&[&text[..at], &text[at..]]), whole, "{text:?} at {at}");

@@ -20,6 +20,10 @@ pub enum ToolSyntax {
     /// (Llama 3.1–3.3, whose templates write calls so); several are
     /// separated by `;`. Only an answer that opens with it is a call.
     Llama3Json,
+    /// `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n…
+    /// </function>\n</tool_call>` (Qwen3-Coder, Qwen3.5): each argument in
+    /// its own tag, its value as text, typed by the tool's schema.
+    QwenXml,
 }
 
 /// Which tools the model may or must call (OpenAI's `tool_choice`).
@@ -74,7 +78,9 @@ impl ParsedOutput {
 impl ToolSyntax {
     /// The syntax a chat template teaches, if any.
     pub fn detect(template: &str) -> Option<ToolSyntax> {
-        if template.contains("<tool_call>") {
+        if template.contains("<tool_call>") && template.contains("<function=") {
+            Some(ToolSyntax::QwenXml)
+        } else if template.contains("<tool_call>") {
             Some(ToolSyntax::Hermes)
         } else if template.contains("[TOOL_CALLS]") {
             Some(ToolSyntax::Mistral)
@@ -94,12 +100,13 @@ impl ToolSyntax {
         rendered.contains(&head).then_some(ToolSyntax::Llama3Json)
     }
 
-    /// A short name (`hermes`, `mistral`, `llama3_json`).
+    /// A short name (`hermes`, `mistral`, `llama3_json`, `qwen3_coder`).
     pub fn name(self) -> &'static str {
         match self {
             ToolSyntax::Hermes => "hermes",
             ToolSyntax::Mistral => "mistral",
             ToolSyntax::Llama3Json => "llama3_json",
+            ToolSyntax::QwenXml => "qwen3_coder",
         }
     }
 
@@ -119,19 +126,21 @@ impl ToolSyntax {
             ToolSyntax::Mistral => &["[TOOL_CALLS]"],
             // The call is the answer's opening `{` (see CallParser).
             ToolSyntax::Llama3Json => &[],
+            // Its models now and then leave out the outer tag.
+            ToolSyntax::QwenXml => &["<tool_call>", "<function="],
         }
     }
 
     /// Splits a whole generated text into prose and calls, as
     /// [`CallParser`] reads them while streaming: the prose is the text
     /// before the first call (trimmed); a block that is not a call is prose.
-    pub fn parse(self, text: &str) -> ParsedOutput {
-        Self::parse_with(CallParser::new(self), text)
+    pub fn parse(self, text: &str, tools: &[Tool]) -> ParsedOutput {
+        Self::parse_with(CallParser::new(self).with_tools(tools), text)
     }
 
     /// [`ToolSyntax::parse`], taking only the first call.
-    pub fn parse_single(self, text: &str) -> ParsedOutput {
-        Self::parse_with(CallParser::new(self).single(), text)
+    pub fn parse_single(self, text: &str, tools: &[Tool]) -> ParsedOutput {
+        Self::parse_with(CallParser::new(self).with_tools(tools).single(), text)
     }
 
     fn parse_with(mut p: CallParser, text: &str) -> ParsedOutput {
@@ -208,8 +217,106 @@ impl ToolSyntax {
                 let repeat = if parallel { " (\"; \" call)*" } else { "" };
                 format!("start: call{repeat}\ncall: %json {body}\n")
             }
+            ToolSyntax::QwenXml => xml_grammar(&chosen, parallel),
         };
         Some(Constraint::Lark(grammar))
+    }
+}
+
+/// A forced call in [`ToolSyntax::QwenXml`]'s shape to one of `tools`:
+/// its parameters in the schema's order, the required ones always, each
+/// value text up to its closing tag when the schema says `string` (or says
+/// nothing), else JSON following the parameter's schema.
+fn xml_grammar(tools: &[&Tool], parallel: bool) -> String {
+    let lit = |s: &str| serde_json::to_string(s).unwrap_or_default();
+    let repeat = if parallel { " (\"\\n\" call)*" } else { "" };
+    let mut g = format!(
+        "start: call{repeat}\ncall: \"<tool_call>\\n<function=\" func \"</function>\\n</tool_call>\"\n"
+    );
+    let fns: Vec<String> = (0..tools.len()).map(|i| format!("f{i}")).collect();
+    g.push_str(&format!("func: {}\n", fns.join(" | ")));
+    // Text to the first closing tag (its newline before the tag, which the
+    // reader drops, optional as there).
+    g.push_str("text[lazy]: /(.|\\n)*/ \"</parameter>\\n\"\n");
+    for (i, t) in tools.iter().enumerate() {
+        let schema = t.parameters_value();
+        let required: Vec<&str> = schema
+            .get("required")
+            .and_then(Value::as_array)
+            .map(|r| r.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        let mut seq = vec![lit(&format!("{}>\n", t.name))];
+        let props = schema.get("properties").and_then(Value::as_object);
+        for (j, (key, sub)) in props.into_iter().flatten().enumerate() {
+            let rule = format!("f{i}_{j}");
+            let value = if param_type(sub) == "string" {
+                string_value(&mut g, &rule, sub)
+            } else {
+                let mut sub = sub.clone();
+                if let Some(o) = sub.as_object_mut() {
+                    o.insert("x-guidance".into(), serde_json::json!({
+                        "item_separator": ", ", "key_separator": ": ", "whitespace_flexible": false,
+                    }));
+                }
+                g.push_str(&format!("{rule}_v: %json {sub}\n"));
+                format!("{rule}_v \"\\n</parameter>\\n\"")
+            };
+            let head = lit(&format!("<parameter={key}>\n"));
+            g.push_str(&format!("{rule}: {head} {value}\n"));
+            let optional = if required.contains(&key.as_str()) {
+                ""
+            } else {
+                "?"
+            };
+            seq.push(format!("{rule}{optional}"));
+        }
+        g.push_str(&format!("f{i}: {}\n", seq.join(" ")));
+    }
+    g
+}
+
+/// An XML string value up to its closing tag, as `schema` bounds it: one
+/// of its `enum` texts, or `minLength` to `maxLength` characters (rule
+/// `{rule}_v`), or any text (`text`).
+fn string_value(g: &mut String, rule: &str, schema: &Value) -> String {
+    const CLOSE: &str = "\"</parameter>\\n\"";
+    if let Some(texts) = schema.get("enum").and_then(Value::as_array) {
+        let lits: Vec<String> = texts
+            .iter()
+            .filter_map(Value::as_str)
+            .map(|t| serde_json::to_string(t).unwrap_or_default())
+            .collect();
+        if !lits.is_empty() {
+            return format!("({}) \"\\n\" {CLOSE}", lits.join(" | "));
+        }
+    }
+    let bound = |k: &str| schema.get(k).and_then(Value::as_u64);
+    match (bound("minLength"), bound("maxLength")) {
+        (None, None) => "text".to_string(),
+        (min, max) => {
+            let (min, max) = (
+                min.unwrap_or(0),
+                max.map_or(String::new(), |m| m.to_string()),
+            );
+            g.push_str(&format!(
+                "{rule}_v[lazy]: /(.|\\n){{{min},{max}}}\\n?/ {CLOSE}\n"
+            ));
+            format!("{rule}_v")
+        }
+    }
+}
+
+/// The type a parameter's schema gives its values (`string` when it gives
+/// none, or only `null` beside it).
+pub(crate) fn param_type(schema: &Value) -> &str {
+    match schema.get("type") {
+        Some(Value::String(t)) => t,
+        Some(Value::Array(ts)) => ts
+            .iter()
+            .filter_map(Value::as_str)
+            .find(|t| *t != "null")
+            .unwrap_or("string"),
+        _ => "string",
     }
 }
 

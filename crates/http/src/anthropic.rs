@@ -976,6 +976,7 @@ mod tests {
                 tools,
                 think: Some(false),
                 one_call: false,
+                ..Parsing::default()
             },
         );
         let mut evs = r.start();
@@ -1083,8 +1084,9 @@ mod tests {
             tools: Some(siliceo_runtime::ToolSyntax::Hermes),
             think: None,
             one_call: false,
+            ..Parsing::default()
         };
-        let mut r = Reply::new("m".into(), 7, parsing);
+        let mut r = Reply::new("m".into(), 7, parsing.clone());
         let mut seen = Vec::new();
         let mut started_at = None;
         for (i, ch) in call.chars().enumerate() {

@@ -555,6 +555,7 @@ fn parsing(s: &AppState, plan: &mut openai::Plan) -> Result<stream::Parsing, Api
     let one_call = plan.tools.as_ref().is_some_and(|t| !t.parallel);
     Ok(stream::Parsing {
         tools,
+        schemas: plan.request.tools.clone().into(),
         think,
         one_call,
     })
@@ -727,7 +728,7 @@ async fn generate(
                 .as_ref()
                 .zip(plan.request.logprobs.map(|k| k as usize)),
         });
-        let mut c = kind.choice(i, &text, finish, parsing, lps, echoed);
+        let mut c = kind.choice(i, &text, finish, &parsing, lps, echoed);
         // vLLM's: the stop string that ended the choice.
         c["stop_reason"] = json!(stop);
         if let (Some(k), Some(p)) = (plan.prompt_logprobs, &prompt) {

@@ -2029,6 +2029,7 @@ mod tests {
                 tools: None,
                 think: Some(false),
                 one_call: false,
+                ..Parsing::default()
             },
             &store,
         );
@@ -2083,11 +2084,12 @@ mod tests {
             tools: Some(siliceo_runtime::ToolSyntax::Hermes),
             think: None,
             one_call: false,
+            ..Parsing::default()
         };
         let out =
             "Sure.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": [1, 2]}}\n</tool_call>";
         let p = prep(json!({"input": "hi"})).unwrap();
-        let (mut b, _) = Builder::new(p, parsing, &store);
+        let (mut b, _) = Builder::new(p, parsing.clone(), &store);
         let mut evs = b.start();
         for ch in out.chars() {
             evs.extend(b.on_event(text(&ch.to_string())));

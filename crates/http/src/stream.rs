@@ -20,9 +20,11 @@ use crate::{finish_name, usage_json};
 /// How a chat's output is read: tool calls in the model's syntax (when
 /// tools are offered), and a reasoning model's thinking (`Some(open)`: split
 /// off, `open` when the prompt opened the block).
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub(crate) struct Parsing {
     pub(crate) tools: Option<ToolSyntax>,
+    /// The tools offered, whose schemas type XML calls' values.
+    pub(crate) schemas: std::sync::Arc<[siliceo_runtime::Tool]>,
     pub(crate) think: Option<bool>,
     /// Only the first call is taken (`parallel_tool_calls: false`).
     pub(crate) one_call: bool,
@@ -30,8 +32,8 @@ pub(crate) struct Parsing {
 
 impl Parsing {
     /// The reader of an output parsed so.
-    pub(crate) fn router(self) -> OutputRouter {
-        let r = OutputRouter::new(self.tools, self.think);
+    pub(crate) fn router(&self) -> OutputRouter {
+        let r = OutputRouter::new(self.tools, self.think).with_tools(&self.schemas);
         if self.one_call { r.single_call() } else { r }
     }
 }
@@ -76,7 +78,7 @@ impl Kind {
         index: usize,
         text: &str,
         finish: siliceo_core::FinishReason,
-        parsing: Parsing,
+        parsing: &Parsing,
         lps: Option<&[TokenLogprob]>,
         echo: Option<Echoed<'_>>,
     ) -> Value {
@@ -792,13 +794,14 @@ mod tests {
             tools: Some(ToolSyntax::Hermes),
             one_call: false,
             think: Some(false),
+            ..Parsing::default()
         };
         let call = "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>";
         let c = Kind::Chat.choice(
             0,
             &format!("<think>Maybe {call}</think>\n\nNo call needed."),
             siliceo_core::FinishReason::Stop,
-            parsing,
+            &parsing,
             None,
             None,
         );
@@ -809,7 +812,7 @@ mod tests {
             0,
             &format!("<think>Call f.</think>\n{call}"),
             siliceo_core::FinishReason::Stop,
-            parsing,
+            &parsing,
             None,
             None,
         );
@@ -821,7 +824,7 @@ mod tests {
             0,
             "hi",
             siliceo_core::FinishReason::Stop,
-            Parsing::default(),
+            &Parsing::default(),
             None,
             None,
         );
@@ -839,7 +842,7 @@ mod tests {
             0,
             " is",
             siliceo_core::FinishReason::Length,
-            Parsing::default(),
+            &Parsing::default(),
             Some(&generated),
             Some(Echoed {
                 text: "The sky",

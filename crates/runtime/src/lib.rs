@@ -399,8 +399,9 @@ impl Runtime {
             .ok_or_else(|| RuntimeError::InvalidRequest {
                 field: "tools",
                 reason: "the model's chat template has no tool-call syntax siliceo knows \
-                         (`<tool_call>` as Qwen2.5 and Hermes write it, Mistral's \
-                         `[TOOL_CALLS]`, or Llama 3's `{\"name\": …, \"parameters\": …}`)"
+                         (`<tool_call>` as Qwen2.5 and Hermes write it, Qwen3-Coder's \
+                         `<function=…>` XML, Mistral's `[TOOL_CALLS]`, or Llama 3's \
+                         `{\"name\": …, \"parameters\": …}`)"
                     .into(),
             })?;
         if let Some(c) = syntax.constraint(&req.tools, choice, parallel) {

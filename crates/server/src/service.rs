@@ -41,6 +41,7 @@ impl InferenceService {
             .offer_tools(&mut req, &read.choice, read.parallel)
             .map_err(|e| status_of(&e))?;
         let think = read.reasoning.then(|| self.rt.thinking(&req)).flatten();
+        let schemas = req.tools.clone();
         let inner = self.rt.submit_async(req).await.map_err(|e| status_of(&e))?;
         Ok(Response::new(GenerateStream {
             inner,
@@ -48,7 +49,7 @@ impl InferenceService {
             trailer: None,
             ended: false,
             router: (syntax.is_some() || think.is_some()).then(|| {
-                let r = OutputRouter::new(syntax, think);
+                let r = OutputRouter::new(syntax, think).with_tools(&schemas);
                 if read.parallel { r } else { r.single_call() }
             }),
             calls: 0,
