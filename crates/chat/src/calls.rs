@@ -7,7 +7,9 @@
 //! objects), the call is taken at once: its name goes out, then its
 //! arguments' JSON text as it arrives, exactly as the model wrote it. A
 //! block that opens otherwise (another key order, not JSON) is held to its
-//! close and read whole; if it is not a call, it is text.
+//! close and read whole; if it is not a call, it is text. A later item of a
+//! list of calls in another key order is held to its object's close and
+//! read whole; an item that is no call ends the list.
 //!
 //! Qwen3-Coder's XML calls (`<function=NAME>` and one `<parameter=KEY>`
 //! tag per argument) are read the same way: the name goes out once its tag
@@ -23,7 +25,7 @@
 use siliceo_core::held_prefix_len;
 
 use crate::Tool;
-use crate::tools::{ToolSyntax, calls_of, find_first, param_type};
+use crate::tools::{ToolSyntax, call_of_value, calls_of, find_first, param_type};
 
 /// A piece of a model's answer, read for tool calls.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,6 +80,9 @@ enum State {
     },
     /// A block whose head was not a call's: held to its close, read whole.
     Hold { marker: &'static str },
+    /// A later list item whose head was not a call's (another key order):
+    /// held to its object's close, read whole.
+    Item { marker: &'static str },
     /// A call's arguments (`kind` once their first character is seen).
     Value {
         marker: &'static str,
@@ -641,9 +646,9 @@ impl CallParser {
                     self.state = State::Hold { marker };
                     Step::On
                 }
-                // A list item that is not a call: the rest is skipped.
+                // A later list item: read whole.
                 Err(NoHead::Fail) => {
-                    self.state = State::Close { marker };
+                    self.state = State::Item { marker };
                     Step::On
                 }
                 // A call past the last one taken: it and all after go.
@@ -665,6 +670,39 @@ impl CallParser {
                     Step::On
                 }
             },
+            State::Item { marker } => {
+                let lead = self.buf.len() - self.buf.trim_start().len();
+                match self.buf.as_bytes().get(lead) {
+                    None => return Step::Wait,
+                    Some(b'{') => {}
+                    // Not an object: no call; the rest is skipped.
+                    Some(_) => {
+                        self.state = State::Close { marker };
+                        return Step::On;
+                    }
+                }
+                let Some(end) = Scan::default().until_closed(&self.buf.as_bytes()[lead..]) else {
+                    return Step::Wait;
+                };
+                let item: String = self.buf.drain(..=lead + end).collect();
+                let call = serde_json::from_str(&item)
+                    .ok()
+                    .and_then(|v| call_of_value(&v));
+                self.state = match call {
+                    Some(_) if self.calls >= self.max_calls => {
+                        self.buf.clear();
+                        State::After
+                    }
+                    Some((name, args)) => {
+                        self.calls += 1;
+                        self.emit(CallPiece::Call(name));
+                        self.emit(CallPiece::Args(args));
+                        State::Between { marker, list: true }
+                    }
+                    None => State::Close { marker },
+                };
+                Step::On
+            }
             State::Hold { marker } => {
                 let close = close_of(marker);
                 let Some(at) = Some(close)

@@ -269,6 +269,14 @@ const CALL_TEXTS: &[(ToolSyntax, &str)] = &[
         "<tool_call>\n<function=write>\n<parameter=text>\nhalf a li",
     ),
     (ToolSyntax::QwenXml, "<tool_call>\n<function=wri"),
+    (
+        ToolSyntax::Hermes,
+        "<tool_call>\n[{\"name\": \"f\", \"arguments\": {}}, {\"arguments\": {\"b\": \"}\"}, \"name\": \"g\"}, 3, {\"name\": \"h\", \"arguments\": {}}]\n</tool_call>",
+    ),
+    (
+        ToolSyntax::Llama3Json,
+        "{\"name\": \"a\", \"parameters\": {}}; {\"parameters\": {\"x\": 1}, \"name\": \"b\"}",
+    ),
 ];
 
 /// Tools whose schemas type the XML calls' values in [`CALL_TEXTS`].
@@ -438,6 +446,26 @@ fn xml_calls_read_as_json_arguments() {
             ],
             true
         )
+    );
+    // Later list items in another key order are read whole (serde_json's
+    // layout); one that is not an object ends the list.
+    assert_eq!(
+        whole(19).0,
+        vec![
+            CallPiece::Call("f".into()),
+            CallPiece::Args("{}".into()),
+            CallPiece::Call("g".into()),
+            CallPiece::Args(r#"{"b":"}"}"#.into()),
+        ]
+    );
+    assert_eq!(
+        whole(20).0,
+        vec![
+            CallPiece::Call("a".into()),
+            CallPiece::Args("{}".into()),
+            CallPiece::Call("b".into()),
+            CallPiece::Args(r#"{"x":1}"#.into()),
+        ]
     );
     // Cut short in the name: text, as written.
     assert_eq!(whole(18).0, vec![CallPiece::Text(CALL_TEXTS[18].1.into())]);

@@ -337,7 +337,7 @@ pub(crate) fn calls_of(body: &str) -> Option<Vec<(String, String)>> {
 }
 
 /// `{"name": …, "arguments": {…}}` (or `parameters`, as some models write).
-fn call_of_value(v: &Value) -> Option<(String, String)> {
+pub(crate) fn call_of_value(v: &Value) -> Option<(String, String)> {
     let name = v.get("name")?.as_str()?.to_string();
     // `arguments` is required: `{"name": "Bob"}` in an answer is data.
     let args = v.get("arguments").or_else(|| v.get("parameters"))?.clone();
