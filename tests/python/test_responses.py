@@ -171,6 +171,48 @@ def test_previous_response_id_continues_from_the_cache(server):
     server.wait_idle()
 
 
+def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(server):
+    """`truncation: auto`: a conversation over the 2,048-token context loses
+    its oldest turns, whole (cut before a user message; the instructions
+    stay), the fewest that make it fit beside `max_output_tokens`; without
+    it the request is a 400. The count endpoint agrees, and a response that
+    continues it sees the whole conversation again, truncated anew."""
+    c = client(server)
+    line = "The quick brown fox jumps over the lazy dog near the river bank. "
+    turns = []
+    for i in range(14):
+        turns.append({"role": "user", "content": f"Note {i}: " + line * 12})
+        turns.append({"role": "assistant", "content": f"Noted {i}."})
+    turns.append({"role": "user", "content": "Which note came last?"})
+    kw = dict(model="", instructions=SYSTEM, max_output_tokens=16)
+
+    def count(items):
+        return c.responses.input_tokens.count(model="", instructions=SYSTEM, input=items).input_tokens
+
+    assert count(turns) + 16 > 2048
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(**kw, input=turns)
+    assert e.value.body["param"] == ("input" if count(turns) >= 2048 else "max_output_tokens")
+    # The fewest whole turns dropped: cut before user message `k`.
+    cuts = [i for i, t in enumerate(turns) if t["role"] == "user"]
+    k = next(i for i in cuts if count(turns[i:]) + 16 <= 2048)
+    assert k > 0 and count(turns[cuts[cuts.index(k) - 1]:]) + 16 > 2048
+    r = c.responses.create(**kw, input=turns, truncation="auto", temperature=0)
+    assert r.truncation == "auto" and r.status in ("completed", "incomplete")
+    assert r.usage.input_tokens == count(turns[k:])
+    counted = c.responses.input_tokens.count(
+        model="", instructions=SYSTEM, input=turns, truncation="auto")
+    assert counted.input_tokens == r.usage.input_tokens
+    # What fits is not cut.
+    short = c.responses.create(**kw, input=turns[-3:], truncation="auto", temperature=0)
+    assert short.usage.input_tokens == count(turns[-3:])
+    # Continued: the kept conversation is whole, and is cut again.
+    more = c.responses.create(**kw, input="And the first?", previous_response_id=r.id,
+                              truncation="auto", temperature=0)
+    assert more.status in ("completed", "incomplete") and more.usage.input_tokens + 16 <= 2048
+    server.wait_idle()
+
+
 def test_input_items_page_in_either_order(server):
     c = client(server)
     texts = [f"Note {i}." for i in range(5)]
@@ -266,7 +308,7 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(server):
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning.effort"),
         ({"input": "x", "background": True, "store": False}, "background"),
-        ({"input": "x", "truncation": "auto"}, "truncation"),
+        ({"input": "x", "truncation": "sometimes"}, "truncation"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema"),
         ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]}, "input[0].call_id"),
         ({"input": "x", "extra_body": {"n": 2}}, "n"),

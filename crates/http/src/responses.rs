@@ -23,7 +23,7 @@
 //! `include: ["message.output_text.logprobs"]` with `top_logprobs`), and the
 //! chat's extensions (`seed`, `top_k`, `stop`, `priority`, …) are taken as
 //! they are. What this server cannot do (built-in tools, images and files,
-//! `truncation: auto`, reasoning effort) is a 400 naming the field.
+//! reasoning summaries) is a 400 naming the field.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -39,7 +39,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use siliceo_core::FinishReason;
 use siliceo_runtime::{
-    CallPiece, Event, Message as ChatMessage, RuntimeError, TokenLogprob, ToolCall, Usage,
+    CallPiece, Event, Input, Message as ChatMessage, RuntimeError, TokenLogprob, ToolCall, Usage,
 };
 
 use crate::error::ApiError;
@@ -116,6 +116,9 @@ pub(crate) struct Prepared {
     conversation: Vec<ChatMessage>,
     /// Output tokens' log-probabilities go in the output text.
     logprobs: bool,
+    /// `truncation: auto`: the oldest turns go when the conversation is
+    /// over the context ([`truncate_to_fit`]).
+    truncate: bool,
 }
 
 /// What every response object of one request repeats.
@@ -752,21 +755,16 @@ pub(crate) fn prepare(
     if r.prompt.as_ref().is_some_and(|p| !p.is_null()) {
         return Err(ApiError::unsupported("prompt", "prompt templates"));
     }
-    match r.truncation.as_deref() {
-        None | Some("disabled") => {}
-        Some("auto") => {
-            return Err(ApiError::unsupported(
-                "truncation",
-                "truncation `auto` (a conversation over the context is refused with 400)",
-            ));
-        }
+    let truncate = match r.truncation.as_deref() {
+        None | Some("disabled") => false,
+        Some("auto") => true,
         Some(_) => {
             return Err(ApiError::invalid(
                 "truncation",
                 "must be `disabled` or `auto`",
             ));
         }
-    }
+    };
     if r.reasoning
         .as_ref()
         .and_then(|x| x.summary.as_ref())
@@ -937,6 +935,7 @@ pub(crate) fn prepare(
             background: r.background,
         },
         input_items,
+        truncate,
         conversation,
         logprobs: logprobs.is_some(),
     })
@@ -1461,7 +1460,11 @@ pub(crate) async fn create(
     let can_store = s.responses.max_bytes > 0;
     let mut p = prepare(&v, r, common, prior.as_deref(), (model, can_store))?;
     let parsing = crate::parsing(&s, &mut p.plan).map_err(renamed)?;
-    let (mut b, plan) = Builder::new(p, parsing, &s.responses);
+    let truncate = p.truncate;
+    let (mut b, mut plan) = Builder::new(p, parsing, &s.responses);
+    if truncate {
+        truncate_to_fit(&s, &mut plan).await?;
+    }
     let mut rs = start(&s, plan.choice(0)).await.map_err(renamed)?;
     if b.head.background {
         // Kept as it starts; a task runs it to the end, which keeps the
@@ -1523,6 +1526,50 @@ pub(crate) async fn create(
     Ok(Json(b.response()).into_response())
 }
 
+/// `truncation: auto`: a conversation over the context loses its oldest
+/// turns, whole (it is cut before a user message; the instructions and
+/// system messages at its head stay), until it fits beside
+/// `max_output_tokens` (one token when unset). The fewest turns go; the
+/// kept conversation (what `previous_response_id` continues) stays whole.
+/// One that does not fit even with its last turn alone is left for the
+/// runtime to refuse.
+async fn truncate_to_fit(s: &AppState, plan: &mut Plan) -> Result<(), ApiError> {
+    let Input::Chat(msgs) = &plan.request.input else {
+        return Ok(());
+    };
+    let n_ctx = s.rt.info().n_ctx as usize;
+    let room = match plan.request.max_tokens_field {
+        Some(_) => plan.request.sampling.max_tokens as usize,
+        None => 1,
+    };
+    let head = msgs.iter().take_while(|m| m.role == "system").count();
+    // Where it may be cut, from none (`head`) to the last turn alone.
+    let mut cuts = vec![head];
+    cuts.extend((head + 1..msgs.len()).filter(|&i| msgs[i].role == "user"));
+    let cut_at = |cut: usize| {
+        let mut r = plan.request.clone();
+        r.input = Input::Chat(msgs[..head].iter().chain(&msgs[cut..]).cloned().collect());
+        r
+    };
+    // The first cut that fits (each cut holds fewer tokens than the last).
+    let (mut lo, mut hi) = (0, cuts.len());
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        let tokens = crate::prompt_tokens(s, cut_at(cuts[mid]))
+            .await
+            .map_err(renamed)?;
+        if tokens.len() + room <= n_ctx {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    if lo > 0 && lo < cuts.len() {
+        plan.request = cut_at(cuts[lo]);
+    }
+    Ok(())
+}
+
 /// The kept response `previous_response_id` names, which must have ended.
 fn prior_of(s: &AppState, r: &ResponsesRequest) -> Result<Option<Arc<Stored>>, ApiError> {
     let Some(id) = r.previous_response_id.as_deref().filter(|i| !i.is_empty()) else {
@@ -1565,6 +1612,9 @@ pub(crate) async fn input_tokens(
     let model = s.model_ids[0].clone();
     let mut p = prepare(&v, r, common, prior.as_deref(), (model, false))?;
     crate::apply_thinking(&s, &mut p.plan).map_err(renamed)?;
+    if p.truncate {
+        truncate_to_fit(&s, &mut p.plan).await?;
+    }
     let tokens = crate::prompt_tokens(&s, p.plan.request)
         .await
         .map_err(renamed)?;
@@ -1893,7 +1943,10 @@ mod tests {
                 json!({"input": "x", "background": true, "store": false}),
                 "background",
             ),
-            (json!({"input": "x", "truncation": "auto"}), "truncation"),
+            (
+                json!({"input": "x", "truncation": "sometimes"}),
+                "truncation",
+            ),
             (
                 json!({"input": "x", "include": ["file_search_call.results"]}),
                 "include[0]",
