@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Hammers a running `siliceo serve` with a mix of requests on all three HTTP
 APIs (chat and text completions, the Responses API with background responses
-and `previous_response_id` chains, Anthropic's Messages API), many cut short
+and `previous_response_id` chains, `truncation: auto` over the context,
+Anthropic's Messages API), many cut short
 on purpose (streams closed early, client timeouts, cancellations, refused
 input, a full queue), then checks that the server went idle with no KV block
 in use and still answers `/health`. Exit status 1 when it did not.
@@ -111,8 +112,17 @@ def main() -> int:
             elif kind == 4:  # a client that gives up
                 oa.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}],
                                            max_tokens=20, timeout=0.3)
-            elif kind == 5:  # over the context
-                oa.responses.create(model="", input="x", max_output_tokens=10**6)
+            elif kind == 5:  # over the context: refused, or its oldest turns dropped
+                if r.random() < 0.5:
+                    oa.responses.create(model="", input="x", max_output_tokens=10**6)
+                else:
+                    turns = [{"role": ("user", "assistant")[j % 2], "content": count * 8}
+                             for j in range(r.randrange(20, 60))] + [{"role": "user", "content": "Go on."}]
+                    x = oa.responses.create(model="", input=turns, truncation="auto",
+                                            max_output_tokens=20, stream=r.random() < 0.5)
+                    if isinstance(x, openai.Stream):
+                        for _ in x:
+                            pass
             elif kind == 6:  # an Anthropic stream closed early
                 with cl.messages.stream(model="", max_tokens=200,
                                         messages=[{"role": "user", "content": count}],

@@ -447,3 +447,86 @@ impl Front {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use siliceo_chat::{Tool, ToolChoice, ToolSyntax};
+    use siliceo_constrain::{Grammars, Vocabulary};
+    use siliceo_core::{Constraint, TokenId};
+
+    const EOS: TokenId = TokenId(256);
+
+    /// Whether `c` takes `text` (a token per byte), then the end.
+    fn accepts(grammars: &Grammars, c: &Constraint, text: &str) -> bool {
+        let mut m = grammars.compile(c).unwrap();
+        let mut ids: Vec<TokenId> = text.bytes().map(|b| TokenId(b.into())).collect();
+        ids.push(EOS);
+        m.valid_prefix(&ids) == ids.len()
+    }
+
+    fn tool(name: &str, parameters: &str) -> Tool {
+        Tool {
+            name: name.into(),
+            description: None,
+            parameters: parameters.into(),
+        }
+    }
+
+    /// Qwen3-Coder's forced XML calls: the grammar takes a call as its
+    /// template writes one (or several), each value of its schema's type,
+    /// a string's `enum` and length bounds held, and nothing else.
+    #[test]
+    fn forced_xml_calls_take_the_calls_the_template_writes() {
+        let mut tokens: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+        tokens.push(b"<eos>".to_vec());
+        let grammars = Grammars::new(Vocabulary {
+            special: (0..tokens.len()).map(|i| i == 256).collect(),
+            tokens,
+            end_of_generation: vec![EOS],
+        });
+        let tools = [
+            tool(
+                "get_weather",
+                r#"{"type": "object", "properties": {"city": {"type": "string"},
+                    "days": {"type": "integer"}}, "required": ["city", "days"]}"#,
+            ),
+            tool(
+                "write",
+                r#"{"type": "object", "properties": {"text": {"type": "string"},
+                    "n": {"type": "integer"}}}"#,
+            ),
+        ];
+        let Some(lark) = ToolSyntax::QwenXml.constraint(&tools, &ToolChoice::Required, true) else {
+            panic!()
+        };
+        let takes = |text: &str| accepts(&grammars, &lark, text);
+        let written = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n\
+                       <parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
+        let other = "<tool_call>\n<function=write>\n<parameter=text>\na </b>\nb\n</parameter>\n\
+                     <parameter=n>\n7\n</parameter>\n</function>\n</tool_call>";
+        assert!(takes(written));
+        assert!(takes(&format!("{written}\n{other}")));
+        // Not a value of its type; a parameter the schema lacks; no call.
+        assert!(!takes(&written.replace(">\n3\n<", ">\nthree\n<")));
+        assert!(!takes(&written.replace("city>", "town>")));
+        assert!(!takes("Paris is sunny."));
+        let bounded = tool(
+            "f",
+            r#"{"type": "object", "properties": {"unit": {"type": "string", "enum": ["C", "F"]},
+                "city": {"type": "string", "maxLength": 5}}, "required": ["unit", "city"]}"#,
+        );
+        let Some(lark) = ToolSyntax::QwenXml.constraint(&[bounded], &ToolChoice::Required, false)
+        else {
+            panic!()
+        };
+        let call = |unit: &str, city: &str| {
+            let text = format!(
+                "<tool_call>\n<function=f>\n<parameter=unit>\n{unit}\n</parameter>\n\
+                 <parameter=city>\n{city}\n</parameter>\n</function>\n</tool_call>"
+            );
+            accepts(&grammars, &lark, &text)
+        };
+        assert!(call("C", "Paris") && call("F", ""));
+        assert!(!call("K", "Paris") && !call("C", "Lisbon"));
+    }
+}
