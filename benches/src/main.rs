@@ -8,7 +8,8 @@
 //! prefix` measures prefix caching (cold vs warm TTFT, a shared prefix sent
 //! by 16 requests at once), with the cache on and off. Every figure is the
 //! median of `--reps` runs made in this one process. `siliceo-bench
-//! constrain` measures what a JSON-schema constraint costs per decode step.
+//! constrain` measures what a JSON-schema constraint costs per decode step,
+//! `siliceo-bench think` what a thinking budget does.
 //! `siliceo-bench grpc` (alias `protocols`) serves one runtime directly, over
 //! gRPC and over the OpenAI HTTP API, in turn; `siliceo-bench peer` compares
 //! our HTTP API with llama-server's through the same OpenAI client.
@@ -18,6 +19,7 @@ mod graft;
 mod openai_client;
 mod peer;
 mod score;
+mod think;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -989,7 +991,7 @@ fn synth(args: &[String]) -> Result<()> {
     Ok(synth_model(&o)?)
 }
 
-const USAGE: &str = "usage: siliceo-bench synth-model ARGS | engine|serve|prefix|spec|grpc|protocols|embed|graft|peer|constrain|score [--model PATH] [--reps N] [--json] [--threads N] [--quiet-consumer] [--quick] [--no-qwen] [--llama-server PATH] [--contexts 512,4096] [--only LABEL] [--gpu-layers N] [--streams 1,8,32]";
+const USAGE: &str = "usage: siliceo-bench synth-model ARGS | engine|serve|prefix|spec|grpc|protocols|embed|graft|peer|constrain|think|score [--model PATH] [--reps N] [--json] [--threads N] [--quiet-consumer] [--quick] [--no-qwen] [--llama-server PATH] [--contexts 512,4096] [--only LABEL] [--gpu-layers N] [--streams 1,8,32]";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -1032,6 +1034,7 @@ fn main() -> Result<()> {
             "peer" => what = "peer",
             "protocols" => what = "grpc",
             "constrain" => what = "constrain",
+            "think" => what = "think",
             "score" => what = "score",
             "--llama-server" => llama_server = it.next().map(PathBuf::from),
             "--quick" => quick = true,
@@ -1081,6 +1084,13 @@ fn main() -> Result<()> {
     }
     if what == "constrain" {
         return constrain::constrain(&constrain::ConstrainBench {
+            model,
+            reps: reps.max(1),
+            threads: threads.unwrap_or(2),
+        });
+    }
+    if what == "think" {
+        return think::think(&think::ThinkBench {
             model,
             reps: reps.max(1),
             threads: threads.unwrap_or(2),

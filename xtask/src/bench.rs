@@ -77,10 +77,13 @@ pub fn bench(rest: &[String]) -> Result<()> {
         crate::models::fetch(&crate::models::models_dir(), true)?;
         return crate::run(bench_cmd(false).args(rest));
     }
-    if first == Some("constrain") {
-        // The cost of a JSON-schema constraint; `--model` picks another model
-        // (Qwen2.5-1.5B's 151k-token vocabulary makes masks dearer).
-        crate::models::fetch(&crate::models::models_dir(), true)?;
+    if let Some(which @ ("constrain" | "think")) = first {
+        // The cost of a JSON-schema constraint or a thinking budget;
+        // `--model` picks another model (Qwen2.5-1.5B's 151k-token
+        // vocabulary makes masks dearer).
+        if which == "constrain" {
+            crate::models::fetch(&crate::models::models_dir(), true)?;
+        }
         let mut cmd = bench_cmd(false);
         cmd.args(rest);
         if !rest.iter().any(|a| a == "--reps") {

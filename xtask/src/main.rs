@@ -60,6 +60,9 @@ tasks:
   bench constrain [--reps N] [--model PATH]
                         what a JSON-schema constraint costs per decode step at 1 and 8
                         streams: masks beside llama.cpp's decode vs after it
+  bench think [--reps N] [--model PATH]
+                        what a thinking budget costs per decode step at 1 and 8 streams:
+                        none, one never reached, and one of 16 tokens (closed, answered)
   bench fleet [ARGS]    a shared-prefix workload (16 documents x 8 questions) through SMG
                         over 3 release replicas: warm hits, prompt tokens computed and TTFT
                         per routing policy, HTTP and gRPC mode (ARGS: benches/fleet.py --help)

@@ -1,0 +1,133 @@
+//! `siliceo-bench think`: what a thinking budget costs per decode step. The
+//! same greedy chats, whose prompt opens a `<think>` block (a template of
+//! our own, as DeepSeek-R1's does), run with no budget, with one they never
+//! reach (each token still goes through the budget's check), and with one
+//! of 16 tokens (the block is closed for the model, which then answers), at
+//! 1 and 8 streams, side by side in one process. Every request generates
+//! exactly `TOKENS` tokens.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Result, bail};
+use siliceo_core::SamplingParams;
+use siliceo_runtime::{Event, GenerateRequest, Input, Message, Runtime, RuntimeConfig};
+
+use crate::median;
+
+const TOKENS: u32 = 64;
+
+/// ChatML whose generation prompt opens a thinking block.
+const OPENS_THINKING: &str = "{%- for m in messages -%}\
+    {{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}\
+    {%- endfor -%}\
+    {%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n<think>\\n' }}{%- endif -%}";
+
+const ASKS: [&str; 8] = [
+    "Why is the sky blue?",
+    "How do bees make honey?",
+    "What makes a bridge strong?",
+    "Why do cats purr?",
+    "How does a refrigerator work?",
+    "Why is the sea salty?",
+    "How do plants drink water?",
+    "What causes thunder?",
+];
+
+pub(crate) struct ThinkBench {
+    pub(crate) model: PathBuf,
+    pub(crate) reps: usize,
+    pub(crate) threads: u32,
+}
+
+fn request(i: usize, budget: Option<u32>) -> GenerateRequest {
+    let mut r = GenerateRequest::new(Input::Chat(vec![Message::new(
+        "user",
+        ASKS[i % ASKS.len()],
+    )]));
+    r.sampling = SamplingParams {
+        max_tokens: TOKENS,
+        ignore_eos: true,
+        ..SamplingParams::greedy()
+    };
+    r.thinking_budget = budget;
+    r
+}
+
+/// Runs `streams` requests at once; returns generated tokens per second,
+/// and whether every output closed its block.
+fn run(rt: &Runtime, streams: usize, budget: Option<u32>) -> Result<(f64, bool)> {
+    let t0 = Instant::now();
+    let handles: Vec<_> = (0..streams)
+        .map(|i| rt.submit(request(i, budget)))
+        .collect::<Result<_, _>>()?;
+    let mut tokens = 0u64;
+    let mut closed = true;
+    for mut h in handles {
+        let mut text = String::new();
+        while let Some(e) = h.blocking_next() {
+            match e {
+                Event::Text { text: t, .. } => text.push_str(&t),
+                Event::Done { usage, error, .. } => {
+                    if let Some(e) = error {
+                        bail!("request failed: {e}");
+                    }
+                    if usage.completion_tokens != TOKENS {
+                        bail!(
+                            "a request generated {} tokens, not {TOKENS}",
+                            usage.completion_tokens
+                        );
+                    }
+                    tokens += u64::from(usage.completion_tokens);
+                }
+                _ => {}
+            }
+        }
+        closed &= text.contains("</think>");
+    }
+    Ok((tokens as f64 / t0.elapsed().as_secs_f64(), closed))
+}
+
+pub(crate) fn think(b: &ThinkBench) -> Result<()> {
+    let mut cfg = RuntimeConfig::new(&b.model);
+    cfg.context.n_threads = Some(b.threads);
+    cfg.context.n_threads_batch = Some(b.threads);
+    cfg.chat_template = Some(OPENS_THINKING.to_string());
+    let rt = Runtime::start(cfg)?;
+    println!(
+        "{} · {TOKENS} tokens per request, greedy, the prompt opening `<think>` · {} threads · median of {}",
+        b.model.file_name().unwrap_or_default().to_string_lossy(),
+        b.threads,
+        b.reps
+    );
+    println!(
+        "| streams | no budget tok/s | budget never reached | budget of 16 (closed, then answered) |"
+    );
+    println!("|---:|---:|---:|---:|");
+    let modes = [None, Some(1_000_000), Some(16)];
+    for streams in [1usize, 8] {
+        // Warm-up: the prefix cache.
+        for m in modes {
+            run(&rt, streams, m)?;
+        }
+        let mut got: [Vec<f64>; 3] = Default::default();
+        for rep in 0..b.reps {
+            // A different order each rep: no mode always runs first.
+            for k in 0..3 {
+                let i = (rep + k) % 3;
+                let (tps, closed) = run(&rt, streams, modes[i])?;
+                if i == 2 && !closed {
+                    bail!("a budget of 16 left a thinking block open");
+                }
+                got[i].push(tps);
+            }
+        }
+        let [free, never, small] = got.map(median);
+        println!(
+            "| {streams} | {free:.1} | {never:.1} ({:.3}×) | {small:.1} ({:.3}×) |",
+            never / free,
+            small / free
+        );
+    }
+    Ok(())
+}
