@@ -348,6 +348,14 @@ impl CallParser {
             .map_or("string", |(_, t)| t.as_str())
     }
 
+    /// The JSON text that opens the current XML parameter's value, the
+    /// `n`-th: `{"key": ` or `, "key": `.
+    fn arg_head(&self, n: usize) -> String {
+        let open = if n == 0 { "{" } else { ", " };
+        let key = serde_json::to_string(&self.param).unwrap_or_default();
+        format!("{open}{key}: ")
+    }
+
     /// This reader, taking only the first call (`parallel_tool_calls:
     /// false`): later ones are dropped.
     pub fn single(mut self) -> Self {
@@ -548,7 +556,6 @@ impl CallParser {
                 if !self.skip_ws() {
                     return Step::Wait;
                 }
-                let open = if n == 0 { "{" } else { ", " };
                 if self.buf.starts_with(XML_PARAM) {
                     let Some(gt) = self.buf.find('>') else {
                         return Step::Wait;
@@ -557,8 +564,8 @@ impl CallParser {
                     self.buf.drain(..=gt);
                     let text = self.param_type() == "string";
                     if text {
-                        let key = serde_json::to_string(&self.param).unwrap_or_default();
-                        self.emit(CallPiece::Args(format!("{open}{key}: \"")));
+                        let head = self.arg_head(n);
+                        self.emit(CallPiece::Args(format!("{head}\"")));
                     }
                     self.state = State::XmlValue {
                         marker,
@@ -619,9 +626,7 @@ impl CallParser {
                 let args = if text {
                     format!("{}\"", escaped(value))
                 } else {
-                    let open = if n == 0 { "{" } else { ", " };
-                    let key = serde_json::to_string(&self.param).unwrap_or_default();
-                    format!("{open}{key}: {}", typed(value, self.param_type()))
+                    format!("{}{}", self.arg_head(n), typed(value, self.param_type()))
                 };
                 self.emit(CallPiece::Args(args));
                 self.state = State::XmlParams { marker, n: n + 1 };
