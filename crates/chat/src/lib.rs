@@ -304,11 +304,12 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_filter("tojson", tojson);
         // As Python's jinja2: `none` (what `tools` is without tools) is not
-        // iterable; minijinja's own test says it is.
+        // iterable, an undefined value is (it iterates as empty); minijinja's
+        // own test says both are.
         env.add_test("iterable", |v: &Value| {
             use minijinja::value::ValueKind as K;
             match v.kind() {
-                K::String | K::Bytes | K::Seq | K::Map | K::Iterable => true,
+                K::Undefined | K::String | K::Bytes | K::Seq | K::Map | K::Iterable => true,
                 K::Plain => v.try_iter().is_ok(),
                 _ => false,
             }

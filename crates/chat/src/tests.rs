@@ -587,6 +587,21 @@ fn client_messages_are_checked_and_developer_is_system() {
 
 /// Template arguments reach the template beside the messages (a switch as
 /// Qwen3's `enable_thinking`), and cannot replace what the server sets.
+/// `is iterable` as Python's jinja2 answers it: not for `none` or a
+/// number, yes for an undefined value, a string, a list and a mapping.
+#[test]
+fn the_iterable_test_is_pythons() {
+    let t = ChatTemplate::new(
+        "{{ [tools is iterable, nothing is iterable, 3 is iterable, 'ab' is iterable, \
+         messages is iterable, messages[0] is iterable] }}",
+        "",
+        "",
+    )
+    .unwrap();
+    let text = t.render(&[Message::new("user", "Hi")], &[], false).unwrap();
+    assert_eq!(text, "[False, True, False, True, True, True]");
+}
+
 #[test]
 fn template_arguments_reach_the_template() {
     let t = ChatTemplate::new(
