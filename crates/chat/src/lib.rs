@@ -474,6 +474,15 @@ impl ChatTemplate {
             })
     }
 
+    /// Why `kwargs` cannot go to a template: the first name in
+    /// [`ChatTemplate::RESERVED`] among them.
+    pub fn refused_kwarg(kwargs: &serde_json::Map<String, serde_json::Value>) -> Option<String> {
+        kwargs
+            .keys()
+            .find(|k| Self::RESERVED.contains(&k.as_str()))
+            .map(|k| format!("`{k}` is set by the server, not by template arguments"))
+    }
+
     /// [`ChatTemplate::render`] with more variables for the template
     /// (`chat_template_kwargs`, such as Qwen3's `enable_thinking`). A name in
     /// [`ChatTemplate::RESERVED`] is an error.
@@ -484,10 +493,8 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, ChatError> {
-        if let Some(k) = kwargs.keys().find(|k| Self::RESERVED.contains(&k.as_str())) {
-            return Err(ChatError::Render(format!(
-                "`{k}` is set by the server, not by template arguments"
-            )));
+        if let Some(why) = Self::refused_kwarg(kwargs) {
+            return Err(ChatError::Render(why));
         }
         if !tools.is_empty() && self.tools.is_none() {
             return Err(ChatError::NoToolSyntax);

@@ -320,14 +320,9 @@ impl Front {
             }
             return Ok(req);
         };
-        if let Some(k) = kwargs
-            .keys()
-            .find(|k| ChatTemplate::RESERVED.contains(&k.as_str()))
-        {
-            return Err(invalid(
-                "chat_template_kwargs",
-                format!("`{k}` is set by the server, not by template arguments"),
-            ));
+        // Reserved names are refused by name, with a template or without.
+        if let Some(why) = ChatTemplate::refused_kwarg(kwargs) {
+            return Err(invalid("chat_template_kwargs", why));
         }
         if msgs.is_empty() {
             return Err(invalid("chat", "no messages"));
