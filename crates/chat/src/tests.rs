@@ -808,6 +808,15 @@ fn random_texts_read_alike_however_cut() {
         "🦀",
         "{\"name\": \"g\", \"arguments\": ",
         "{\"name\": \"h\", \"parameters\": {\"a\": [1, \"x\"]}}",
+        "<function=",
+        "write>",
+        "<parameter=",
+        "n>",
+        "text>",
+        "</parameter>",
+        "</function>",
+        "<",
+        ">",
     ];
     // A fixed xorshift stream: the same texts every run.
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
@@ -821,11 +830,12 @@ fn random_texts_read_alike_however_cut() {
         ToolSyntax::Hermes,
         ToolSyntax::Mistral,
         ToolSyntax::Llama3Json,
+        ToolSyntax::QwenXml,
     ];
     // How many texts held calls, and how many ended inside arguments: the
     // texts must reach the reader's paths, not only its prose.
     let (mut with_calls, mut cut_short) = (0, 0);
-    for round in 0..3000 {
+    for round in 0..4000 {
         let len = next(24);
         let syntax = syntaxes[round % syntaxes.len()];
         // Half open as a call in the syntax would, to reach its paths.
@@ -833,6 +843,7 @@ fn random_texts_read_alike_however_cut() {
             _ if next(2) == 0 => "",
             ToolSyntax::Hermes => "<tool_call>\n{\"name\": \"f\", \"arguments\": ",
             ToolSyntax::Mistral => "[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": ",
+            ToolSyntax::QwenXml => "<tool_call>\n<function=write>\n<parameter=text>\n",
             _ => "{\"name\": \"f\", \"parameters\": ",
         };
         let text: String = std::iter::once(opener)
