@@ -1229,6 +1229,75 @@ def test_llama3_json_tool_calls(tmp_path):
         s.stop()
 
 
+# Mistral's newer tool-call format (`[TOOL_CALLS]NAME[ARGS]{…}` per call)
+# in ChatML's turns, which SmolLM2 knows.
+MISTRAL_ARGS_TOOLS = (
+    "{%- if tools -%}<|im_start|>system\n[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]"
+    "<|im_end|>\n{%- endif -%}"
+    "{%- for m in messages -%}{{ '<|im_start|>' + m.role + '\n' }}"
+    "{%- if m.tool_calls -%}{%- for c in m.tool_calls -%}"
+    "{{ '[TOOL_CALLS]' + c.function.name + '[ARGS]' + c.function.arguments | tojson }}"
+    "{%- endfor -%}{%- elif m.role == 'tool' -%}{{ '[TOOL_RESULTS]' + m.content + '[/TOOL_RESULTS]' }}"
+    "{%- else -%}{{ m.content }}{%- endif -%}{{ '<|im_end|>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+
+
+def test_mistral_name_args_tool_calls(tmp_path):
+    """A template that writes calls as Mistral's newer models do
+    (`[TOOL_CALLS]NAME[ARGS]{…}` per call): a required call is forced in
+    that shape and read back, streamed as written and equal to the whole
+    answer; two calls written under `auto` are both read (one with
+    `parallel_tool_calls: false`); the call and its result render back."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    path = tmp_path / "mistral_args.jinja"
+    path.write_text(MISTRAL_ARGS_TOOLS)
+    s = Server("--chat-template-file", str(path))
+    try:
+        c = client(s)
+        tools = [{"type": "function", "function": {
+            "name": "get_weather", "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {
+                "city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+                "additionalProperties": False}}}]
+        ask = dict(model="", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                   tools=tools, tool_choice="required", temperature=0, max_tokens=60,
+                   parallel_tool_calls=False)
+        whole = c.chat.completions.create(**ask).choices[0]
+        assert whole.finish_reason == "tool_calls", whole
+        call = whole.message.tool_calls[0]
+        assert call.function.name == "get_weather" and whole.message.content is None
+        assert set(json.loads(call.function.arguments)) == {"city"}
+        state = ChatCompletionStreamState()
+        kinds = []
+        for chunk in c.chat.completions.create(**ask, stream=True):
+            kinds.extend(e.type for e in state.handle_chunk(chunk))
+        got = state.get_final_completion().choices[0]
+        assert [(t.function.name, t.function.arguments) for t in got.message.tool_calls] == [
+            (call.function.name, call.function.arguments)]
+        assert kinds.count("tool_calls.function.arguments.delta") > 1, kinds
+        two = ('\\[TOOL_CALLS\\]get_weather\\[ARGS\\]\\{"city": "Paris"\\}'
+               '\\[TOOL_CALLS\\]get_weather\\[ARGS\\]\\{"city": "Rome"\\}')
+        auto = dict(ask, tool_choice="auto", parallel_tool_calls=True, extra_body={"regex": two})
+        r = c.chat.completions.create(**auto)
+        cities = [json.loads(t.function.arguments)["city"] for t in r.choices[0].message.tool_calls]
+        assert cities == ["Paris", "Rome"], r
+        r = c.chat.completions.create(**dict(auto, parallel_tool_calls=False))
+        assert [t.function.arguments for t in r.choices[0].message.tool_calls] == ['{"city": "Paris"}']
+        follow = ask["messages"] + [
+            {"role": "assistant", "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "18 C"},
+        ]
+        status, t = post_json(s, "/tokenize", {"messages": follow, "return_token_strs": True})
+        text = "".join(t["token_strs"])
+        assert status == 200 and "[TOOL_CALLS]get_weather[ARGS]{" in text, text
+        assert "[TOOL_RESULTS]18 C[/TOOL_RESULTS]" in text
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
 def test_qwen3_coder_xml_tool_calls(grpc_api):
     """Qwen3-Coder's own template (its calls in XML: one tag per argument)
     on SmolLM2: a required call is forced in that shape and read back with

@@ -114,6 +114,7 @@ enum State {
     },
 }
 
+const MISTRAL_ARGS: &str = "[ARGS]";
 const XML_FUNCTION: &str = "<function=";
 const XML_PARAM: &str = "<parameter=";
 const XML_PARAM_END: &str = "</parameter>";
@@ -512,6 +513,47 @@ impl CallParser {
                 }
                 Step::Wait
             }
+            // Mistral's newer calls: `NAME[ARGS]` after the marker, then the
+            // arguments (a JSON list or object after it: the older shape).
+            State::Head { marker, .. }
+                if self.syntax == ToolSyntax::MistralArgs
+                    && !self.buf.trim_start().starts_with(['{', '[']) =>
+            {
+                let is_name = |s: &str| {
+                    s.trim()
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+                };
+                let Some(at) = self.buf.find(MISTRAL_ARGS) else {
+                    // A name so far, or one and the start of `[ARGS]`.
+                    let keep = held_prefix_len(&self.buf, MISTRAL_ARGS);
+                    if !is_name(&self.buf[..self.buf.len() - keep]) {
+                        self.state = State::Hold { marker };
+                        return Step::On;
+                    }
+                    return Step::Wait;
+                };
+                let name = self.buf[..at].trim().to_string();
+                if name.is_empty() || !is_name(&name) {
+                    self.state = State::Hold { marker };
+                    return Step::On;
+                }
+                self.buf.drain(..at + MISTRAL_ARGS.len());
+                if self.calls >= self.max_calls {
+                    self.buf.clear();
+                    self.state = State::After;
+                    return Step::Wait;
+                }
+                self.calls += 1;
+                self.emit(CallPiece::Call(name));
+                self.state = State::Value {
+                    marker,
+                    list: false,
+                    kind: None,
+                    scan: Scan::default(),
+                };
+                Step::On
+            }
             // Qwen3-Coder's block: `<function=` after the tag.
             State::Head { marker, .. }
                 if self.syntax == ToolSyntax::QwenXml
@@ -780,13 +822,19 @@ impl CallParser {
                     _ => value,
                 };
                 self.emit(CallPiece::Args(args));
-                self.state = State::Rest {
-                    marker,
-                    list,
-                    scan: Scan {
-                        depth: 1,
-                        ..Scan::default()
-                    },
+                self.state = if self.syntax == ToolSyntax::MistralArgs && !list {
+                    // No object around the arguments: the next call opens
+                    // with its own marker.
+                    State::After
+                } else {
+                    State::Rest {
+                        marker,
+                        list,
+                        scan: Scan {
+                            depth: 1,
+                            ..Scan::default()
+                        },
+                    }
                 };
                 Step::On
             }

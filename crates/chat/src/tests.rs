@@ -140,6 +140,14 @@ fn mistral_calls_parse() {
         ToolSyntax::detect("{{ '[TOOL_CALLS]' }}"),
         Some(ToolSyntax::Mistral)
     );
+    assert_eq!(
+        ToolSyntax::detect("{{ '[TOOL_CALLS]' + c.name + '[ARGS]' + c.arguments }}"),
+        Some(ToolSyntax::MistralArgs)
+    );
+    assert_eq!(
+        ToolSyntax::detect("{{ '<tool_call>\n<function=' + c.name + '>' }}"),
+        Some(ToolSyntax::QwenXml)
+    );
     assert_eq!(ToolSyntax::detect("{{ m.content }}"), None);
 }
 
@@ -276,6 +284,19 @@ const CALL_TEXTS: &[(ToolSyntax, &str)] = &[
     (
         ToolSyntax::Llama3Json,
         "{\"name\": \"a\", \"parameters\": {}}; {\"parameters\": {\"x\": 1}, \"name\": \"b\"}",
+    ),
+    (
+        ToolSyntax::MistralArgs,
+        "Sure.[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Pa}ris\"} [TOOL_CALLS]now[ARGS]{}",
+    ),
+    (
+        ToolSyntax::MistralArgs,
+        "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Par",
+    ),
+    (ToolSyntax::MistralArgs, "[TOOL_CALLS] hello there"),
+    (
+        ToolSyntax::MistralArgs,
+        "[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {\"a\": 1}}]",
     ),
 ];
 
@@ -465,6 +486,37 @@ fn xml_calls_read_as_json_arguments() {
             CallPiece::Args("{}".into()),
             CallPiece::Call("b".into()),
             CallPiece::Args(r#"{"x":1}"#.into()),
+        ]
+    );
+    // Mistral's newer calls, `[TOOL_CALLS]NAME[ARGS]{…}` each; cut short
+    // in the arguments; a marker that no name follows is text; the older
+    // list after the marker is still read.
+    assert_eq!(
+        whole(21).0,
+        vec![
+            CallPiece::Text("Sure.".into()),
+            CallPiece::Call("get_weather".into()),
+            CallPiece::Args(r#"{"city": "Pa}ris"}"#.into()),
+            CallPiece::Call("now".into()),
+            CallPiece::Args("{}".into()),
+        ]
+    );
+    assert_eq!(
+        whole(22),
+        (
+            vec![
+                CallPiece::Call("get_weather".into()),
+                CallPiece::Args(r#"{"city": "Par"#.into()),
+            ],
+            true
+        )
+    );
+    assert_eq!(whole(23).0, vec![CallPiece::Text(CALL_TEXTS[23].1.into())]);
+    assert_eq!(
+        whole(24).0,
+        vec![
+            CallPiece::Call("f".into()),
+            CallPiece::Args(r#"{"a": 1}"#.into()),
         ]
     );
     // Cut short in the name: text, as written.
@@ -817,6 +869,8 @@ fn random_texts_read_alike_however_cut() {
         "</function>",
         "<",
         ">",
+        "[ARGS]",
+        "g",
     ];
     // A fixed xorshift stream: the same texts every run.
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
@@ -831,11 +885,12 @@ fn random_texts_read_alike_however_cut() {
         ToolSyntax::Mistral,
         ToolSyntax::Llama3Json,
         ToolSyntax::QwenXml,
+        ToolSyntax::MistralArgs,
     ];
     // How many texts held calls, and how many ended inside arguments: the
     // texts must reach the reader's paths, not only its prose.
     let (mut with_calls, mut cut_short) = (0, 0);
-    for round in 0..4000 {
+    for round in 0..5000 {
         let len = next(24);
         let syntax = syntaxes[round % syntaxes.len()];
         // Half open as a call in the syntax would, to reach its paths.
@@ -844,6 +899,7 @@ fn random_texts_read_alike_however_cut() {
             ToolSyntax::Hermes => "<tool_call>\n{\"name\": \"f\", \"arguments\": ",
             ToolSyntax::Mistral => "[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": ",
             ToolSyntax::QwenXml => "<tool_call>\n<function=write>\n<parameter=text>\n",
+            ToolSyntax::MistralArgs => "[TOOL_CALLS]f[ARGS]",
             _ => "{\"name\": \"f\", \"parameters\": ",
         };
         let text: String = std::iter::once(opener)

@@ -16,6 +16,9 @@ pub enum ToolSyntax {
     Hermes,
     /// `[TOOL_CALLS] [{"name": …, "arguments": {…}}, …]` (Mistral).
     Mistral,
+    /// `[TOOL_CALLS]NAME[ARGS]{…}`, once per call (Mistral's newer models:
+    /// Mistral Small 3.2, Devstral, Magistral, Ministral 3).
+    MistralArgs,
     /// `{"name": …, "parameters": {…}}` as the whole answer, with no marker
     /// (Llama 3.1–3.3, whose templates write calls so); several are
     /// separated by `;`. Only an answer that opens with it is a call.
@@ -82,6 +85,8 @@ impl ToolSyntax {
             Some(ToolSyntax::QwenXml)
         } else if template.contains("<tool_call>") {
             Some(ToolSyntax::Hermes)
+        } else if template.contains("[TOOL_CALLS]") && template.contains("[ARGS]") {
+            Some(ToolSyntax::MistralArgs)
         } else if template.contains("[TOOL_CALLS]") {
             Some(ToolSyntax::Mistral)
         } else {
@@ -100,11 +105,13 @@ impl ToolSyntax {
         rendered.contains(&head).then_some(ToolSyntax::Llama3Json)
     }
 
-    /// A short name (`hermes`, `mistral`, `llama3_json`, `qwen3_coder`).
+    /// A short name (`hermes`, `mistral`, `mistral_args`, `llama3_json`,
+    /// `qwen3_coder`).
     pub fn name(self) -> &'static str {
         match self {
             ToolSyntax::Hermes => "hermes",
             ToolSyntax::Mistral => "mistral",
+            ToolSyntax::MistralArgs => "mistral_args",
             ToolSyntax::Llama3Json => "llama3_json",
             ToolSyntax::QwenXml => "qwen3_coder",
         }
@@ -123,11 +130,24 @@ impl ToolSyntax {
     pub fn start_markers(self) -> &'static [&'static str] {
         match self {
             ToolSyntax::Hermes => &["<tool_call>", "```json"],
-            ToolSyntax::Mistral => &["[TOOL_CALLS]"],
+            ToolSyntax::Mistral | ToolSyntax::MistralArgs => &["[TOOL_CALLS]"],
             // The call is the answer's opening `{` (see CallParser).
             ToolSyntax::Llama3Json => &[],
             // Its models now and then leave out the outer tag.
             ToolSyntax::QwenXml => &["<tool_call>", "<function="],
+        }
+    }
+
+    /// The texts of its markup that a vocabulary may hold as control
+    /// tokens (Mistral's `[TOOL_CALLS]` is one): those must be rendered as
+    /// text for the calls to be read. (Llama 3's `<|python_tag|>` before a
+    /// JSON call is left out: the call is read without it.)
+    pub fn markup(self) -> &'static [&'static str] {
+        match self {
+            ToolSyntax::Hermes | ToolSyntax::QwenXml => &["<tool_call>", "</tool_call>"],
+            ToolSyntax::Mistral => &["[TOOL_CALLS]"],
+            ToolSyntax::MistralArgs => &["[TOOL_CALLS]", "[ARGS]"],
+            ToolSyntax::Llama3Json => &[],
         }
     }
 
@@ -185,11 +205,7 @@ impl ToolSyntax {
                 }))
                 .collect::<Vec<_>>(),
         });
-        let layout = serde_json::json!({
-            "item_separator": ", ",
-            "key_separator": ": ",
-            "whitespace_flexible": false,
-        });
+        let layout = json_layout();
         let grammar = match self {
             ToolSyntax::Hermes => {
                 let mut body = one_call;
@@ -218,9 +234,40 @@ impl ToolSyntax {
                 format!("start: call{repeat}\ncall: %json {body}\n")
             }
             ToolSyntax::QwenXml => xml_grammar(&chosen, parallel),
+            ToolSyntax::MistralArgs => {
+                // `[TOOL_CALLS]NAME[ARGS]` then the arguments by the tool's schema.
+                let repeat = if parallel { "+" } else { "" };
+                let mut g = format!("start: call{repeat}\ncall: \"[TOOL_CALLS]\" (");
+                let alts: Vec<String> = (0..chosen.len()).map(|i| format!("f{i}")).collect();
+                g.push_str(&alts.join(" | "));
+                g.push_str(")\n");
+                for (i, t) in chosen.iter().enumerate() {
+                    let mut args = t.parameters_value();
+                    if let Some(o) = args.as_object_mut() {
+                        o.insert("x-guidance".into(), layout.clone());
+                    }
+                    let head =
+                        serde_json::to_string(&format!("{}[ARGS]", t.name)).unwrap_or_default();
+                    g.push_str(&format!(
+                        "f{i}: {head} f{i}_args\nf{i}_args: %json {args}\n"
+                    ));
+                }
+                g
+            }
         };
         Some(Constraint::Lark(grammar))
     }
+}
+
+/// The JSON layout forced calls are written in, in llguidance's
+/// `x-guidance` terms (as `siliceo-constrain` lays out JSON schemas): `", "`,
+/// `": "`, no free whitespace.
+fn json_layout() -> Value {
+    serde_json::json!({
+        "item_separator": ", ",
+        "key_separator": ": ",
+        "whitespace_flexible": false,
+    })
 }
 
 /// A forced call in [`ToolSyntax::QwenXml`]'s shape to one of `tools`:
@@ -254,10 +301,9 @@ fn xml_grammar(tools: &[&Tool], parallel: bool) -> String {
             } else {
                 let mut sub = sub.clone();
                 if let Some(o) = sub.as_object_mut() {
-                    o.insert("x-guidance".into(), serde_json::json!({
-                        "item_separator": ", ", "key_separator": ": ", "whitespace_flexible": false,
-                    }));
+                    o.insert("x-guidance".into(), json_layout());
                 }
+
                 g.push_str(&format!("{rule}_v: %json {sub}\n"));
                 format!("{rule}_v \"\\n</parameter>\\n\"")
             };

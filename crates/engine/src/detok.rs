@@ -76,6 +76,9 @@ impl Utf8Stream {
 pub struct Detokenizer<'m> {
     model: &'m Model,
     stream: Utf8Stream,
+    /// Control tokens rendered as their text (markup a reader needs, such
+    /// as Mistral's `[TOOL_CALLS]`).
+    preserved: std::sync::Arc<[TokenId]>,
 }
 
 impl<'m> Detokenizer<'m> {
@@ -84,12 +87,21 @@ impl<'m> Detokenizer<'m> {
         Detokenizer {
             model,
             stream: Utf8Stream::new(),
+            preserved: std::sync::Arc::from([]),
         }
     }
 
-    /// The text `token` completes (control tokens render as nothing).
+    /// The bytes `token` stands for here: control tokens are nothing,
+    /// except the preserved ones, which are their text.
+    pub fn bytes_of(&self, token: TokenId) -> Vec<u8> {
+        self.model
+            .token_bytes(token, self.preserved.contains(&token))
+    }
+
+    /// The text `token` completes (control tokens render as nothing, but
+    /// the preserved ones).
     pub fn push(&mut self, token: TokenId) -> String {
-        let bytes = self.model.token_bytes(token, false);
+        let bytes = self.bytes_of(token);
         self.stream.push(&bytes)
     }
 
@@ -122,6 +134,18 @@ impl<'m> TokenText<'m> {
     pub fn with_min_tokens(mut self, min_tokens: u32) -> Self {
         self.min_tokens = min_tokens;
         self
+    }
+
+    /// This text, where the `preserved` control tokens render as their
+    /// text (markup a reader of the output needs) instead of nothing.
+    pub fn with_preserved(mut self, preserved: std::sync::Arc<[TokenId]>) -> Self {
+        self.detok.preserved = preserved;
+        self
+    }
+
+    /// The bytes `token` stands for in this text.
+    pub fn bytes_of(&self, token: TokenId) -> Vec<u8> {
+        self.detok.bytes_of(token)
     }
 
     /// Text for a generation under `params` (stop strings, stop tokens, `ignore_eos`).

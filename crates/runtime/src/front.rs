@@ -34,6 +34,8 @@ pub(crate) struct Prepared {
     pub(crate) banned: Vec<TokenId>,
     /// Its thinking budget, where one applies.
     pub(crate) think: Option<ThinkBudget>,
+    /// Control tokens its output renders as text (a chat's markup).
+    pub(crate) preserved: Arc<[TokenId]>,
 }
 
 /// Templates, tokenizes, validates and compiles (see the module's doc).
@@ -48,6 +50,26 @@ pub(crate) struct Front {
     end_of_generation: Vec<TokenId>,
     /// The tokens that close a thinking block for a model out of budget.
     think_close: Arc<[TokenId]>,
+    /// The control tokens a chat's output renders as text: the markup of
+    /// the template's tool syntax and thinking tags, where the vocabulary
+    /// holds one as a single control token.
+    preserved: Arc<[TokenId]>,
+}
+
+/// Which of `texts` the model's vocabulary holds as one control token
+/// each, and those tokens.
+pub(crate) fn control_tokens(model: &Model, texts: &[&str]) -> Vec<TokenId> {
+    let mut out = Vec::new();
+    for text in texts {
+        if let Ok(ids) = model.tokenize(text, false)
+            && let [id] = ids[..]
+            && model.is_control(id)
+            && !out.contains(&id)
+        {
+            out.push(id);
+        }
+    }
+    out
 }
 
 fn invalid(field: &'static str, reason: impl Into<String>) -> RuntimeError {
@@ -90,6 +112,14 @@ impl Front {
             .tokenize(think_budget::CLOSE_TEXT, false)
             .unwrap_or_default()
             .into();
+        let mut markup: Vec<&str> = Vec::new();
+        if let Some(t) = chat.as_ref().map(|c| &c.template) {
+            markup.extend(t.tool_syntax().map_or(&[][..], |s| s.markup()));
+            if t.reasons() {
+                markup.extend([THINK_OPEN, THINK_CLOSE]);
+            }
+        }
+        let preserved = control_tokens(&model, &markup).into();
         Front {
             model,
             grammars,
@@ -97,6 +127,7 @@ impl Front {
             max_seq_len,
             end_of_generation,
             think_close,
+            preserved,
         }
     }
 
@@ -237,6 +268,12 @@ impl Front {
             ));
         }
         let think = self.think_budget(&req)?;
+        // A chat's markup is read from its output; other inputs' output is
+        // text as before.
+        let preserved = match req.input {
+            Input::Chat(_) => self.preserved.clone(),
+            _ => Arc::from([]),
+        };
         let (mut req, tokens) = self.rendered(req)?;
         let (prompt, max_seq) = (tokens.len() as u64, u64::from(self.max_seq_len));
         if prompt >= max_seq {
@@ -286,6 +323,7 @@ impl Front {
             matcher,
             banned,
             think,
+            preserved,
         })
     }
 
@@ -459,6 +497,26 @@ mod tests {
         m.valid_prefix(&ids) == ids.len()
     }
 
+    /// Markup held as one control token is found, and only that: on
+    /// SmolLM2, `<|im_start|>` is a control token, `<tool_call>` is text in
+    /// several tokens.
+    #[test]
+    fn control_tokens_are_single_control_tokens_only() {
+        let dir = std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(
+            || env!("CARGO_MANIFEST_DIR").into(),
+            std::path::PathBuf::from,
+        );
+        let path = dir.join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+        let model = siliceo_engine::Model::load(&path, &Default::default()).unwrap();
+        let start = model.tokenize("<|im_start|>", false).unwrap();
+        let got = super::control_tokens(
+            &model,
+            &["<tool_call>", "<|im_start|>", "x", "<|im_start|>"],
+        );
+        assert_eq!(got, start);
+        assert!(model.is_control(got[0]));
+    }
+
     fn tool(name: &str, parameters: &str) -> Tool {
         Tool {
             name: name.into(),
@@ -523,5 +581,41 @@ mod tests {
         };
         assert!(call("C", "Paris") && call("F", ""));
         assert!(!call("K", "Paris") && !call("C", "Lisbon"));
+    }
+
+    /// Mistral's newer forced calls: `[TOOL_CALLS]NAME[ARGS]` and the
+    /// arguments by the tool's schema, once or (parallel) more.
+    #[test]
+    fn forced_mistral_calls_take_name_args_then_json() {
+        let mut tokens: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+        tokens.push(b"<eos>".to_vec());
+        let grammars = Grammars::new(Vocabulary {
+            special: (0..tokens.len()).map(|i| i == 256).collect(),
+            tokens,
+            end_of_generation: vec![EOS],
+        });
+        let tools = [tool(
+            "get_weather",
+            r#"{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}"#,
+        )];
+        let lark = |parallel| {
+            ToolSyntax::MistralArgs
+                .constraint(&tools, &ToolChoice::Required, parallel)
+                .unwrap()
+        };
+        let one = r#"[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}"#;
+        assert!(accepts(&grammars, &lark(false), one));
+        assert!(accepts(&grammars, &lark(true), &format!("{one}{one}")));
+        assert!(!accepts(&grammars, &lark(false), &format!("{one}{one}")));
+        assert!(!accepts(
+            &grammars,
+            &lark(true),
+            r#"[TOOL_CALLS]now[ARGS]{}"#
+        ));
+        assert!(!accepts(
+            &grammars,
+            &lark(true),
+            r#"[TOOL_CALLS]get_weather[ARGS]{"town": "Paris"}"#
+        ));
     }
 }

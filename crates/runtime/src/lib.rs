@@ -96,6 +96,8 @@ pub(crate) struct Submission {
     pub(crate) banned: Vec<TokenId>,
     /// Its thinking budget, where one applies.
     pub(crate) think: Option<think_budget::ThinkBudget>,
+    /// Control tokens its output renders as text.
+    pub(crate) preserved: Arc<[TokenId]>,
     /// When the caller submitted it (queue time and TTFT count from here).
     pub(crate) submitted: std::time::Instant,
 }
@@ -333,6 +335,7 @@ impl Runtime {
             matcher,
             banned,
             think,
+            preserved,
         } = prepared.inspect_err(|e| {
             self.metrics.error(e.error_kind());
             self.metrics.finished("error");
@@ -348,6 +351,7 @@ impl Runtime {
                 matcher,
                 banned,
                 think,
+                preserved,
                 submitted,
             })))
             .map_err(|_| RuntimeError::Stopped)?;

@@ -1,4 +1,4 @@
-use siliceo_engine::{ChatMessage, Detokenizer};
+use siliceo_engine::{ChatMessage, Detokenizer, TokenText};
 
 use crate::model;
 
@@ -65,4 +65,24 @@ fn chat_template_renders_roles() {
         toks.iter().any(|&t| model().is_eog(t)),
         "<|im_end|> is an end-of-generation token"
     );
+}
+
+/// A control token is no text, unless the text preserves it (markup such as
+/// Mistral's `[TOOL_CALLS]`, which a reader of the output must see).
+#[test]
+fn preserved_control_tokens_render_as_their_text() {
+    let m = model();
+    let ids = m.tokenize("<|im_start|>user", false).unwrap();
+    assert!(m.is_control(ids[0]), "{ids:?}");
+    let params = siliceo_core::SamplingParams::greedy();
+    let render = |text: TokenText<'_>| {
+        let mut text = text;
+        let mut out: String = ids.iter().map(|&t| text.push(t).0).collect();
+        out.push_str(&text.finish());
+        out
+    };
+    assert_eq!(render(TokenText::new(m, &params)), "user");
+    let kept = TokenText::new(m, &params).with_preserved(std::sync::Arc::from([ids[0]]));
+    assert_eq!(kept.bytes_of(ids[0]), b"<|im_start|>");
+    assert_eq!(render(kept), "<|im_start|>user");
 }

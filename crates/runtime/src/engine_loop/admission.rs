@@ -47,6 +47,7 @@ impl Engine<'_> {
             matcher,
             banned,
             think,
+            preserved,
             submitted,
             ..
         } = sub;
@@ -132,7 +133,9 @@ impl Engine<'_> {
                     sent: false,
                     only: req.sampling.max_tokens == 0,
                 }),
-                text: TokenText::new(self.model, &req.sampling).with_min_tokens(req.min_tokens),
+                text: TokenText::new(self.model, &req.sampling)
+                    .with_min_tokens(req.min_tokens)
+                    .with_preserved(preserved),
                 include_stop: req.include_stop_str,
                 min_tokens: req.min_tokens,
                 banned,

@@ -341,7 +341,7 @@ impl Engine<'_> {
         for &token in accepted.iter().chain(std::iter::once(&next)) {
             live.completion_tokens += 1;
             if let Some(t) = live.think.as_mut()
-                && !t.push(token, &self.model.token_bytes(token, false))
+                && !t.push(token, &live.text.bytes_of(token))
             {
                 live.think = None;
             }
