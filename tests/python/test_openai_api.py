@@ -1567,6 +1567,57 @@ def test_a_thinking_budget_closes_the_block(grpc_api, server, think_server):
     server.wait_idle()
 
 
+# ChatML for SmolLM2 whose thinking is in Mistral's `[THINK]` tags (as
+# Magistral's); `open_thinking` opens the block in the prompt.
+CHATML_SQUARE_THINK = (
+    "{%- for m in messages -%}"
+    "{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if open_thinking is defined and open_thinking -%}{{ '[THINK]\\n' }}{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
+def test_square_thinking_tags_split_and_budget(grpc_api, tmp_path):
+    """A template whose model thinks in `[THINK]…[/THINK]` (Mistral's
+    reasoning models): the block is split off as `reasoning_content`, and a
+    thinking budget closes it with `\\n[/THINK]\\n\\n`."""
+    pb, _, _ = grpc_api
+    from siliceo.v1 import inference_pb2_grpc as pbg
+
+    path = tmp_path / "square.jinja"
+    path.write_text(CHATML_SQUARE_THINK)
+    s = Server("--chat-template-file", str(path))
+    try:
+        c = client(s)
+        ask = [{"role": "user", "content": "What is the capital of France?"}]
+        grammar = THINK_THEN_ANSWER.replace('"<think>"', '"[THINK]"').replace(
+            '"</think>', '"[/THINK]')
+        r = c.chat.completions.create(model="", messages=ask, max_tokens=80, temperature=0,
+                                      extra_body={"grammar": grammar})
+        m = r.choices[0].message
+        assert m.reasoning_content and m.content and "[THINK]" not in m.reasoning_content + m.content
+        with grpc.insecure_channel(s.grpc) as ch:
+            stub = pbg.InferenceStub(ch)
+            chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=ask[0]["content"])])
+            raw = "".join(x.text for x in stub.Generate(pb.GenerateRequest(
+                chat=chat, max_tokens=80, constraint=pb.Constraint(lark=grammar))))
+            assert raw == f"[THINK]{m.reasoning_content}[/THINK]\n\n{m.content}"
+            close = list(stub.Tokenize(pb.TokenizeRequest(text="\n[/THINK]\n\n")).ids)
+            opened = json.dumps({"open_thinking": True})
+            out = list(stub.Generate(pb.GenerateRequest(
+                chat=chat, max_tokens=30, chat_template_kwargs=opened, thinking_budget=6,
+                split_reasoning=True)))
+            ids = [t for x in out for t in x.token_ids]
+            assert ids[6: 6 + len(close)] == close, ids
+            thought = "".join(x.reasoning for x in out)
+            assert thought.endswith("\n") and "[/THINK]" not in thought
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
 def test_min_tokens_holds_off_the_end(server, grpc_api):
     """vLLM's `min_tokens`: until that many tokens, what would end the
     output (its end-of-generation token, a stop string) does not. Greedy,

@@ -42,7 +42,7 @@ use serde::{Deserialize, Serialize};
 pub use siliceo_core::Constraint;
 
 pub use calls::{CallParser, CallPiece};
-pub use reasoning::{Split, THINK_CLOSE, THINK_OPEN, ThinkSplitter};
+pub use reasoning::{Split, THINK_CLOSE, THINK_OPEN, ThinkSplitter, ThinkTags};
 pub use router::{OutputRouter, Routed};
 pub use tools::{ParsedOutput, ToolChoice, ToolSyntax};
 
@@ -272,8 +272,9 @@ pub struct ChatTemplate {
     bos: String,
     eos: String,
     tools: Option<ToolSyntax>,
-    /// The template knows `<think>` blocks: the model reasons.
-    reasons: bool,
+    /// The tags of the thinking blocks the template knows (the model
+    /// reasons), if any.
+    think: Option<ThinkTags>,
     /// It has Qwen3's switch for thinking, `enable_thinking`.
     switch: bool,
     /// Its prompt, without template arguments, leaves a block open.
@@ -332,7 +333,7 @@ impl ChatTemplate {
             bos: bos.to_string(),
             eos: eos.to_string(),
             tools: ToolSyntax::detect(source),
-            reasons: source.contains(THINK_OPEN),
+            think: ThinkTags::of_template(source),
             switch: source.contains(Self::THINKING_SWITCH),
             opens: false,
         };
@@ -364,10 +365,15 @@ impl ChatTemplate {
         ToolSyntax::of_rendered_call(&text, NAME)
     }
 
-    /// Whether the model thinks in `<think>` blocks before it answers (its
-    /// template knows them).
+    /// Whether the model thinks in `<think>` (or `[THINK]`) blocks before
+    /// it answers (its template knows them).
     pub fn reasons(&self) -> bool {
-        self.reasons
+        self.think.is_some()
+    }
+
+    /// The tags the model thinks in, when it does.
+    pub fn think_tags(&self) -> Option<ThinkTags> {
+        self.think
     }
 
     /// The template argument that turns thinking on or off (Qwen3's).
@@ -392,10 +398,10 @@ impl ChatTemplate {
     /// Renders a one-message chat with `kwargs` to see whether its prompt
     /// ends inside a thinking block.
     fn probe_opens(&self, kwargs: &serde_json::Map<String, serde_json::Value>) -> bool {
-        self.reasons
-            && self
-                .render_with(&[Message::new("user", "x")], &[], true, kwargs)
-                .is_ok_and(|t| t.trim_end().ends_with(THINK_OPEN))
+        self.think.is_some_and(|tags| {
+            self.render_with(&[Message::new("user", "x")], &[], true, kwargs)
+                .is_ok_and(|t| t.trim_end().ends_with(tags.open))
+        })
     }
 
     /// How the model writes tool calls (`None`: the template knows no tools).

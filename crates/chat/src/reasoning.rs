@@ -1,12 +1,49 @@
 //! Reasoning models' thinking, split from their answer: a `<think>` block at
 //! the start of the output (Qwen3, DeepSeek-R1 and the models trained on
-//! their format). A template whose generation prompt already opens the block
+//! their format), or a `[THINK]` one (Mistral's Magistral and Ministral 3).
+//! A template whose generation prompt already opens the block
 //! (DeepSeek-R1's ends with `<think>\n`) starts the output inside it.
 
-/// The tag that opens a thinking block.
+/// The tag that opens a `<think>` block.
 pub const THINK_OPEN: &str = "<think>";
 /// The tag that closes it.
 pub const THINK_CLOSE: &str = "</think>";
+
+/// The tags of a model's thinking blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ThinkTags {
+    /// The opening tag.
+    pub open: &'static str,
+    /// The closing tag.
+    pub close: &'static str,
+}
+
+impl Default for ThinkTags {
+    /// `<think>`.
+    fn default() -> Self {
+        ThinkTags::ANGLE
+    }
+}
+
+impl ThinkTags {
+    /// `<think>…</think>` (Qwen3, DeepSeek-R1).
+    pub const ANGLE: ThinkTags = ThinkTags {
+        open: THINK_OPEN,
+        close: THINK_CLOSE,
+    };
+    /// `[THINK]…[/THINK]` (Magistral, Ministral 3).
+    pub const SQUARE: ThinkTags = ThinkTags {
+        open: "[THINK]",
+        close: "[/THINK]",
+    };
+
+    /// The tags a chat template writes thinking in, if any.
+    pub fn of_template(source: &str) -> Option<ThinkTags> {
+        [ThinkTags::ANGLE, ThinkTags::SQUARE]
+            .into_iter()
+            .find(|t| source.contains(t.open))
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -26,6 +63,7 @@ enum State {
 pub struct ThinkSplitter {
     state: State,
     held: String,
+    tags: ThinkTags,
 }
 
 /// A piece of output, split.
@@ -44,7 +82,14 @@ impl ThinkSplitter {
         ThinkSplitter {
             state: if open { State::Thinking } else { State::Start },
             held: String::new(),
+            tags: ThinkTags::default(),
         }
+    }
+
+    /// This splitter, for blocks in `tags` (`<think>` by default).
+    pub fn with_tags(mut self, tags: ThinkTags) -> Self {
+        self.tags = tags;
+        self
     }
 
     /// Whether the output is inside the thinking block now.
@@ -66,24 +111,25 @@ impl ThinkSplitter {
             match self.state {
                 State::Start => {
                     let lead = self.held.trim_start();
-                    if lead.starts_with(THINK_OPEN) {
-                        let at = self.held.len() - lead.len() + THINK_OPEN.len();
+                    let open = self.tags.open;
+                    if lead.starts_with(open) {
+                        let at = self.held.len() - lead.len() + open.len();
                         self.held.drain(..at);
                         self.state = State::Thinking;
-                    } else if lead.is_empty() || THINK_OPEN.starts_with(lead) {
+                    } else if lead.is_empty() || open.starts_with(lead) {
                         return out;
                     } else {
                         self.state = State::Answer;
                     }
                 }
-                State::Thinking => match self.held.find(THINK_CLOSE) {
+                State::Thinking => match self.held.find(self.tags.close) {
                     Some(at) => {
                         out.reasoning.push_str(&self.held[..at]);
-                        self.held.drain(..at + THINK_CLOSE.len());
+                        self.held.drain(..at + self.tags.close.len());
                         self.state = State::Closed;
                     }
                     None => {
-                        let keep = siliceo_core::held_prefix_len(&self.held, THINK_CLOSE);
+                        let keep = siliceo_core::held_prefix_len(&self.held, self.tags.close);
                         let tail = self.held.split_off(self.held.len() - keep);
                         out.reasoning
                             .push_str(&std::mem::replace(&mut self.held, tail));
@@ -187,6 +233,45 @@ mod tests {
         // Cut off while thinking: all thinking.
         same_in_pieces(true, "Let me see. </thi", ("Let me see. </thi", ""));
         same_in_pieces(true, "é</think>é", ("é", "é"));
+    }
+
+    #[test]
+    fn square_tags_split_alike() {
+        let text = " [THINK]Mistral thinks.[/THINK]\n\nIt is 4. <think>";
+        let whole = |s: ThinkSplitter| {
+            let mut s = s.with_tags(ThinkTags::SQUARE);
+            let mut got = s.push(text);
+            let tail = s.finish();
+            got.reasoning.push_str(&tail.reasoning);
+            got.content.push_str(&tail.content);
+            got
+        };
+        let want = Split {
+            reasoning: "Mistral thinks.".into(),
+            content: "It is 4. <think>".into(),
+        };
+        assert_eq!(whole(ThinkSplitter::new(false)), want);
+        // In pieces, a character at a time.
+        let mut s = ThinkSplitter::new(false).with_tags(ThinkTags::SQUARE);
+        let mut got = Split::default();
+        for c in text.chars() {
+            let part = s.push(&c.to_string());
+            got.reasoning.push_str(&part.reasoning);
+            got.content.push_str(&part.content);
+        }
+        let tail = s.finish();
+        got.reasoning.push_str(&tail.reasoning);
+        got.content.push_str(&tail.content);
+        assert_eq!(got, want);
+        assert_eq!(
+            ThinkTags::of_template("{{ '[THINK]' }}"),
+            Some(ThinkTags::SQUARE)
+        );
+        assert_eq!(
+            ThinkTags::of_template("{{ '<think>' }}"),
+            Some(ThinkTags::ANGLE)
+        );
+        assert_eq!(ThinkTags::of_template("{{ m.content }}"), None);
     }
 
     #[test]

@@ -47,6 +47,12 @@ impl OutputRouter {
         self
     }
 
+    /// This router, splitting thinking in `tags` (`<think>` by default).
+    pub fn with_think_tags(mut self, tags: crate::ThinkTags) -> Self {
+        self.think = self.think.map(|t| t.with_tags(tags));
+        self
+    }
+
     /// This router, taking only a chat's first call
     /// (`parallel_tool_calls: false`).
     pub fn single_call(mut self) -> Self {

@@ -556,6 +556,7 @@ fn parsing(s: &AppState, plan: &mut openai::Plan) -> Result<stream::Parsing, Api
     Ok(stream::Parsing {
         tools,
         schemas: plan.request.tools.clone().into(),
+        think_tags: s.rt.think_tags(),
         think,
         one_call,
     })

@@ -26,6 +26,8 @@ pub(crate) struct Parsing {
     /// The tools offered, whose schemas type XML calls' values.
     pub(crate) schemas: std::sync::Arc<[siliceo_runtime::Tool]>,
     pub(crate) think: Option<bool>,
+    /// The tags of the model's thinking.
+    pub(crate) think_tags: siliceo_runtime::ThinkTags,
     /// Only the first call is taken (`parallel_tool_calls: false`).
     pub(crate) one_call: bool,
 }
@@ -33,7 +35,9 @@ pub(crate) struct Parsing {
 impl Parsing {
     /// The reader of an output parsed so.
     pub(crate) fn router(&self) -> OutputRouter {
-        let r = OutputRouter::new(self.tools, self.think).with_tools(&self.schemas);
+        let r = OutputRouter::new(self.tools, self.think)
+            .with_tools(&self.schemas)
+            .with_think_tags(self.think_tags);
         if self.one_call { r.single_call() } else { r }
     }
 }

@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use siliceo_chat::{ChatEnd, ChatError, ChatTemplate, THINK_CLOSE, THINK_OPEN};
+use siliceo_chat::{ChatEnd, ChatError, ChatTemplate, ThinkTags};
 use siliceo_constrain::{Grammars, Matcher, Vocabulary};
 use siliceo_core::{SamplingParams, TokenId};
 use siliceo_engine::Model;
@@ -54,6 +54,13 @@ pub(crate) struct Front {
     /// the template's tool syntax and thinking tags, where the vocabulary
     /// holds one as a single control token.
     preserved: Arc<[TokenId]>,
+}
+
+/// The tags a template thinks in (`<think>` without one).
+fn tags_of(template: Option<&ChatTemplate>) -> ThinkTags {
+    template
+        .and_then(ChatTemplate::think_tags)
+        .unwrap_or_default()
 }
 
 /// Which of `texts` the model's vocabulary holds as one control token
@@ -108,15 +115,17 @@ impl Front {
                 }
             }
         });
+        let template = chat.as_ref().map(|c| &c.template);
+        let tags = tags_of(template);
         let think_close = model
-            .tokenize(think_budget::CLOSE_TEXT, false)
+            .tokenize(&think_budget::close_text(tags), false)
             .unwrap_or_default()
             .into();
         let mut markup: Vec<&str> = Vec::new();
-        if let Some(t) = chat.as_ref().map(|c| &c.template) {
+        if let Some(t) = template {
             markup.extend(t.tool_syntax().map_or(&[][..], |s| s.markup()));
-            if t.reasons() {
-                markup.extend([THINK_OPEN, THINK_CLOSE]);
+            if let Some(tags) = t.think_tags() {
+                markup.extend([tags.open, tags.close]);
             }
         }
         let preserved = control_tokens(&model, &markup).into();
@@ -135,12 +144,18 @@ impl Front {
         self.chat.as_ref().map(|c| &c.template)
     }
 
+    /// The tags the model thinks in (`<think>` when it does not).
+    pub(crate) fn think_tags(&self) -> ThinkTags {
+        tags_of(self.chat_template())
+    }
+
     /// Whether a chat's output holds a reasoning model's thinking to split
     /// off (`Some(open)`, `open` when the prompt opened the block). Not when
     /// a constraint holds the output from its first token and the prompt
     /// opened the block: the constrained output is then the answer.
     pub(crate) fn thinking(&self, req: &GenerateRequest) -> Option<bool> {
-        let t = self.chat_template().filter(|t| t.reasons())?;
+        let t = self.chat_template()?;
+        let tags = t.think_tags()?;
         let open = match (&req.chat_end, &req.input) {
             // The output goes on from the final message's text: inside a
             // thinking block that text opened and did not close, or in the
@@ -148,7 +163,7 @@ impl Front {
             (ChatEnd::Continue, Input::Chat(msgs)) => {
                 let text = msgs.last().and_then(|m| m.content.as_deref());
                 let text = text.unwrap_or_default();
-                if text.rfind(THINK_OPEN) <= text.rfind(THINK_CLOSE) {
+                if text.rfind(tags.open) <= text.rfind(tags.close) {
                     return None;
                 }
                 true
@@ -178,9 +193,10 @@ impl Front {
                 "the model served does not think (its chat template knows no `<think>` block)",
             ));
         }
+        let tags = self.think_tags();
         Ok(self
             .thinking(req)
-            .map(|open| ThinkBudget::new(open, budget, self.think_close.clone())))
+            .map(|open| ThinkBudget::new(tags, open, budget, self.think_close.clone())))
     }
 
     pub(crate) fn tokenize(

@@ -57,7 +57,8 @@ pub use types::{
 pub use engine_loop::store_plan;
 pub use siliceo_chat::{
     CallParser, CallPiece, ChatEnd, Message, OutputRouter, ParsedOutput, Routed, Split,
-    THINK_CLOSE, THINK_OPEN, ThinkSplitter, Tool, ToolCall, ToolChoice, ToolSyntax, checked_tools,
+    THINK_CLOSE, THINK_OPEN, ThinkSplitter, ThinkTags, Tool, ToolCall, ToolChoice, ToolSyntax,
+    checked_tools,
 };
 pub use siliceo_kv_paging::planner::{StorePlan, StoreSize, StoreSplit};
 
@@ -436,6 +437,12 @@ impl Runtime {
     /// opened the block: the constrained output is then the answer.
     pub fn thinking(&self, req: &GenerateRequest) -> Option<bool> {
         self.front.thinking(req)
+    }
+
+    /// The tags the model thinks in (`<think>`, or `[THINK]` for Mistral's
+    /// reasoning models), for splitting its output.
+    pub fn think_tags(&self) -> ThinkTags {
+        self.front.think_tags()
     }
 
     /// Cancels a request by id; its KV is free when this returns. Returns

@@ -12,12 +12,14 @@
 
 use std::sync::Arc;
 
-use siliceo_chat::ThinkSplitter;
+use siliceo_chat::{ThinkSplitter, ThinkTags};
 use siliceo_core::TokenId;
 
-/// The text forced to close a thinking block (Qwen3's and DeepSeek-R1's
-/// templates write a closed block this way).
-pub(crate) const CLOSE_TEXT: &str = "\n</think>\n\n";
+/// The text forced to close a thinking block in `tags`: `"\n</think>\n\n"`
+/// (Qwen3's and DeepSeek-R1's templates write a closed block this way).
+pub(crate) fn close_text(tags: ThinkTags) -> String {
+    format!("\n{}\n\n", tags.close)
+}
 
 /// One request's thinking budget, as its tokens come.
 #[derive(Debug, Clone)]
@@ -25,7 +27,7 @@ pub(crate) struct ThinkBudget {
     split: ThinkSplitter,
     /// Thinking tokens still allowed.
     left: u32,
-    /// The tokens of [`CLOSE_TEXT`].
+    /// The tokens of [`close_text`].
     close: Arc<[TokenId]>,
     /// How many of `close` were forced.
     forced: usize,
@@ -35,10 +37,10 @@ pub(crate) struct ThinkBudget {
 
 impl ThinkBudget {
     /// A budget of `budget` thinking tokens for an output that starts inside
-    /// the block (`open`: the prompt opened it) or may open one.
-    pub(crate) fn new(open: bool, budget: u32, close: Arc<[TokenId]>) -> Self {
+    /// the block (`open`: the prompt opened it) or may open one, in `tags`.
+    pub(crate) fn new(tags: ThinkTags, open: bool, budget: u32, close: Arc<[TokenId]>) -> Self {
         ThinkBudget {
-            split: ThinkSplitter::new(open),
+            split: ThinkSplitter::new(open).with_tags(tags),
             left: budget,
             close,
             forced: 0,
@@ -102,7 +104,7 @@ mod tests {
     const CLOSE: [TokenId; 3] = [TokenId(90), TokenId(91), TokenId(92)];
 
     fn budget(open: bool, n: u32) -> ThinkBudget {
-        ThinkBudget::new(open, n, Arc::from(&CLOSE[..]))
+        ThinkBudget::new(ThinkTags::ANGLE, open, n, Arc::from(&CLOSE[..]))
     }
 
     /// Feeds `texts` as tokens 1, 2, …, taking forced tokens where due;
@@ -170,6 +172,14 @@ mod tests {
             assert!(b.push(TokenId(t), bytes));
         }
         assert_eq!(b.forced(), Some(TokenId(90)));
+    }
+
+    #[test]
+    fn square_tags_are_counted_alike() {
+        let mut b = ThinkBudget::new(ThinkTags::SQUARE, false, 2, Arc::from(&CLOSE[..]));
+        let (taken, _) = run(&mut b, &["[THINK]", "a", "b", "c"]);
+        assert_eq!(taken, ids(&[1, 2, 90, 91, 92]));
+        assert_eq!(close_text(ThinkTags::SQUARE), "\n[/THINK]\n\n");
     }
 
     #[test]

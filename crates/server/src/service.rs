@@ -49,7 +49,9 @@ impl InferenceService {
             trailer: None,
             ended: false,
             router: (syntax.is_some() || think.is_some()).then(|| {
-                let r = OutputRouter::new(syntax, think).with_tools(&schemas);
+                let r = OutputRouter::new(syntax, think)
+                    .with_tools(&schemas)
+                    .with_think_tags(self.rt.think_tags());
                 if read.parallel { r } else { r.single_call() }
             }),
             calls: 0,
