@@ -190,7 +190,8 @@ impl Front {
         if !self.chat_template().is_some_and(ChatTemplate::reasons) {
             return Err(invalid(
                 "thinking_budget",
-                "the model served does not think (its chat template knows no `<think>` block)",
+                "the model served does not think (its chat template knows no `<think>` or \
+                 `[THINK]` block)",
             ));
         }
         let tags = self.think_tags();

@@ -5,7 +5,8 @@
 //!
 //! The engine asks [`ThinkBudget::forced`] before it samples a request's
 //! token: once the budget is spent (and the last character is whole), the
-//! tokens of `"\n</think>\n\n"` are forced one per step instead of sampled,
+//! tokens of `"\n</think>\n\n"` (the model's own closing tag) are forced one
+//! per step instead of sampled,
 //! and the model answers from there. Tokens count while the block is open,
 //! from the one that completes an opening tag the model writes; the forced
 //! close does not count. A block the model closes itself ends the budget's work.

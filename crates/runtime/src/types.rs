@@ -249,8 +249,9 @@ pub struct GenerateRequest {
     /// do not stop. Such a request is not decoded speculatively.
     pub min_tokens: u32,
     /// Think for at most this many tokens (chat input, a model whose
-    /// template knows `<think>` blocks): a block still open then is closed
-    /// for the model with `"\n</think>\n\n"`, and it answers. Tokens count
+    /// template knows `<think>` or `[THINK]` blocks): a block still open
+    /// then is closed for the model with `"\n</think>\n\n"` (or
+    /// `"\n[/THINK]\n\n"`), and it answers. Tokens count
     /// from the one that opens the block (the prompt's, or the model's own
     /// tag). Drafted tokens never run past it. A constraint that writes the
     /// thinking itself and refuses the close keeps its own course.
