@@ -324,6 +324,10 @@ impl CallParser {
     /// This reader, typing XML calls' values by `tools`' schemas (a
     /// parameter the schema does not type is a string).
     pub fn with_tools(mut self, tools: &[Tool]) -> Self {
+        // Only XML values are typed: other syntaxes' arguments are JSON.
+        if self.syntax != ToolSyntax::QwenXml {
+            return self;
+        }
         self.types = tools
             .iter()
             .map(|t| {

@@ -284,7 +284,7 @@ fn xml_grammar(tools: &[&Tool], parallel: bool) -> String {
     g.push_str(&format!("func: {}\n", fns.join(" | ")));
     // Text to the first closing tag (its newline before the tag, which the
     // reader drops, optional as there).
-    g.push_str("text[lazy]: /(.|\\n)*/ \"</parameter>\\n\"\n");
+    g.push_str(&format!("text[lazy]: /(.|\\n)*/ {XML_VALUE_END}\n"));
     for (i, t) in tools.iter().enumerate() {
         let schema = t.parameters_value();
         let required: Vec<&str> = schema
@@ -305,7 +305,7 @@ fn xml_grammar(tools: &[&Tool], parallel: bool) -> String {
                 }
 
                 g.push_str(&format!("{rule}_v: %json {sub}\n"));
-                format!("{rule}_v \"\\n</parameter>\\n\"")
+                format!("{rule}_v \"\\n\" {XML_VALUE_END}")
             };
             let head = lit(&format!("<parameter={key}>\n"));
             g.push_str(&format!("{rule}: {head} {value}\n"));
@@ -321,11 +321,14 @@ fn xml_grammar(tools: &[&Tool], parallel: bool) -> String {
     g
 }
 
+/// The Lark literal that ends an XML parameter's value (its newline before
+/// the tag is the value's to write, or not).
+const XML_VALUE_END: &str = "\"</parameter>\\n\"";
+
 /// An XML string value up to its closing tag, as `schema` bounds it: one
 /// of its `enum` texts, or `minLength` to `maxLength` characters (rule
 /// `{rule}_v`), or any text (`text`).
 fn string_value(g: &mut String, rule: &str, schema: &Value) -> String {
-    const CLOSE: &str = "\"</parameter>\\n\"";
     if let Some(texts) = schema.get("enum").and_then(Value::as_array) {
         let lits: Vec<String> = texts
             .iter()
@@ -333,7 +336,7 @@ fn string_value(g: &mut String, rule: &str, schema: &Value) -> String {
             .map(|t| serde_json::to_string(t).unwrap_or_default())
             .collect();
         if !lits.is_empty() {
-            return format!("({}) \"\\n\" {CLOSE}", lits.join(" | "));
+            return format!("({}) \"\\n\" {XML_VALUE_END}", lits.join(" | "));
         }
     }
     let bound = |k: &str| schema.get(k).and_then(Value::as_u64);
@@ -345,7 +348,7 @@ fn string_value(g: &mut String, rule: &str, schema: &Value) -> String {
                 max.map_or(String::new(), |m| m.to_string()),
             );
             g.push_str(&format!(
-                "{rule}_v[lazy]: /(.|\\n){{{min},{max}}}\\n?/ {CLOSE}\n"
+                "{rule}_v[lazy]: /(.|\\n){{{min},{max}}}\\n?/ {XML_VALUE_END}\n"
             ));
             format!("{rule}_v")
         }
