@@ -188,21 +188,43 @@ mod tests {
 
     /// Every way of cutting `text` into two pushes gives the whole split.
     fn same_in_pieces(open: bool, text: &str, want: (&str, &str)) {
-        let whole = ThinkSplitter::split(open, text);
+        same_in_pieces_in(ThinkTags::ANGLE, open, text, want);
+    }
+
+    /// Pushes `parts` into a splitter for `tags`, then finishes it.
+    fn split_parts(tags: ThinkTags, open: bool, parts: &[&str]) -> Split {
+        let mut s = ThinkSplitter::new(open).with_tags(tags);
+        let mut got = Split::default();
+        let mut add = |part: Split| {
+            got.reasoning.push_str(&part.reasoning);
+            got.content.push_str(&part.content);
+        };
+        for p in parts {
+            add(s.push(p));
+        }
+        add(s.finish());
+        got
+    }
+
+    /// [`same_in_pieces`] for blocks in `tags`; a character at a time too.
+    fn same_in_pieces_in(tags: ThinkTags, open: bool, text: &str, want: (&str, &str)) {
+        let whole = split_parts(tags, open, &[text]);
         assert_eq!(
             (whole.reasoning.as_str(), whole.content.as_str()),
             want,
             "{text:?}"
         );
         for cut in (0..=text.len()).filter(|&c| text.is_char_boundary(c)) {
-            let mut s = ThinkSplitter::new(open);
-            let mut got = s.push(&text[..cut]);
-            for part in [s.push(&text[cut..]), s.finish()] {
-                got.reasoning.push_str(&part.reasoning);
-                got.content.push_str(&part.content);
-            }
+            let got = split_parts(tags, open, &[&text[..cut], &text[cut..]]);
             assert_eq!(got, whole, "{text:?} cut at {cut}");
         }
+        let chars: Vec<String> = text.chars().map(String::from).collect();
+        let parts: Vec<&str> = chars.iter().map(String::as_str).collect();
+        assert_eq!(
+            split_parts(tags, open, &parts),
+            whole,
+            "{text:?} by characters"
+        );
     }
 
     #[test]
@@ -237,32 +259,12 @@ mod tests {
 
     #[test]
     fn square_tags_split_alike() {
-        let text = " [THINK]Mistral thinks.[/THINK]\n\nIt is 4. <think>";
-        let whole = |s: ThinkSplitter| {
-            let mut s = s.with_tags(ThinkTags::SQUARE);
-            let mut got = s.push(text);
-            let tail = s.finish();
-            got.reasoning.push_str(&tail.reasoning);
-            got.content.push_str(&tail.content);
-            got
-        };
-        let want = Split {
-            reasoning: "Mistral thinks.".into(),
-            content: "It is 4. <think>".into(),
-        };
-        assert_eq!(whole(ThinkSplitter::new(false)), want);
-        // In pieces, a character at a time.
-        let mut s = ThinkSplitter::new(false).with_tags(ThinkTags::SQUARE);
-        let mut got = Split::default();
-        for c in text.chars() {
-            let part = s.push(&c.to_string());
-            got.reasoning.push_str(&part.reasoning);
-            got.content.push_str(&part.content);
-        }
-        let tail = s.finish();
-        got.reasoning.push_str(&tail.reasoning);
-        got.content.push_str(&tail.content);
-        assert_eq!(got, want);
+        same_in_pieces_in(
+            ThinkTags::SQUARE,
+            false,
+            " [THINK]Mistral thinks.[/THINK]\n\nIt is 4. <think>",
+            ("Mistral thinks.", "It is 4. <think>"),
+        );
         assert_eq!(
             ThinkTags::of_template("{{ '[THINK]' }}"),
             Some(ThinkTags::SQUARE)
