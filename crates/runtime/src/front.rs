@@ -506,6 +506,17 @@ mod tests {
 
     const EOS: TokenId = TokenId(256);
 
+    /// Grammars over a vocabulary of one token per byte and [`EOS`].
+    fn byte_grammars() -> Grammars {
+        let mut tokens: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+        tokens.push(b"<eos>".to_vec());
+        Grammars::new(Vocabulary {
+            special: (0..tokens.len()).map(|i| i == 256).collect(),
+            tokens,
+            end_of_generation: vec![EOS],
+        })
+    }
+
     /// Whether `c` takes `text` (a token per byte), then the end.
     fn accepts(grammars: &Grammars, c: &Constraint, text: &str) -> bool {
         let mut m = grammars.compile(c).unwrap();
@@ -547,13 +558,7 @@ mod tests {
     /// a string's `enum` and length bounds held, and nothing else.
     #[test]
     fn forced_xml_calls_take_the_calls_the_template_writes() {
-        let mut tokens: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
-        tokens.push(b"<eos>".to_vec());
-        let grammars = Grammars::new(Vocabulary {
-            special: (0..tokens.len()).map(|i| i == 256).collect(),
-            tokens,
-            end_of_generation: vec![EOS],
-        });
+        let grammars = byte_grammars();
         let tools = [
             tool(
                 "get_weather",
@@ -604,13 +609,7 @@ mod tests {
     /// arguments by the tool's schema, once or (parallel) more.
     #[test]
     fn forced_mistral_calls_take_name_args_then_json() {
-        let mut tokens: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
-        tokens.push(b"<eos>".to_vec());
-        let grammars = Grammars::new(Vocabulary {
-            special: (0..tokens.len()).map(|i| i == 256).collect(),
-            tokens,
-            end_of_generation: vec![EOS],
-        });
+        let grammars = byte_grammars();
         let tools = [tool(
             "get_weather",
             r#"{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}"#,
