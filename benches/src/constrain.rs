@@ -6,13 +6,12 @@
 //! schema asks for a long array, so none completes early).
 
 use std::path::PathBuf;
-use std::time::Instant;
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use siliceo_core::{Constraint, SamplingParams};
-use siliceo_runtime::{Event, GenerateRequest, Input, Message, Runtime, RuntimeConfig};
+use siliceo_runtime::{GenerateRequest, Input, Message, Runtime, RuntimeConfig};
 
-use crate::median;
+use crate::{median, run_exact};
 
 const TOKENS: u32 = 64;
 
@@ -72,28 +71,8 @@ fn request(i: usize, constrained: bool) -> GenerateRequest {
 
 /// Runs `streams` requests at once; returns generated tokens per second.
 fn run(rt: &Runtime, streams: usize, constrained: bool) -> Result<f64> {
-    let t0 = Instant::now();
-    let handles: Vec<_> = (0..streams)
-        .map(|i| rt.submit(request(i, constrained)))
-        .collect::<Result<_, _>>()?;
-    let mut tokens = 0u64;
-    for mut h in handles {
-        while let Some(e) = h.blocking_next() {
-            if let Event::Done { usage, error, .. } = e {
-                if let Some(e) = error {
-                    bail!("request failed: {e}");
-                }
-                if usage.completion_tokens != TOKENS {
-                    bail!(
-                        "a request generated {} tokens, not {TOKENS}",
-                        usage.completion_tokens
-                    );
-                }
-                tokens += u64::from(usage.completion_tokens);
-            }
-        }
-    }
-    Ok(tokens as f64 / t0.elapsed().as_secs_f64())
+    let requests = (0..streams).map(|i| request(i, constrained)).collect();
+    Ok(run_exact(rt, requests, TOKENS)?.0)
 }
 
 pub(crate) fn constrain(b: &ConstrainBench) -> Result<()> {

@@ -35,6 +35,46 @@ const PROMPTS: [&str; 4] = [
     "Dear team, following our meeting yesterday I would like to",
 ];
 
+/// Submits `requests` at once to `rt`; each must generate exactly `tokens`
+/// tokens. Returns the tokens generated per second and each output's text.
+fn run_exact(
+    rt: &siliceo_runtime::Runtime,
+    requests: Vec<siliceo_runtime::GenerateRequest>,
+    tokens: u32,
+) -> Result<(f64, Vec<String>)> {
+    use siliceo_runtime::Event;
+    let t0 = Instant::now();
+    let handles: Vec<_> = requests
+        .into_iter()
+        .map(|r| rt.submit(r))
+        .collect::<Result<_, _>>()?;
+    let mut total = 0u64;
+    let mut texts = Vec::with_capacity(handles.len());
+    for mut h in handles {
+        let mut text = String::new();
+        while let Some(e) = h.blocking_next() {
+            match e {
+                Event::Text { text: t, .. } => text.push_str(&t),
+                Event::Done { usage, error, .. } => {
+                    if let Some(e) = error {
+                        bail!("request failed: {e}");
+                    }
+                    if usage.completion_tokens != tokens {
+                        bail!(
+                            "a request generated {} tokens, not {tokens}",
+                            usage.completion_tokens
+                        );
+                    }
+                    total += u64::from(usage.completion_tokens);
+                }
+                _ => {}
+            }
+        }
+        texts.push(text);
+    }
+    Ok((total as f64 / t0.elapsed().as_secs_f64(), texts))
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     let n = v.len();

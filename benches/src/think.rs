@@ -7,13 +7,12 @@
 //! exactly `TOKENS` tokens.
 
 use std::path::PathBuf;
-use std::time::Instant;
 
 use anyhow::{Result, bail};
 use siliceo_core::SamplingParams;
-use siliceo_runtime::{Event, GenerateRequest, Input, Message, Runtime, RuntimeConfig};
+use siliceo_runtime::{GenerateRequest, Input, Message, Runtime, RuntimeConfig};
 
-use crate::median;
+use crate::{median, run_exact};
 
 const TOKENS: u32 = 64;
 
@@ -57,35 +56,9 @@ fn request(i: usize, budget: Option<u32>) -> GenerateRequest {
 /// Runs `streams` requests at once; returns generated tokens per second,
 /// and whether every output closed its block.
 fn run(rt: &Runtime, streams: usize, budget: Option<u32>) -> Result<(f64, bool)> {
-    let t0 = Instant::now();
-    let handles: Vec<_> = (0..streams)
-        .map(|i| rt.submit(request(i, budget)))
-        .collect::<Result<_, _>>()?;
-    let mut tokens = 0u64;
-    let mut closed = true;
-    for mut h in handles {
-        let mut text = String::new();
-        while let Some(e) = h.blocking_next() {
-            match e {
-                Event::Text { text: t, .. } => text.push_str(&t),
-                Event::Done { usage, error, .. } => {
-                    if let Some(e) = error {
-                        bail!("request failed: {e}");
-                    }
-                    if usage.completion_tokens != TOKENS {
-                        bail!(
-                            "a request generated {} tokens, not {TOKENS}",
-                            usage.completion_tokens
-                        );
-                    }
-                    tokens += u64::from(usage.completion_tokens);
-                }
-                _ => {}
-            }
-        }
-        closed &= text.contains("</think>");
-    }
-    Ok((tokens as f64 / t0.elapsed().as_secs_f64(), closed))
+    let requests = (0..streams).map(|i| request(i, budget)).collect();
+    let (tps, texts) = run_exact(rt, requests, TOKENS)?;
+    Ok((tps, texts.iter().all(|t| t.contains("</think>"))))
 }
 
 pub(crate) fn think(b: &ThinkBench) -> Result<()> {
