@@ -1146,6 +1146,28 @@ ANSWER: /[A-Z][a-z ]{3,30}\./
 """
 
 
+def forced_call_streams_alike(c, ask):
+    """`ask` forces one tool call: whole, its finish reason is `tool_calls`;
+    streamed through the `openai` client's own accumulator it is the same
+    call, its arguments in more than one delta. Returns the whole answer's
+    message and call."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    whole = c.chat.completions.create(**ask).choices[0]
+    assert whole.finish_reason == "tool_calls", whole
+    call = whole.message.tool_calls[0]
+    state = ChatCompletionStreamState()
+    kinds = []
+    for chunk in c.chat.completions.create(**ask, stream=True):
+        kinds.extend(e.type for e in state.handle_chunk(chunk))
+    got = state.get_final_completion().choices[0]
+    assert got.finish_reason == "tool_calls"
+    assert [(t.function.name, t.function.arguments) for t in got.message.tool_calls] == [
+        (call.function.name, call.function.arguments)]
+    assert kinds.count("tool_calls.function.arguments.delta") > 1, kinds
+    return whole.message, call
+
+
 # Llama 3's tool-call format (a call is the answer's JSON, `parameters` for
 # the arguments, no marker) in ChatML's turns, which SmolLM2 knows.
 LLAMA_JSON_TOOLS = (
@@ -1181,20 +1203,9 @@ def test_llama3_json_tool_calls(tmp_path):
                 "city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}]
         ask = dict(model="", messages=[{"role": "user", "content": "Weather in Paris?"}],
                    tools=tools, tool_choice="required", temperature=0, max_tokens=60)
-        whole = c.chat.completions.create(**ask).choices[0]
-        assert whole.finish_reason == "tool_calls", whole
-        call = whole.message.tool_calls[0]
-        assert call.function.name == "get_weather" and whole.message.content is None
+        message, call = forced_call_streams_alike(c, ask)
+        assert call.function.name == "get_weather" and message.content is None
         assert set(json.loads(call.function.arguments)) == {"city"}
-        state = ChatCompletionStreamState()
-        kinds = []
-        for chunk in c.chat.completions.create(**ask, stream=True):
-            kinds.extend(e.type for e in state.handle_chunk(chunk))
-        got = state.get_final_completion().choices[0]
-        assert got.finish_reason == "tool_calls"
-        assert [(t.function.name, t.function.arguments) for t in got.message.tool_calls] == [
-            (call.function.name, call.function.arguments)]
-        assert kinds.count("tool_calls.function.arguments.delta") > 1, kinds
         # Two calls written (forced here by a regex, the model deciding on
         # its own under `auto`): both read, or with `parallel_tool_calls:
         # false` only the first, whole and streamed.
@@ -1249,8 +1260,6 @@ def test_mistral_name_args_tool_calls(tmp_path):
     that shape and read back, streamed as written and equal to the whole
     answer; two calls written under `auto` are both read (one with
     `parallel_tool_calls: false`); the call and its result render back."""
-    from openai.lib.streaming.chat import ChatCompletionStreamState
-
     path = tmp_path / "mistral_args.jinja"
     path.write_text(MISTRAL_ARGS_TOOLS)
     s = Server("--chat-template-file", str(path))
@@ -1264,19 +1273,9 @@ def test_mistral_name_args_tool_calls(tmp_path):
         ask = dict(model="", messages=[{"role": "user", "content": "Weather in Paris?"}],
                    tools=tools, tool_choice="required", temperature=0, max_tokens=60,
                    parallel_tool_calls=False)
-        whole = c.chat.completions.create(**ask).choices[0]
-        assert whole.finish_reason == "tool_calls", whole
-        call = whole.message.tool_calls[0]
-        assert call.function.name == "get_weather" and whole.message.content is None
+        message, call = forced_call_streams_alike(c, ask)
+        assert call.function.name == "get_weather" and message.content is None
         assert set(json.loads(call.function.arguments)) == {"city"}
-        state = ChatCompletionStreamState()
-        kinds = []
-        for chunk in c.chat.completions.create(**ask, stream=True):
-            kinds.extend(e.type for e in state.handle_chunk(chunk))
-        got = state.get_final_completion().choices[0]
-        assert [(t.function.name, t.function.arguments) for t in got.message.tool_calls] == [
-            (call.function.name, call.function.arguments)]
-        assert kinds.count("tool_calls.function.arguments.delta") > 1, kinds
         two = ('\\[TOOL_CALLS\\]get_weather\\[ARGS\\]\\{"city": "Paris"\\}'
                '\\[TOOL_CALLS\\]get_weather\\[ARGS\\]\\{"city": "Rome"\\}')
         auto = dict(ask, tool_choice="auto", parallel_tool_calls=True, extra_body={"regex": two})
@@ -1304,8 +1303,6 @@ def test_qwen3_coder_xml_tool_calls(grpc_api):
     its values typed by the tool's schema, streamed as written and equal to
     the whole answer, and the same over gRPC; a call the model writes under
     `auto` is read too; the call and its result render back."""
-    from openai.lib.streaming.chat import ChatCompletionStreamState
-
     pb, _, _ = grpc_api
     from siliceo.v1 import inference_pb2_grpc as pbg
 
@@ -1321,20 +1318,10 @@ def test_qwen3_coder_xml_tool_calls(grpc_api):
         msgs = [{"role": "user", "content": "Weather in Paris for 2 days?"}]
         ask = dict(model="", messages=msgs, tools=tools, tool_choice="required",
                    parallel_tool_calls=False, temperature=0, max_tokens=80)
-        whole = c.chat.completions.create(**ask).choices[0]
-        assert whole.finish_reason == "tool_calls", whole
-        call = whole.message.tool_calls[0]
+        _, call = forced_call_streams_alike(c, ask)
         args = json.loads(call.function.arguments)
         assert call.function.name == "get_weather" and set(args) == {"city", "days"}
         assert isinstance(args["city"], str) and isinstance(args["days"], int), args
-        state = ChatCompletionStreamState()
-        kinds = []
-        for chunk in c.chat.completions.create(**ask, stream=True):
-            kinds.extend(e.type for e in state.handle_chunk(chunk))
-        got = state.get_final_completion().choices[0]
-        assert [(t.function.name, t.function.arguments) for t in got.message.tool_calls] == [
-            (call.function.name, call.function.arguments)]
-        assert kinds.count("tool_calls.function.arguments.delta") > 1, kinds
         with grpc.insecure_channel(s.grpc) as ch:
             stub = pbg.InferenceStub(ch)
             out = list(stub.Generate(pb.GenerateRequest(
