@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use siliceo_chat::{ThinkSplitter, ThinkTags};
 use siliceo_core::TokenId;
+use siliceo_engine::Utf8Stream;
 
 /// The text forced to close a thinking block in `tags`: `"\n</think>\n\n"`
 /// (Qwen3's and DeepSeek-R1's templates write a closed block this way).
@@ -32,8 +33,8 @@ pub(crate) struct ThinkBudget {
     close: Arc<[TokenId]>,
     /// How many of `close` were forced.
     forced: usize,
-    /// Continuation bytes the text still owes its last character.
-    owed: u8,
+    /// The text so far, a character split across tokens held back.
+    utf8: Utf8Stream,
 }
 
 impl ThinkBudget {
@@ -45,13 +46,14 @@ impl ThinkBudget {
             left: budget,
             close,
             forced: 0,
-            owed: 0,
+            utf8: Utf8Stream::new(),
         }
     }
 
     /// The token the request must take next, instead of sampling one.
     pub(crate) fn forced(&self) -> Option<TokenId> {
-        let due = self.forced > 0 || (self.left == 0 && self.owed == 0 && self.split.thinking());
+        let whole = self.utf8.pending_len() == 0;
+        let due = self.forced > 0 || (self.left == 0 && whole && self.split.thinking());
         if due {
             self.close.get(self.forced).copied()
         } else {
@@ -78,16 +80,8 @@ impl ThinkBudget {
             self.forced += 1;
             return token == f && self.forced < self.close.len();
         }
-        for &b in bytes {
-            self.owed = match b {
-                0x80..=0xBF => self.owed.saturating_sub(1),
-                0xC0..=0xDF => 1,
-                0xE0..=0xEF => 2,
-                0xF0..=0xF7 => 3,
-                _ => 0,
-            };
-        }
-        self.split.push(&String::from_utf8_lossy(bytes));
+        let text = self.utf8.push(bytes);
+        self.split.push(&text);
         if self.split.settled() {
             return false;
         }
