@@ -89,6 +89,9 @@ enum State {
         list: bool,
         kind: Option<ValueKind>,
         scan: Scan,
+        /// No object encloses them (`NAME[ARGS]{…}`): the call ends with
+        /// them.
+        bare: bool,
     },
     /// The rest of the call's object after its arguments.
     Rest {
@@ -555,6 +558,7 @@ impl CallParser {
                     list: false,
                     kind: None,
                     scan: Scan::default(),
+                    bare: true,
                 };
                 Step::On
             }
@@ -717,6 +721,7 @@ impl CallParser {
                         list: list || opened,
                         kind: None,
                         scan: Scan::default(),
+                        bare: false,
                     };
                     Step::On
                 }
@@ -771,6 +776,7 @@ impl CallParser {
                 list,
                 kind,
                 mut scan,
+                bare,
             } => {
                 let kind = match kind {
                     Some(k) => k,
@@ -814,6 +820,7 @@ impl CallParser {
                         list,
                         kind: Some(kind),
                         scan,
+                        bare,
                     };
                     return Step::Wait;
                 };
@@ -826,7 +833,7 @@ impl CallParser {
                     _ => value,
                 };
                 self.emit(CallPiece::Args(args));
-                self.state = if self.syntax == ToolSyntax::MistralArgs && !list {
+                self.state = if bare {
                     // No object around the arguments: the next call opens
                     // with its own marker.
                     State::After
