@@ -21,10 +21,15 @@
 //! call on the output is calls: text between and after blocks is dropped.
 //! [`ToolSyntax::parse`] runs this same reader over a whole text, so a whole
 //! answer and a streamed one agree by construction.
+//!
+//! Harmony's calls are messages of their own: for [`ToolSyntax::Harmony`]
+//! this reader hands the text to a [`HarmonyReader`] and keeps its answer
+//! and calls (its thinking is left out).
 
 use siliceo_core::held_prefix_len;
 
 use crate::Tool;
+use crate::harmony::HarmonyReader;
 use crate::tools::{ToolSyntax, call_of_value, calls_of, find_first, param_type};
 
 /// A piece of a model's answer, read for tool calls.
@@ -58,6 +63,8 @@ pub struct CallParser {
     max_calls: usize,
     /// Each tool's parameters and their types (XML calls' values).
     types: Vec<(String, Vec<(String, String)>)>,
+    /// Harmony's reader, which reads that syntax instead.
+    harmony: Option<Box<HarmonyReader>>,
     /// The XML call being read: its function, and the parameter whose
     /// value is being read.
     func: String,
@@ -300,6 +307,12 @@ fn head(s: &str, first: bool) -> Result<(String, usize, bool), NoHead> {
     Ok((name, c.i, list))
 }
 
+/// A harmony reading's answer and calls, as this reader's pieces.
+fn pieces_of(r: crate::Routed) -> Vec<CallPiece> {
+    let text = (!r.answer.is_empty()).then_some(CallPiece::Text(r.answer));
+    text.into_iter().chain(r.calls).collect()
+}
+
 /// Whether [`CallParser::step`] read on or needs more text.
 enum Step {
     On,
@@ -319,6 +332,7 @@ impl CallParser {
             spoke: false,
             max_calls: usize::MAX,
             types: Vec::new(),
+            harmony: (syntax == ToolSyntax::Harmony).then(|| Box::new(HarmonyReader::new(true))),
             func: String::new(),
             param: String::new(),
         }
@@ -368,11 +382,15 @@ impl CallParser {
     /// false`): later ones are dropped.
     pub fn single(mut self) -> Self {
         self.max_calls = 1;
+        self.harmony = self.harmony.map(|h| Box::new(h.single()));
         self
     }
 
     /// Takes the model's next text; returns what can go out now.
     pub fn push(&mut self, text: &str) -> Vec<CallPiece> {
+        if let Some(h) = self.harmony.as_mut() {
+            return pieces_of(h.push(text));
+        }
         self.buf.push_str(text);
         while let Step::On = self.step() {}
         std::mem::take(&mut self.out)
@@ -380,6 +398,11 @@ impl CallParser {
 
     /// The output is over: returns all that was held back.
     pub fn finish(&mut self) -> Vec<CallPiece> {
+        if let Some(h) = self.harmony.as_mut() {
+            let r = h.finish();
+            self.cut = r.cut;
+            return pieces_of(r);
+        }
         let rest = std::mem::take(&mut self.buf);
         match self.state {
             State::Prose => self.emit(CallPiece::Text(rest)),

@@ -29,6 +29,7 @@
 #![deny(missing_docs)]
 
 mod calls;
+mod harmony;
 mod json;
 mod reasoning;
 mod router;
@@ -42,6 +43,7 @@ use serde::{Deserialize, Serialize};
 pub use siliceo_core::Constraint;
 
 pub use calls::{CallParser, CallPiece};
+pub use harmony::{HARMONY_ANALYSIS, HarmonyReader};
 pub use reasoning::{Split, THINK_CLOSE, THINK_OPEN, ThinkSplitter, ThinkTags};
 pub use router::{OutputRouter, Routed};
 pub use tools::{ParsedOutput, ToolChoice, ToolSyntax};
@@ -104,6 +106,11 @@ pub struct Message {
     pub tool_call_id: Option<String>,
     /// The tool's name (tool messages, optional).
     pub name: Option<String>,
+    /// An assistant's thinking before this message, given back (templates
+    /// see it as `reasoning_content`, as Qwen3's reads it, and as
+    /// `thinking`, as gpt-oss's does; each decides when to render it).
+    #[serde(default)]
+    pub reasoning: Option<String>,
 }
 
 /// The roles a client may give a message. `developer` is OpenAI's newer name
@@ -152,16 +159,24 @@ impl Message {
     }
 
     /// The message as the template sees it (OpenAI's shape, arguments
-    /// parsed to objects as `transformers` passes them).
-    fn to_value(&self) -> serde_json::Value {
+    /// parsed to objects as `transformers` passes them). `bare`: no
+    /// `content` key when there is no text (for templates that ask whether
+    /// the key is there, then read it as text).
+    fn to_value(&self, bare: bool) -> serde_json::Value {
         let mut m = serde_json::Map::new();
         m.insert("role".into(), self.role.clone().into());
-        m.insert(
-            "content".into(),
-            self.content
-                .clone()
-                .map_or(serde_json::Value::Null, Into::into),
-        );
+        if !(bare && self.content.is_none()) {
+            m.insert(
+                "content".into(),
+                self.content
+                    .clone()
+                    .map_or(serde_json::Value::Null, Into::into),
+            );
+        }
+        if let Some(r) = &self.reasoning {
+            m.insert("reasoning_content".into(), r.clone().into());
+            m.insert("thinking".into(), r.clone().into());
+        }
         if !self.tool_calls.is_empty() {
             let calls: Vec<serde_json::Value> = self
                 .tool_calls
@@ -279,6 +294,11 @@ pub struct ChatTemplate {
     switch: bool,
     /// Its prompt, without template arguments, leaves a block open.
     opens: bool,
+    /// It asks whether a message has a `content` key (gpt-oss's does,
+    /// then reads it as text): a message without text has none.
+    bare: bool,
+    /// It takes an effort level, `reasoning_effort` (gpt-oss's does).
+    effort: bool,
 }
 
 impl fmt::Debug for ChatTemplate {
@@ -336,6 +356,9 @@ impl ChatTemplate {
             think: ThinkTags::of_template(source),
             switch: source.contains(Self::THINKING_SWITCH),
             opens: false,
+            bare: source.contains("\"content\" in message")
+                || source.contains("'content' in message"),
+            effort: source.contains(Self::EFFORT),
         };
         // Most requests set no template argument: probed once, here.
         t.opens = t.probe_opens(&serde_json::Map::new());
@@ -378,6 +401,15 @@ impl ChatTemplate {
 
     /// The template argument that turns thinking on or off (Qwen3's).
     pub const THINKING_SWITCH: &'static str = "enable_thinking";
+
+    /// The template argument that sets how hard the model thinks
+    /// (gpt-oss's: `low`, `medium`, `high`).
+    pub const EFFORT: &'static str = "reasoning_effort";
+
+    /// Whether the template takes [`ChatTemplate::EFFORT`].
+    pub fn takes_effort(&self) -> bool {
+        self.effort
+    }
 
     /// Whether the template has [`ChatTemplate::THINKING_SWITCH`].
     pub fn has_thinking_switch(&self) -> bool {
@@ -505,7 +537,7 @@ impl ChatTemplate {
         if !tools.is_empty() && self.tools.is_none() {
             return Err(ChatError::NoToolSyntax);
         }
-        let msgs: Vec<serde_json::Value> = messages.iter().map(Message::to_value).collect();
+        let msgs: Vec<serde_json::Value> = messages.iter().map(|m| m.to_value(self.bare)).collect();
         let tools_v: Option<Vec<serde_json::Value>> =
             (!tools.is_empty()).then(|| tools.iter().map(Tool::to_value).collect());
         let tmpl = self

@@ -1,6 +1,8 @@
 //! Reasoning models' thinking, split from their answer: a `<think>` block at
 //! the start of the output (Qwen3, DeepSeek-R1 and the models trained on
 //! their format), or a `[THINK]` one (Mistral's Magistral and Ministral 3).
+//! gpt-oss thinks in harmony's `analysis` channel ([`ThinkTags::HARMONY`];
+//! its output is read by [`crate::HarmonyReader`]).
 //! A template whose generation prompt already opens the block
 //! (DeepSeek-R1's ends with `<think>\n`) starts the output inside it.
 
@@ -37,11 +39,36 @@ impl ThinkTags {
         close: "[/THINK]",
     };
 
+    /// gpt-oss's `analysis` channel (OpenAI's harmony format): its
+    /// message's header, and the end of a message.
+    pub const HARMONY: ThinkTags = ThinkTags {
+        open: crate::harmony::HARMONY_ANALYSIS,
+        close: "<|end|>",
+    };
+
     /// The tags a chat template writes thinking in, if any.
     pub fn of_template(source: &str) -> Option<ThinkTags> {
+        if crate::harmony::is_harmony(source) {
+            return Some(ThinkTags::HARMONY);
+        }
         [ThinkTags::ANGLE, ThinkTags::SQUARE]
             .into_iter()
             .find(|t| source.contains(t.open))
+    }
+
+    /// The text that closes a block the model has thought in long enough
+    /// (a thinking budget forces it): `"\n</think>\n\n"` as Qwen3's and
+    /// DeepSeek-R1's templates write a closed block; for harmony, the end
+    /// of the analysis message and the header of the final one.
+    pub fn forced_close(self) -> String {
+        if self == ThinkTags::HARMONY {
+            format!(
+                "{}<|start|>assistant<|channel|>final<|message|>",
+                self.close
+            )
+        } else {
+            format!("\n{}\n\n", self.close)
+        }
     }
 }
 

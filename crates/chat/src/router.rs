@@ -1,8 +1,10 @@
 //! A chat's output read as it streams, for every protocol that serves
 //! chats: a reasoning model's thinking split off first, then tool calls
-//! read from the answer.
+//! read from the answer; or, for a model that writes OpenAI's harmony
+//! format (gpt-oss), its messages read by channel.
 
 use crate::calls::{CallParser, CallPiece};
+use crate::harmony::HarmonyReader;
 use crate::reasoning::ThinkSplitter;
 use crate::tools::ToolSyntax;
 
@@ -12,6 +14,8 @@ use crate::tools::ToolSyntax;
 pub struct OutputRouter {
     think: Option<ThinkSplitter>,
     calls: Option<CallParser>,
+    /// A harmony model's output: read whole by this reader instead.
+    harmony: Option<HarmonyReader>,
 }
 
 /// What [`OutputRouter::push`] lets out: thinking, then answer text, then
@@ -34,9 +38,16 @@ impl OutputRouter {
     /// splitting thinking off when `think` is `Some(open)` (`open`: the
     /// prompt opened the block).
     pub fn new(tools: Option<ToolSyntax>, think: Option<bool>) -> Self {
+        if tools == Some(ToolSyntax::Harmony) {
+            return OutputRouter {
+                harmony: Some(HarmonyReader::new(true)),
+                ..OutputRouter::default()
+            };
+        }
         OutputRouter {
             think: think.map(ThinkSplitter::new),
             calls: tools.map(CallParser::new),
+            harmony: None,
         }
     }
 
@@ -48,7 +59,12 @@ impl OutputRouter {
     }
 
     /// This router, splitting thinking in `tags` (`<think>` by default).
+    /// [`crate::ThinkTags::HARMONY`] reads the output as harmony messages
+    /// when thinking is split off.
     pub fn with_think_tags(mut self, tags: crate::ThinkTags) -> Self {
+        if tags == crate::ThinkTags::HARMONY && self.think.take().is_some() {
+            self.harmony.get_or_insert_with(HarmonyReader::default);
+        }
         self.think = self.think.map(|t| t.with_tags(tags));
         self
     }
@@ -57,12 +73,24 @@ impl OutputRouter {
     /// (`parallel_tool_calls: false`).
     pub fn single_call(mut self) -> Self {
         self.calls = self.calls.map(CallParser::single);
+        self.harmony = self.harmony.map(HarmonyReader::single);
         self
     }
 
     /// Takes the model's next text (`end`: the output is over, and all
     /// held back goes out); returns what can go out now.
     pub fn push(&mut self, text: &str, end: bool) -> Routed {
+        if let Some(h) = self.harmony.as_mut() {
+            let mut out = h.push(text);
+            if end {
+                let tail = h.finish();
+                out.reasoning.push_str(&tail.reasoning);
+                out.answer.push_str(&tail.answer);
+                out.calls.extend(tail.calls);
+                out.cut = tail.cut;
+            }
+            return out;
+        }
         let mut out = Routed::default();
         let answer = match self.think.as_mut() {
             None => text.to_string(),

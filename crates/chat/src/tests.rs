@@ -987,3 +987,99 @@ fn a_single_call_reader_drops_later_calls() {
         }
     }
 }
+
+/// gpt-oss's own template (OpenAI's harmony format, as llama.cpp's
+/// `models/templates/openai-gpt-oss-120b.jinja` copies the model's): its
+/// syntax and thinking are known; effort, tools, a call with the thinking
+/// before it and the call's result render as harmony; and what the model
+/// wrote for that turn reads back as the same thinking and call.
+#[test]
+fn gpt_oss_renders_harmony_and_its_call_reads_back() {
+    let t = ChatTemplate::new(
+        include_str!("testdata_gpt_oss.jinja"),
+        "<|startoftext|>",
+        "<|return|>",
+    )
+    .unwrap();
+    assert_eq!(t.tool_syntax(), Some(ToolSyntax::Harmony));
+    assert_eq!(t.think_tags(), Some(ThinkTags::HARMONY));
+    assert!(t.reasons() && t.takes_effort() && !t.has_thinking_switch());
+    assert!(!t.opens_thinking(&serde_json::Map::new()));
+    let args = r#"{"city": "Paris"}"#;
+    let call = Message {
+        role: "assistant".into(),
+        tool_calls: vec![ToolCall {
+            id: "call_0".into(),
+            name: "get_weather".into(),
+            arguments: args.into(),
+        }],
+        reasoning: Some("Need the weather.".into()),
+        ..Message::default()
+    };
+    let result = Message {
+        role: "tool".into(),
+        content: Some("18 C".into()),
+        tool_call_id: Some("call_0".into()),
+        ..Message::default()
+    };
+    let chat = [Message::new("user", "Weather in Paris?"), call, result];
+    let mut kwargs = serde_json::Map::new();
+    kwargs.insert(ChatTemplate::EFFORT.into(), "high".into());
+    let text = t.render_with(&chat, &[weather()], true, &kwargs).unwrap();
+    assert!(text.contains("Reasoning: high\n"), "{text}");
+    assert!(
+        text.contains(
+            "// Current weather in a city\ntype get_weather = (_: {\ncity: string,\n}) => any;"
+        ),
+        "{text}"
+    );
+    let turn = "<|start|>assistant<|channel|>analysis<|message|>Need the weather.<|end|>\
+                <|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>\
+                {\"city\": \"Paris\"}<|call|>";
+    assert!(text.contains(turn), "{text}");
+    assert!(
+        text.ends_with(
+            "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>\
+             \"18 C\"<|end|><|start|>assistant"
+        ),
+        "{text}"
+    );
+    // The model's text for that turn: what follows the generation prompt.
+    let written = &turn["<|start|>assistant".len()..];
+    let mut r = OutputRouter::new(Some(ToolSyntax::Harmony), Some(false));
+    let got = r.push(written, true);
+    assert_eq!(got.reasoning, "Need the weather.");
+    let read = ParsedOutput::from_pieces(got.calls, got.cut);
+    assert_eq!(read.calls, [("get_weather".to_string(), args.to_string())]);
+    assert!(!read.cut_short);
+    assert_eq!(ToolSyntax::Harmony.parse(written, &[]), read);
+    // Without tools, thinking split off by the tags alone.
+    let mut r = OutputRouter::new(None, Some(false)).with_think_tags(ThinkTags::HARMONY);
+    let got = r.push(
+        "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>4",
+        true,
+    );
+    assert_eq!(
+        (got.reasoning.as_str(), got.answer.as_str()),
+        ("Easy.", "4")
+    );
+    // An assistant message with no text has no `content` key: the template
+    // asks `"content" in message`, then reads it as text.
+    let plain = t.render(&chat[..2], &[], false).unwrap();
+    assert!(plain.contains("to=functions.get_weather"), "{plain}");
+}
+
+/// Qwen3's template reads an earlier turn's thinking as
+/// `reasoning_content`; gpt-oss's as `thinking`: both are given.
+#[test]
+fn reasoning_given_back_reaches_the_template() {
+    let source = "{% for m in messages %}[{{ m.reasoning_content }}|{{ m.thinking }}|{{ m.content }}]{% endfor %}";
+    let t = ChatTemplate::new(source, "", "").unwrap();
+    let m = Message {
+        reasoning: Some("hm".into()),
+        ..Message::new("assistant", "ok")
+    };
+    assert_eq!(t.render(&[m], &[], false).unwrap(), "[hm|hm|ok]");
+    let plain = Message::new("assistant", "ok");
+    assert_eq!(t.render(&[plain], &[], false).unwrap(), "[||ok]");
+}

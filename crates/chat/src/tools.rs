@@ -27,6 +27,10 @@ pub enum ToolSyntax {
     /// </function>\n</tool_call>` (Qwen3-Coder, Qwen3.5): each argument in
     /// its own tag, its value as text, typed by the tool's schema.
     QwenXml,
+    /// OpenAI's harmony format (gpt-oss): a message to a recipient,
+    /// `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{…}`,
+    /// one call per turn; read with its thinking by [`crate::HarmonyReader`].
+    Harmony,
 }
 
 /// Which tools the model may or must call (OpenAI's `tool_choice`).
@@ -81,7 +85,9 @@ impl ParsedOutput {
 impl ToolSyntax {
     /// The syntax a chat template teaches, if any.
     pub fn detect(template: &str) -> Option<ToolSyntax> {
-        if template.contains("<tool_call>") && template.contains("<function=") {
+        if crate::harmony::is_harmony(template) {
+            Some(ToolSyntax::Harmony)
+        } else if template.contains("<tool_call>") && template.contains("<function=") {
             Some(ToolSyntax::QwenXml)
         } else if template.contains("<tool_call>") {
             Some(ToolSyntax::Hermes)
@@ -106,7 +112,7 @@ impl ToolSyntax {
     }
 
     /// A short name (`hermes`, `mistral`, `mistral_args`, `llama3_json`,
-    /// `qwen3_coder`).
+    /// `qwen3_coder`, `harmony`).
     pub fn name(self) -> &'static str {
         match self {
             ToolSyntax::Hermes => "hermes",
@@ -114,6 +120,7 @@ impl ToolSyntax {
             ToolSyntax::MistralArgs => "mistral_args",
             ToolSyntax::Llama3Json => "llama3_json",
             ToolSyntax::QwenXml => "qwen3_coder",
+            ToolSyntax::Harmony => "harmony",
         }
     }
 
@@ -135,6 +142,8 @@ impl ToolSyntax {
             ToolSyntax::Llama3Json => &[],
             // Its models now and then leave out the outer tag.
             ToolSyntax::QwenXml => &["<tool_call>", "<function="],
+            // A call is a message's header ([`crate::HarmonyReader`]).
+            ToolSyntax::Harmony => &[crate::harmony::CHANNEL],
         }
     }
 
@@ -148,6 +157,9 @@ impl ToolSyntax {
             ToolSyntax::Mistral => &["[TOOL_CALLS]"],
             ToolSyntax::MistralArgs => &["[TOOL_CALLS]", "[ARGS]"],
             ToolSyntax::Llama3Json => &[],
+            // llama.cpp renders these for gpt-oss already; a GGUF converted
+            // otherwise would hide them, and with them where messages end.
+            ToolSyntax::Harmony => &crate::harmony::MARKUP,
         }
     }
 
@@ -164,6 +176,7 @@ impl ToolSyntax {
     }
 
     fn parse_with(mut p: CallParser, text: &str) -> ParsedOutput {
+        // (A harmony text's thinking is left out.)
         let mut pieces = p.push(text);
         pieces.extend(p.finish());
         ParsedOutput::from_pieces(pieces, p.cut_short())
@@ -234,24 +247,12 @@ impl ToolSyntax {
                 format!("start: call{repeat}\ncall: %json {body}\n")
             }
             ToolSyntax::QwenXml => xml_grammar(&chosen, parallel),
+            ToolSyntax::Harmony => harmony_grammar(&chosen),
             ToolSyntax::MistralArgs => {
                 // `[TOOL_CALLS]NAME[ARGS]` then the arguments by the tool's schema.
                 let repeat = if parallel { "+" } else { "" };
-                let mut g = format!("start: call{repeat}\ncall: \"[TOOL_CALLS]\" (");
-                let alts: Vec<String> = (0..chosen.len()).map(|i| format!("f{i}")).collect();
-                g.push_str(&alts.join(" | "));
-                g.push_str(")\n");
-                for (i, t) in chosen.iter().enumerate() {
-                    let mut args = t.parameters_value();
-                    if let Some(o) = args.as_object_mut() {
-                        o.insert("x-guidance".into(), layout.clone());
-                    }
-                    let head =
-                        serde_json::to_string(&format!("{}[ARGS]", t.name)).unwrap_or_default();
-                    g.push_str(&format!(
-                        "f{i}: {head} f{i}_args\nf{i}_args: %json {args}\n"
-                    ));
-                }
+                let mut g = format!("start: call{repeat}\ncall: \"[TOOL_CALLS]\" ");
+                named_calls(&mut g, &chosen, |name| format!("{name}[ARGS]"));
                 g
             }
         };
@@ -319,6 +320,39 @@ fn xml_grammar(tools: &[&Tool], parallel: bool) -> String {
         g.push_str(&format!("f{i}: {}\n", seq.join(" ")));
     }
     g
+}
+
+/// A forced call in [`ToolSyntax::Harmony`]'s shape to one of `tools`
+/// (one per turn: the call ends the generation), after an analysis
+/// message if the model thinks first.
+fn harmony_grammar(tools: &[&Tool]) -> String {
+    let mut g = String::from(
+        "start: analysis? call\n\
+         analysis: \"<|channel|>analysis<|message|>\" thought \"<|start|>assistant\"\n\
+         thought[lazy]: /(.|\\n)*/ \"<|end|>\"\n\
+         call: \"<|channel|>commentary to=functions.\" ",
+    );
+    named_calls(&mut g, tools, |name| {
+        format!("{name} <|constrain|>json<|message|>")
+    });
+    g
+}
+
+/// Ends a rule with one alternative per tool, `(f0 | f1 | …)`, and adds
+/// the rules: `fI` is `head(name)` then the arguments by the tool's schema.
+fn named_calls(g: &mut String, tools: &[&Tool], head: impl Fn(&str) -> String) {
+    let alts: Vec<String> = (0..tools.len()).map(|i| format!("f{i}")).collect();
+    g.push_str(&format!("({})\n", alts.join(" | ")));
+    for (i, t) in tools.iter().enumerate() {
+        let mut args = t.parameters_value();
+        if let Some(o) = args.as_object_mut() {
+            o.insert("x-guidance".into(), json_layout());
+        }
+        let head = serde_json::to_string(&head(&t.name)).unwrap_or_default();
+        g.push_str(&format!(
+            "f{i}: {head} f{i}_args\nf{i}_args: %json {args}\n"
+        ));
+    }
 }
 
 /// The Lark literal that ends an XML parameter's value (its newline before

@@ -183,6 +183,7 @@ fn read_messages(messages: &[Value]) -> Result<Vec<ChatMessage>, ApiError> {
         };
         let mut text = String::new();
         let mut calls = Vec::new();
+        let mut thought = String::new();
         for (j, b) in blocks.iter().enumerate() {
             let bat = format!("{at}.content[{j}]");
             match b.get("type").and_then(Value::as_str) {
@@ -225,9 +226,12 @@ fn read_messages(messages: &[Value]) -> Result<Vec<ChatMessage>, ApiError> {
                         ..ChatMessage::default()
                     });
                 }
-                // Earlier thinking is not shown to the model again (the
-                // templates drop it from earlier turns).
-                Some("thinking" | "redacted_thinking") if role == "assistant" => {}
+                // Given to the template, which decides whether to show it
+                // again (most drop it from earlier turns).
+                Some("thinking") if role == "assistant" => {
+                    thought.push_str(str_or_empty(b, &bat, "thinking")?);
+                }
+                Some("redacted_thinking") if role == "assistant" => {}
                 Some(other) => {
                     return Err(ApiError::unsupported(
                         &format!("{bat}.type"),
@@ -247,6 +251,7 @@ fn read_messages(messages: &[Value]) -> Result<Vec<ChatMessage>, ApiError> {
             role: role.to_string(),
             content: (!text.is_empty() || calls.is_empty()).then_some(text),
             tool_calls: calls,
+            reasoning: (!thought.is_empty()).then_some(thought),
             ..ChatMessage::default()
         };
         out.push(

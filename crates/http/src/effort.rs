@@ -75,6 +75,18 @@ impl ReasoningBudgets {
     }
 }
 
+/// The level a template that takes one (gpt-oss's `reasoning_effort`:
+/// `low`, `medium`, `high`) is told for an API's `level`; none for a level
+/// of the server's own naming.
+pub(crate) fn template_level(level: &str) -> Option<&'static str> {
+    match level {
+        "minimal" | "low" => Some("low"),
+        "medium" => Some("medium"),
+        "high" | "xhigh" | "max" => Some("high"),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -95,5 +107,8 @@ mod tests {
             assert!(ReasoningBudgets::parse(bad).is_err(), "{bad}");
         }
         assert_eq!(ReasoningBudgets::parse("").unwrap(), d);
+        assert_eq!(template_level("minimal"), Some("low"));
+        assert_eq!(template_level("max"), Some("high"));
+        assert_eq!(template_level("turbo"), None);
     }
 }

@@ -569,6 +569,7 @@ fn parsing(s: &AppState, plan: &mut openai::Plan) -> Result<stream::Parsing, Api
 /// model that does not think.
 pub(crate) fn apply_thinking(s: &AppState, plan: &mut openai::Plan) -> Result<(), ApiError> {
     let reasons = s.rt.chat_template().is_some_and(|t| t.reasons());
+    let takes_effort = s.rt.chat_template().is_some_and(|t| t.takes_effort());
     if let Some((field, level)) = &plan.effort {
         let budget = s.reasoning_budgets.get(level).ok_or_else(|| {
             ApiError::invalid(
@@ -585,6 +586,13 @@ pub(crate) fn apply_thinking(s: &AppState, plan: &mut openai::Plan) -> Result<()
         plan.thinking.get_or_insert(true);
         if plan.request.thinking_budget.is_none() {
             plan.request.thinking_budget = budget;
+        }
+        // A model trained on effort levels (gpt-oss) is told the level too.
+        if let Some(named) = effort::template_level(level).filter(|_| takes_effort) {
+            plan.request
+                .chat_template_kwargs
+                .entry(siliceo_runtime::ChatTemplate::EFFORT)
+                .or_insert(named.into());
         }
     }
     if plan.request.thinking_budget.is_some() && !reasons {

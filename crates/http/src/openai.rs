@@ -243,6 +243,10 @@ pub struct Message {
     pub tool_call_id: Option<String>,
     /// The tool's name (tool messages).
     pub name: Option<String>,
+    /// An assistant's thinking, given back (vLLM's and DeepSeek's
+    /// `reasoning_content`; `reasoning` is its newer name).
+    #[serde(alias = "reasoning")]
+    pub reasoning_content: Option<String>,
 }
 
 /// A function in a tool call or a tool definition.
@@ -1055,6 +1059,7 @@ fn messages_of(messages: Vec<Message>) -> Result<Vec<ChatMessage>, ApiError> {
             tool_calls: calls,
             tool_call_id: m.tool_call_id,
             name: m.name,
+            reasoning: m.reasoning_content.filter(|r| !r.is_empty()),
         };
         msgs.push(
             msg.checked()

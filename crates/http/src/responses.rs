@@ -540,6 +540,18 @@ fn text_of(v: Option<&Value>, at: &str) -> Result<String, ApiError> {
     }
 }
 
+/// A reasoning item's text: its `reasoning_text` parts, else its summary's.
+fn reasoning_text(item: &Map<String, Value>) -> Option<String> {
+    ["content", "summary"].into_iter().find_map(|key| {
+        let parts = item.get(key)?.as_array()?;
+        let text: String = parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect();
+        (!text.is_empty()).then_some(text)
+    })
+}
+
 fn str_field<'a>(item: &'a Map<String, Value>, at: &str, key: &str) -> Result<&'a str, ApiError> {
     item.get(key)
         .and_then(Value::as_str)
@@ -569,6 +581,8 @@ fn read_input(
     };
     let mut msgs: Vec<ChatMessage> = Vec::with_capacity(items.len());
     let mut listed = Vec::with_capacity(items.len());
+    // A reasoning item's text, for the assistant turn right after it.
+    let mut thought: Option<String> = None;
     for (i, item) in items.into_iter().enumerate() {
         let at = format!("input[{i}]");
         let Value::Object(mut obj) = item else {
@@ -589,6 +603,7 @@ fn read_input(
                 let msg = ChatMessage {
                     role: role.clone(),
                     content: Some(content.clone()),
+                    reasoning: thought.take().filter(|_| role == "assistant"),
                     ..ChatMessage::default()
                 };
                 msgs.push(
@@ -622,10 +637,13 @@ fn read_input(
                 // Calls after an assistant's text, or after each other, are
                 // that one turn's.
                 match msgs.last_mut() {
-                    Some(m) if m.role == "assistant" => m.tool_calls.push(call),
+                    Some(m) if m.role == "assistant" && thought.is_none() => {
+                        m.tool_calls.push(call);
+                    }
                     _ => msgs.push(ChatMessage {
                         role: "assistant".into(),
                         tool_calls: vec![call],
+                        reasoning: thought.take(),
                         ..ChatMessage::default()
                     }),
                 }
@@ -650,9 +668,12 @@ fn read_input(
                 });
                 "fco"
             }
-            // Reasoning is not shown to the model again (templates drop
-            // it from earlier turns); the item is listed.
-            "reasoning" => "rs",
+            // Its text goes with the assistant turn after it (templates
+            // decide whether to show it again); the item is listed.
+            "reasoning" => {
+                thought = reasoning_text(&obj).filter(|t| !t.is_empty());
+                "rs"
+            }
             other => {
                 return Err(ApiError::unsupported(
                     &format!("{at}.type"),
@@ -1422,6 +1443,7 @@ impl Builder {
                 role: "assistant".into(),
                 content,
                 tool_calls: self.calls.clone(),
+                reasoning: (!self.rs_text.is_empty()).then(|| self.rs_text.clone()),
                 ..ChatMessage::default()
             });
             store.put(self.head.id.clone(), r, items, conversation);

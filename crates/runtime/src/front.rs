@@ -13,7 +13,7 @@ use siliceo_constrain::{Grammars, Matcher, Vocabulary};
 use siliceo_core::{SamplingParams, TokenId};
 use siliceo_engine::Model;
 
-use crate::think_budget::{self, ThinkBudget};
+use crate::think_budget::ThinkBudget;
 use crate::{GenerateRequest, Input, RuntimeError};
 
 /// The model's chat template, compiled for rendering on submitting threads.
@@ -118,7 +118,7 @@ impl Front {
         let template = chat.as_ref().map(|c| &c.template);
         let tags = tags_of(template);
         let think_close = model
-            .tokenize(&think_budget::close_text(tags), false)
+            .tokenize(&tags.forced_close(), false)
             .unwrap_or_default()
             .into();
         let mut markup: Vec<&str> = Vec::new();
@@ -633,5 +633,50 @@ mod tests {
             &lark(true),
             r#"[TOOL_CALLS]get_weather[ARGS]{"town": "Paris"}"#
         ));
+    }
+
+    /// gpt-oss's forced calls (harmony): the call's header and its
+    /// arguments by the tool's schema, after an analysis message if the
+    /// model thinks first; one call, and what a harmony reader reads back.
+    #[test]
+    fn forced_harmony_calls_take_a_header_and_json_after_thinking() {
+        let grammars = byte_grammars();
+        let tools = [
+            tool(
+                "get_weather",
+                r#"{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}"#,
+            ),
+            tool("now", r#"{"type": "object", "properties": {}}"#),
+        ];
+        let lark = ToolSyntax::Harmony
+            .constraint(&tools, &ToolChoice::Required, true)
+            .unwrap();
+        let call = r#"<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}"#;
+        let thought = "<|channel|>analysis<|message|>User wants <b> weather.
+<|end|><|start|>assistant";
+        let takes = |text: &str| accepts(&grammars, &lark, text);
+        assert!(takes(call));
+        assert!(takes(&format!("{thought}{call}")));
+        assert!(takes(
+            "<|channel|>commentary to=functions.now <|constrain|>json<|message|>{}"
+        ));
+        // One call; a name or key the tools lack; prose; an answer.
+        assert!(!takes(&format!("{call}{call}")));
+        assert!(!takes(&call.replace("get_weather", "get_time")));
+        assert!(!takes(&call.replace("city", "town")));
+        assert!(!takes("Paris is sunny."));
+        assert!(!takes("<|channel|>final<|message|>Sunny."));
+        let mut r = siliceo_chat::HarmonyReader::new(true);
+        let mut got = r.push(&format!("{thought}{call}"));
+        let tail = r.finish();
+        got.calls.extend(tail.calls);
+        assert_eq!(got.reasoning, "User wants <b> weather.\n");
+        assert_eq!(
+            siliceo_chat::ParsedOutput::from_pieces(got.calls, tail.cut).calls,
+            [(
+                "get_weather".to_string(),
+                r#"{"city": "Paris"}"#.to_string()
+            )]
+        );
     }
 }

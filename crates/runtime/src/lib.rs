@@ -56,9 +56,9 @@ pub use types::{
 
 pub use engine_loop::store_plan;
 pub use siliceo_chat::{
-    CallParser, CallPiece, ChatEnd, Message, OutputRouter, ParsedOutput, Routed, Split,
-    THINK_CLOSE, THINK_OPEN, ThinkSplitter, ThinkTags, Tool, ToolCall, ToolChoice, ToolSyntax,
-    checked_tools,
+    CallParser, CallPiece, ChatEnd, ChatTemplate, HarmonyReader, Message, OutputRouter,
+    ParsedOutput, Routed, Split, THINK_CLOSE, THINK_OPEN, ThinkSplitter, ThinkTags, Tool, ToolCall,
+    ToolChoice, ToolSyntax, checked_tools,
 };
 pub use siliceo_kv_paging::planner::{StorePlan, StoreSize, StoreSplit};
 
@@ -69,7 +69,6 @@ use std::thread::JoinHandle;
 use crossbeam_channel::Sender;
 use front::Front;
 use metrics::Metrics;
-use siliceo_chat::ChatTemplate;
 use siliceo_core::{ModelGeometry, RequestId, TokenId};
 
 pub use embeddings::{

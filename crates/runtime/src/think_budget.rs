@@ -17,19 +17,13 @@ use siliceo_chat::{ThinkSplitter, ThinkTags};
 use siliceo_core::TokenId;
 use siliceo_engine::Utf8Stream;
 
-/// The text forced to close a thinking block in `tags`: `"\n</think>\n\n"`
-/// (Qwen3's and DeepSeek-R1's templates write a closed block this way).
-pub(crate) fn close_text(tags: ThinkTags) -> String {
-    format!("\n{}\n\n", tags.close)
-}
-
 /// One request's thinking budget, as its tokens come.
 #[derive(Debug, Clone)]
 pub(crate) struct ThinkBudget {
     split: ThinkSplitter,
     /// Thinking tokens still allowed.
     left: u32,
-    /// The tokens of [`close_text`].
+    /// The tokens of the tags' [`ThinkTags::forced_close`].
     close: Arc<[TokenId]>,
     /// How many of `close` were forced.
     forced: usize,
@@ -174,7 +168,25 @@ mod tests {
         let mut b = ThinkBudget::new(ThinkTags::SQUARE, false, 2, Arc::from(&CLOSE[..]));
         let (taken, _) = run(&mut b, &["[THINK]", "a", "b", "c"]);
         assert_eq!(taken, ids(&[1, 2, 90, 91, 92]));
-        assert_eq!(close_text(ThinkTags::SQUARE), "\n[/THINK]\n\n");
+        assert_eq!(ThinkTags::SQUARE.forced_close(), "\n[/THINK]\n\n");
+    }
+
+    #[test]
+    fn harmony_analysis_is_counted_and_closed_into_the_final_message() {
+        let mut b = ThinkBudget::new(ThinkTags::HARMONY, false, 2, Arc::from(&CLOSE[..]));
+        let (taken, _) = run(
+            &mut b,
+            &["<|channel|>", "analysis", "<|message|>", "a", "b", "c"],
+        );
+        assert_eq!(taken, ids(&[1, 2, 3, 4, 90, 91, 92]));
+        assert_eq!(
+            ThinkTags::HARMONY.forced_close(),
+            "<|end|><|start|>assistant<|channel|>final<|message|>"
+        );
+        // A model that goes straight to its answer is left alone.
+        let mut b = ThinkBudget::new(ThinkTags::HARMONY, false, 0, Arc::from(&CLOSE[..]));
+        let (taken, more) = run(&mut b, &["<|channel|>final<|message|>", "a", "b"]);
+        assert_eq!((taken, more), (ids(&[1]), false));
     }
 
     #[test]

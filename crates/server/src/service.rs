@@ -278,6 +278,7 @@ fn chat_message(i: usize, m: pb::ChatMessage) -> Result<ChatMessage, Status> {
         tool_calls: calls,
         tool_call_id: (!m.tool_call_id.is_empty()).then_some(m.tool_call_id),
         name: (!m.name.is_empty()).then_some(m.name),
+        reasoning: (!m.reasoning.is_empty()).then_some(m.reasoning),
     };
     msg.checked()
         .map_err(|(field, why)| invalid(&format!("chat.messages[{i}].{field}"), why))
