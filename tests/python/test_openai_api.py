@@ -1355,6 +1355,98 @@ def test_qwen3_coder_xml_tool_calls(grpc_api):
         s.stop()
 
 
+def test_gpt_oss_harmony(grpc_api):
+    """gpt-oss's own template (OpenAI's harmony format) on SmolLM2: a
+    required call is forced as a message to `functions.NAME` and read back,
+    streamed as written and over gRPC; thinking in the `analysis` channel
+    and the `final` answer are split alike whole, streamed and in the
+    Responses API; a thinking budget closes the analysis into the final
+    message; an effort level reaches the template as `reasoning_effort`; and
+    the thinking before a call goes back to the template with the call."""
+    pb, _, _ = grpc_api
+    from siliceo.v1 import inference_pb2_grpc as pbg
+
+    template = ROOT / "crates" / "chat" / "src" / "testdata_gpt_oss.jinja"
+    s = Server("--chat-template-file", str(template))
+    try:
+        c = client(s)
+        params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                  "required": ["city"], "additionalProperties": False}
+        tools = [{"type": "function", "function": {
+            "name": "get_weather", "description": "The weather in a city", "parameters": params}}]
+        msgs = [{"role": "user", "content": "Weather in Paris?"}]
+        ask = dict(model="", messages=msgs, tools=tools, tool_choice="required",
+                   temperature=0, max_tokens=80)
+        message, call = forced_call_streams_alike(c, ask)
+        assert call.function.name == "get_weather" and message.content is None
+        assert set(json.loads(call.function.arguments)) == {"city"}
+        with grpc.insecure_channel(s.grpc) as ch:
+            out = list(pbg.InferenceStub(ch).Generate(pb.GenerateRequest(
+                chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=msgs[0]["content"])]),
+                max_tokens=80, tools=[pb.Tool(name="get_weather", parameters=json.dumps(params))],
+                tool_choice="required")))
+        deltas = [d for m in out for d in m.tool_calls]
+        assert deltas[0].name == "get_weather"
+        assert "".join(d.arguments for d in deltas) == call.function.arguments
+
+        # Thinking, then the answer, written in harmony (a regex holds the
+        # model to the format, which SmolLM2 does not know).
+        head = r"<\|channel\|>analysis<\|message\|>"
+        final = r"<\|end\|><\|start\|>assistant<\|channel\|>final<\|message\|>[a-z ]{1,40}"
+        count = [{"role": "user", "content": "Count from one to fifty in words."}]
+        free = dict(model="", messages=count, temperature=0, max_tokens=100,
+                    extra_body={"regex": head + "[a-z ]*" + final})
+        whole = c.chat.completions.create(**free).choices[0].message
+        thought, answer = whole.reasoning_content, whole.content
+        assert thought and answer and "<|" not in thought + answer, whole
+        streamed = {"reasoning_content": "", "content": ""}
+        for chunk in c.chat.completions.create(**free, stream=True):
+            delta = chunk.choices[0].delta if chunk.choices else None
+            for k in streamed:
+                streamed[k] += (getattr(delta, k, None) or "") if delta else ""
+        assert streamed == {"reasoning_content": thought, "content": answer}
+        r = c.responses.create(model="", input=count[0]["content"], temperature=0,
+                               max_output_tokens=100, extra_body={"regex": free["extra_body"]["regex"]})
+        assert [o.type for o in r.output] == ["reasoning", "message"], r
+        assert r.output[0].content[0].text == thought and r.output_text == answer
+
+        # A budget of 2 thinking tokens (the header's last, one more): the
+        # free thought's first token, then the final message.
+        budgeted = c.chat.completions.create(**dict(free, extra_body=dict(
+            free["extra_body"], thinking_token_budget=2))).choices[0].message
+        assert budgeted.reasoning_content and budgeted.content, budgeted
+        assert thought.startswith(budgeted.reasoning_content)
+        assert len(budgeted.reasoning_content) < len(thought)
+        # `minimal` effort: a budget of 0 and the template told `low`.
+        minimal = c.chat.completions.create(**free, reasoning_effort="minimal").choices[0].message
+        by_hand = c.chat.completions.create(**dict(free, extra_body=dict(
+            free["extra_body"], thinking_token_budget=0,
+            chat_template_kwargs={"reasoning_effort": "low"}))).choices[0].message
+        assert minimal.reasoning_content is None and minimal.content == by_hand.content
+        prompts = [post_json(s, "/tokenize", {"messages": count, "return_token_strs": True,
+                                              "chat_template_kwargs": kw})[1]["token_strs"]
+                   for kw in ({"reasoning_effort": "low"}, {})]
+        assert "Reasoning: low" in "".join(prompts[0]) and "Reasoning: medium" in "".join(prompts[1])
+
+        # The thinking before a call goes back with it; the result follows.
+        follow = msgs + [
+            {"role": "assistant", "tool_calls": [call.model_dump()],
+             "reasoning_content": "Need the weather."},
+            {"role": "tool", "tool_call_id": call.id, "content": "18 C"},
+        ]
+        status, t = post_json(s, "/tokenize", {"messages": follow, "return_token_strs": True})
+        text = "".join(t["token_strs"])
+        assert status == 200, t
+        turn = ("<|start|>assistant<|channel|>analysis<|message|>Need the weather.<|end|>"
+                "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+                + json.dumps(json.loads(call.function.arguments)) + "<|call|>")
+        assert turn in text, text
+        assert text.endswith('<|channel|>commentary<|message|>"18 C"<|end|><|start|>assistant'), text
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
 def test_each_api_switches_thinking_off(think_server):
     """Asking for no thinking (chat's `reasoning_effort: "none"`, the
     Responses API's `reasoning.effort: "none"`, Anthropic's `thinking:

@@ -269,12 +269,20 @@ impl Tool {
             .unwrap_or_else(|_| serde_json::json!({"type": "object"}))
     }
 
-    /// OpenAI's shape, as templates expect it.
-    fn to_value(&self) -> serde_json::Value {
+    /// OpenAI's shape, as templates expect it. `described`: a tool
+    /// without a description gets an empty one (for templates that join it
+    /// to text, which an undefined value fails).
+    fn to_value(&self, described: bool) -> serde_json::Value {
         let mut f = serde_json::Map::new();
         f.insert("name".into(), self.name.clone().into());
-        if let Some(d) = &self.description {
-            f.insert("description".into(), d.clone().into());
+        match &self.description {
+            Some(d) => {
+                f.insert("description".into(), d.clone().into());
+            }
+            None if described => {
+                f.insert("description".into(), "".into());
+            }
+            None => {}
         }
         f.insert("parameters".into(), self.parameters_value());
         serde_json::json!({"type": "function", "function": f})
@@ -299,6 +307,9 @@ pub struct ChatTemplate {
     bare: bool,
     /// It takes an effort level, `reasoning_effort` (gpt-oss's does).
     effort: bool,
+    /// It joins a tool's description to text (gpt-oss's does): a tool
+    /// without one gets an empty one.
+    described: bool,
 }
 
 impl fmt::Debug for ChatTemplate {
@@ -359,6 +370,7 @@ impl ChatTemplate {
             bare: source.contains("\"content\" in message")
                 || source.contains("'content' in message"),
             effort: source.contains(Self::EFFORT),
+            described: source.contains("+ tool.description"),
         };
         // Most requests set no template argument: probed once, here.
         t.opens = t.probe_opens(&serde_json::Map::new());
@@ -539,7 +551,7 @@ impl ChatTemplate {
         }
         let msgs: Vec<serde_json::Value> = messages.iter().map(|m| m.to_value(self.bare)).collect();
         let tools_v: Option<Vec<serde_json::Value>> =
-            (!tools.is_empty()).then(|| tools.iter().map(Tool::to_value).collect());
+            (!tools.is_empty()).then(|| tools.iter().map(|t| t.to_value(self.described)).collect());
         let tmpl = self
             .env
             .get_template("chat")

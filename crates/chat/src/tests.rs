@@ -1067,6 +1067,14 @@ fn gpt_oss_renders_harmony_and_its_call_reads_back() {
     // asks `"content" in message`, then reads it as text.
     let plain = t.render(&chat[..2], &[], false).unwrap();
     assert!(plain.contains("to=functions.get_weather"), "{plain}");
+    // A tool without a description: an empty one (the template joins it
+    // to text).
+    let bare = Tool {
+        description: None,
+        ..weather()
+    };
+    let text = t.render(&chat[..1], &[bare], true).unwrap();
+    assert!(text.contains("// \ntype get_weather"), "{text}");
 }
 
 /// Qwen3's template reads an earlier turn's thinking as

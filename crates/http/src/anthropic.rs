@@ -849,6 +849,7 @@ mod tests {
         let roles: Vec<&str> = m.iter().map(|m| m.role.as_str()).collect();
         assert_eq!(roles, ["system", "user", "assistant", "tool", "user"]);
         assert_eq!(m[2].content.as_deref(), Some("Checking."));
+        assert_eq!(m[2].reasoning.as_deref(), Some("hm"));
         assert_eq!(m[2].tool_calls[0].arguments, r#"{"city":"Paris"}"#);
         assert_eq!(
             (m[3].name.as_deref(), m[3].content.as_deref()),

@@ -1874,6 +1874,42 @@ mod tests {
         assert!(p.input_items.iter().all(|i| i["id"].is_string()));
     }
 
+    /// A reasoning item's text goes with the assistant turn after it (a
+    /// message, or calls), never with a user's.
+    #[test]
+    fn reasoning_items_go_with_the_next_assistant_turn() {
+        let thought = |t: &str| {
+            json!({"type": "reasoning", "id": "rs_1", "summary": [],
+            "content": [{"type": "reasoning_text", "text": t}]})
+        };
+        let p = prep(json!({"input": [
+            {"role": "user", "content": "Weather?"},
+            thought("Need a call."),
+            {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "18C"},
+            {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "Got it."}]},
+            {"type": "message", "role": "assistant", "content": "Sunny."},
+            thought("Ignored."),
+            {"role": "user", "content": "Thanks."},
+        ]}))
+        .unwrap();
+        let m = chat_of(&p);
+        let got: Vec<(&str, Option<&str>)> = m
+            .iter()
+            .map(|m| (m.role.as_str(), m.reasoning.as_deref()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("user", None),
+                ("assistant", Some("Need a call.")),
+                ("tool", None),
+                ("assistant", Some("Got it.")),
+                ("user", None),
+            ]
+        );
+    }
+
     #[test]
     fn a_previous_response_continues_without_its_instructions() {
         let prior = Stored {
