@@ -1417,6 +1417,13 @@ def test_gpt_oss_harmony(grpc_api):
         assert budgeted.reasoning_content and budgeted.content, budgeted
         assert thought.startswith(budgeted.reasoning_content)
         assert len(budgeted.reasoning_content) < len(thought)
+        # A schema holds the final message only: thinking first is free.
+        fmt = {"type": "json_schema", "json_schema": {"name": "w", "strict": True, "schema": params}}
+        held = c.chat.completions.create(model="", messages=count, temperature=0, max_tokens=150,
+                                         response_format=fmt,
+                                         extra_body={"thinking_token_budget": 2}).choices[0].message
+        assert set(json.loads(held.content)) == {"city"}, held
+        assert "<|" not in (held.reasoning_content or "") + held.content, held
         # `minimal` effort: a budget of 0 and the template told `low`.
         minimal = c.chat.completions.create(**free, reasoning_effort="minimal").choices[0].message
         by_hand = c.chat.completions.create(**dict(free, extra_body=dict(
@@ -1644,6 +1651,46 @@ def test_a_thinking_budget_closes_the_block(grpc_api, server, think_server):
     assert "thinking_budget" in e.value.details()
     think_server.wait_idle()
     server.wait_idle()
+
+
+def test_structured_output_follows_the_thinking(grpc_api, think_server):
+    """A reasoning model thinks freely, then its answer is held to the
+    request's schema: with the block opened by the prompt (as DeepSeek-R1's)
+    and a budget of 8 tokens, the thought is exactly the unconstrained
+    budgeted thought, and the answer after it is JSON of the schema, on
+    chat completions (whole and streamed) and gRPC."""
+    pb, _, _ = grpc_api
+    from siliceo.v1 import inference_pb2_grpc as pbg
+
+    c = client(think_server)
+    ask = [{"role": "user", "content": "Why is the sky blue?"}]
+    opened = {"open_thinking": True}
+    schema = {"type": "object", "properties": {"reason": {"type": "string", "maxLength": 40}},
+              "required": ["reason"], "additionalProperties": False}
+    kw = dict(model="", messages=ask, max_tokens=60, temperature=0)
+    free = c.chat.completions.create(**kw, extra_body={
+        "chat_template_kwargs": opened, "thinking_token_budget": 8}).choices[0].message
+    fmt = {"type": "json_schema", "json_schema": {"name": "why", "schema": schema, "strict": True}}
+    extra = {"chat_template_kwargs": opened, "thinking_token_budget": 8}
+    r = c.chat.completions.create(**kw, response_format=fmt, extra_body=extra)
+    m = r.choices[0].message
+    assert m.reasoning_content == free.reasoning_content and m.reasoning_content, (m, free)
+    assert set(json.loads(m.content)) == {"reason"}, m.content
+    streamed = {"reasoning_content": "", "content": ""}
+    for chunk in c.chat.completions.create(**kw, response_format=fmt, extra_body=extra, stream=True):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        for k in streamed:
+            streamed[k] += (getattr(delta, k, None) or "") if delta else ""
+    assert streamed == {"reasoning_content": m.reasoning_content, "content": m.content}
+    with grpc.insecure_channel(think_server.grpc) as ch:
+        out = list(pbg.InferenceStub(ch).Generate(pb.GenerateRequest(
+            chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=ask[0]["content"])]),
+            chat_template_kwargs=json.dumps(opened), max_tokens=60, thinking_budget=8,
+            split_reasoning=True,
+            constraint=pb.Constraint(json_schema=pb.JsonSchema(schema=json.dumps(schema), strict=True)))))
+    assert "".join(o.reasoning for o in out) == m.reasoning_content
+    assert "".join(o.text for o in out) == m.content
+    think_server.wait_idle()
 
 
 # ChatML for SmolLM2 whose thinking is in Mistral's `[THINK]` tags (as

@@ -56,6 +56,29 @@ impl ThinkTags {
             .find(|t| source.contains(t.open))
     }
 
+    /// Lark rules whose `lead` derives the thinking a constrained answer
+    /// may follow: a block in these tags (optional; required and already
+    /// opened when `open`: the prompt opened it), any text inside, and the
+    /// whitespace after it; for harmony, an optional analysis message and
+    /// the final message's header.
+    pub fn lead_grammar(self, open: bool) -> String {
+        let lit = |s: &str| serde_json::to_string(s).unwrap_or_default();
+        let thought = format!("thought[lazy]: /(.|\\n)*/ {}\n", lit(self.close));
+        if self == ThinkTags::HARMONY {
+            return format!(
+                "lead: analysis? \"<|channel|>final<|message|>\"\n\
+                 analysis: {} thought \"<|start|>assistant\"\n{thought}",
+                lit(self.open)
+            );
+        }
+        let ws = "ws: /[ \\t\\r\\n]+/\n";
+        if open {
+            format!("lead: thought ws?\n{thought}{ws}")
+        } else {
+            format!("lead: (ws? {} thought ws?)?\n{thought}{ws}", lit(self.open))
+        }
+    }
+
     /// The text that closes a block the model has thought in long enough
     /// (a thinking budget forces it): `"\n</think>\n\n"` as Qwen3's and
     /// DeepSeek-R1's templates write a closed block; for harmony, the end

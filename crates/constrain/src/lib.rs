@@ -45,7 +45,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use llguidance::ParserFactory;
-use llguidance::api::{StopReason, TopLevelGrammar};
+use llguidance::api::{GrammarWithLexer, StopReason, TopLevelGrammar};
 use llguidance::toktrie::{self, SimpleVob, TokEnv, TokRxInfo, TokTrie};
 use siliceo_core::{Constraint, TokenId};
 
@@ -179,27 +179,7 @@ impl Grammars {
 
     fn compile_new(&self, c: &Constraint) -> Result<Matcher, ConstraintError> {
         let factory = self.factory()?;
-        let grammar = match c {
-            Constraint::JsonObject => json_grammar(serde_json::json!({"type": "object"}), true)?,
-            Constraint::JsonSchema { schema, strict } => {
-                let value: serde_json::Value = serde_json::from_str(schema)
-                    .map_err(|e| ConstraintError::Invalid(format!("not JSON: {e}")))?;
-                if !value.is_object() && !value.is_boolean() {
-                    return Err(ConstraintError::Invalid(
-                        "a JSON schema is an object (or true/false)".into(),
-                    ));
-                }
-                json_grammar(value, !strict)?
-            }
-            Constraint::Regex(rx) => TopLevelGrammar::from_regex(rx),
-            Constraint::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
-            _ => {
-                return Err(ConstraintError::Invalid(format!(
-                    "constraint kind `{}` is not supported",
-                    c.kind()
-                )));
-            }
-        };
+        let grammar = grammar_of(c)?;
         let parser = factory
             .create_parser(grammar)
             .map_err(|e| ConstraintError::Invalid(shorten(&e.to_string())))?;
@@ -209,6 +189,51 @@ impl Grammars {
         }
         Ok(Matcher { inner, accepted: 0 })
     }
+}
+
+/// llguidance's grammar for `c`. A led constraint is two grammars: `start:
+/// lead @then` with the lead's rules, and `c`'s own, named `then`.
+fn grammar_of(c: &Constraint) -> Result<TopLevelGrammar, ConstraintError> {
+    let grammar = match c {
+        Constraint::JsonObject => json_grammar(serde_json::json!({"type": "object"}), true)?,
+        Constraint::JsonSchema { schema, strict } => {
+            let value: serde_json::Value = serde_json::from_str(schema)
+                .map_err(|e| ConstraintError::Invalid(format!("not JSON: {e}")))?;
+            if !value.is_object() && !value.is_boolean() {
+                return Err(ConstraintError::Invalid(
+                    "a JSON schema is an object (or true/false)".into(),
+                ));
+            }
+            json_grammar(value, !strict)?
+        }
+        Constraint::Regex(rx) => TopLevelGrammar::from_regex(rx),
+        Constraint::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
+        Constraint::Led { lead, then } => {
+            let mut rest = grammar_of(then)?.grammars;
+            if rest.len() != 1 {
+                return Err(ConstraintError::Invalid(
+                    "a led constraint follows one grammar".into(),
+                ));
+            }
+            rest[0].name = Some("then".into());
+            let head = GrammarWithLexer {
+                lark_grammar: Some(format!("start: lead @then\n{lead}")),
+                ..GrammarWithLexer::default()
+            };
+            rest.insert(0, head);
+            TopLevelGrammar {
+                grammars: rest,
+                max_tokens: None,
+            }
+        }
+        _ => {
+            return Err(ConstraintError::Invalid(format!(
+                "constraint kind `{}` is not supported",
+                c.kind()
+            )));
+        }
+    };
+    Ok(grammar)
 }
 
 /// At most 600 characters of an llguidance message (they can carry a long

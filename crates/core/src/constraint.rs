@@ -33,17 +33,28 @@ pub enum Constraint {
     /// Text derived by a Lark grammar (llguidance's dialect: `start` is the
     /// root rule).
     Lark(String),
+    /// Text a Lark grammar's rule `lead` derives, then text `then` holds
+    /// (a reasoning model's thinking, free, before the answer the request
+    /// constrains).
+    Led {
+        /// Lark rules, `lead` among them.
+        lead: String,
+        /// What holds the rest of the text.
+        then: Box<Constraint>,
+    },
 }
 
 impl Constraint {
     /// A short name of its kind (`json_object`, `json_schema`, `regex`,
-    /// `grammar`), for logs and metrics.
+    /// `grammar`; a led constraint's is what follows the lead), for logs
+    /// and metrics.
     pub fn kind(&self) -> &'static str {
         match self {
             Constraint::JsonObject => "json_object",
             Constraint::JsonSchema { .. } => "json_schema",
             Constraint::Regex(_) => "regex",
             Constraint::Lark(_) => "grammar",
+            Constraint::Led { then, .. } => then.kind(),
         }
     }
 
@@ -53,6 +64,7 @@ impl Constraint {
             Constraint::JsonObject => 0,
             Constraint::JsonSchema { schema, .. } => schema.len(),
             Constraint::Regex(s) | Constraint::Lark(s) => s.len(),
+            Constraint::Led { then, .. } => return then.validate(field),
         };
         if len > MAX_CONSTRAINT_BYTES {
             return Err(Error::invalid(

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use siliceo_chat::{ChatEnd, ChatError, ChatTemplate, ThinkTags};
 use siliceo_constrain::{Grammars, Matcher, Vocabulary};
-use siliceo_core::{SamplingParams, TokenId};
+use siliceo_core::{Constraint, SamplingParams, TokenId};
 use siliceo_engine::Model;
 
 use crate::think_budget::ThinkBudget;
@@ -151,8 +151,9 @@ impl Front {
 
     /// Whether a chat's output holds a reasoning model's thinking to split
     /// off (`Some(open)`, `open` when the prompt opened the block). Not when
-    /// a constraint holds the output from its first token and the prompt
-    /// opened the block: the constrained output is then the answer.
+    /// the prompt opened the block and a constraint that writes the
+    /// thinking itself holds the output from its first token (other
+    /// constraints follow the thinking).
     pub(crate) fn thinking(&self, req: &GenerateRequest) -> Option<bool> {
         let t = self.chat_template()?;
         let tags = t.think_tags()?;
@@ -171,7 +172,26 @@ impl Front {
             (_, Input::Chat(_)) => t.opens_thinking(&req.chat_template_kwargs),
             _ => return None,
         };
-        (!(open && req.constraint.is_some())).then_some(open)
+        let held = req
+            .constraint
+            .as_ref()
+            .is_some_and(|c| writes_thinking(c, tags));
+        (!(open && held)).then_some(open)
+    }
+
+    /// `req`'s constraint as the engine holds the output to it: after the
+    /// thinking, when the output may think (the model reasons) and the
+    /// constraint does not write the thinking itself.
+    fn constraint_of(&self, req: &GenerateRequest) -> Option<Constraint> {
+        let c = req.constraint.clone()?;
+        let tags = self.chat_template().and_then(ChatTemplate::think_tags);
+        match (self.thinking(req), tags) {
+            (Some(open), Some(tags)) if !writes_thinking(&c, tags) => Some(Constraint::Led {
+                lead: tags.lead_grammar(open),
+                then: Box::new(c),
+            }),
+            _ => Some(c),
+        }
     }
 
     /// `req`'s thinking budget: none where its output holds no thinking
@@ -285,6 +305,8 @@ impl Front {
             ));
         }
         let think = self.think_budget(&req)?;
+        // Read from the chat, before it is rendered.
+        let constraint = self.constraint_of(&req);
         // A chat's markup is read from its output; other inputs' output is
         // text as before.
         let preserved = match req.input {
@@ -323,7 +345,7 @@ impl Front {
                 ),
             ));
         }
-        let matcher = self.compile(&req)?;
+        let matcher = self.compile(constraint.as_ref(), req.constraint_field)?;
         let banned = if req.min_tokens > 0 {
             let stops = req.sampling.stop_token_ids.iter();
             self.end_of_generation
@@ -479,13 +501,16 @@ impl Front {
         Ok(tokens)
     }
 
-    /// Compiles a request's constraint; an invalid one names the request's
-    /// `constraint_field`.
-    fn compile(&self, req: &GenerateRequest) -> Result<Option<Matcher>, RuntimeError> {
-        let Some(c) = &req.constraint else {
+    /// Compiles a request's constraint (as [`Front::constraint_of`] leads
+    /// it); an invalid one names `field`, the request's `constraint_field`.
+    fn compile(
+        &self,
+        c: Option<&Constraint>,
+        field: &'static str,
+    ) -> Result<Option<Matcher>, RuntimeError> {
+        let Some(c) = c else {
             return Ok(None);
         };
-        let field = req.constraint_field;
         c.validate(field).map_err(|e| match e {
             siliceo_core::Error::InvalidParameter { reason, .. } => invalid(field, reason),
             other => invalid(field, other.to_string()),
@@ -495,6 +520,26 @@ impl Front {
             Err(siliceo_constrain::ConstraintError::Invalid(reason)) => Err(invalid(field, reason)),
             Err(e) => Err(RuntimeError::Engine(e.to_string())),
         }
+    }
+}
+
+/// Whether `c` writes a thinking block in `tags` itself (a grammar or a
+/// regex that names the opening tag, escaped or not): it then holds the
+/// output from its first token.
+fn writes_thinking(c: &Constraint, tags: ThinkTags) -> bool {
+    match c {
+        Constraint::Regex(text) | Constraint::Lark(text) => {
+            let mut plain = String::with_capacity(text.len());
+            let mut chars = text.chars().peekable();
+            while let Some(ch) = chars.next() {
+                match chars.peek() {
+                    Some(&next) if ch == '\\' && !next.is_alphanumeric() => {}
+                    _ => plain.push(ch),
+                }
+            }
+            plain.contains(tags.open)
+        }
+        _ => false,
     }
 }
 
@@ -678,5 +723,74 @@ mod tests {
                 r#"{"city": "Paris"}"#.to_string()
             )]
         );
+    }
+
+    /// A constraint led by each format's thinking: the answer it holds
+    /// comes after a free thinking block (optional, or already open), and
+    /// only then; a constraint that writes the thinking itself is not led.
+    #[test]
+    fn a_led_constraint_holds_the_answer_after_free_thinking() {
+        use siliceo_chat::ThinkTags;
+        let grammars = byte_grammars();
+        let schema = Constraint::JsonSchema {
+            schema:
+                r#"{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}"#
+                    .into(),
+            strict: true,
+        };
+        let led = |tags: ThinkTags, open: bool, then: &Constraint| Constraint::Led {
+            lead: tags.lead_grammar(open),
+            then: Box::new(then.clone()),
+        };
+        let json = r#"{"a": 1}"#;
+        let c = led(ThinkTags::ANGLE, false, &schema);
+        let takes = |c: &Constraint, t: &str| accepts(&grammars, c, t);
+        assert!(takes(&c, json));
+        assert!(takes(
+            &c,
+            &format!("<think>\nhm </b> {{x}}\n</think>\n\n{json}")
+        ));
+        assert!(takes(&c, &format!("\n<think>x</think>{json}")));
+        assert!(!takes(&c, "<think>x</think>\n\nnope"));
+        assert!(!takes(&c, &format!("hello {json}")));
+        assert!(!takes(&c, &format!(" {json}")));
+        assert!(!takes(&c, "<think>x"));
+        // Opened by the prompt: the block must close first.
+        let c = led(ThinkTags::ANGLE, true, &schema);
+        assert!(takes(&c, &format!("x\n</think>\n\n{json}")));
+        assert!(!takes(&c, json));
+        let c = led(ThinkTags::SQUARE, false, &schema);
+        assert!(takes(&c, &format!("[THINK]a[/THINK]\n{json}")) && takes(&c, json));
+        let c = led(ThinkTags::HARMONY, false, &schema);
+        assert!(takes(&c, &format!("<|channel|>final<|message|>{json}")));
+        assert!(takes(
+            &c,
+            &format!(
+                "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant\
+                 <|channel|>final<|message|>{json}"
+            )
+        ));
+        assert!(!takes(&c, json));
+        // Regexes and grammars follow alike.
+        let c = led(
+            ThinkTags::ANGLE,
+            false,
+            &Constraint::Regex("Paris is [a-z]+\\.".into()),
+        );
+        assert!(takes(&c, "<think>Hm.</think>\nParis is big."));
+        assert!(!takes(&c, "<think>Hm.</think>\nRome is big."));
+        let yes_no = Constraint::Lark("start: \"yes\" | \"no\"".into());
+        let c = led(ThinkTags::ANGLE, false, &yes_no);
+        assert!(takes(&c, "<think>a</think> no") && !takes(&c, "<think>a</think> maybe"));
+        // Which constraints write the thinking themselves.
+        let writes = |c: &str, tags| super::writes_thinking(&Constraint::Regex(c.into()), tags);
+        assert!(writes("<think>[a-z]*</think>ok", ThinkTags::ANGLE));
+        assert!(writes("\\[THINK\\][a-z]*", ThinkTags::SQUARE));
+        assert!(writes(
+            "<\\|channel\\|>analysis<\\|message\\|>.*",
+            ThinkTags::HARMONY
+        ));
+        assert!(!writes("Paris is [a-z]+", ThinkTags::ANGLE));
+        assert!(!super::writes_thinking(&schema, ThinkTags::ANGLE));
     }
 }

@@ -432,8 +432,9 @@ impl Runtime {
 
     /// Whether a chat's output holds a reasoning model's thinking to split
     /// off (`Some(open)`, `open` when the prompt opened the block). Not when
-    /// a constraint holds the output from its first token and the prompt
-    /// opened the block: the constrained output is then the answer.
+    /// the prompt opened the block and a constraint that writes the
+    /// thinking itself holds the output from its first token (other
+    /// constraints follow the thinking).
     pub fn thinking(&self, req: &GenerateRequest) -> Option<bool> {
         self.front.thinking(req)
     }
