@@ -2,14 +2,15 @@
 //! same greedy chats, whose prompt opens a `<think>` block (a template of
 //! our own, as DeepSeek-R1's does), run with no budget, with one they never
 //! reach (each token still goes through the budget's check), and with one
-//! of 16 tokens (the block is closed for the model, which then answers), at
-//! 1 and 8 streams, side by side in one process. Every request generates
-//! exactly `TOKENS` tokens.
+//! of 16 tokens (the block is closed for the model, which then answers), and
+//! with a JSON constraint that follows the thinking (each thinking token
+//! then goes through the lead grammar's mask), at 1 and 8 streams, side by
+//! side in one process. Every request generates exactly `TOKENS` tokens.
 
 use std::path::PathBuf;
 
 use anyhow::{Result, bail};
-use siliceo_core::SamplingParams;
+use siliceo_core::{Constraint, SamplingParams};
 use siliceo_runtime::{GenerateRequest, Input, Message, Runtime, RuntimeConfig};
 
 use crate::{median, run_exact};
@@ -39,7 +40,11 @@ pub(crate) struct ThinkBench {
     pub(crate) threads: u32,
 }
 
-fn request(i: usize, budget: Option<u32>) -> GenerateRequest {
+/// How a run's requests think: a budget, and whether a JSON constraint
+/// follows the thinking.
+type Mode = (Option<u32>, bool);
+
+fn request(i: usize, (budget, json): Mode) -> GenerateRequest {
     let mut r = GenerateRequest::new(Input::Chat(vec![Message::new(
         "user",
         ASKS[i % ASKS.len()],
@@ -50,13 +55,16 @@ fn request(i: usize, budget: Option<u32>) -> GenerateRequest {
         ..SamplingParams::greedy()
     };
     r.thinking_budget = budget;
+    if json {
+        r.constraint = Some(Constraint::JsonObject);
+    }
     r
 }
 
 /// Runs `streams` requests at once; returns generated tokens per second,
 /// and whether every output closed its block.
-fn run(rt: &Runtime, streams: usize, budget: Option<u32>) -> Result<(f64, bool)> {
-    let requests = (0..streams).map(|i| request(i, budget)).collect();
+fn run(rt: &Runtime, streams: usize, mode: Mode) -> Result<(f64, bool)> {
+    let requests = (0..streams).map(|i| request(i, mode)).collect();
     let (tps, texts) = run_exact(rt, requests, TOKENS)?;
     Ok((tps, texts.iter().all(|t| t.contains("</think>"))))
 }
@@ -74,20 +82,25 @@ pub(crate) fn think(b: &ThinkBench) -> Result<()> {
         b.reps
     );
     println!(
-        "| streams | no budget tok/s | budget never reached | budget of 16 (closed, then answered) |"
+        "| streams | no budget tok/s | budget never reached | budget of 16 (closed, then answered) | JSON after the thinking (all 64 thinking) |"
     );
-    println!("|---:|---:|---:|---:|");
-    let modes = [None, Some(1_000_000), Some(16)];
+    println!("|---:|---:|---:|---:|---:|");
+    let modes: [Mode; 4] = [
+        (None, false),
+        (Some(1_000_000), false),
+        (Some(16), false),
+        (None, true),
+    ];
     for streams in [1usize, 8] {
         // Warm-up: the prefix cache.
         for m in modes {
             run(&rt, streams, m)?;
         }
-        let mut got: [Vec<f64>; 3] = Default::default();
+        let mut got: [Vec<f64>; 4] = Default::default();
         for rep in 0..b.reps {
             // A different order each rep: no mode always runs first.
-            for k in 0..3 {
-                let i = (rep + k) % 3;
+            for k in 0..modes.len() {
+                let i = (rep + k) % modes.len();
                 let (tps, closed) = run(&rt, streams, modes[i])?;
                 if i == 2 && !closed {
                     bail!("a budget of 16 left a thinking block open");
@@ -95,11 +108,12 @@ pub(crate) fn think(b: &ThinkBench) -> Result<()> {
                 got[i].push(tps);
             }
         }
-        let [free, never, small] = got.map(median);
+        let [free, never, small, json] = got.map(median);
         println!(
-            "| {streams} | {free:.1} | {never:.1} ({:.3}×) | {small:.1} ({:.3}×) |",
+            "| {streams} | {free:.1} | {never:.1} ({:.3}×) | {small:.1} ({:.3}×) | {json:.1} ({:.3}×) |",
             never / free,
-            small / free
+            small / free,
+            json / free
         );
     }
     Ok(())
