@@ -23,8 +23,8 @@ use crate::calls::CallPiece;
 use crate::router::Routed;
 
 /// The header that opens a thinking message (what the thinking budget
-/// counts from).
-pub const HARMONY_ANALYSIS: &str = "<|channel|>analysis<|message|>";
+/// counts from: [`crate::ThinkTags::HARMONY`]'s opening tag).
+pub(crate) const HARMONY_ANALYSIS: &str = "<|channel|>analysis<|message|>";
 /// Whether a chat template writes OpenAI's harmony format.
 pub(crate) fn is_harmony(template: &str) -> bool {
     template.contains(CHANNEL) && template.contains(MESSAGE)
@@ -115,12 +115,6 @@ impl HarmonyReader {
     /// This reader, taking only the first call.
     pub fn single(mut self) -> Self {
         self.max_calls = 1;
-        self
-    }
-
-    /// This reader, reading calls.
-    pub fn with_calls(mut self) -> Self {
-        self.tools = true;
         self
     }
 
@@ -269,6 +263,9 @@ impl HarmonyReader {
             return;
         }
         match kind {
+            // All the answer comes before the first call (text after
+            // calls, even outside any message, is dropped).
+            Kind::Answer if self.calls > 0 => {}
             Kind::Reasoning | Kind::Answer => {
                 let i = kind as usize;
                 let to = if kind == Kind::Reasoning {
@@ -438,5 +435,67 @@ mod tests {
                 .answer,
             "A"
         );
+    }
+
+    /// Random texts of harmony's pieces (headers, tags, bodies, broken
+    /// ones) read alike whole, a character at a time, and cut in three
+    /// anywhere, with and without tools.
+    #[test]
+    fn random_texts_read_alike_however_cut() {
+        const PARTS: [&str; 18] = [
+            "<|channel|>",
+            "analysis",
+            "final",
+            "commentary",
+            "<|message|>",
+            "<|end|>",
+            "<|start|>",
+            "assistant",
+            " to=functions.f",
+            "to=python ",
+            " <|constrain|>json",
+            "<|call|>",
+            "<|return|>",
+            "{\"a\": 1}",
+            "Hm, ",
+            "<|",
+            "é",
+            "\n",
+        ];
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = |n: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n as u64) as usize
+        };
+        let (mut thought, mut called) = (0, 0);
+        for round in 0..3000 {
+            let tools = round % 2 == 0;
+            let opener = [
+                "",
+                "<|channel|>analysis<|message|>",
+                "<|channel|>commentary to=functions.f<|message|>",
+            ][next(3)];
+            let text: String = std::iter::once(opener)
+                .chain((0..next(20)).map(|_| PARTS[next(PARTS.len())]))
+                .collect();
+            let whole = read(tools, &[&text]);
+            let chars: Vec<String> = text.chars().map(String::from).collect();
+            let parts: Vec<&str> = chars.iter().map(String::as_str).collect();
+            assert_eq!(read(tools, &parts), whole, "{text:?} by characters");
+            let bounds: Vec<usize> = (0..=text.len())
+                .filter(|&i| text.is_char_boundary(i))
+                .collect();
+            let (mut a, mut b) = (bounds[next(bounds.len())], bounds[next(bounds.len())]);
+            if a > b {
+                std::mem::swap(&mut a, &mut b);
+            }
+            let cut = [&text[..a], &text[a..b], &text[b..]];
+            assert_eq!(read(tools, &cut), whole, "{text:?} at {a},{b}");
+            thought += usize::from(!whole.0.is_empty());
+            called += usize::from(!whole.2.calls.is_empty());
+        }
+        assert!(thought > 500 && called > 500, "{thought} {called}");
     }
 }

@@ -43,7 +43,7 @@ use serde::{Deserialize, Serialize};
 pub use siliceo_core::Constraint;
 
 pub use calls::{CallParser, CallPiece};
-pub use harmony::{HARMONY_ANALYSIS, HarmonyReader};
+pub use harmony::HarmonyReader;
 pub use reasoning::{Split, THINK_CLOSE, THINK_OPEN, ThinkSplitter, ThinkTags};
 pub use router::{OutputRouter, Routed};
 pub use tools::{ParsedOutput, ToolChoice, ToolSyntax};

@@ -871,6 +871,16 @@ fn random_texts_read_alike_however_cut() {
         ">",
         "[ARGS]",
         "g",
+        "<|channel|>",
+        "analysis",
+        "final",
+        "commentary",
+        "<|message|>",
+        "<|end|>",
+        "<|start|>assistant",
+        " to=functions.f",
+        "<|constrain|>json",
+        "<|call|>",
     ];
     // A fixed xorshift stream: the same texts every run.
     let mut state = 0x9E37_79B9_7F4A_7C15u64;
@@ -886,6 +896,7 @@ fn random_texts_read_alike_however_cut() {
         ToolSyntax::Llama3Json,
         ToolSyntax::QwenXml,
         ToolSyntax::MistralArgs,
+        ToolSyntax::Harmony,
     ];
     // How many texts held calls, and how many ended inside arguments: the
     // texts must reach the reader's paths, not only its prose.
@@ -900,6 +911,7 @@ fn random_texts_read_alike_however_cut() {
             ToolSyntax::Mistral => "[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": ",
             ToolSyntax::QwenXml => "<tool_call>\n<function=write>\n<parameter=text>\n",
             ToolSyntax::MistralArgs => "[TOOL_CALLS]f[ARGS]",
+            ToolSyntax::Harmony => "<|channel|>commentary to=functions.f<|message|>",
             _ => "{\"name\": \"f\", \"parameters\": ",
         };
         let text: String = std::iter::once(opener)
@@ -924,7 +936,9 @@ fn random_texts_read_alike_however_cut() {
         );
         with_calls += usize::from(whole.0.iter().any(|p| matches!(p, CallPiece::Call(_))));
         cut_short += usize::from(whole.1);
-        if !whole.0.iter().any(|p| matches!(p, CallPiece::Call(_))) {
+        // (Harmony's headers are markup, and its thinking is not text.)
+        let no_call = !whole.0.iter().any(|p| matches!(p, CallPiece::Call(_)));
+        if no_call && syntax != ToolSyntax::Harmony {
             let said: String = whole
                 .0
                 .iter()
