@@ -1449,6 +1449,21 @@ def test_gpt_oss_harmony(grpc_api):
                 + json.dumps(json.loads(call.function.arguments)) + "<|call|>")
         assert turn in text, text
         assert text.endswith('<|channel|>commentary<|message|>"18 C"<|end|><|start|>assistant'), text
+        # gRPC's `ChatMessage.reasoning` reaches the template alike.
+        args = call.function.arguments
+        grpc_follow = [
+            pb.ChatMessage(role="user", content=msgs[0]["content"]),
+            pb.ChatMessage(role="assistant", reasoning="Need the weather.", tool_calls=[
+                pb.ToolCall(id=call.id, name="get_weather", arguments=args)]),
+            pb.ChatMessage(role="tool", tool_call_id=call.id, content="18 C"),
+        ]
+        with grpc.insecure_channel(s.grpc) as ch:
+            done = list(pbg.InferenceStub(ch).Generate(pb.GenerateRequest(
+                chat=pb.ChatMessages(messages=grpc_follow), max_tokens=1)))[-1]
+        assert done.usage.prompt_tokens == t["count"]
+        _, bare = post_json(s, "/tokenize", {"messages": [
+            dict(m, reasoning_content=None) if m["role"] == "assistant" else m for m in follow]})
+        assert bare["count"] < t["count"]
         s.wait_idle()
     finally:
         s.stop()
