@@ -2,7 +2,8 @@
 """Hammers a running `siliceo serve` with a mix of requests on all three HTTP
 APIs (chat and text completions, the Responses API with background responses
 and `previous_response_id` chains, `truncation: auto` over the context,
-Anthropic's Messages API), many cut short
+Anthropic's Messages API, schemas after a reasoning model's thinking), many
+cut short
 on purpose (streams closed early, client timeouts, cancellations, refused
 input, a full queue), then checks that the server went idle with no KV block
 in use and still answers `/health`. Exit status 1 when it did not.
@@ -13,6 +14,10 @@ clients), against a server started with a metrics port and a short queue:
     siliceo serve --http-listen 127.0.0.1:18080 --metrics-listen 127.0.0.1:19090 --max-waiting 8 &
     $CARGO_TARGET_DIR/pyenv/bin/python scripts/stress_api.py \
         --http http://127.0.0.1:18080 --metrics http://127.0.0.1:19090 --requests 150
+
+Against a reasoning template (`--chat-template-file
+crates/chat/src/testdata_gpt_oss.jinja`, say) the chats go through its
+output reader, and schemas follow its thinking.
 """
 
 import argparse
@@ -56,7 +61,7 @@ def main() -> int:
     def one(i: int):
         r = random.Random(a.seed * 100_003 + i)
         try:
-            kind = r.randrange(10)
+            kind = r.randrange(11)
             if kind == 0:  # a Responses stream closed early
                 s = oa.responses.create(model="", input=count, max_output_tokens=200, stream=True,
                                         extra_body={"ignore_eos": True})
@@ -133,6 +138,20 @@ def main() -> int:
             elif kind == 7:
                 cl.messages.create(model="", max_tokens=30, stop_sequences=["."],
                                    messages=[{"role": "user", "content": "Tell me a story."}])
+            elif kind == 9:  # a schema after the thinking (a budget: a 400 for a model that
+                # does not think), whole or streamed and dropped early
+                fmt = {"type": "json_schema", "json_schema": {"name": "w", "strict": True, "schema": {
+                    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                    "required": ["city"], "additionalProperties": False}}}
+                extra = {"thinking_token_budget": r.randrange(0, 8)} if r.random() < 0.5 else {}
+                x = oa.chat.completions.create(
+                    model="", max_tokens=120, response_format=fmt, stream=r.random() < 0.5,
+                    messages=[{"role": "user", "content": "Where is it sunny?"}], extra_body=extra)
+                if isinstance(x, openai.Stream):
+                    for k, _ in enumerate(x):
+                        if k > r.randrange(5, 60):
+                            break
+                    x.close()
             elif kind == 8:  # refused input
                 cl.messages.create(model="", max_tokens=10, messages=[
                     {"role": "user", "content": [{"type": "image", "source": {}}]}])
