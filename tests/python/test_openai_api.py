@@ -1355,6 +1355,46 @@ def test_qwen3_coder_xml_tool_calls(grpc_api):
         s.stop()
 
 
+def test_qwen3_template_tool_loop():
+    """Qwen3's own template on SmolLM2: a required call is forced (after
+    the thinking, which a budget of 0 closes at once) and read back; the
+    next turn sends the call back as OpenAI clients do (`content: null`,
+    which this template reads as text: given as empty text) with its
+    `reasoning_content`, which the template shows again, and the model
+    answers it."""
+    template = ROOT / "crates" / "chat" / "src" / "testdata_qwen3.jinja"
+    s = Server("--chat-template-file", str(template))
+    try:
+        c = client(s)
+        params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                  "required": ["city"], "additionalProperties": False}
+        tools = [{"type": "function", "function": {
+            "name": "get_weather", "description": "The weather in a city", "parameters": params}}]
+        msgs = [{"role": "user", "content": "Weather in Paris?"}]
+        ask = dict(model="", messages=msgs, tools=tools, tool_choice="required",
+                   parallel_tool_calls=False, temperature=0, max_tokens=80,
+                   extra_body={"thinking_token_budget": 0})
+        message, call = forced_call_streams_alike(c, ask)
+        assert call.function.name == "get_weather" and message.content is None
+        assert message.reasoning_content is None, message
+        follow = msgs + [
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()],
+             "reasoning_content": "Need the weather."},
+            {"role": "tool", "tool_call_id": call.id, "content": "18 C"},
+        ]
+        status, t = post_json(s, "/tokenize", {"messages": follow, "return_token_strs": True})
+        text = "".join(t["token_strs"])
+        assert status == 200, t
+        assert "<think>\nNeed the weather.\n</think>\n\n<tool_call>" in text, text
+        assert "<tool_response>\n18 C\n</tool_response>" in text, text
+        r = c.chat.completions.create(model="", messages=follow, max_tokens=5,
+                                      extra_body={"thinking_token_budget": 0})
+        assert r.usage.prompt_tokens == t["count"]
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
 def test_gpt_oss_harmony(grpc_api):
     """gpt-oss's own template (OpenAI's harmony format) on SmolLM2: a
     required call is forced as a message to `functions.NAME` and read back,

@@ -159,20 +159,17 @@ impl Message {
     }
 
     /// The message as the template sees it (OpenAI's shape, arguments
-    /// parsed to objects as `transformers` passes them). `bare`: no
-    /// `content` key when there is no text (for templates that ask whether
-    /// the key is there, then read it as text).
-    fn to_value(&self, bare: bool) -> serde_json::Value {
+    /// parsed to objects as `transformers` passes them). `empty_text`: no
+    /// text is empty text, not `none` (for templates that read it as text).
+    fn to_value(&self, empty_text: bool) -> serde_json::Value {
         let mut m = serde_json::Map::new();
         m.insert("role".into(), self.role.clone().into());
-        if !(bare && self.content.is_none()) {
-            m.insert(
-                "content".into(),
-                self.content
-                    .clone()
-                    .map_or(serde_json::Value::Null, Into::into),
-            );
-        }
+        let content = match &self.content {
+            Some(c) => c.clone().into(),
+            None if empty_text => "".into(),
+            None => serde_json::Value::Null,
+        };
+        m.insert("content".into(), content);
         if let Some(r) = &self.reasoning {
             m.insert("reasoning_content".into(), r.clone().into());
             m.insert("thinking".into(), r.clone().into());
@@ -302,13 +299,14 @@ pub struct ChatTemplate {
     switch: bool,
     /// Its prompt, without template arguments, leaves a block open.
     opens: bool,
-    /// It asks whether a message has a `content` key (gpt-oss's does,
-    /// then reads it as text): a message without text has none.
-    bare: bool,
+    /// It fails on a message without text (Qwen3's and gpt-oss's read an
+    /// assistant's tool-calling message's `content` as text): such a
+    /// message's text is empty instead (found by rendering one).
+    empty_text: bool,
     /// It takes an effort level, `reasoning_effort` (gpt-oss's does).
     effort: bool,
-    /// It joins a tool's description to text (gpt-oss's does): a tool
-    /// without one gets an empty one.
+    /// It fails on a tool without a description (gpt-oss's joins it to
+    /// text): such a tool gets an empty one (found by rendering one).
     described: bool,
 }
 
@@ -367,37 +365,77 @@ impl ChatTemplate {
             think: ThinkTags::of_template(source),
             switch: source.contains(Self::THINKING_SWITCH),
             opens: false,
-            bare: source.contains("\"content\" in message")
-                || source.contains("'content' in message"),
+            empty_text: false,
             effort: source.contains(Self::EFFORT),
-            described: source.contains("+ tool.description"),
+            described: false,
         };
         // Most requests set no template argument: probed once, here.
         t.opens = t.probe_opens(&serde_json::Map::new());
+        let none = serde_json::Map::new();
+        let call = [Message::new("user", "Hi"), Self::probe_call()];
+        t.needs(
+            |t, on| t.empty_text = on,
+            |t| t.render_with(&call, &[], false, &none),
+        );
         if t.tools.is_none() {
             t.tools = t.probe_tool_syntax();
         }
+        if t.tools.is_some() {
+            let bare = Tool {
+                name: Self::PROBE.into(),
+                description: None,
+                parameters: r#"{"type": "object", "properties": {}}"#.into(),
+            };
+            let hi = [Message::new("user", "Hi")];
+            t.needs(
+                |t, on| t.described = on,
+                |t| t.render_with(&hi, std::slice::from_ref(&bare), true, &none),
+            );
+        }
         Ok(t)
+    }
+
+    /// The name the probes give a function.
+    const PROBE: &'static str = "siliceo_probe";
+
+    /// An assistant's message that calls [`ChatTemplate::PROBE`], with no
+    /// text.
+    fn probe_call() -> Message {
+        Message {
+            role: "assistant".into(),
+            tool_calls: vec![ToolCall {
+                id: "call_0".into(),
+                name: Self::PROBE.into(),
+                arguments: r#"{"arg": 1}"#.into(),
+            }],
+            ..Message::default()
+        }
+    }
+
+    /// Turns a flag on (with `set`) when `render` fails without it and
+    /// succeeds with it; returns whether it did.
+    fn needs(
+        &mut self,
+        set: impl Fn(&mut Self, bool),
+        render: impl Fn(&Self) -> Result<String, ChatError>,
+    ) -> bool {
+        if render(self).is_ok() {
+            return false;
+        }
+        set(self, true);
+        let ok = render(self).is_ok();
+        set(self, ok);
+        ok
     }
 
     /// The tool syntax a template that names no marker writes calls in:
     /// seen in how it renders an assistant's call.
     fn probe_tool_syntax(&self) -> Option<ToolSyntax> {
-        const NAME: &str = "siliceo_probe";
-        let call = Message {
-            role: "assistant".into(),
-            tool_calls: vec![ToolCall {
-                id: "call_0".into(),
-                name: NAME.into(),
-                arguments: r#"{"arg": 1}"#.into(),
-            }],
-            ..Message::default()
-        };
-        let chat = [Message::new("user", "Hi"), call];
+        let chat = [Message::new("user", "Hi"), Self::probe_call()];
         let text = self
             .render_with(&chat, &[], false, &serde_json::Map::new())
             .ok()?;
-        ToolSyntax::of_rendered_call(&text, NAME)
+        ToolSyntax::of_rendered_call(&text, Self::PROBE)
     }
 
     /// Whether the model thinks in `<think>` (or `[THINK]`) blocks before
@@ -549,7 +587,10 @@ impl ChatTemplate {
         if !tools.is_empty() && self.tools.is_none() {
             return Err(ChatError::NoToolSyntax);
         }
-        let msgs: Vec<serde_json::Value> = messages.iter().map(|m| m.to_value(self.bare)).collect();
+        let msgs: Vec<serde_json::Value> = messages
+            .iter()
+            .map(|m| m.to_value(self.empty_text))
+            .collect();
         let tools_v: Option<Vec<serde_json::Value>> =
             (!tools.is_empty()).then(|| tools.iter().map(|t| t.to_value(self.described)).collect());
         let tmpl = self

@@ -1105,3 +1105,71 @@ fn reasoning_given_back_reaches_the_template() {
     let plain = Message::new("assistant", "ok");
     assert_eq!(t.render(&[plain], &[], false).unwrap(), "[||ok]");
 }
+
+/// Qwen3's own template (as its model card ships it; llama.cpp keeps a
+/// copy): it reads an assistant's tool-calling message's `content` as text,
+/// so a message without text is given as empty text; the thinking before a
+/// call is shown in the turns after the last user message; its
+/// `enable_thinking: false` closes an empty block.
+#[test]
+fn qwen3_renders_tool_turns_with_their_thinking() {
+    let t = ChatTemplate::new(include_str!("testdata_qwen3.jinja"), "", "<|im_end|>").unwrap();
+    assert_eq!(t.tool_syntax(), Some(ToolSyntax::Hermes));
+    assert_eq!(t.think_tags(), Some(ThinkTags::ANGLE));
+    assert!(t.has_thinking_switch() && !t.opens_thinking(&serde_json::Map::new()));
+    let call = Message {
+        role: "assistant".into(),
+        tool_calls: vec![ToolCall {
+            id: "call_0".into(),
+            name: "get_weather".into(),
+            arguments: r#"{"city": "Paris"}"#.into(),
+        }],
+        reasoning: Some("Need the weather.".into()),
+        ..Message::default()
+    };
+    let result = Message {
+        role: "tool".into(),
+        content: Some("18 C".into()),
+        tool_call_id: Some("call_0".into()),
+        ..Message::default()
+    };
+    let chat = [Message::new("user", "Weather?"), call, result];
+    let text = t.render(&chat, &[weather()], true).unwrap();
+    let turn = "<|im_start|>assistant\n<think>\nNeed the weather.\n</think>\n\n<tool_call>\n\
+                {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>\n\
+                <|im_start|>user\n<tool_response>\n18 C\n</tool_response><|im_end|>\n<|im_start|>assistant\n";
+    assert!(text.ends_with(turn), "{text}");
+    // Without the thinking: no block (it is not the last message).
+    let mut plain = chat.clone();
+    plain[1].reasoning = None;
+    let text = t.render(&plain, &[weather()], true).unwrap();
+    assert!(
+        text.contains("<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\""),
+        "{text}"
+    );
+    let mut off = serde_json::Map::new();
+    off.insert(ChatTemplate::THINKING_SWITCH.into(), false.into());
+    let text = t.render_with(&chat[..1], &[], true, &off).unwrap();
+    assert!(
+        text.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+        "{text}"
+    );
+}
+
+/// A template that tests for `none` still sees `none` for no text.
+#[test]
+fn no_text_stays_none_where_the_template_handles_it() {
+    let source =
+        "{% for m in messages %}[{{ 'none' if m.content is none else m.content }}]{% endfor %}";
+    let t = ChatTemplate::new(source, "", "").unwrap();
+    let call = Message {
+        role: "assistant".into(),
+        tool_calls: vec![ToolCall {
+            id: "c".into(),
+            name: "f".into(),
+            arguments: "{}".into(),
+        }],
+        ..Message::default()
+    };
+    assert_eq!(t.render(&[call], &[], false).unwrap(), "[none]");
+}
