@@ -1395,6 +1395,41 @@ def test_qwen3_template_tool_loop():
         s.stop()
 
 
+def test_real_templates_take_what_openai_clients_send():
+    """Templates as their models ship them that fail on what OpenAI's
+    clients send are adapted at start-up, so a tool loop (the call with
+    `content: null` and the server's long call id, then its result) and a
+    system message render: Mistral-Nemo's 9-character ids, DeepSeek-V3.1's
+    arguments as text, Gemma 2's system role folded into the user turn."""
+    src = ROOT / "crates" / "chat" / "src"
+    loop = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_18eedc3dd3393c090001", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_18eedc3dd3393c090001", "content": "18 C"},
+    ]
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    cases = [
+        ("testdata_mistral_nemo.jinja", loop, ['"call_id": "', "18 C"]),
+        ("testdata_deepseek_v31.jinja", loop, ['get_weather<｜tool▁sep｜>{"city": "Paris"}']),
+        ("testdata_gemma2.jinja", system, ["user\nBe brief.\n\nHi<end_of_turn>"]),
+    ]
+    for name, msgs, wanted in cases:
+        s = Server("--chat-template-file", str(src / name))
+        try:
+            status, t = post_json(s, "/tokenize", {"messages": msgs})
+            assert status == 200, (name, t)
+            text = post_json(s, "/detokenize", {"tokens": t["tokens"]})[1]["prompt"]
+            for w in wanted:
+                assert w in text, (name, text)
+            r = client(s).chat.completions.create(model="", messages=msgs, max_tokens=3)
+            assert r.usage.prompt_tokens == t["count"], name
+            s.wait_idle()
+        finally:
+            s.stop()
+
+
 def test_gpt_oss_harmony(grpc_api):
     """gpt-oss's own template (OpenAI's harmony format) on SmolLM2: a
     required call is forced as a message to `functions.NAME` and read back,

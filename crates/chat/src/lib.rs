@@ -29,6 +29,7 @@
 #![deny(missing_docs)]
 
 mod calls;
+mod fit;
 mod harmony;
 mod json;
 mod reasoning;
@@ -159,14 +160,14 @@ impl Message {
     }
 
     /// The message as the template sees it (OpenAI's shape, arguments
-    /// parsed to objects as `transformers` passes them). `empty_text`: no
-    /// text is empty text, not `none` (for templates that read it as text).
-    fn to_value(&self, empty_text: bool) -> serde_json::Value {
+    /// parsed to objects as `transformers` passes them), adapted as `fit`
+    /// says.
+    fn to_value(&self, fit: &fit::Fit) -> serde_json::Value {
         let mut m = serde_json::Map::new();
         m.insert("role".into(), self.role.clone().into());
         let content = match &self.content {
             Some(c) => c.clone().into(),
-            None if empty_text => "".into(),
+            None if fit.empty_text => "".into(),
             None => serde_json::Value::Null,
         };
         m.insert("content".into(), content);
@@ -179,10 +180,12 @@ impl Message {
                 .tool_calls
                 .iter()
                 .map(|c| {
-                    let args = serde_json::from_str(&c.arguments)
-                        .unwrap_or_else(|_| serde_json::Value::String(c.arguments.clone()));
+                    let args = match serde_json::from_str(&c.arguments) {
+                        Ok(v) if !fit.text_args => v,
+                        _ => serde_json::Value::String(c.arguments.clone()),
+                    };
                     serde_json::json!({
-                        "id": c.id,
+                        "id": fit.id(&c.id),
                         "type": "function",
                         "function": {"name": c.name, "arguments": args},
                     })
@@ -191,7 +194,7 @@ impl Message {
             m.insert("tool_calls".into(), calls.into());
         }
         if let Some(id) = &self.tool_call_id {
-            m.insert("tool_call_id".into(), id.clone().into());
+            m.insert("tool_call_id".into(), fit.id(id).into());
         }
         if let Some(n) = &self.name {
             m.insert("name".into(), n.clone().into());
@@ -266,17 +269,16 @@ impl Tool {
             .unwrap_or_else(|_| serde_json::json!({"type": "object"}))
     }
 
-    /// OpenAI's shape, as templates expect it. `described`: a tool
-    /// without a description gets an empty one (for templates that join it
-    /// to text, which an undefined value fails).
-    fn to_value(&self, described: bool) -> serde_json::Value {
+    /// OpenAI's shape, as templates expect it; a tool without a
+    /// description gets an empty one where the template needs one.
+    fn to_value(&self, fit: &fit::Fit) -> serde_json::Value {
         let mut f = serde_json::Map::new();
         f.insert("name".into(), self.name.clone().into());
         match &self.description {
             Some(d) => {
                 f.insert("description".into(), d.clone().into());
             }
-            None if described => {
+            None if fit.described => {
                 f.insert("description".into(), "".into());
             }
             None => {}
@@ -299,15 +301,11 @@ pub struct ChatTemplate {
     switch: bool,
     /// Its prompt, without template arguments, leaves a block open.
     opens: bool,
-    /// It fails on a message without text (Qwen3's and gpt-oss's read an
-    /// assistant's tool-calling message's `content` as text): such a
-    /// message's text is empty instead (found by rendering one).
-    empty_text: bool,
+    /// What it needs beyond what `transformers` passes (found by
+    /// rendering probes; see the `fit` module).
+    fit: fit::Fit,
     /// It takes an effort level, `reasoning_effort` (gpt-oss's does).
     effort: bool,
-    /// It fails on a tool without a description (gpt-oss's joins it to
-    /// text): such a tool gets an empty one (found by rendering one).
-    described: bool,
 }
 
 impl fmt::Debug for ChatTemplate {
@@ -322,7 +320,10 @@ impl fmt::Debug for ChatTemplate {
 
 impl ChatTemplate {
     /// Compiles `source` (Jinja); `bos` and `eos` are the text of the
-    /// model's BOS and EOS tokens.
+    /// model's BOS and EOS tokens. Probe conversations are rendered once
+    /// to find what the template needs beyond what `transformers` passes
+    /// ([`ChatTemplate::adaptations`]): a template that fails on a shape
+    /// OpenAI's clients send and renders once it is adapted gets it adapted.
     pub fn new(source: &str, bos: &str, eos: &str) -> Result<Self, ChatError> {
         let mut env = Environment::new();
         let syntax = minijinja::syntax::SyntaxConfig::builder()
@@ -365,34 +366,67 @@ impl ChatTemplate {
             think: ThinkTags::of_template(source),
             switch: source.contains(Self::THINKING_SWITCH),
             opens: false,
-            empty_text: false,
+            fit: fit::Fit::default(),
             effort: source.contains(Self::EFFORT),
-            described: false,
         };
         // Most requests set no template argument: probed once, here.
         t.opens = t.probe_opens(&serde_json::Map::new());
-        let none = serde_json::Map::new();
-        let call = [Message::new("user", "Hi"), Self::probe_call()];
-        t.needs(
-            |t, on| t.empty_text = on,
-            |t| t.render_with(&call, &[], false, &none),
-        );
+        t.probe_fit();
         if t.tools.is_none() {
             t.tools = t.probe_tool_syntax();
         }
-        if t.tools.is_some() {
+        Ok(t)
+    }
+
+    /// Finds what the template needs (see the `fit` module): the fewest
+    /// call adaptations that let a call and its result render, a
+    /// description for a tool without one, system messages folded.
+    fn probe_fit(&mut self) {
+        let none = serde_json::Map::new();
+        let result = Message {
+            role: "tool".into(),
+            content: Some("1".into()),
+            tool_call_id: Some("call_0".into()),
+            name: Some(Self::PROBE.into()),
+            ..Message::default()
+        };
+        let call = [Message::new("user", "Hi"), Self::probe_call(), result];
+        for fit in fit::Fit::for_calls() {
+            self.fit = fit;
+            if self.render_with(&call, &[], true, &none).is_ok() {
+                break;
+            }
+            self.fit = fit::Fit::default();
+        }
+        let hi = [Message::new("user", "Hi")];
+        if self.tools.is_some() {
             let bare = Tool {
                 name: Self::PROBE.into(),
                 description: None,
                 parameters: r#"{"type": "object", "properties": {}}"#.into(),
             };
-            let hi = [Message::new("user", "Hi")];
-            t.needs(
-                |t, on| t.described = on,
-                |t| t.render_with(&hi, std::slice::from_ref(&bare), true, &none),
-            );
+            let tools = std::slice::from_ref(&bare);
+            self.fit.described = self.render_with(&hi, tools, true, &none).is_err() && {
+                self.fit.described = true;
+                self.render_with(&hi, tools, true, &none).is_ok()
+            };
         }
-        Ok(t)
+        let system = [
+            Message::new("system", "Be brief."),
+            Message::new("user", "Hi"),
+        ];
+        self.fit.fold_system = self.render_with(&hi, &[], true, &none).is_ok()
+            && self.render_with(&system, &[], true, &none).is_err();
+    }
+
+    /// What the template is given beyond what `transformers` passes (see
+    /// [`ChatTemplate::new`]): `empty_text` (a message without text is
+    /// empty text), `text_args` (a call's arguments are JSON text),
+    /// `short_ids` (call ids are 9 letters and digits), `described` (a tool
+    /// without a description has an empty one), `fold_system` (system
+    /// messages join the first user message). Empty for most templates.
+    pub fn adaptations(&self) -> Vec<&'static str> {
+        self.fit.names()
     }
 
     /// The name the probes give a function.
@@ -410,22 +444,6 @@ impl ChatTemplate {
             }],
             ..Message::default()
         }
-    }
-
-    /// Turns a flag on (with `set`) when `render` fails without it and
-    /// succeeds with it; returns whether it did.
-    fn needs(
-        &mut self,
-        set: impl Fn(&mut Self, bool),
-        render: impl Fn(&Self) -> Result<String, ChatError>,
-    ) -> bool {
-        if render(self).is_ok() {
-            return false;
-        }
-        set(self, true);
-        let ok = render(self).is_ok();
-        set(self, ok);
-        ok
     }
 
     /// The tool syntax a template that names no marker writes calls in:
@@ -587,12 +605,14 @@ impl ChatTemplate {
         if !tools.is_empty() && self.tools.is_none() {
             return Err(ChatError::NoToolSyntax);
         }
-        let msgs: Vec<serde_json::Value> = messages
+        let msgs: Vec<serde_json::Value> = self
+            .fit
+            .messages(messages)
             .iter()
-            .map(|m| m.to_value(self.empty_text))
+            .map(|m| m.to_value(&self.fit))
             .collect();
         let tools_v: Option<Vec<serde_json::Value>> =
-            (!tools.is_empty()).then(|| tools.iter().map(|t| t.to_value(self.described)).collect());
+            (!tools.is_empty()).then(|| tools.iter().map(|t| t.to_value(&self.fit)).collect());
         let tmpl = self
             .env
             .get_template("chat")

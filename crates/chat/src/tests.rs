@@ -1173,3 +1173,63 @@ fn no_text_stays_none_where_the_template_handles_it() {
     };
     assert_eq!(t.render(&[call], &[], false).unwrap(), "[none]");
 }
+
+/// A call with a long id (as the server makes them), and its result.
+fn long_id_call() -> [Message; 2] {
+    let id = "call_18eedc3dd3393c090001";
+    let call = Message {
+        role: "assistant".into(),
+        tool_calls: vec![ToolCall {
+            id: id.into(),
+            name: "get_weather".into(),
+            arguments: r#"{"city": "Paris"}"#.into(),
+        }],
+        ..Message::default()
+    };
+    let result = Message {
+        role: "tool".into(),
+        content: Some("18 C".into()),
+        tool_call_id: Some(id.into()),
+        ..Message::default()
+    };
+    [call, result]
+}
+
+/// Real templates (as their models ship them; llama.cpp keeps copies)
+/// that fail on what OpenAI's clients send, each adapted as it needs and
+/// no more: DeepSeek-V3.1's joins a call's arguments to text (given as
+/// JSON text), Mistral-Nemo's insists on 9-character call ids (a long id
+/// maps to one, the same for the call and its result), Gemma 2's refuses
+/// the system role (folded into the first user message); Qwen2.5's needs
+/// nothing.
+#[test]
+fn templates_get_what_they_accept() {
+    let [call, result] = long_id_call();
+    let chat = [Message::new("user", "Weather?"), call, result];
+    let t = ChatTemplate::new(include_str!("testdata_deepseek_v31.jinja"), "<s>", "</s>").unwrap();
+    assert_eq!(t.adaptations(), ["text_args"]);
+    let text = t.render(&chat, &[], true).unwrap();
+    assert!(
+        text.contains("get_weather<｜tool▁sep｜>{\"city\": \"Paris\"}<｜tool▁call▁end｜>"),
+        "{text}"
+    );
+    let t = ChatTemplate::new(include_str!("testdata_mistral_nemo.jinja"), "<s>", "</s>").unwrap();
+    assert_eq!(t.adaptations(), ["short_ids"]);
+    let text = t.render(&chat, &[], true).unwrap();
+    let id = fit::short_id("call_18eedc3dd3393c090001");
+    assert!(text.contains(&format!("\"id\": \"{id}\"}}]")), "{text}");
+    assert!(text.contains(&format!("\"call_id\": \"{id}\"}}")), "{text}");
+    let t = ChatTemplate::new(include_str!("testdata_gemma2.jinja"), "<bos>", "<eos>").unwrap();
+    assert_eq!(t.adaptations(), ["fold_system"]);
+    let asked = [
+        Message::new("system", "Be brief."),
+        Message::new("user", "Hi"),
+    ];
+    assert_eq!(
+        t.render(&asked, &[], true).unwrap(),
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    );
+    assert!(qwen().adaptations().is_empty());
+    let t = ChatTemplate::new(include_str!("testdata_qwen3.jinja"), "", "").unwrap();
+    assert_eq!(t.adaptations(), ["empty_text"]);
+}

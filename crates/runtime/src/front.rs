@@ -107,7 +107,16 @@ impl Front {
         let source = chat_template.or_else(|| model.chat_template());
         let chat = source.and_then(|source| {
             match ChatTemplate::new(&source, &bos, &eos) {
-                Ok(template) => Some(Chat { template, adds_bos }),
+                Ok(template) => {
+                    let adapted = template.adaptations();
+                    if !adapted.is_empty() {
+                        tracing::info!(
+                            ?adapted,
+                            "chat template: messages are adapted to what it accepts"
+                        );
+                    }
+                    Some(Chat { template, adds_bos })
+                }
                 Err(e) => {
                     // llama.cpp's built-in templates still serve plain chats.
                     tracing::warn!(error = %e, "chat template not usable: chats fall back to llama.cpp's template guess, without tools");
