@@ -391,13 +391,23 @@ impl ChatTemplate {
             ..Message::default()
         };
         let call = [Message::new("user", "Hi"), Self::probe_call(), result];
-        for fit in fit::Fit::for_calls() {
-            self.fit = fit;
-            if self.render_with(&call, &[], true, &none).is_ok() {
-                break;
-            }
-            self.fit = fit::Fit::default();
-        }
+        // The fewest adaptations under which the call renders (its name is
+        // in the text: an adaptation that only sends the template down a
+        // branch that drops the call does not count), else under which the
+        // chat renders at all (a template that writes no calls).
+        let shows = |t: &Self, whole: bool| {
+            t.render_with(&call, &[], true, &none)
+                .is_ok_and(|text| !whole || text.contains(Self::PROBE))
+        };
+        self.fit = [true, false]
+            .into_iter()
+            .find_map(|whole| {
+                fit::Fit::for_calls().find(|&fit| {
+                    self.fit = fit;
+                    shows(self, whole)
+                })
+            })
+            .unwrap_or_default();
         let hi = [Message::new("user", "Hi")];
         if self.tools.is_some() {
             let bare = Tool {

@@ -1233,3 +1233,18 @@ fn templates_get_what_they_accept() {
     let t = ChatTemplate::new(include_str!("testdata_qwen3.jinja"), "", "").unwrap();
     assert_eq!(t.adaptations(), ["empty_text"]);
 }
+
+/// An adaptation that only sends the template down a branch that drops the
+/// call does not count (DeepSeek-R1's templates render a call only when
+/// `content` is none, and join its arguments to text there).
+#[test]
+fn an_adaptation_must_keep_the_call() {
+    let source = "{% for m in messages %}{% if m.content is none %}\
+                  {{ '<call>' + m.tool_calls[0].function.name + m.tool_calls[0].function.arguments }}\
+                  {% else %}{{ m.content.strip() }}{% endif %}{% endfor %}";
+    let t = ChatTemplate::new(source, "", "").unwrap();
+    assert_eq!(t.adaptations(), ["text_args"]);
+    let [call, result] = long_id_call();
+    let text = t.render(&[call, result], &[], true).unwrap();
+    assert_eq!(text, "<call>get_weather{\"city\": \"Paris\"}18 C");
+}
