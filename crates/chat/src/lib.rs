@@ -297,8 +297,9 @@ pub struct ChatTemplate {
     /// The tags of the thinking blocks the template knows (the model
     /// reasons), if any.
     think: Option<ThinkTags>,
-    /// It has Qwen3's switch for thinking, `enable_thinking`.
-    switch: bool,
+    /// The template argument that switches its thinking on and off, if
+    /// any (found by rendering with it on and off).
+    switch: Option<&'static str>,
     /// Its prompt, without template arguments, leaves a block open.
     opens: bool,
     /// What it needs beyond what `transformers` passes (found by
@@ -364,13 +365,16 @@ impl ChatTemplate {
             eos: eos.to_string(),
             tools: ToolSyntax::detect(source),
             think: ThinkTags::of_template(source),
-            switch: source.contains(Self::THINKING_SWITCH),
+            switch: None,
             opens: false,
             fit: fit::Fit::default(),
             effort: source.contains(Self::EFFORT),
         };
         // Most requests set no template argument: probed once, here.
         t.opens = t.probe_opens(&serde_json::Map::new());
+        t.switch = Self::THINKING_SWITCHES
+            .into_iter()
+            .find(|name| source.contains(name) && t.switched_by(name));
         t.probe_fit();
         if t.tools.is_none() {
             t.tools = t.probe_tool_syntax();
@@ -480,6 +484,22 @@ impl ChatTemplate {
     /// The template argument that turns thinking on or off (Qwen3's).
     pub const THINKING_SWITCH: &'static str = "enable_thinking";
 
+    /// The names templates give their thinking switch: Qwen3's (and
+    /// Nemotron's, Apertus's), then DeepSeek-V3.1's and Granite 3.3's.
+    pub const THINKING_SWITCHES: [&'static str; 2] = [Self::THINKING_SWITCH, "thinking"];
+
+    /// Whether a one-message chat's prompt differs with `name` on and off.
+    fn switched_by(&self, name: &str) -> bool {
+        let hi = [Message::new("user", "Hi")];
+        let with = |on: bool| {
+            let mut kw = serde_json::Map::new();
+            kw.insert(name.into(), on.into());
+            self.render_with(&hi, &[], true, &kw).ok()
+        };
+        let (on, off) = (with(true), with(false));
+        on.is_some() && off.is_some() && on != off
+    }
+
     /// The template argument that sets how hard the model thinks
     /// (gpt-oss's: `low`, `medium`, `high`).
     pub const EFFORT: &'static str = "reasoning_effort";
@@ -489,8 +509,14 @@ impl ChatTemplate {
         self.effort
     }
 
-    /// Whether the template has [`ChatTemplate::THINKING_SWITCH`].
+    /// Whether the template has a thinking switch.
     pub fn has_thinking_switch(&self) -> bool {
+        self.switch.is_some()
+    }
+
+    /// The template argument that switches its thinking on and off (one of
+    /// [`ChatTemplate::THINKING_SWITCHES`]), if it has one.
+    pub fn thinking_switch(&self) -> Option<&'static str> {
         self.switch
     }
 

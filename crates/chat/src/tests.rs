@@ -1208,6 +1208,11 @@ fn templates_get_what_they_accept() {
     let chat = [Message::new("user", "Weather?"), call, result];
     let t = ChatTemplate::new(include_str!("testdata_deepseek_v31.jinja"), "<s>", "</s>").unwrap();
     assert_eq!(t.adaptations(), ["text_args"]);
+    // Its thinking switch is `thinking` (off unless set), found by rendering.
+    assert_eq!(t.thinking_switch(), Some("thinking"));
+    let mut on = serde_json::Map::new();
+    on.insert("thinking".into(), true.into());
+    assert!(t.opens_thinking(&on) && !t.opens_thinking(&serde_json::Map::new()));
     let text = t.render(&chat, &[], true).unwrap();
     assert!(
         text.contains("get_weather<｜tool▁sep｜>{\"city\": \"Paris\"}<｜tool▁call▁end｜>"),
@@ -1230,6 +1235,7 @@ fn templates_get_what_they_accept() {
         "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
     );
     assert!(qwen().adaptations().is_empty());
+    assert_eq!(qwen().thinking_switch(), None);
     let t = ChatTemplate::new(include_str!("testdata_qwen3.jinja"), "", "").unwrap();
     assert_eq!(t.adaptations(), ["empty_text"]);
 }

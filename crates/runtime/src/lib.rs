@@ -415,19 +415,16 @@ impl Runtime {
         Ok(Some(syntax))
     }
 
-    /// Turns the template's own thinking switch (Qwen3's `enable_thinking`)
-    /// `on` or off for `req`, when the template has one and the request's
-    /// template arguments leave it unset. Returns whether it had one.
+    /// Turns the template's own thinking switch (Qwen3's `enable_thinking`,
+    /// DeepSeek-V3.1's `thinking`) `on` or off for `req`, when the template
+    /// has one and the request's template arguments leave it unset. Returns
+    /// whether it had one.
     pub fn switch_thinking(&self, req: &mut GenerateRequest, on: bool) -> bool {
-        let has = self
-            .chat_template()
-            .is_some_and(ChatTemplate::has_thinking_switch);
-        if has {
-            req.chat_template_kwargs
-                .entry(ChatTemplate::THINKING_SWITCH)
-                .or_insert(on.into());
+        let switch = self.chat_template().and_then(ChatTemplate::thinking_switch);
+        if let Some(name) = switch {
+            req.chat_template_kwargs.entry(name).or_insert(on.into());
         }
-        has
+        switch.is_some()
     }
 
     /// Whether a chat's output holds a reasoning model's thinking to split
