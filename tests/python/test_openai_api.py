@@ -1430,6 +1430,36 @@ def test_real_templates_take_what_openai_clients_send():
             s.stop()
 
 
+def test_granite_tool_calls():
+    """Granite 3.3's own template on SmolLM2 (calls as a JSON list after
+    `<|tool_call|>`): a required call is forced in that shape and read back,
+    streamed as written; two calls the model writes under `auto`, one in
+    Granite's own key order (arguments first), are both read."""
+    template = ROOT / "crates" / "chat" / "src" / "testdata_granite33.jinja"
+    s = Server("--chat-template-file", str(template))
+    try:
+        c = client(s)
+        params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                  "required": ["city"], "additionalProperties": False}
+        tools = [{"type": "function", "function": {
+            "name": "get_weather", "description": "The weather in a city", "parameters": params}}]
+        ask = dict(model="", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                   tools=tools, tool_choice="required", parallel_tool_calls=False,
+                   temperature=0, max_tokens=60)
+        message, call = forced_call_streams_alike(c, ask)
+        assert call.function.name == "get_weather" and message.content is None
+        assert set(json.loads(call.function.arguments)) == {"city"}
+        two = ('<\\|tool_call\\|>\\[\\{"arguments": \\{"city": "Rome"\\}, "name": "get_weather"\\}, '
+               '\\{"name": "get_weather", "arguments": \\{"city": "Oslo"\\}\\}\\]')
+        r = c.chat.completions.create(**dict(ask, tool_choice="auto", parallel_tool_calls=True,
+                                             max_tokens=150), extra_body={"regex": two})
+        got = [json.loads(t.function.arguments)["city"] for t in r.choices[0].message.tool_calls]
+        assert got == ["Rome", "Oslo"] and r.choices[0].finish_reason == "tool_calls", r
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
 def test_gpt_oss_harmony(grpc_api):
     """gpt-oss's own template (OpenAI's harmony format) on SmolLM2: a
     required call is forced as a message to `functions.NAME` and read back,

@@ -300,6 +300,9 @@ pub struct ChatTemplate {
     /// The template argument that switches its thinking on and off, if
     /// any (found by rendering with it on and off).
     switch: Option<&'static str>,
+    /// Its thinking is on when the switch is not set (Qwen3's is;
+    /// DeepSeek-V3.1's and Granite's are off).
+    on_by_default: bool,
     /// Its prompt, without template arguments, leaves a block open.
     opens: bool,
     /// What it needs beyond what `transformers` passes (found by
@@ -366,6 +369,7 @@ impl ChatTemplate {
             tools: ToolSyntax::detect(source),
             think: ThinkTags::of_template(source),
             switch: None,
+            on_by_default: true,
             opens: false,
             fit: fit::Fit::default(),
             effort: source.contains(Self::EFFORT),
@@ -375,6 +379,14 @@ impl ChatTemplate {
         t.switch = Self::THINKING_SWITCHES
             .into_iter()
             .find(|name| source.contains(name) && t.switched_by(name));
+        if let Some(name) = t.switch {
+            let hi = [Message::new("user", "Hi")];
+            let mut on = serde_json::Map::new();
+            on.insert(name.into(), true.into());
+            let none = serde_json::Map::new();
+            t.on_by_default = t.render_with(&hi, &[], true, &none).ok()
+                == t.render_with(&hi, &[], true, &on).ok();
+        }
         t.probe_fit();
         if t.tools.is_none() {
             t.tools = t.probe_tool_syntax();
@@ -518,6 +530,19 @@ impl ChatTemplate {
     /// [`ChatTemplate::THINKING_SWITCHES`]), if it has one.
     pub fn thinking_switch(&self) -> Option<&'static str> {
         self.switch
+    }
+
+    /// Whether a chat rendered with `kwargs` lets the model think: its
+    /// switch on (set so, or on by default), or no switch (the model
+    /// decides). False for a template that knows no thinking.
+    pub fn thinking_on(&self, kwargs: &serde_json::Map<String, serde_json::Value>) -> bool {
+        if self.think.is_none() {
+            return false;
+        }
+        match self.switch.and_then(|name| kwargs.get(name)) {
+            Some(v) => v.as_bool().unwrap_or(!v.is_null()),
+            None => self.switch.is_none() || self.on_by_default,
+        }
     }
 
     /// Whether a chat's prompt, rendered with `kwargs`, leaves a thinking

@@ -124,6 +124,39 @@ fn hermes_calls_parse_and_prose_stays() {
     assert_eq!(out.calls, vec![("f".into(), "{}".into())]);
 }
 
+/// Granite 3's calls: a JSON list after `<|tool_call|>`, in either key
+/// order; its template (as the model ships it) is recognised, and gets a
+/// call's arguments as text.
+#[test]
+fn granite_calls_parse() {
+    let n = CALL_TEXTS.len();
+    let out = ToolSyntax::Granite.parse(CALL_TEXTS[n - 2].1, &[]);
+    assert_eq!(
+        out.calls,
+        [
+            // Read whole (another key order): written compactly.
+            ("get_weather".into(), r#"{"city":"Boston"}"#.into()),
+            ("now".into(), "{}".into())
+        ]
+    );
+    let cut = ToolSyntax::Granite.parse(CALL_TEXTS[n - 1].1, &[]);
+    assert!(
+        cut.cut_short && cut.calls[0].1 == r#"{"city": "Bos"#,
+        "{cut:?}"
+    );
+    let t = ChatTemplate::new(include_str!("testdata_granite33.jinja"), "", "").unwrap();
+    assert_eq!(t.tool_syntax(), Some(ToolSyntax::Granite));
+    assert_eq!(t.thinking_switch(), Some("thinking"));
+    assert!(!t.thinking_on(&serde_json::Map::new()));
+    let text = t
+        .render(&[Message::new("user", "Weather?")], &[weather()], true)
+        .unwrap();
+    assert!(
+        text.contains("<|tool_call|>") && text.contains("\"get_weather\""),
+        "{text}"
+    );
+}
+
 #[test]
 fn mistral_calls_parse() {
     let out = ToolSyntax::Mistral.parse(
@@ -297,6 +330,15 @@ const CALL_TEXTS: &[(ToolSyntax, &str)] = &[
     (
         ToolSyntax::MistralArgs,
         "[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {\"a\": 1}}]",
+    ),
+    // Granite writes its arguments first: each item is read whole.
+    (
+        ToolSyntax::Granite,
+        "<|tool_call|>[{\"arguments\": {\"city\": \"Boston\"}, \"name\": \"get_weather\"}, {\"name\": \"now\", \"arguments\": {}}]",
+    ),
+    (
+        ToolSyntax::Granite,
+        "<|tool_call|>[{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Bos",
     ),
 ];
 
@@ -871,6 +913,7 @@ fn random_texts_read_alike_however_cut() {
         ">",
         "[ARGS]",
         "g",
+        "<|tool_call|>",
         "<|channel|>",
         "analysis",
         "final",
@@ -897,6 +940,7 @@ fn random_texts_read_alike_however_cut() {
         ToolSyntax::QwenXml,
         ToolSyntax::MistralArgs,
         ToolSyntax::Harmony,
+        ToolSyntax::Granite,
     ];
     // How many texts held calls, and how many ended inside arguments: the
     // texts must reach the reader's paths, not only its prose.
@@ -912,6 +956,7 @@ fn random_texts_read_alike_however_cut() {
             ToolSyntax::QwenXml => "<tool_call>\n<function=write>\n<parameter=text>\n",
             ToolSyntax::MistralArgs => "[TOOL_CALLS]f[ARGS]",
             ToolSyntax::Harmony => "<|channel|>commentary to=functions.f<|message|>",
+            ToolSyntax::Granite => "<|tool_call|>[{\"name\": \"f\", \"arguments\": ",
             _ => "{\"name\": \"f\", \"parameters\": ",
         };
         let text: String = std::iter::once(opener)
@@ -965,6 +1010,7 @@ fn a_single_call_reader_drops_later_calls() {
         (ToolSyntax::Hermes, 6),
         (ToolSyntax::Mistral, 9),
         (ToolSyntax::Llama3Json, 11),
+        (ToolSyntax::Granite, CALL_TEXTS.len() - 2),
     ] {
         let text = CALL_TEXTS[i].1;
         let read = |parts: &[&str]| {
@@ -1149,6 +1195,7 @@ fn qwen3_renders_tool_turns_with_their_thinking() {
     );
     let mut off = serde_json::Map::new();
     off.insert(ChatTemplate::THINKING_SWITCH.into(), false.into());
+    assert!(t.thinking_on(&serde_json::Map::new()) && !t.thinking_on(&off));
     let text = t.render_with(&chat[..1], &[], true, &off).unwrap();
     assert!(
         text.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"),
@@ -1213,6 +1260,8 @@ fn templates_get_what_they_accept() {
     let mut on = serde_json::Map::new();
     on.insert("thinking".into(), true.into());
     assert!(t.opens_thinking(&on) && !t.opens_thinking(&serde_json::Map::new()));
+    // Off unless set.
+    assert!(t.thinking_on(&on) && !t.thinking_on(&serde_json::Map::new()));
     let text = t.render(&chat, &[], true).unwrap();
     assert!(
         text.contains("get_weather<｜tool▁sep｜>{\"city\": \"Paris\"}<｜tool▁call▁end｜>"),

@@ -27,6 +27,9 @@ pub enum ToolSyntax {
     /// </function>\n</tool_call>` (Qwen3-Coder, Qwen3.5): each argument in
     /// its own tag, its value as text, typed by the tool's schema.
     QwenXml,
+    /// `<|tool_call|>[{"name": …, "arguments": {…}}, …]` (IBM's Granite 3):
+    /// Mistral's list after another marker.
+    Granite,
     /// OpenAI's harmony format (gpt-oss): a message to a recipient,
     /// `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{…}`,
     /// one call per turn; read with its thinking by [`crate::HarmonyReader`].
@@ -87,6 +90,8 @@ impl ToolSyntax {
     pub fn detect(template: &str) -> Option<ToolSyntax> {
         if crate::harmony::is_harmony(template) {
             Some(ToolSyntax::Harmony)
+        } else if template.contains(GRANITE_CALL) {
+            Some(ToolSyntax::Granite)
         } else if template.contains("<tool_call>") && template.contains("<function=") {
             Some(ToolSyntax::QwenXml)
         } else if template.contains("<tool_call>") {
@@ -112,7 +117,7 @@ impl ToolSyntax {
     }
 
     /// A short name (`hermes`, `mistral`, `mistral_args`, `llama3_json`,
-    /// `qwen3_coder`, `harmony`).
+    /// `qwen3_coder`, `granite`, `harmony`).
     pub fn name(self) -> &'static str {
         match self {
             ToolSyntax::Hermes => "hermes",
@@ -120,6 +125,7 @@ impl ToolSyntax {
             ToolSyntax::MistralArgs => "mistral_args",
             ToolSyntax::Llama3Json => "llama3_json",
             ToolSyntax::QwenXml => "qwen3_coder",
+            ToolSyntax::Granite => "granite",
             ToolSyntax::Harmony => "harmony",
         }
     }
@@ -138,6 +144,7 @@ impl ToolSyntax {
         match self {
             ToolSyntax::Hermes => &["<tool_call>", "```json"],
             ToolSyntax::Mistral | ToolSyntax::MistralArgs => &["[TOOL_CALLS]"],
+            ToolSyntax::Granite => &[GRANITE_CALL],
             // The call is the answer's opening `{` (see CallParser).
             ToolSyntax::Llama3Json => &[],
             // Its models now and then leave out the outer tag.
@@ -155,6 +162,7 @@ impl ToolSyntax {
         match self {
             ToolSyntax::Hermes | ToolSyntax::QwenXml => &["<tool_call>", "</tool_call>"],
             ToolSyntax::Mistral => &["[TOOL_CALLS]"],
+            ToolSyntax::Granite => &[GRANITE_CALL],
             ToolSyntax::MistralArgs => &["[TOOL_CALLS]", "[ARGS]"],
             ToolSyntax::Llama3Json => &[],
             // llama.cpp renders these for gpt-oss already; a GGUF converted
@@ -228,7 +236,7 @@ impl ToolSyntax {
                     "start: call{repeat}\ncall: \"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: %json {body}\n"
                 )
             }
-            ToolSyntax::Mistral => {
+            ToolSyntax::Mistral | ToolSyntax::Granite => {
                 let mut list = serde_json::json!({
                     "type": "array",
                     "items": one_call,
@@ -238,7 +246,12 @@ impl ToolSyntax {
                 if !parallel {
                     list["maxItems"] = 1.into();
                 }
-                format!("start: \"[TOOL_CALLS] \" body\nbody: %json {list}\n")
+                let head = if self == ToolSyntax::Mistral {
+                    "\"[TOOL_CALLS] \""
+                } else {
+                    "\"<|tool_call|>\""
+                };
+                format!("start: {head} body\nbody: %json {list}\n")
             }
             ToolSyntax::Llama3Json => {
                 let mut body = one_call;
@@ -259,6 +272,9 @@ impl ToolSyntax {
         Some(Constraint::Lark(grammar))
     }
 }
+
+/// The marker before Granite's list of calls.
+const GRANITE_CALL: &str = "<|tool_call|>";
 
 /// The JSON layout forced calls are written in, in llguidance's
 /// `x-guidance` terms (as `siliceo-constrain` lays out JSON schemas): `", "`,

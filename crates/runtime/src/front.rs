@@ -189,16 +189,24 @@ impl Front {
     }
 
     /// `req`'s constraint as the engine holds the output to it: after the
-    /// thinking, when the output may think (the model reasons) and the
+    /// thinking, when the output may think (the prompt opened a block, or
+    /// the model reasons and its thinking is not switched off) and the
     /// constraint does not write the thinking itself.
     fn constraint_of(&self, req: &GenerateRequest) -> Option<Constraint> {
         let c = req.constraint.clone()?;
-        let tags = self.chat_template().and_then(ChatTemplate::think_tags);
+        let template = self.chat_template();
+        let tags = template.and_then(ChatTemplate::think_tags);
+        // A block the prompt opened must close; else the model may open one
+        // when its thinking is on (not when the switch turned it off).
+        let may_think =
+            |open: bool| open || template.is_some_and(|t| t.thinking_on(&req.chat_template_kwargs));
         match (self.thinking(req), tags) {
-            (Some(open), Some(tags)) if !writes_thinking(&c, tags) => Some(Constraint::Led {
-                lead: tags.lead_grammar(open),
-                then: Box::new(c),
-            }),
+            (Some(open), Some(tags)) if may_think(open) && !writes_thinking(&c, tags) => {
+                Some(Constraint::Led {
+                    lead: tags.lead_grammar(open),
+                    then: Box::new(c),
+                })
+            }
             _ => Some(c),
         }
     }
@@ -686,6 +694,33 @@ mod tests {
             &grammars,
             &lark(true),
             r#"[TOOL_CALLS]get_weather[ARGS]{"town": "Paris"}"#
+        ));
+        // Granite's list after its marker, one call or (parallel) more.
+        let granite = |parallel| {
+            ToolSyntax::Granite
+                .constraint(&tools, &ToolChoice::Required, parallel)
+                .unwrap()
+        };
+        let call = r#"{"name": "get_weather", "arguments": {"city": "Paris"}}"#;
+        assert!(accepts(
+            &grammars,
+            &granite(false),
+            &format!("<|tool_call|>[{call}]")
+        ));
+        assert!(accepts(
+            &grammars,
+            &granite(true),
+            &format!("<|tool_call|>[{call}, {call}]")
+        ));
+        assert!(!accepts(
+            &grammars,
+            &granite(false),
+            &format!("<|tool_call|>[{call}, {call}]")
+        ));
+        assert!(!accepts(
+            &grammars,
+            &granite(true),
+            &format!("[TOOL_CALLS] [{call}]")
         ));
     }
 
