@@ -432,10 +432,10 @@ impl ChatTemplate {
                 parameters: r#"{"type": "object", "properties": {}}"#.into(),
             };
             let tools = std::slice::from_ref(&bare);
-            self.fit.described = self.render_with(&hi, tools, true, &none).is_err() && {
+            if self.render_with(&hi, tools, true, &none).is_err() {
                 self.fit.described = true;
-                self.render_with(&hi, tools, true, &none).is_ok()
-            };
+                self.fit.described = self.render_with(&hi, tools, true, &none).is_ok();
+            }
         }
         let system = [
             Message::new("system", "Be brief."),
