@@ -1460,6 +1460,32 @@ def test_granite_tool_calls():
         s.stop()
 
 
+def test_nemotron_tool_calls():
+    """Nemotron Nano 2's own template on SmolLM2 (calls as a JSON list in
+    `<TOOLCALL>` tags; its prompt opens a thinking block): a required call
+    is forced after the thinking, which a budget of 0 closes at once, and
+    read back, streamed as written; no thought but the close's newline."""
+    template = ROOT / "crates" / "chat" / "src" / "testdata_nemotron_nano2.jinja"
+    s = Server("--chat-template-file", str(template))
+    try:
+        c = client(s)
+        params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                  "required": ["city"], "additionalProperties": False}
+        tools = [{"type": "function", "function": {
+            "name": "get_weather", "description": "The weather in a city", "parameters": params}}]
+        ask = dict(model="", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                   tools=tools, tool_choice="required", parallel_tool_calls=False,
+                   temperature=0, max_tokens=80, extra_body={"thinking_token_budget": 0})
+        message, call = forced_call_streams_alike(c, ask)
+        assert call.function.name == "get_weather" and message.content is None
+        assert set(json.loads(call.function.arguments)) == {"city"}
+        # The forced close is "\n</think>\n\n": its newline is all the thinking.
+        assert message.reasoning_content == "\n", message
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
 def test_gpt_oss_harmony(grpc_api):
     """gpt-oss's own template (OpenAI's harmony format) on SmolLM2: a
     required call is forced as a message to `functions.NAME` and read back,

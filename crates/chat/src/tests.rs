@@ -130,7 +130,7 @@ fn hermes_calls_parse_and_prose_stays() {
 #[test]
 fn granite_calls_parse() {
     let n = CALL_TEXTS.len();
-    let out = ToolSyntax::Granite.parse(CALL_TEXTS[n - 2].1, &[]);
+    let out = ToolSyntax::Granite.parse(CALL_TEXTS[n - 3].1, &[]);
     assert_eq!(
         out.calls,
         [
@@ -139,7 +139,7 @@ fn granite_calls_parse() {
             ("now".into(), "{}".into())
         ]
     );
-    let cut = ToolSyntax::Granite.parse(CALL_TEXTS[n - 1].1, &[]);
+    let cut = ToolSyntax::Granite.parse(CALL_TEXTS[n - 2].1, &[]);
     assert!(
         cut.cut_short && cut.calls[0].1 == r#"{"city": "Bos"#,
         "{cut:?}"
@@ -155,6 +155,29 @@ fn granite_calls_parse() {
         text.contains("<|tool_call|>") && text.contains("\"get_weather\""),
         "{text}"
     );
+}
+
+/// Nemotron Nano 2's calls: a JSON list in `<TOOLCALL>` tags; its
+/// template (as the model ships it) is recognised, and a call it renders
+/// reads back as the call.
+#[test]
+fn nemotron_calls_parse() {
+    let out = ToolSyntax::Nemotron.parse(CALL_TEXTS[CALL_TEXTS.len() - 1].1, &[]);
+    assert_eq!(out.content, "Let me look.");
+    assert_eq!(
+        out.calls,
+        [("get_weather".into(), r#"{"city": "Oslo"}"#.into())]
+    );
+    let t = ChatTemplate::new(include_str!("testdata_nemotron_nano2.jinja"), "", "").unwrap();
+    assert_eq!(t.tool_syntax(), Some(ToolSyntax::Nemotron));
+    let [call, result] = long_id_call();
+    let chat = [Message::new("user", "Weather?"), call, result];
+    let text = t.render(&chat, &[weather()], true).unwrap();
+    let at = text.rfind("<TOOLCALL>").expect("the call is rendered");
+    let read = ToolSyntax::Nemotron.parse(&text[at..], &[]);
+    assert_eq!(read.calls[0].0, "get_weather");
+    let args: serde_json::Value = serde_json::from_str(&read.calls[0].1).unwrap();
+    assert_eq!(args, serde_json::json!({"city": "Paris"}));
 }
 
 #[test]
@@ -339,6 +362,10 @@ const CALL_TEXTS: &[(ToolSyntax, &str)] = &[
     (
         ToolSyntax::Granite,
         "<|tool_call|>[{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Bos",
+    ),
+    (
+        ToolSyntax::Nemotron,
+        "Let me look.<TOOLCALL>[{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}]</TOOLCALL>",
     ),
 ];
 
@@ -914,6 +941,8 @@ fn random_texts_read_alike_however_cut() {
         "[ARGS]",
         "g",
         "<|tool_call|>",
+        "<TOOLCALL>",
+        "</TOOLCALL>",
         "<|channel|>",
         "analysis",
         "final",
@@ -941,6 +970,7 @@ fn random_texts_read_alike_however_cut() {
         ToolSyntax::MistralArgs,
         ToolSyntax::Harmony,
         ToolSyntax::Granite,
+        ToolSyntax::Nemotron,
     ];
     // How many texts held calls, and how many ended inside arguments: the
     // texts must reach the reader's paths, not only its prose.
@@ -957,6 +987,7 @@ fn random_texts_read_alike_however_cut() {
             ToolSyntax::MistralArgs => "[TOOL_CALLS]f[ARGS]",
             ToolSyntax::Harmony => "<|channel|>commentary to=functions.f<|message|>",
             ToolSyntax::Granite => "<|tool_call|>[{\"name\": \"f\", \"arguments\": ",
+            ToolSyntax::Nemotron => "<TOOLCALL>[{\"name\": \"f\", \"arguments\": ",
             _ => "{\"name\": \"f\", \"parameters\": ",
         };
         let text: String = std::iter::once(opener)
@@ -1010,7 +1041,7 @@ fn a_single_call_reader_drops_later_calls() {
         (ToolSyntax::Hermes, 6),
         (ToolSyntax::Mistral, 9),
         (ToolSyntax::Llama3Json, 11),
-        (ToolSyntax::Granite, CALL_TEXTS.len() - 2),
+        (ToolSyntax::Granite, CALL_TEXTS.len() - 3),
     ] {
         let text = CALL_TEXTS[i].1;
         let read = |parts: &[&str]| {

@@ -30,6 +30,9 @@ pub enum ToolSyntax {
     /// `<|tool_call|>[{"name": …, "arguments": {…}}, …]` (IBM's Granite 3):
     /// Mistral's list after another marker.
     Granite,
+    /// `<TOOLCALL>[{"name": …, "arguments": {…}}, …]</TOOLCALL>` (NVIDIA's
+    /// Nemotron Nano 2).
+    Nemotron,
     /// OpenAI's harmony format (gpt-oss): a message to a recipient,
     /// `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{…}`,
     /// one call per turn; read with its thinking by [`crate::HarmonyReader`].
@@ -92,6 +95,8 @@ impl ToolSyntax {
             Some(ToolSyntax::Harmony)
         } else if template.contains(GRANITE_CALL) {
             Some(ToolSyntax::Granite)
+        } else if template.contains(NEMOTRON_CALL) {
+            Some(ToolSyntax::Nemotron)
         } else if template.contains("<tool_call>") && template.contains("<function=") {
             Some(ToolSyntax::QwenXml)
         } else if template.contains("<tool_call>") {
@@ -117,7 +122,7 @@ impl ToolSyntax {
     }
 
     /// A short name (`hermes`, `mistral`, `mistral_args`, `llama3_json`,
-    /// `qwen3_coder`, `granite`, `harmony`).
+    /// `qwen3_coder`, `granite`, `nemotron`, `harmony`).
     pub fn name(self) -> &'static str {
         match self {
             ToolSyntax::Hermes => "hermes",
@@ -126,6 +131,7 @@ impl ToolSyntax {
             ToolSyntax::Llama3Json => "llama3_json",
             ToolSyntax::QwenXml => "qwen3_coder",
             ToolSyntax::Granite => "granite",
+            ToolSyntax::Nemotron => "nemotron",
             ToolSyntax::Harmony => "harmony",
         }
     }
@@ -145,6 +151,7 @@ impl ToolSyntax {
             ToolSyntax::Hermes => &["<tool_call>", "```json"],
             ToolSyntax::Mistral | ToolSyntax::MistralArgs => &["[TOOL_CALLS]"],
             ToolSyntax::Granite => &[GRANITE_CALL],
+            ToolSyntax::Nemotron => &[NEMOTRON_CALL],
             // The call is the answer's opening `{` (see CallParser).
             ToolSyntax::Llama3Json => &[],
             // Its models now and then leave out the outer tag.
@@ -163,6 +170,7 @@ impl ToolSyntax {
             ToolSyntax::Hermes | ToolSyntax::QwenXml => &["<tool_call>", "</tool_call>"],
             ToolSyntax::Mistral => &["[TOOL_CALLS]"],
             ToolSyntax::Granite => &[GRANITE_CALL],
+            ToolSyntax::Nemotron => &[NEMOTRON_CALL, "</TOOLCALL>"],
             ToolSyntax::MistralArgs => &["[TOOL_CALLS]", "[ARGS]"],
             ToolSyntax::Llama3Json => &[],
             // llama.cpp renders these for gpt-oss already; a GGUF converted
@@ -236,7 +244,7 @@ impl ToolSyntax {
                     "start: call{repeat}\ncall: \"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: %json {body}\n"
                 )
             }
-            ToolSyntax::Mistral | ToolSyntax::Granite => {
+            ToolSyntax::Mistral | ToolSyntax::Granite | ToolSyntax::Nemotron => {
                 let mut list = serde_json::json!({
                     "type": "array",
                     "items": one_call,
@@ -246,12 +254,12 @@ impl ToolSyntax {
                 if !parallel {
                     list["maxItems"] = 1.into();
                 }
-                let head = if self == ToolSyntax::Mistral {
-                    "\"[TOOL_CALLS] \""
-                } else {
-                    "\"<|tool_call|>\""
+                let (head, tail) = match self {
+                    ToolSyntax::Mistral => ("\"[TOOL_CALLS] \"", ""),
+                    ToolSyntax::Granite => ("\"<|tool_call|>\"", ""),
+                    _ => ("\"<TOOLCALL>\"", " \"</TOOLCALL>\""),
                 };
-                format!("start: {head} body\nbody: %json {list}\n")
+                format!("start: {head} body{tail}\nbody: %json {list}\n")
             }
             ToolSyntax::Llama3Json => {
                 let mut body = one_call;
@@ -275,6 +283,8 @@ impl ToolSyntax {
 
 /// The marker before Granite's list of calls.
 const GRANITE_CALL: &str = "<|tool_call|>";
+/// The tag around Nemotron's list of calls.
+const NEMOTRON_CALL: &str = "<TOOLCALL>";
 
 /// The JSON layout forced calls are written in, in llguidance's
 /// `x-guidance` terms (as `siliceo-constrain` lays out JSON schemas): `", "`,

@@ -722,6 +722,17 @@ mod tests {
             &granite(true),
             &format!("[TOOL_CALLS] [{call}]")
         ));
+        // Nemotron's list, in its tags.
+        let nemotron = ToolSyntax::Nemotron
+            .constraint(&tools, &ToolChoice::Required, false)
+            .unwrap();
+        let text = format!("<TOOLCALL>[{call}]</TOOLCALL>");
+        assert!(accepts(&grammars, &nemotron, &text));
+        assert!(!accepts(
+            &grammars,
+            &nemotron,
+            &format!("<TOOLCALL>[{call}]")
+        ));
     }
 
     /// gpt-oss's forced calls (harmony): the call's header and its
