@@ -1580,6 +1580,12 @@ def test_gpt_oss_harmony(grpc_api):
                 + json.dumps(json.loads(call.function.arguments)) + "<|call|>")
         assert turn in text, text
         assert text.endswith('<|channel|>commentary<|message|>"18 C"<|end|><|start|>assistant'), text
+        # A preamble and thinking on one call (the template refuses both):
+        # the preamble joins the thinking.
+        said = [dict(m, content="Let me look.") if m["role"] == "assistant" else m for m in follow]
+        status, t2 = post_json(s, "/tokenize", {"messages": said, "return_token_strs": True})
+        assert status == 200, t2
+        assert "analysis<|message|>Need the weather.\n\nLet me look.<|end|>" in "".join(t2["token_strs"])
         # gRPC's `ChatMessage.reasoning` reaches the template alike.
         args = call.function.arguments
         grpc_follow = [

@@ -7,7 +7,8 @@
 //! (DeepSeek-V3.1's and functionary's join them to text), call ids of any
 //! length (Mistral's insist on 9 letters and digits), a tool without a
 //! description (gpt-oss's joins it to text), a system message (Gemma's
-//! refuse the role). Each adaptation is made only for a template that fails
+//! refuse the role), a call with both text and thinking (gpt-oss's refuses
+//! them together). Each adaptation is made only for a template that fails
 //! without it and renders with it, so every other template sees what
 //! `transformers` would give it.
 
@@ -29,6 +30,9 @@ pub(crate) struct Fit {
     pub(crate) described: bool,
     /// System messages are folded into the first user message.
     pub(crate) fold_system: bool,
+    /// A call's message with both text and thinking has its text joined
+    /// to its thinking (gpt-oss's refuses both on one call).
+    join_thought: bool,
 }
 
 impl Fit {
@@ -46,6 +50,12 @@ impl Fit {
         all.into_iter()
     }
 
+    /// This fit, joining a call's text to its thinking.
+    pub(crate) fn joining_thought(mut self, on: bool) -> Fit {
+        self.join_thought = on;
+        self
+    }
+
     /// The adaptations that change how a chat is rendered, as a short list
     /// (for logs): `empty_text, short_ids`, …
     pub(crate) fn names(&self) -> Vec<&'static str> {
@@ -55,18 +65,36 @@ impl Fit {
             (self.short_ids, "short_ids"),
             (self.described, "described"),
             (self.fold_system, "fold_system"),
+            (self.join_thought, "join_thought"),
         ]
         .into_iter()
         .filter_map(|(on, name)| on.then_some(name))
         .collect()
     }
 
-    /// `messages` with their system messages folded into the first user
+    /// `messages` adapted: system messages folded into the first user
     /// message (their texts, then a blank line, then the user's), when the
-    /// template refuses the role; as they are otherwise.
+    /// template refuses the role; a call's text joined to its thinking (the
+    /// thinking, a blank line, the text), when the template refuses both.
     pub(crate) fn messages<'a>(&self, messages: &'a [Message]) -> Cow<'a, [Message]> {
+        let both =
+            |m: &Message| !m.tool_calls.is_empty() && m.reasoning.is_some() && m.content.is_some();
+        let messages: Cow<'a, [Message]> = if self.join_thought && messages.iter().any(both) {
+            let joined = messages.iter().map(|m| {
+                let mut m = m.clone();
+                if both(&m) {
+                    let text = m.content.take().unwrap_or_default();
+                    let thought = m.reasoning.take().unwrap_or_default();
+                    m.reasoning = Some(format!("{thought}\n\n{text}"));
+                }
+                m
+            });
+            Cow::Owned(joined.collect())
+        } else {
+            Cow::Borrowed(messages)
+        };
         if !self.fold_system || !messages.iter().any(|m| m.role == "system") {
-            return Cow::Borrowed(messages);
+            return messages;
         }
         let system: Vec<&str> = messages
             .iter()

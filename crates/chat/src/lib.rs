@@ -443,6 +443,18 @@ impl ChatTemplate {
         ];
         self.fit.fold_system = self.render_with(&hi, &[], true, &none).is_ok()
             && self.render_with(&system, &[], true, &none).is_err();
+        // A call with text and thinking both (gpt-oss's refuses them).
+        let mut both = call.clone();
+        both[1].content = Some("Let me look.".into());
+        both[1].reasoning = Some("Hm.".into());
+        if self.render_with(&call, &[], true, &none).is_ok()
+            && self.render_with(&both, &[], true, &none).is_err()
+        {
+            self.fit = self.fit.joining_thought(true);
+            if self.render_with(&both, &[], true, &none).is_err() {
+                self.fit = self.fit.joining_thought(false);
+            }
+        }
     }
 
     /// What the template is given beyond what `transformers` passes (see
@@ -450,7 +462,8 @@ impl ChatTemplate {
     /// empty text), `text_args` (a call's arguments are JSON text),
     /// `short_ids` (call ids are 9 letters and digits), `described` (a tool
     /// without a description has an empty one), `fold_system` (system
-    /// messages join the first user message). Empty for most templates.
+    /// messages join the first user message), `join_thought` (a call's
+    /// text joins its thinking). Empty for most templates.
     pub fn adaptations(&self) -> Vec<&'static str> {
         self.fit.names()
     }

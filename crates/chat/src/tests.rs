@@ -1154,8 +1154,16 @@ fn gpt_oss_renders_harmony_and_its_call_reads_back() {
         (got.reasoning.as_str(), got.answer.as_str()),
         ("Easy.", "4")
     );
-    // An assistant message with no text has no `content` key: the template
-    // asks `"content" in message`, then reads it as text.
+    // What the template needs: empty text for no text, an empty
+    // description, a call's text joined to its thinking (it refuses both).
+    assert_eq!(t.adaptations(), ["empty_text", "described", "join_thought"]);
+    let mut said = chat.clone();
+    said[1].content = Some("Let me look.".into());
+    let text = t.render_with(&said, &[weather()], true, &kwargs).unwrap();
+    assert!(
+        text.contains("<|channel|>analysis<|message|>Need the weather.\n\nLet me look.<|end|>"),
+        "{text}"
+    );
     let plain = t.render(&chat[..2], &[], false).unwrap();
     assert!(plain.contains("to=functions.get_weather"), "{plain}");
     // A tool without a description: an empty one (the template joins it
