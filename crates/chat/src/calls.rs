@@ -30,7 +30,7 @@ use siliceo_core::held_prefix_len;
 
 use crate::Tool;
 use crate::harmony::HarmonyReader;
-use crate::tools::{ToolSyntax, call_of_value, calls_of, find_first, param_type};
+use crate::tools::{ToolSyntax, call_of_text, calls_of, find_first, param_type};
 
 /// A piece of a model's answer, read for tool calls.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -764,9 +764,7 @@ impl CallParser {
                     return Step::Wait;
                 };
                 let item: String = self.buf.drain(..=lead + end).collect();
-                let call = serde_json::from_str(&item)
-                    .ok()
-                    .and_then(|v| call_of_value(&v));
+                let call = call_of_text(&item);
                 self.state = match call {
                     Some(_) if self.calls >= self.max_calls => {
                         self.buf.clear();

@@ -134,8 +134,8 @@ fn granite_calls_parse() {
     assert_eq!(
         out.calls,
         [
-            // Read whole (another key order): written compactly.
-            ("get_weather".into(), r#"{"city":"Boston"}"#.into()),
+            // Read whole (another key order), its arguments as written.
+            ("get_weather".into(), r#"{"city": "Boston"}"#.into()),
             ("now".into(), "{}".into())
         ]
     );
@@ -454,8 +454,8 @@ fn calls_stream_their_arguments_as_written() {
     for i in [2, 3, 8] {
         assert_eq!(whole(i).0, vec![CallPiece::Text(CALL_TEXTS[i].1.into())]);
     }
-    // Another key order: read whole (serde_json's layout).
-    assert_eq!(whole(4).0[1], CallPiece::Args(r#"{"a":1}"#.into()));
+    // Another key order: read whole, its arguments as written.
+    assert_eq!(whole(4).0[1], CallPiece::Args(r#"{"a": 1}"#.into()));
     // Arguments written as a JSON string: the JSON inside.
     assert_eq!(whole(5).0[1], CallPiece::Args(r#"{"a": 1}"#.into()));
     // A list in a block; a scalar argument kept as written.
@@ -545,7 +545,7 @@ fn xml_calls_read_as_json_arguments() {
             CallPiece::Call("f".into()),
             CallPiece::Args("{}".into()),
             CallPiece::Call("g".into()),
-            CallPiece::Args(r#"{"b":"}"}"#.into()),
+            CallPiece::Args(r#"{"b": "}"}"#.into()),
         ]
     );
     assert_eq!(
@@ -554,7 +554,7 @@ fn xml_calls_read_as_json_arguments() {
             CallPiece::Call("a".into()),
             CallPiece::Args("{}".into()),
             CallPiece::Call("b".into()),
-            CallPiece::Args(r#"{"x":1}"#.into()),
+            CallPiece::Args(r#"{"x": 1}"#.into()),
         ]
     );
     // Mistral's newer calls, `[TOOL_CALLS]NAME[ARGS]{…}` each; cut short

@@ -2,6 +2,7 @@
 //! calls, and the grammar that forces one.
 
 use serde_json::Value;
+use serde_json::value::RawValue;
 use siliceo_core::Constraint;
 
 use crate::Tool;
@@ -437,23 +438,34 @@ pub(crate) fn find_first<'a>(text: &str, markers: &[&'a str]) -> Option<(usize, 
         .min_by_key(|(at, _)| *at)
 }
 
-/// One call or a list of calls.
+/// One call or a list of calls, each call's arguments as written.
 pub(crate) fn calls_of(body: &str) -> Option<Vec<(String, String)>> {
-    match serde_json::from_str::<Value>(body).ok()? {
-        Value::Array(items) if !items.is_empty() => items.iter().map(call_of_value).collect(),
-        v => Some(vec![call_of_value(&v)?]),
+    let text = body.trim_start();
+    if text.starts_with('[') {
+        let items: Vec<&RawValue> = serde_json::from_str(text).ok()?;
+        if items.is_empty() {
+            return None;
+        }
+        items.iter().map(|i| call_of_text(i.get())).collect()
+    } else {
+        Some(vec![call_of_text(text)?])
     }
 }
 
-/// `{"name": …, "arguments": {…}}` (or `parameters`, as some models write).
-pub(crate) fn call_of_value(v: &Value) -> Option<(String, String)> {
-    let name = v.get("name")?.as_str()?.to_string();
+/// `{"name": …, "arguments": {…}}` (or `parameters`, as some models
+/// write), its arguments' JSON text as written; `None` when `item` is no
+/// such object.
+pub(crate) fn call_of_text(item: &str) -> Option<(String, String)> {
+    let fields: std::collections::HashMap<String, &RawValue> = serde_json::from_str(item).ok()?;
+    let name: String = serde_json::from_str(fields.get("name")?.get()).ok()?;
     // `arguments` is required: `{"name": "Bob"}` in an answer is data.
-    let args = v.get("arguments").or_else(|| v.get("parameters"))?.clone();
-    let args = match args {
+    let args = fields
+        .get("arguments")
+        .or_else(|| fields.get("parameters"))?;
+    let args = match serde_json::from_str::<Value>(args.get()).ok()? {
         // Some models write the arguments as a JSON string already.
         Value::String(s) if serde_json::from_str::<Value>(&s).is_ok() => s,
-        other => other.to_string(),
+        _ => args.get().to_string(),
     };
     Some((name, args))
 }
