@@ -1168,6 +1168,31 @@ def forced_call_streams_alike(c, ask):
     return whole.message, call
 
 
+# A weather tool whose one argument is bounded, so a forced call ends.
+CITY_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+               "required": ["city"], "additionalProperties": False}
+CITY_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city", "parameters": CITY_PARAMS}}]
+CITY_ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def forced_city_call(c, **kw):
+    """Forces a call to CITY_TOOLS' tool on CITY_ASK (greedy; `kw` adds to
+    or replaces the request), checked by `forced_call_streams_alike`: a call
+    to `get_weather` and no text. Returns the message, the call and the
+    request."""
+    ask = dict(dict(model="", messages=CITY_ASK, tools=CITY_TOOLS, tool_choice="required",
+                    temperature=0), **kw)
+    message, call = forced_call_streams_alike(c, ask)
+    assert call.function.name == "get_weather" and message.content is None
+    return message, call, ask
+
+
+def template_server(name: str) -> Server:
+    """A server on one of the chat crate's test-data templates."""
+    return Server("--chat-template-file", str(ROOT / "crates" / "chat" / "src" / name))
+
+
 # Llama 3's tool-call format (a call is the answer's JSON, `parameters` for
 # the arguments, no marker) in ChatML's turns, which SmolLM2 knows.
 LLAMA_JSON_TOOLS = (
@@ -1265,16 +1290,7 @@ def test_mistral_name_args_tool_calls(tmp_path):
     s = Server("--chat-template-file", str(path))
     try:
         c = client(s)
-        tools = [{"type": "function", "function": {
-            "name": "get_weather", "description": "The weather in a city",
-            "parameters": {"type": "object", "properties": {
-                "city": {"type": "string", "maxLength": 20}}, "required": ["city"],
-                "additionalProperties": False}}}]
-        ask = dict(model="", messages=[{"role": "user", "content": "Weather in Paris?"}],
-                   tools=tools, tool_choice="required", temperature=0, max_tokens=60,
-                   parallel_tool_calls=False)
-        message, call = forced_call_streams_alike(c, ask)
-        assert call.function.name == "get_weather" and message.content is None
+        message, call, ask = forced_city_call(c, max_tokens=60, parallel_tool_calls=False)
         assert set(json.loads(call.function.arguments)) == {"city"}
         two = ('\\[TOOL_CALLS\\]get_weather\\[ARGS\\]\\{"city": "Paris"\\}'
                '\\[TOOL_CALLS\\]get_weather\\[ARGS\\]\\{"city": "Rome"\\}')
@@ -1306,8 +1322,7 @@ def test_qwen3_coder_xml_tool_calls(grpc_api):
     pb, _, _ = grpc_api
     from siliceo.v1 import inference_pb2_grpc as pbg
 
-    template = ROOT / "crates" / "chat" / "src" / "testdata_qwen3_coder.jinja"
-    s = Server("--chat-template-file", str(template))
+    s = template_server("testdata_qwen3_coder.jinja")
     try:
         c = client(s)
         params = {"type": "object", "properties": {
@@ -1362,22 +1377,13 @@ def test_qwen3_template_tool_loop():
     which this template reads as text: given as empty text) with its
     `reasoning_content`, which the template shows again, and the model
     answers it."""
-    template = ROOT / "crates" / "chat" / "src" / "testdata_qwen3.jinja"
-    s = Server("--chat-template-file", str(template))
+    s = template_server("testdata_qwen3.jinja")
     try:
         c = client(s)
-        params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
-                  "required": ["city"], "additionalProperties": False}
-        tools = [{"type": "function", "function": {
-            "name": "get_weather", "description": "The weather in a city", "parameters": params}}]
-        msgs = [{"role": "user", "content": "Weather in Paris?"}]
-        ask = dict(model="", messages=msgs, tools=tools, tool_choice="required",
-                   parallel_tool_calls=False, temperature=0, max_tokens=80,
-                   extra_body={"thinking_token_budget": 0})
-        message, call = forced_call_streams_alike(c, ask)
-        assert call.function.name == "get_weather" and message.content is None
+        message, call, _ = forced_city_call(c, parallel_tool_calls=False, max_tokens=80,
+                                            extra_body={"thinking_token_budget": 0})
         assert message.reasoning_content is None, message
-        follow = msgs + [
+        follow = CITY_ASK + [
             {"role": "assistant", "content": None, "tool_calls": [call.model_dump()],
              "reasoning_content": "Need the weather."},
             {"role": "tool", "tool_call_id": call.id, "content": "18 C"},
@@ -1401,7 +1407,6 @@ def test_real_templates_take_what_openai_clients_send():
     `content: null` and the server's long call id, then its result) and a
     system message render: Mistral-Nemo's 9-character ids, DeepSeek-V3.1's
     arguments as text, Gemma 2's system role folded into the user turn."""
-    src = ROOT / "crates" / "chat" / "src"
     loop = [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [{
@@ -1416,7 +1421,7 @@ def test_real_templates_take_what_openai_clients_send():
         ("testdata_gemma2.jinja", system, ["user\nBe brief.\n\nHi<end_of_turn>"]),
     ]
     for name, msgs, wanted in cases:
-        s = Server("--chat-template-file", str(src / name))
+        s = template_server(name)
         try:
             status, t = post_json(s, "/tokenize", {"messages": msgs})
             assert status == 200, (name, t)
@@ -1435,19 +1440,10 @@ def test_granite_tool_calls():
     `<|tool_call|>`): a required call is forced in that shape and read back,
     streamed as written; two calls the model writes under `auto`, one in
     Granite's own key order (arguments first), are both read."""
-    template = ROOT / "crates" / "chat" / "src" / "testdata_granite33.jinja"
-    s = Server("--chat-template-file", str(template))
+    s = template_server("testdata_granite33.jinja")
     try:
         c = client(s)
-        params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
-                  "required": ["city"], "additionalProperties": False}
-        tools = [{"type": "function", "function": {
-            "name": "get_weather", "description": "The weather in a city", "parameters": params}}]
-        ask = dict(model="", messages=[{"role": "user", "content": "Weather in Paris?"}],
-                   tools=tools, tool_choice="required", parallel_tool_calls=False,
-                   temperature=0, max_tokens=60)
-        message, call = forced_call_streams_alike(c, ask)
-        assert call.function.name == "get_weather" and message.content is None
+        message, call, ask = forced_city_call(c, parallel_tool_calls=False, max_tokens=60)
         assert set(json.loads(call.function.arguments)) == {"city"}
         two = ('<\\|tool_call\\|>\\[\\{"arguments": \\{"city": "Rome"\\}, "name": "get_weather"\\}, '
                '\\{"name": "get_weather", "arguments": \\{"city": "Oslo"\\}\\}\\]')
@@ -1465,19 +1461,11 @@ def test_nemotron_tool_calls():
     `<TOOLCALL>` tags; its prompt opens a thinking block): a required call
     is forced after the thinking, which a budget of 0 closes at once, and
     read back, streamed as written; no thought but the close's newline."""
-    template = ROOT / "crates" / "chat" / "src" / "testdata_nemotron_nano2.jinja"
-    s = Server("--chat-template-file", str(template))
+    s = template_server("testdata_nemotron_nano2.jinja")
     try:
         c = client(s)
-        params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
-                  "required": ["city"], "additionalProperties": False}
-        tools = [{"type": "function", "function": {
-            "name": "get_weather", "description": "The weather in a city", "parameters": params}}]
-        ask = dict(model="", messages=[{"role": "user", "content": "Weather in Paris?"}],
-                   tools=tools, tool_choice="required", parallel_tool_calls=False,
-                   temperature=0, max_tokens=80, extra_body={"thinking_token_budget": 0})
-        message, call = forced_call_streams_alike(c, ask)
-        assert call.function.name == "get_weather" and message.content is None
+        message, call, _ = forced_city_call(c, parallel_tool_calls=False, max_tokens=80,
+                                            extra_body={"thinking_token_budget": 0})
         assert set(json.loads(call.function.arguments)) == {"city"}
         # The forced close is "\n</think>\n\n": its newline is all the thinking.
         assert message.reasoning_content == "\n", message
@@ -1497,19 +1485,11 @@ def test_gpt_oss_harmony(grpc_api):
     pb, _, _ = grpc_api
     from siliceo.v1 import inference_pb2_grpc as pbg
 
-    template = ROOT / "crates" / "chat" / "src" / "testdata_gpt_oss.jinja"
-    s = Server("--chat-template-file", str(template))
+    s = template_server("testdata_gpt_oss.jinja")
     try:
         c = client(s)
-        params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
-                  "required": ["city"], "additionalProperties": False}
-        tools = [{"type": "function", "function": {
-            "name": "get_weather", "description": "The weather in a city", "parameters": params}}]
-        msgs = [{"role": "user", "content": "Weather in Paris?"}]
-        ask = dict(model="", messages=msgs, tools=tools, tool_choice="required",
-                   temperature=0, max_tokens=80)
-        message, call = forced_call_streams_alike(c, ask)
-        assert call.function.name == "get_weather" and message.content is None
+        params, msgs = CITY_PARAMS, CITY_ASK
+        message, call, _ = forced_city_call(c, max_tokens=80)
         assert set(json.loads(call.function.arguments)) == {"city"}
         with grpc.insecure_channel(s.grpc) as ch:
             out = list(pbg.InferenceStub(ch).Generate(pb.GenerateRequest(
