@@ -299,6 +299,7 @@ fn push_piece(pieces: &mut Vec<CallPiece>, piece: CallPiece) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::{Xorshift, read_alike_at_every_cut, read_alike_cut_at_random};
     use crate::tools::ParsedOutput;
 
     /// A whole reading: (reasoning, answer, calls, cut).
@@ -322,15 +323,7 @@ mod tests {
     /// The text read whole, cut in two anywhere, and a character at a time
     /// all read alike; returns the reading.
     fn same_in_pieces(tools: bool, text: &str) -> (String, String, ParsedOutput) {
-        let whole = read(tools, &[text]);
-        for cut in (0..=text.len()).filter(|&c| text.is_char_boundary(c)) {
-            let got = read(tools, &[&text[..cut], &text[cut..]]);
-            assert_eq!(got, whole, "{text:?} cut at {cut}");
-        }
-        let chars: Vec<String> = text.chars().map(String::from).collect();
-        let parts: Vec<&str> = chars.iter().map(String::as_str).collect();
-        assert_eq!(read(tools, &parts), whole, "{text:?} by characters");
-        whole
+        read_alike_at_every_cut(text, |parts| read(tools, parts))
     }
 
     fn calls(p: &ParsedOutput) -> Vec<(&str, &str)> {
@@ -462,13 +455,7 @@ mod tests {
             "é",
             "\n",
         ];
-        let mut state = 0x2545_F491_4F6C_DD1Du64;
-        let mut next = |n: usize| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state % n as u64) as usize
-        };
+        let mut rng = Xorshift(0x2545_F491_4F6C_DD1D);
         let (mut thought, mut called) = (0, 0);
         for round in 0..3000 {
             let tools = round % 2 == 0;
@@ -476,23 +463,12 @@ mod tests {
                 "",
                 "<|channel|>analysis<|message|>",
                 "<|channel|>commentary to=functions.f<|message|>",
-            ][next(3)];
+            ][rng.below(3)];
+            let len = rng.below(20);
             let text: String = std::iter::once(opener)
-                .chain((0..next(20)).map(|_| PARTS[next(PARTS.len())]))
+                .chain((0..len).map(|_| PARTS[rng.below(PARTS.len())]))
                 .collect();
-            let whole = read(tools, &[&text]);
-            let chars: Vec<String> = text.chars().map(String::from).collect();
-            let parts: Vec<&str> = chars.iter().map(String::as_str).collect();
-            assert_eq!(read(tools, &parts), whole, "{text:?} by characters");
-            let bounds: Vec<usize> = (0..=text.len())
-                .filter(|&i| text.is_char_boundary(i))
-                .collect();
-            let (mut a, mut b) = (bounds[next(bounds.len())], bounds[next(bounds.len())]);
-            if a > b {
-                std::mem::swap(&mut a, &mut b);
-            }
-            let cut = [&text[..a], &text[a..b], &text[b..]];
-            assert_eq!(read(tools, &cut), whole, "{text:?} at {a},{b}");
+            let whole = read_alike_cut_at_random(&text, &mut rng, |parts| read(tools, parts));
             thought += usize::from(!whole.0.is_empty());
             called += usize::from(!whole.2.calls.is_empty());
         }

@@ -34,6 +34,8 @@ mod harmony;
 mod json;
 mod reasoning;
 mod router;
+#[cfg(test)]
+mod testing;
 mod tools;
 
 use std::fmt;

@@ -235,6 +235,7 @@ impl ThinkSplitter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::read_alike_at_every_cut;
 
     /// Every way of cutting `text` into two pushes gives the whole split.
     fn same_in_pieces(open: bool, text: &str, want: (&str, &str)) {
@@ -258,22 +259,11 @@ mod tests {
 
     /// [`same_in_pieces`] for blocks in `tags`; a character at a time too.
     fn same_in_pieces_in(tags: ThinkTags, open: bool, text: &str, want: (&str, &str)) {
-        let whole = split_parts(tags, open, &[text]);
+        let whole = read_alike_at_every_cut(text, |parts| split_parts(tags, open, parts));
         assert_eq!(
             (whole.reasoning.as_str(), whole.content.as_str()),
             want,
             "{text:?}"
-        );
-        for cut in (0..=text.len()).filter(|&c| text.is_char_boundary(c)) {
-            let got = split_parts(tags, open, &[&text[..cut], &text[cut..]]);
-            assert_eq!(got, whole, "{text:?} cut at {cut}");
-        }
-        let chars: Vec<String> = text.chars().map(String::from).collect();
-        let parts: Vec<&str> = chars.iter().map(String::as_str).collect();
-        assert_eq!(
-            split_parts(tags, open, &parts),
-            whole,
-            "{text:?} by characters"
         );
     }
 

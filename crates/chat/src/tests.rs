@@ -5,6 +5,7 @@
 //! `testdata_qwen25.jinja`, as its GGUF carries it).
 
 use super::*;
+use crate::testing::{Xorshift, read_alike_at_every_cut, read_alike_cut_at_random};
 
 const QWEN: &str = include_str!("testdata_qwen25.jinja");
 
@@ -407,21 +408,7 @@ fn streamed(syntax: ToolSyntax, parts: &[&str]) -> (Vec<CallPiece>, bool) {
 #[test]
 fn calls_read_while_streaming_equal_the_whole_text_read_at_every_cut() {
     for &(syntax, text) in CALL_TEXTS {
-        let whole = streamed(syntax, &[text]);
-        let cuts: Vec<usize> = (1..text.len())
-            .filter(|&i| text.is_char_boundary(i))
-            .collect();
-        for &i in &cuts {
-            assert_eq!(
-                streamed(syntax, &[&text[..i], &text[i..]]),
-                whole,
-                "{text:?} cut at {i}"
-            );
-        }
-        // A character at a time.
-        let chars: Vec<String> = text.chars().map(String::from).collect();
-        let parts: Vec<&str> = chars.iter().map(String::as_str).collect();
-        assert_eq!(streamed(syntax, &parts), whole, "{text:?} by characters");
+        read_alike_at_every_cut(text, |parts| streamed(syntax, parts));
     }
 }
 
@@ -954,14 +941,8 @@ fn random_texts_read_alike_however_cut() {
         "<|constrain|>json",
         "<|call|>",
     ];
-    // A fixed xorshift stream: the same texts every run.
-    let mut state = 0x9E37_79B9_7F4A_7C15u64;
-    let mut next = |n: usize| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state % n as u64) as usize
-    };
+    // A fixed stream: the same texts every run.
+    let mut rng = Xorshift(0x9E37_79B9_7F4A_7C15);
     let syntaxes = [
         ToolSyntax::Hermes,
         ToolSyntax::Mistral,
@@ -976,11 +957,11 @@ fn random_texts_read_alike_however_cut() {
     // texts must reach the reader's paths, not only its prose.
     let (mut with_calls, mut cut_short) = (0, 0);
     for round in 0..5000 {
-        let len = next(24);
+        let len = rng.below(24);
         let syntax = syntaxes[round % syntaxes.len()];
         // Half open as a call in the syntax would, to reach its paths.
         let opener = match syntax {
-            _ if next(2) == 0 => "",
+            _ if rng.below(2) == 0 => "",
             ToolSyntax::Hermes => "<tool_call>\n{\"name\": \"f\", \"arguments\": ",
             ToolSyntax::Mistral => "[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": ",
             ToolSyntax::QwenXml => "<tool_call>\n<function=write>\n<parameter=text>\n",
@@ -991,25 +972,9 @@ fn random_texts_read_alike_however_cut() {
             _ => "{\"name\": \"f\", \"parameters\": ",
         };
         let text: String = std::iter::once(opener)
-            .chain((0..len).map(|_| PARTS[next(PARTS.len())]))
+            .chain((0..len).map(|_| PARTS[rng.below(PARTS.len())]))
             .collect();
-        let whole = streamed(syntax, &[&text]);
-        let chars: Vec<String> = text.chars().map(String::from).collect();
-        let parts: Vec<&str> = chars.iter().map(String::as_str).collect();
-        assert_eq!(streamed(syntax, &parts), whole, "{syntax:?} {text:?}");
-        let bounds: Vec<usize> = (0..=text.len())
-            .filter(|&i| text.is_char_boundary(i))
-            .collect();
-        let (mut a, mut b) = (bounds[next(bounds.len())], bounds[next(bounds.len())]);
-        if a > b {
-            std::mem::swap(&mut a, &mut b);
-        }
-        let cut = [&text[..a], &text[a..b], &text[b..]];
-        assert_eq!(
-            streamed(syntax, &cut),
-            whole,
-            "{syntax:?} {text:?} at {a},{b}"
-        );
+        let whole = read_alike_cut_at_random(&text, &mut rng, |parts| streamed(syntax, parts));
         with_calls += usize::from(whole.0.iter().any(|p| matches!(p, CallPiece::Call(_))));
         cut_short += usize::from(whole.1);
         // (Harmony's headers are markup, and its thinking is not text.)
@@ -1097,22 +1062,7 @@ fn gpt_oss_renders_harmony_and_its_call_reads_back() {
     assert!(t.reasons() && t.takes_effort() && !t.has_thinking_switch());
     assert!(!t.opens_thinking(&serde_json::Map::new()));
     let args = r#"{"city": "Paris"}"#;
-    let call = Message {
-        role: "assistant".into(),
-        tool_calls: vec![ToolCall {
-            id: "call_0".into(),
-            name: "get_weather".into(),
-            arguments: args.into(),
-        }],
-        reasoning: Some("Need the weather.".into()),
-        ..Message::default()
-    };
-    let result = Message {
-        role: "tool".into(),
-        content: Some("18 C".into()),
-        tool_call_id: Some("call_0".into()),
-        ..Message::default()
-    };
+    let [call, result] = call_and_result("call_0", Some("Need the weather."));
     let chat = [Message::new("user", "Weather in Paris?"), call, result];
     let mut kwargs = serde_json::Map::new();
     kwargs.insert(ChatTemplate::EFFORT.into(), "high".into());
@@ -1202,22 +1152,7 @@ fn qwen3_renders_tool_turns_with_their_thinking() {
     assert_eq!(t.tool_syntax(), Some(ToolSyntax::Hermes));
     assert_eq!(t.think_tags(), Some(ThinkTags::ANGLE));
     assert!(t.has_thinking_switch() && !t.opens_thinking(&serde_json::Map::new()));
-    let call = Message {
-        role: "assistant".into(),
-        tool_calls: vec![ToolCall {
-            id: "call_0".into(),
-            name: "get_weather".into(),
-            arguments: r#"{"city": "Paris"}"#.into(),
-        }],
-        reasoning: Some("Need the weather.".into()),
-        ..Message::default()
-    };
-    let result = Message {
-        role: "tool".into(),
-        content: Some("18 C".into()),
-        tool_call_id: Some("call_0".into()),
-        ..Message::default()
-    };
+    let [call, result] = call_and_result("call_0", Some("Need the weather."));
     let chat = [Message::new("user", "Weather?"), call, result];
     let text = t.render(&chat, &[weather()], true).unwrap();
     let turn = "<|im_start|>assistant\n<think>\nNeed the weather.\n</think>\n\n<tool_call>\n\
@@ -1260,9 +1195,9 @@ fn no_text_stays_none_where_the_template_handles_it() {
     assert_eq!(t.render(&[call], &[], false).unwrap(), "[none]");
 }
 
-/// A call with a long id (as the server makes them), and its result.
-fn long_id_call() -> [Message; 2] {
-    let id = "call_18eedc3dd3393c090001";
+/// An assistant's call to `get_weather` for Paris with id `id` (and the
+/// thinking before it), and the tool's result, `18 C`.
+fn call_and_result(id: &str, thought: Option<&str>) -> [Message; 2] {
     let call = Message {
         role: "assistant".into(),
         tool_calls: vec![ToolCall {
@@ -1270,6 +1205,7 @@ fn long_id_call() -> [Message; 2] {
             name: "get_weather".into(),
             arguments: r#"{"city": "Paris"}"#.into(),
         }],
+        reasoning: thought.map(Into::into),
         ..Message::default()
     };
     let result = Message {
@@ -1279,6 +1215,11 @@ fn long_id_call() -> [Message; 2] {
         ..Message::default()
     };
     [call, result]
+}
+
+/// A call with a long id (as the server makes them), and its result.
+fn long_id_call() -> [Message; 2] {
+    call_and_result("call_18eedc3dd3393c090001", None)
 }
 
 /// Real templates (as their models ship them; llama.cpp keeps copies)
