@@ -5,13 +5,11 @@
 //! side in one process. Every request generates exactly `TOKENS` tokens (the
 //! schema asks for a long array, so none completes early).
 
-use std::path::PathBuf;
-
 use anyhow::Result;
 use siliceo_core::{Constraint, SamplingParams};
-use siliceo_runtime::{GenerateRequest, Input, Message, Runtime, RuntimeConfig};
+use siliceo_runtime::{GenerateRequest, Input, Message, Runtime};
 
-use crate::{median, run_exact};
+use crate::{ServeBench, median, run_exact};
 
 const TOKENS: u32 = 64;
 
@@ -44,12 +42,6 @@ const ASKS: [&str; 8] = [
     "Describe the volunteers of a library as JSON.",
 ];
 
-pub(crate) struct ConstrainBench {
-    pub(crate) model: PathBuf,
-    pub(crate) reps: usize,
-    pub(crate) threads: u32,
-}
-
 fn request(i: usize, constrained: bool) -> GenerateRequest {
     let mut r = GenerateRequest::new(Input::Chat(vec![Message::new(
         "user",
@@ -75,21 +67,17 @@ fn run(rt: &Runtime, streams: usize, constrained: bool) -> Result<f64> {
     Ok(run_exact(rt, requests, TOKENS)?.0)
 }
 
-pub(crate) fn constrain(b: &ConstrainBench) -> Result<()> {
+pub(crate) fn constrain(b: &ServeBench) -> Result<()> {
     let start = |overlap: bool| -> Result<Runtime> {
-        let mut cfg = RuntimeConfig::new(&b.model);
-        cfg.context.n_threads = Some(b.threads);
-        cfg.context.n_threads_batch = Some(b.threads);
+        let mut cfg = b.config();
         cfg.constraint_overlap = overlap;
         Ok(Runtime::start(cfg)?)
     };
     let overlap = start(true)?;
     let after = start(false)?;
     println!(
-        "{} · {TOKENS} tokens per request, greedy · {} threads · median of {}",
-        b.model.file_name().unwrap_or_default().to_string_lossy(),
-        b.threads,
-        b.reps
+        "{}",
+        b.header(&format!("{TOKENS} tokens per request, greedy"))
     );
     println!(
         "| streams | unconstrained tok/s | JSON schema, masks beside decode | JSON schema, masks after decode | mask µs per token (beside / after) |"

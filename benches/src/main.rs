@@ -35,6 +35,34 @@ const PROMPTS: [&str; 4] = [
     "Dear team, following our meeting yesterday I would like to",
 ];
 
+/// A serving bench on one model: its file, the medians' runs, llama.cpp's
+/// threads (`siliceo-bench constrain`, `think`).
+pub(crate) struct ServeBench {
+    pub(crate) model: PathBuf,
+    pub(crate) reps: usize,
+    pub(crate) threads: u32,
+}
+
+impl ServeBench {
+    /// A runtime configuration of the model with the bench's threads.
+    fn config(&self) -> siliceo_runtime::RuntimeConfig {
+        let mut cfg = siliceo_runtime::RuntimeConfig::new(&self.model);
+        cfg.context.n_threads = Some(self.threads);
+        cfg.context.n_threads_batch = Some(self.threads);
+        cfg
+    }
+
+    /// The table's header line: the model, `what`, the threads, the reps.
+    fn header(&self, what: &str) -> String {
+        format!(
+            "{} · {what} · {} threads · median of {}",
+            self.model.file_name().unwrap_or_default().to_string_lossy(),
+            self.threads,
+            self.reps
+        )
+    }
+}
+
 /// Submits `requests` at once to `rt`; each must generate exactly `tokens`
 /// tokens. Returns the tokens generated per second and each output's text.
 fn run_exact(
@@ -1122,19 +1150,17 @@ fn main() -> Result<()> {
             threads: threads.unwrap_or(2),
         });
     }
-    if what == "constrain" {
-        return constrain::constrain(&constrain::ConstrainBench {
+    if what == "constrain" || what == "think" {
+        let b = ServeBench {
             model,
             reps: reps.max(1),
             threads: threads.unwrap_or(2),
-        });
-    }
-    if what == "think" {
-        return think::think(&think::ThinkBench {
-            model,
-            reps: reps.max(1),
-            threads: threads.unwrap_or(2),
-        });
+        };
+        return if what == "think" {
+            think::think(&b)
+        } else {
+            constrain::constrain(&b)
+        };
     }
     if what == "score" {
         let mut models = vec![model.clone()];

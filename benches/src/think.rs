@@ -7,13 +7,11 @@
 //! then goes through the lead grammar's mask), at 1 and 8 streams, side by
 //! side in one process. Every request generates exactly `TOKENS` tokens.
 
-use std::path::PathBuf;
-
 use anyhow::{Result, bail};
 use siliceo_core::{Constraint, SamplingParams};
-use siliceo_runtime::{GenerateRequest, Input, Message, Runtime, RuntimeConfig};
+use siliceo_runtime::{GenerateRequest, Input, Message, Runtime};
 
-use crate::{median, run_exact};
+use crate::{ServeBench, median, run_exact};
 
 const TOKENS: u32 = 64;
 
@@ -33,12 +31,6 @@ const ASKS: [&str; 8] = [
     "How do plants drink water?",
     "What causes thunder?",
 ];
-
-pub(crate) struct ThinkBench {
-    pub(crate) model: PathBuf,
-    pub(crate) reps: usize,
-    pub(crate) threads: u32,
-}
 
 /// How a run's requests think: a budget, and whether a JSON constraint
 /// follows the thinking.
@@ -69,17 +61,15 @@ fn run(rt: &Runtime, streams: usize, mode: Mode) -> Result<(f64, bool)> {
     Ok((tps, texts.iter().all(|t| t.contains("</think>"))))
 }
 
-pub(crate) fn think(b: &ThinkBench) -> Result<()> {
-    let mut cfg = RuntimeConfig::new(&b.model);
-    cfg.context.n_threads = Some(b.threads);
-    cfg.context.n_threads_batch = Some(b.threads);
+pub(crate) fn think(b: &ServeBench) -> Result<()> {
+    let mut cfg = b.config();
     cfg.chat_template = Some(OPENS_THINKING.to_string());
     let rt = Runtime::start(cfg)?;
     println!(
-        "{} · {TOKENS} tokens per request, greedy, the prompt opening `<think>` · {} threads · median of {}",
-        b.model.file_name().unwrap_or_default().to_string_lossy(),
-        b.threads,
-        b.reps
+        "{}",
+        b.header(&format!(
+            "{TOKENS} tokens per request, greedy, the prompt opening `<think>`"
+        ))
     );
     println!(
         "| streams | no budget tok/s | budget never reached | budget of 16 (closed, then answered) | JSON after the thinking (all 64 thinking) |"
