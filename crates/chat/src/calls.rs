@@ -30,7 +30,7 @@ use siliceo_core::held_prefix_len;
 
 use crate::Tool;
 use crate::harmony::HarmonyReader;
-use crate::tools::{ToolSyntax, call_of_text, calls_of, find_first, param_type};
+use crate::tools::{ToolSyntax, call_of_text, calls_of, find_first, held_tail_len, param_type};
 
 /// A piece of a model's answer, read for tool calls.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -532,11 +532,7 @@ impl CallParser {
                     return Step::On;
                 }
                 // The longest tail that may begin a marker stays.
-                let keep = markers
-                    .iter()
-                    .map(|m| held_prefix_len(&self.buf, m))
-                    .max()
-                    .unwrap_or(0);
+                let keep = held_tail_len(&self.buf, markers);
                 let gone: String = self.buf.drain(..self.buf.len() - keep).collect();
                 if prose {
                     self.emit(CallPiece::Text(gone));

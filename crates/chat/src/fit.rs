@@ -32,7 +32,7 @@ pub(crate) struct Fit {
     pub(crate) fold_system: bool,
     /// A call's message with both text and thinking has its text joined
     /// to its thinking (gpt-oss's refuses both on one call).
-    join_thought: bool,
+    pub(crate) join_thought: bool,
 }
 
 impl Fit {
@@ -48,12 +48,6 @@ impl Fit {
             .collect();
         all.sort_by_key(|f| u8::from(f.empty_text) + u8::from(f.text_args) + u8::from(f.short_ids));
         all.into_iter()
-    }
-
-    /// This fit, joining a call's text to its thinking.
-    pub(crate) fn joining_thought(mut self, on: bool) -> Fit {
-        self.join_thought = on;
-        self
     }
 
     /// The adaptations that change how a chat is rendered, as a short list

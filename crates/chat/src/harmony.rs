@@ -17,10 +17,9 @@
 //! may be the start of a tag, and sends a call's name once its header is
 //! read, then its arguments as they are written.
 
-use siliceo_core::held_prefix_len;
-
 use crate::calls::CallPiece;
 use crate::router::Routed;
+use crate::tools::{find_first, held_tail_len};
 
 /// The header that opens a thinking message (what the thinking budget
 /// counts from: [`crate::ThinkTags::HARMONY`]'s opening tag).
@@ -182,16 +181,8 @@ impl HarmonyReader {
                 true
             }
             State::Body(kind) => {
-                let end = BODY_ENDS
-                    .iter()
-                    .filter_map(|e| self.buf.find(e).map(|at| (at, *e)))
-                    .min_by_key(|(at, _)| *at);
-                let Some((at, tag)) = end else {
-                    let keep = BODY_ENDS
-                        .iter()
-                        .map(|e| held_prefix_len(&self.buf, e))
-                        .max()
-                        .unwrap_or(0);
+                let Some((at, tag)) = find_first(&self.buf, &BODY_ENDS) else {
+                    let keep = held_tail_len(&self.buf, &BODY_ENDS);
                     let text: String = self.buf.drain(..self.buf.len() - keep).collect();
                     self.emit(kind, &text);
                     return false;

@@ -452,10 +452,8 @@ impl ChatTemplate {
         if self.render_with(&call, &[], true, &none).is_ok()
             && self.render_with(&both, &[], true, &none).is_err()
         {
-            self.fit = self.fit.joining_thought(true);
-            if self.render_with(&both, &[], true, &none).is_err() {
-                self.fit = self.fit.joining_thought(false);
-            }
+            self.fit.join_thought = true;
+            self.fit.join_thought = self.render_with(&both, &[], true, &none).is_ok();
         }
     }
 

@@ -430,6 +430,16 @@ pub(crate) fn param_type(schema: &Value) -> &str {
     }
 }
 
+/// The longest tail of `text` that may begin one of `markers` (what a
+/// streaming reader holds back).
+pub(crate) fn held_tail_len(text: &str, markers: &[&str]) -> usize {
+    markers
+        .iter()
+        .map(|m| siliceo_core::held_prefix_len(text, m))
+        .max()
+        .unwrap_or(0)
+}
+
 /// The earliest of `markers` in `text`.
 pub(crate) fn find_first<'a>(text: &str, markers: &[&'a str]) -> Option<(usize, &'a str)> {
     markers
