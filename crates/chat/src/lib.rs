@@ -426,34 +426,40 @@ impl ChatTemplate {
                 })
             })
             .unwrap_or_default();
-        let hi = [Message::new("user", "Hi")];
+        let renders = |t: &Self, chat: &[Message], tools: &[Tool]| {
+            t.render_with(chat, tools, true, &none).is_ok()
+        };
         if self.tools.is_some() {
             let bare = Tool {
                 name: Self::PROBE.into(),
                 description: None,
                 parameters: r#"{"type": "object", "properties": {}}"#.into(),
             };
-            let tools = std::slice::from_ref(&bare);
-            if self.render_with(&hi, tools, true, &none).is_err() {
-                self.fit.described = true;
-                self.fit.described = self.render_with(&hi, tools, true, &none).is_ok();
-            }
+            let hi = [Message::new("user", "Hi")];
+            self.adapt(
+                |f| &mut f.described,
+                |t| renders(t, &hi, std::slice::from_ref(&bare)),
+            );
         }
         let system = [
             Message::new("system", "Be brief."),
             Message::new("user", "Hi"),
         ];
-        self.fit.fold_system = self.render_with(&hi, &[], true, &none).is_ok()
-            && self.render_with(&system, &[], true, &none).is_err();
+        self.adapt(|f| &mut f.fold_system, |t| renders(t, &system, &[]));
         // A call with text and thinking both (gpt-oss's refuses them).
         let mut both = call.clone();
         both[1].content = Some("Let me look.".into());
         both[1].reasoning = Some("Hm.".into());
-        if self.render_with(&call, &[], true, &none).is_ok()
-            && self.render_with(&both, &[], true, &none).is_err()
-        {
-            self.fit.join_thought = true;
-            self.fit.join_thought = self.render_with(&both, &[], true, &none).is_ok();
+        self.adapt(|f| &mut f.join_thought, |t| renders(t, &both, &[]));
+    }
+
+    /// Turns the adaptation `flag` on when the template fails the probe
+    /// `renders` without it and passes with it.
+    fn adapt(&mut self, flag: fn(&mut fit::Fit) -> &mut bool, renders: impl Fn(&Self) -> bool) {
+        if !renders(self) {
+            *flag(&mut self.fit) = true;
+            let ok = renders(self);
+            *flag(&mut self.fit) = ok;
         }
     }
 
