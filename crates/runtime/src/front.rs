@@ -615,6 +615,14 @@ mod tests {
         }
     }
 
+    /// `get_weather`, whose one required argument is a string `city`.
+    fn city_tool() -> Tool {
+        tool(
+            "get_weather",
+            r#"{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}"#,
+        )
+    }
+
     /// Qwen3-Coder's forced XML calls: the grammar takes a call as its
     /// template writes one (or several), each value of its schema's type,
     /// a string's `enum` and length bounds held, and nothing else.
@@ -672,10 +680,7 @@ mod tests {
     #[test]
     fn forced_mistral_calls_take_name_args_then_json() {
         let grammars = byte_grammars();
-        let tools = [tool(
-            "get_weather",
-            r#"{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}"#,
-        )];
+        let tools = [city_tool()];
         let lark = |parallel| {
             ToolSyntax::MistralArgs
                 .constraint(&tools, &ToolChoice::Required, parallel)
@@ -742,10 +747,7 @@ mod tests {
     fn forced_harmony_calls_take_a_header_and_json_after_thinking() {
         let grammars = byte_grammars();
         let tools = [
-            tool(
-                "get_weather",
-                r#"{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}"#,
-            ),
+            city_tool(),
             tool("now", r#"{"type": "object", "properties": {}}"#),
         ];
         let lark = ToolSyntax::Harmony
