@@ -191,8 +191,9 @@ impl Front {
     /// `req`'s constraint as the engine holds the output to it: after the
     /// thinking, when the output may think (the prompt opened a block, or
     /// the model reasons and its thinking is not switched off) and the
-    /// constraint does not write the thinking itself.
-    fn constraint_of(&self, req: &GenerateRequest) -> Option<Constraint> {
+    /// constraint does not write the thinking itself. `thinking`:
+    /// [`Front::thinking`] of `req`.
+    fn constraint_of(&self, req: &GenerateRequest, thinking: Option<bool>) -> Option<Constraint> {
         let c = req.constraint.clone()?;
         let template = self.chat_template();
         let tags = template.and_then(ChatTemplate::think_tags);
@@ -200,7 +201,7 @@ impl Front {
         // when its thinking is on (not when the switch turned it off).
         let may_think =
             |open: bool| open || template.is_some_and(|t| t.thinking_on(&req.chat_template_kwargs));
-        match (self.thinking(req), tags) {
+        match (thinking, tags) {
             (Some(open), Some(tags)) if may_think(open) && !writes_thinking(&c, tags) => {
                 Some(Constraint::Led {
                     lead: tags.lead_grammar(open),
@@ -214,7 +215,12 @@ impl Front {
     /// `req`'s thinking budget: none where its output holds no thinking
     /// (the answer is constrained from the start, or continues after a
     /// closed block); refused where no thinking can happen at all.
-    fn think_budget(&self, req: &GenerateRequest) -> Result<Option<ThinkBudget>, RuntimeError> {
+    /// `thinking`: [`Front::thinking`] of `req`.
+    fn think_budget(
+        &self,
+        req: &GenerateRequest,
+        thinking: Option<bool>,
+    ) -> Result<Option<ThinkBudget>, RuntimeError> {
         let Some(budget) = req.thinking_budget else {
             return Ok(None);
         };
@@ -232,9 +238,7 @@ impl Front {
             ));
         }
         let tags = self.think_tags();
-        Ok(self
-            .thinking(req)
-            .map(|open| ThinkBudget::new(tags, open, budget, self.think_close.clone())))
+        Ok(thinking.map(|open| ThinkBudget::new(tags, open, budget, self.think_close.clone())))
     }
 
     pub(crate) fn tokenize(
@@ -321,9 +325,13 @@ impl Front {
                 format!("token id {} is outside the vocabulary of {n_vocab}", t.0),
             ));
         }
-        let think = self.think_budget(&req)?;
-        // Read from the chat, before it is rendered.
-        let constraint = self.constraint_of(&req);
+        // Read from the chat, before it is rendered; once (a template
+        // argument makes it a render of its own).
+        let thinking = (req.thinking_budget.is_some() || req.constraint.is_some())
+            .then(|| self.thinking(&req))
+            .flatten();
+        let think = self.think_budget(&req, thinking)?;
+        let constraint = self.constraint_of(&req, thinking);
         // A chat's markup is read from its output; other inputs' output is
         // text as before.
         let preserved = match req.input {
