@@ -568,8 +568,9 @@ fn parsing(s: &AppState, plan: &mut openai::Plan) -> Result<stream::Parsing, Api
 /// has one. An unknown level is a 400, and so is an effort or budget for a
 /// model that does not think.
 pub(crate) fn apply_thinking(s: &AppState, plan: &mut openai::Plan) -> Result<(), ApiError> {
-    let reasons = s.rt.chat_template().is_some_and(|t| t.reasons());
-    let takes_effort = s.rt.chat_template().is_some_and(|t| t.takes_effort());
+    let template = s.rt.chat_template();
+    let reasons = template.is_some_and(|t| t.reasons());
+    let takes_effort = template.is_some_and(|t| t.takes_effort());
     if let Some((field, level)) = &plan.effort {
         let budget = s.reasoning_budgets.get(level).ok_or_else(|| {
             ApiError::invalid(
