@@ -102,6 +102,42 @@ pub struct SeqQuery<'a> {
     pub n_q: usize,
 }
 
+/// What one layer's attention computes beyond plain causal softmax
+/// attention: the scale of Q·K, a sliding window and attention sinks.
+#[derive(Debug, Clone, Copy)]
+pub struct LayerAttn<'a> {
+    /// Multiplies Q·K (usually `1/sqrt(head_dim)`).
+    pub scale: f32,
+    /// Sliding window: a query at position `p` sees positions
+    /// `p + 1 − window ..= p` (llama.cpp's standard SWA: a key is masked
+    /// where `p − j ≥ window`); 0 = the whole context.
+    pub window: usize,
+    /// Attention sinks: one logit per query head that joins each row's
+    /// softmax denominator and weighs no value (gpt-oss).
+    pub sinks: Option<&'a [f32]>,
+}
+
+impl LayerAttn<'_> {
+    /// Causal attention over the whole context, scaled by `scale`.
+    pub fn causal(scale: f32) -> LayerAttn<'static> {
+        LayerAttn {
+            scale,
+            window: 0,
+            sinks: None,
+        }
+    }
+
+    /// The first position a query at `pos` sees.
+    #[inline]
+    pub fn first_seen(&self, pos: usize) -> usize {
+        if self.window == 0 {
+            0
+        } else {
+            (pos + 1).saturating_sub(self.window)
+        }
+    }
+}
+
 /// Running softmax state of one work item for its query rows (its query
 /// tokens × the query heads of its KV heads).
 #[derive(Debug, Clone)]
@@ -138,12 +174,35 @@ pub fn paged_attention(
     out: &mut [f32],
     params: &AttnParams,
 ) -> Result<(), KernelError> {
+    paged_attention_layer(store, n_heads, &LayerAttn::causal(scale), seqs, out, params)
+}
+
+/// [`paged_attention`] for a layer with a sliding window or attention sinks
+/// ([`LayerAttn`]). Blocks wholly before every query's window are not read;
+/// a query's result does not depend on the other queries of the call (the
+/// same bits alone, batched or in a prefill chunk).
+pub fn paged_attention_layer(
+    store: &KvPages,
+    n_heads: usize,
+    attn: &LayerAttn<'_>,
+    seqs: &[SeqQuery<'_>],
+    out: &mut [f32],
+    params: &AttnParams,
+) -> Result<(), KernelError> {
     let l = store.layout();
     let d = l.head_dim;
     if n_heads == 0 || !n_heads.is_multiple_of(l.kv_heads) {
         return Err(KernelError::Shape(format!(
             "{n_heads} query heads are not a multiple of {} KV heads",
             l.kv_heads
+        )));
+    }
+    if let Some(sinks) = attn.sinks
+        && sinks.len() != n_heads
+    {
+        return Err(KernelError::Shape(format!(
+            "{} attention sinks for {n_heads} query heads",
+            sinks.len()
         )));
     }
     let mut total = 0;
@@ -182,7 +241,10 @@ pub fn paged_attention(
     };
     // No more threads than there is work for: waking a worker and sharing
     // out items costs about what a few hundred tokens of decode do.
-    let work: usize = seqs.iter().map(|s| s.n_q * s.kv.len * n_heads * d).sum();
+    let work: usize = seqs
+        .iter()
+        .map(|s| s.n_q * (s.kv.len - attn.first_seen(s.kv.len - s.n_q)) * n_heads * d)
+        .sum();
     let threads = params
         .threads
         .clamp(1, work.div_ceil(params.min_work_per_thread.max(1)).max(1));
@@ -215,16 +277,22 @@ pub fn paged_attention(
             for qp in 0..qs {
                 let queries = qp * s.n_q / qs..(qp + 1) * s.n_q / qs;
                 let nb = s.kv.blocks();
+                // Partitions stay where they are without a window (their
+                // bounds fix the order of the reduction); those wholly
+                // before the first query's window are left out.
+                let seen = attn.first_seen(s.kv.len - s.n_q + queries.start) / l.block_tokens;
                 let mut b0 = 0;
                 while b0 < nb {
                     let b1 = nb.min(b0.saturating_add(part));
-                    items.push(Item {
-                        seq: si,
-                        heads: heads.clone(),
-                        queries: queries.clone(),
-                        b0,
-                        b1,
-                    });
+                    if b1 > seen {
+                        items.push(Item {
+                            seq: si,
+                            heads: heads.clone(),
+                            queries: queries.clone(),
+                            b0,
+                            b1,
+                        });
+                    }
                     b0 = b1;
                 }
             }
@@ -251,7 +319,7 @@ pub fn paged_attention(
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(item) = items.get(i) else { break };
-                let p = run_item(store, seqs, n_heads, scale, item, knobs, &mut scratch);
+                let p = run_item(store, seqs, n_heads, attn, item, knobs, &mut scratch);
                 let _ = slots[i].set(p);
             }
             cell.set(scratch);
@@ -293,7 +361,17 @@ pub fn paged_attention(
             let (kh, rem) = (heads.start + r / per_head, r % per_head);
             let (qi, h) = (queries.start + rem / group, kh * group + rem % group);
             let o = &mut dst[(qi * n_heads + h) * d..(qi * n_heads + h + 1) * d];
-            let inv = 1.0 / acc.l[r];
+            let inv = match attn.sinks {
+                None => 1.0 / acc.l[r],
+                // The sink joins the denominator: Σ e^(s − m) + e^(sink − m),
+                // both scaled by e^(m − m′) with m′ the larger of the two.
+                Some(sinks) => {
+                    let (m, sink) = (acc.m[r], sinks[h]);
+                    let top = m.max(sink);
+                    let c = fast_exp(m - top);
+                    c / (acc.l[r] * c + fast_exp(sink - top))
+                }
+            };
             for (o, a) in o.iter_mut().zip(a) {
                 *o = a * inv;
             }
@@ -356,7 +434,7 @@ fn run_item(
     store: &KvPages,
     seqs: &[SeqQuery<'_>],
     n_heads: usize,
-    scale: f32,
+    attn: &LayerAttn<'_>,
     item: &Item,
     knobs: Knobs,
     sc: &mut Scratch,
@@ -383,7 +461,7 @@ fn run_item(
         let (qi, h) = (q0 + rem / group, kh * group + rem % group);
         let src = &sq.q[(qi * n_heads + h) * d..(qi * n_heads + h + 1) * d];
         for (o, x) in dst.iter_mut().zip(src) {
-            *o = x * scale;
+            *o = x * attn.scale;
         }
         if l.rotate_k {
             hadamard(dst);
@@ -399,9 +477,15 @@ fn run_item(
     let kn = kh1 - kh0;
     let segment_at = |i: usize| (item.b0 + i / kn, kh0 + i % kn);
     let segments = (item.b1 - item.b0) * kn;
+    // Positions before `seen` are outside every query's window (the item's
+    // first query's is the earliest).
+    let seen = attn.first_seen(first_pos + q0);
     for i in 0..segments {
         let (b, kh) = segment_at(i);
         let start = b * t;
+        if start + t <= seen {
+            continue;
+        }
         let n_t = t.min(len - start);
         let (kc, kseg): (Codec, &[u8]) = store.segment(sq.kv, b, kh, false);
         let (vc, vseg) = store.segment(sq.kv, b, kh, true);
@@ -420,11 +504,25 @@ fn run_item(
         // query row of the group reads them.
         for r0 in (0..n_t).step_by(sub) {
             let r1 = n_t.min(r0 + sub);
+            if start + r1 <= seen {
+                continue;
+            }
             // The first of the item's queries that sees this sub-tile.
             let first_q = (start + r0).saturating_sub(first_pos).max(q0);
             if first_q >= q1 {
                 break;
             }
+            // With a window: the queries from `last_q` on see none of it,
+            // those from `cut_q` on only its later rows.
+            let (last_q, cut_q) = if attn.window == 0 {
+                (q1, q1)
+            } else {
+                let w = attn.window;
+                (
+                    (start + r1 + w - 1).saturating_sub(first_pos).min(q1),
+                    (start + r0 + w).saturating_sub(first_pos).clamp(q0, q1),
+                )
+            };
             let k_rows = rows_of(kc, kseg, t, d, r0..r1, false, &mut sc.k, &mut sc.k_scales);
             let v_rows = rows_of(vc, vseg, t, d, r0..r1, true, &mut sc.v, &mut sc.v_scales);
             // This sub-tile's share of the later segments (asked for once,
@@ -441,13 +539,19 @@ fn run_item(
                 .saturating_sub(first_pos + 1)
                 .clamp(first_q, q1);
             let mut qa = first_q;
-            while qa < q1 {
-                let qb = if qa < full {
+            while qa < last_q {
+                let qb = if qa < full || qa >= cut_q {
                     qa + 1
                 } else {
-                    q1.min(qa + TOKENS_PER_CALL)
+                    last_q.min(cut_q).min(qa + TOKENS_PER_CALL)
                 };
                 let valid = r1.min(first_pos + qa + 1 - start) - r0;
+                // Rows before `hidden` are outside this query's window
+                // (only where it is served alone).
+                let hidden = attn
+                    .first_seen(first_pos + qa)
+                    .saturating_sub(start + r0)
+                    .min(valid);
                 let base = (kh - kh0) * nq * group + (qa - q0) * group;
                 let n_rows = (qb - qa) * group;
                 let s = &mut sc.s[..n_rows * valid];
@@ -462,6 +566,8 @@ fn run_item(
                 );
                 for (g, row) in s.chunks_exact_mut(valid).enumerate() {
                     let r = base + g;
+                    let (out_of_window, row) = row.split_at_mut(hidden);
+                    out_of_window.fill(0.0);
                     let m_new = p.m[r].max(simd::max(row));
                     sc.corr[g] = if p.m[r] == f32::NEG_INFINITY {
                         0.0
@@ -599,6 +705,31 @@ pub fn naive_attention(
     head_dim: usize,
     scale: f32,
 ) -> Vec<f32> {
+    naive_attention_layer(
+        q,
+        n_q,
+        n_heads,
+        k,
+        v,
+        kv_heads,
+        head_dim,
+        &LayerAttn::causal(scale),
+    )
+}
+
+/// [`naive_attention`] with a layer's window and sinks ([`LayerAttn`]).
+#[allow(clippy::too_many_arguments)]
+pub fn naive_attention_layer(
+    q: &[f32],
+    n_q: usize,
+    n_heads: usize,
+    k: &[f32],
+    v: &[f32],
+    kv_heads: usize,
+    head_dim: usize,
+    attn: &LayerAttn<'_>,
+) -> Vec<f32> {
+    let scale = attn.scale;
     let d = head_dim;
     let len = k.len() / (kv_heads * d);
     let group = n_heads / kv_heads;
@@ -609,8 +740,10 @@ pub fn naive_attention(
         for h in 0..n_heads {
             let kh = h / group;
             let qv = &q[(qi * n_heads + h) * d..(qi * n_heads + h + 1) * d];
-            let mut m = f64::NEG_INFINITY;
-            for (j, w) in w.iter_mut().enumerate().take(pos + 1) {
+            let lo = attn.first_seen(pos);
+            let sink = attn.sinks.map(|s| s[h] as f64);
+            let mut m = sink.unwrap_or(f64::NEG_INFINITY);
+            for (j, w) in w.iter_mut().enumerate().take(pos + 1).skip(lo) {
                 let kv = &k[(j * kv_heads + kh) * d..(j * kv_heads + kh + 1) * d];
                 *w = qv
                     .iter()
@@ -620,15 +753,15 @@ pub fn naive_attention(
                     * scale as f64;
                 m = m.max(*w);
             }
-            let mut sum = 0.0;
-            for w in w.iter_mut().take(pos + 1) {
+            let mut sum = sink.map_or(0.0, |s| (s - m).exp());
+            for w in w.iter_mut().take(pos + 1).skip(lo) {
                 *w = (*w - m).exp();
                 sum += *w;
             }
             let o = &mut out[(qi * n_heads + h) * d..(qi * n_heads + h + 1) * d];
             for c in 0..d {
                 let mut a = 0.0;
-                for (j, w) in w.iter().enumerate().take(pos + 1) {
+                for (j, w) in w.iter().enumerate().take(pos + 1).skip(lo) {
                     a += w * v[(j * kv_heads + kh) * d + c] as f64;
                 }
                 o[c] = (a / sum) as f32;

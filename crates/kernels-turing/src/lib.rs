@@ -66,7 +66,10 @@ mod pool;
 mod simd;
 pub mod store;
 
-pub use attention::{AttnParams, Runner, SeqQuery, naive_attention, paged_attention};
+pub use attention::{
+    AttnParams, LayerAttn, Runner, SeqQuery, naive_attention, naive_attention_layer,
+    paged_attention, paged_attention_layer,
+};
 pub use codec::Codec;
 pub use store::{AppendStep, BlockPools, KvLayout, KvPages, KvStore, SeqKv, SharedTail};
 

@@ -1,8 +1,8 @@
 //! Codecs, the paged store and the CPU kernel against the naive reference.
 
 use siliceo_kernels_turing::{
-    AttnParams, Codec, KernelError, KvLayout, KvStore, SeqKv, SeqQuery, naive_attention,
-    paged_attention,
+    AttnParams, Codec, KernelError, KvLayout, KvStore, LayerAttn, SeqKv, SeqQuery,
+    naive_attention_layer, paged_attention, paged_attention_layer,
 };
 
 /// xorshift64* with Box–Muller normals: deterministic test data.
@@ -255,10 +255,21 @@ fn seq_queries<'a>(seqs: &'a [SeqKv], qs: &'a [Vec<f32>], n_qs: &[usize]) -> Vec
 /// over what the store holds (so only the kernel's arithmetic is tested), and
 /// returns the relative RMS error against attention over the original values.
 fn check_layout(layout: KvLayout, seed: u64) -> f32 {
+    check_layout_masked(layout, seed, 0, false)
+}
+
+/// [`check_layout`] for a layer with a sliding `window` (0 = none) and,
+/// with `sinks`, an attention sink per query head.
+fn check_layout_masked(layout: KvLayout, seed: u64, window: usize, sinks: bool) -> f32 {
     let mut rng = Rng(seed);
     let (heads, d) = (layout.kv_heads, layout.head_dim);
     let n_heads = heads * 3;
-    let scale = 1.0 / (d as f32).sqrt();
+    let sink_logits: Vec<f32> = (0..n_heads).map(|h| h as f32 - 1.5).collect();
+    let attn = LayerAttn {
+        scale: 1.0 / (d as f32).sqrt(),
+        window,
+        sinks: sinks.then_some(&sink_logits[..]),
+    };
     let lens = [1usize, 64, 65, 300, 777];
     let n_qs = [1usize, 1, 5, 1, 70];
     let tail = KvStore::tail_blocks_per_seq(&layout);
@@ -286,16 +297,20 @@ fn check_layout(layout: KvLayout, seed: u64) -> f32 {
     let mut want_orig = Vec::new();
     for ((s, q), ((k, v), &n_q)) in seqs.iter().zip(&qs).zip(originals.iter().zip(&n_qs)) {
         let (rk, rv) = store.read(s);
-        want_stored.extend(naive_attention(q, n_q, n_heads, &rk, &rv, heads, d, scale));
-        want_orig.extend(naive_attention(q, n_q, n_heads, k, v, heads, d, scale));
+        want_stored.extend(naive_attention_layer(
+            q, n_q, n_heads, &rk, &rv, heads, d, &attn,
+        ));
+        want_orig.extend(naive_attention_layer(
+            q, n_q, n_heads, k, v, heads, d, &attn,
+        ));
     }
     let mut first: Option<Vec<f32>> = None;
     for (threads, partition_blocks, sub_tile) in [(1, 0, 0), (3, 0, 16), (2, 1, 5), (4, 3, 64)] {
         let mut out = vec![0f32; want_stored.len()];
-        paged_attention(
+        paged_attention_layer(
             &store,
             n_heads,
-            scale,
+            &attn,
             &queries,
             &mut out,
             &AttnParams {
@@ -316,7 +331,10 @@ fn check_layout(layout: KvLayout, seed: u64) -> f32 {
         // (each sub-tile's weights times the token scales rounded to 2⁻¹⁶ of
         // their largest), so sub-tiles and partitions round differently.
         let v4_words = matches!(layout.v, Codec::V4 { group } if group % 16 == 0);
-        let tol = if (layout.k == Codec::K5 && d.is_multiple_of(128)) || v4_words {
+        // KV8 keys in groups of 32 take 16-bit integer products too (x86):
+        // over a short window few scores average their rounding out.
+        let masked_words = (window > 0 || sinks) && layout.k != Codec::F16;
+        let tol = if (layout.k == Codec::K5 && d.is_multiple_of(128)) || v4_words || masked_words {
             2e-3
         } else if layout.rotate_k {
             2e-4
@@ -328,7 +346,8 @@ fn check_layout(layout: KvLayout, seed: u64) -> f32 {
             &want_stored,
             tol,
             &format!(
-                "{} threads={threads} part={partition_blocks} sub={sub_tile}",
+                "{} window={window} sinks={sinks} threads={threads} part={partition_blocks} \
+                 sub={sub_tile}",
                 layout.name()
             ),
         );
@@ -451,6 +470,34 @@ fn wide_heads_match_naive_attention() {
     }
 }
 
+/// Sliding windows (inside a sub-tile, a block, several blocks, wider than
+/// the context) and attention sinks: every format, decode and prefill
+/// chunks, against the naive reference over what the store holds.
+#[test]
+fn windows_and_sinks_match_naive_attention() {
+    for (i, (name, tail_tokens)) in [("f16", 0), ("kv8", 0), ("k5v4", 64)]
+        .into_iter()
+        .enumerate()
+    {
+        for d in [64, 128] {
+            let mut layout = KvLayout::preset(name, 2, d).unwrap();
+            layout.tail_tokens = tail_tokens;
+            for (window, sinks) in [
+                (1, false),
+                (5, true),
+                (64, false),
+                (100, true),
+                (1000, false),
+            ] {
+                let err = check_layout_masked(layout, 50 + i as u64, window, sinks);
+                let bound = if name == "f16" { 2e-3 } else { 0.1 };
+                assert!(err < bound, "{name} d={d} window={window}: {err}");
+            }
+            check_layout_masked(layout, 60 + i as u64, 0, true);
+        }
+    }
+}
+
 #[test]
 fn block_size_is_a_parameter() {
     for t in [16, 32, 128] {
@@ -567,6 +614,18 @@ fn splitting_work_over_threads_changes_no_value() {
 /// several query tokens per kernel call), with any thread count.
 #[test]
 fn a_query_gives_the_same_bits_alone_in_a_batch_and_in_a_chunk() {
+    same_bits_alone_batched_and_chunked(0, false);
+}
+
+/// The same with sliding windows (one that cuts sub-tiles and the causal
+/// diagonal, one of a block and a half) and attention sinks.
+#[test]
+fn a_windowed_query_gives_the_same_bits_alone_in_a_batch_and_in_a_chunk() {
+    same_bits_alone_batched_and_chunked(7, true);
+    same_bits_alone_batched_and_chunked(96, false);
+}
+
+fn same_bits_alone_batched_and_chunked(window: usize, sinks: bool) {
     let mut rng = Rng(41);
     for (name, kv_heads, n_heads, d) in [
         ("f16", 3, 9, 64),
@@ -590,7 +649,18 @@ fn a_query_gives_the_same_bits_alone_in_a_batch_and_in_a_chunk() {
         let q: Vec<f32> = (0..n_q * row).map(|_| rng.normal()).collect();
         let params = |threads| AttnParams {
             threads,
+            // Partitions of 2 blocks: a window leaves the early ones out.
+            partition_blocks: 2,
             ..AttnParams::default()
+        };
+        let sink_logits: Vec<f32> = (0..n_heads).map(|h| 0.5 * h as f32 - 2.0).collect();
+        let attn = LayerAttn {
+            scale: 0.11,
+            window,
+            sinks: sinks.then_some(&sink_logits[..]),
+        };
+        let attention = |queries: &[SeqQuery<'_>], out: &mut [f32], threads| {
+            paged_attention_layer(&store, n_heads, &attn, queries, out, &params(threads)).unwrap()
         };
         let mut chunk = vec![0f32; n_q * row];
         let one = [SeqQuery {
@@ -598,10 +668,10 @@ fn a_query_gives_the_same_bits_alone_in_a_batch_and_in_a_chunk() {
             q: &q,
             n_q,
         }];
-        paged_attention(&store, n_heads, 0.11, &one, &mut chunk, &params(1)).unwrap();
+        attention(&one, &mut chunk, 1);
         assert!(chunk.iter().all(|x| x.is_finite()) && chunk.iter().any(|x| *x != 0.0));
         let mut two = vec![0f32; n_q * row];
-        paged_attention(&store, n_heads, 0.11, &one, &mut two, &params(2)).unwrap();
+        attention(&one, &mut two, 2);
         assert!(two == chunk, "{name}: a chunk on 2 threads");
         let views: Vec<SeqKv> = (0..n_q)
             .map(|i| seq.prefix(len - n_q + i + 1, 64).unwrap())
@@ -613,14 +683,14 @@ fn a_query_gives_the_same_bits_alone_in_a_batch_and_in_a_chunk() {
             .collect();
         for (i, query) in decodes.iter().enumerate() {
             let mut alone = vec![0f32; row];
-            paged_attention(&store, n_heads, 0.11, &[*query], &mut alone, &params(1)).unwrap();
+            attention(&[*query], &mut alone, 1);
             assert!(
                 alone[..] == chunk[i * row..(i + 1) * row],
                 "{name} {kv_heads}/{n_heads}×{d}: query {i} alone"
             );
         }
         let mut batch = vec![0f32; n_q * row];
-        paged_attention(&store, n_heads, 0.11, &decodes, &mut batch, &params(2)).unwrap();
+        attention(&decodes, &mut batch, 2);
         assert!(batch == chunk, "{name}: a decode batch");
         store.release(&mut seq);
     }
