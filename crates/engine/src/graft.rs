@@ -10,7 +10,9 @@
 //! every decode, so a batch always starts at cell 0). The callback writes each
 //! token's K/V into the rows [`GraftStep::writes`] names, copies and seals
 //! blocks as the step says, runs the paged-attention kernel for every query
-//! run of [`GraftStep::queries`] over the blocks it names, and overwrites
+//! run of [`GraftStep::queries`] over the blocks it names (within the
+//! layer's sliding window, where it has one: [`Model::attention_windows`]),
+//! and overwrites
 //! `kqv_out`: every later op (output projection, FFN, later layers, logits)
 //! runs on our attention. After the decode llama.cpp's memory is cleared, so
 //! its attention only ever spans one step's tokens and its own KV holds at
@@ -27,7 +29,9 @@ use std::ffi::{CStr, c_void};
 use std::ops::Range;
 
 use llama_cpp_sys_2 as sys;
-use siliceo_kernels_turing::{AttnParams, KvLayout, KvPages, SeqKv, SeqQuery, SharedTail};
+use siliceo_kernels_turing::{
+    AttnParams, KvLayout, KvPages, LayerAttn, SeqKv, SeqQuery, SharedTail,
+};
 
 use crate::graft_device::DeviceLayers;
 use crate::raw::RawContext;
@@ -230,6 +234,12 @@ struct State {
     /// Host Q4_1 weight products on siliceo's kernel (llama.cpp's bits,
     /// fewer unpacks: see `q4_1.rs`); `None` where the CPU lacks it.
     q4_1: Option<Box<crate::q4_1::Shared>>,
+    /// Each layer's sliding window (0 = the whole context).
+    windows: Vec<usize>,
+    /// The mask llama.cpp gave the global layers and the windowed ones in
+    /// the decode in flight, on a device and on the host
+    /// ([`State::check_mask`]).
+    masks: [[Option<usize>; 2]; 2],
 }
 
 /// Copies tokens `0..n` of a `[d, tokens, heads, 1]` view (any strides; f32 or
@@ -347,6 +357,7 @@ impl State {
         if !fa.src[4].is_null() {
             return Err(format!("layer {il}: attention sinks are not supported"));
         }
+        self.check_mask(fa, il)?;
         // SAFETY: Q, K and V of the op, computed before it and not yet freed.
         let (q, k, v) = unsafe { (&*fa.src[0], &*fa.src[1], &*fa.src[2]) };
         // A layer reusing another layer's cache would be stored twice.
@@ -368,7 +379,7 @@ impl State {
                 .as_mut()
                 .expect("a layer without a host store is on the device");
             // SAFETY: the op's inputs and output, computed (checked above).
-            unsafe { dev.layer(il, &self.step, nh, q, k, v, t, scale)? };
+            unsafe { dev.layer(il, &self.step, nh, q, k, v, t, scale, self.windows[il])? };
             self.layers_done += 1;
             self.tap_output(t, il);
             return Ok(());
@@ -397,6 +408,42 @@ impl State {
         }
         self.layers_done += 1;
         self.tap_output(t, il);
+        Ok(())
+    }
+
+    /// Checks that llama.cpp masks layer `il` as [`Model::attention_windows`]
+    /// says: every windowed layer takes one mask tensor, every global layer
+    /// another (an iSWA cache builds one of each). A window table that
+    /// disagrees with llama.cpp's would attend over the wrong tokens.
+    fn check_mask(&mut self, fa: &sys::ggml_tensor, il: usize) -> Result<(), String> {
+        // SAFETY: a node's sources live as long as the graph.
+        let Some(tensor) = (unsafe { fa.src[3].as_ref() }) else {
+            return Ok(());
+        };
+        let mask = tensor as *const sys::ggml_tensor as usize;
+        // ggml's scheduler copies an input once per backend that reads it:
+        // layers on the host and on a device see different copies.
+        // SAFETY: a live tensor's buffer (checked non-null first).
+        let host =
+            tensor.buffer.is_null() || unsafe { sys::ggml_backend_buffer_is_host(tensor.buffer) };
+        let masks = &mut self.masks[usize::from(host)];
+        let windowed = self.windows[il] > 0;
+        let (own, other) = (usize::from(windowed), usize::from(!windowed));
+        let wrong = if masks[other] == Some(mask) {
+            "shares its mask with the layers of the other kind"
+        } else if masks[own].is_some_and(|m| m != mask) {
+            "has a mask unlike the other layers of its kind"
+        } else {
+            ""
+        };
+        if !wrong.is_empty() {
+            return Err(format!(
+                "layer {il} (window {}): llama.cpp's graph {wrong}; this build's window table \
+                 does not match llama.cpp's",
+                self.windows[il]
+            ));
+        }
+        masks[own] = Some(mask);
         Ok(())
     }
 
@@ -481,10 +528,15 @@ impl State {
             .collect();
         // The runs are in batch order and cover it (checked before the decode).
         self.out.resize(n * qrow, 0.0);
-        siliceo_kernels_turing::paged_attention(
+        let attn = LayerAttn {
+            scale,
+            window: self.windows[il],
+            sinks: None,
+        };
+        siliceo_kernels_turing::paged_attention_layer(
             pages,
             nh,
-            scale,
+            &attn,
             &queries,
             &mut self.out,
             &self.params,
@@ -730,6 +782,12 @@ impl<'m> GraftedContext<'m> {
             DeviceAttention::Cuda => model.offloaded_layers().collect(),
             DeviceAttention::Emulated(layers) => layers.clone(),
         };
+        let windows = model
+            .attention_windows()
+            .ok_or_else(|| EngineError::Unsupported {
+                model: model.name().to_string(),
+                reason: "sliding windows this build does not know".into(),
+            })?;
         let device = if on_device.is_empty() {
             None
         } else {
@@ -795,6 +853,8 @@ impl<'m> GraftedContext<'m> {
                 .then(crate::q4_1::Q41Kernel::probe)
                 .flatten()
                 .map(|k| Box::new(crate::q4_1::Shared::new(k))),
+            windows,
+            masks: [[None; 2]; 2],
         });
         // llama.cpp's own cache: one step, padded as llama.cpp pads it.
         let n_ctx = opts.n_batch.div_ceil(256) * 256;
@@ -1074,6 +1134,7 @@ impl<'m> GraftedContext<'m> {
         self.state.n_tokens = batch.len();
         self.state.layers_done = 0;
         self.state.error = None;
+        self.state.masks = [[None; 2]; 2];
         if let Some(dev) = self.state.device.as_mut() {
             dev.end_step();
         }

@@ -31,7 +31,8 @@ use crate::graft::{GraftStep, RowCopy, StoreBlock};
 pub(crate) trait DeviceLayers {
     /// Forgets the last decode's tables (a new decode begins).
     fn end_step(&mut self);
-    /// Layer `il` of `step`: writes, copies, seals, attention into `out`.
+    /// Layer `il` of `step`: writes, copies, seals, attention (each query
+    /// seeing its last `window` positions, 0 = all) into `out`.
     ///
     /// # Safety
     /// The tensors are the layer's computed `FLASH_ATTN_EXT` inputs and its
@@ -47,6 +48,7 @@ pub(crate) trait DeviceLayers {
         v: &sys::ggml_tensor,
         out: &sys::ggml_tensor,
         scale: f32,
+        window: usize,
     ) -> Result<(), String>;
     /// Tail-row copies in every device layer, in order.
     fn copy_rows(&mut self, copies: &[RowCopy]) -> Result<(), String>;
@@ -199,6 +201,7 @@ impl<B: Backend> DeviceLayers for DeviceStore<B> {
         v: &sys::ggml_tensor,
         out: &sys::ggml_tensor,
         scale: f32,
+        window: usize,
     ) -> Result<(), String> {
         let err = |e: siliceo_kernels_turing::KernelError| format!("layer {il} on the device: {e}");
         if self.step.is_none() {
@@ -242,7 +245,7 @@ impl<B: Backend> DeviceLayers for DeviceStore<B> {
         let dev_step = self.step.as_ref().expect("uploaded above");
         let kv = self.layers[il].as_mut().expect("checked by kv()");
         self.kernels
-            .graft_layer(kv, dev_step, qr, kr, vr, scale, span)
+            .graft_layer(kv, dev_step, qr, kr, vr, scale, window, span)
             .map_err(err)
     }
 

@@ -375,10 +375,68 @@ impl Model {
         unsafe { std::mem::transmute_copy(&self.inner) }
     }
 
+    /// Each layer's sliding attention window (0 = the whole context), as
+    /// llama.cpp builds the layer's mask: where the model has a window
+    /// (`llama_model_n_swa`), a layer is windowed by the GGUF's
+    /// `{arch}.attention.sliding_window_pattern` (one flag per layer, or a
+    /// period whose last layer is global), or else by the architecture's
+    /// default period as llama.cpp sets it (`load_swa_pattern` in its
+    /// `src/models/*.cpp`). `None` for a windowed architecture this table
+    /// does not know, or one whose windows are not llama.cpp's standard
+    /// kind (chunked, symmetric).
+    pub fn attention_windows(&self) -> Option<Vec<usize>> {
+        // SAFETY: a plain query of a loaded model.
+        let n_swa = unsafe { llama_cpp_sys_2::llama_model_n_swa(self.raw().as_ptr()) };
+        let layers = self.geometry.n_layer as usize;
+        let window = usize::try_from(n_swa).unwrap_or(0);
+        if window == 0 {
+            return Some(vec![0; layers]);
+        }
+        let arch = &self.architecture;
+        // Standard windows, the global layer last in each period.
+        let period = match arch.as_str() {
+            "gemma2" | "gpt-oss" => 2,
+            "cohere2" | "olmo2" | "exaone4" => 4,
+            "gemma3" => 6,
+            _ => return None,
+        };
+        let key = format!("{arch}.attention.sliding_window_pattern");
+        let flags = match self.meta(&key) {
+            None => None,
+            Some(v) => match v.trim().strip_prefix('[').and_then(|v| v.strip_suffix(']')) {
+                Some(list) => Some(
+                    list.split(',')
+                        .map(|f| match f.trim() {
+                            "true" | "1" => Some(true),
+                            "false" | "0" => Some(false),
+                            _ => None,
+                        })
+                        .collect::<Option<Vec<bool>>>()?,
+                ),
+                None => {
+                    let p: usize = v.trim().parse().ok()?;
+                    return Some(windows_by_period(layers, p, window));
+                }
+            },
+        };
+        match flags {
+            Some(f) if f.len() >= layers => Some(
+                f[..layers]
+                    .iter()
+                    .map(|&w| if w { window } else { 0 })
+                    .collect(),
+            ),
+            Some(_) => None,
+            None => Some(windows_by_period(layers, period, window)),
+        }
+    }
+
     /// Refuses a model whose attention grafted serving cannot compute: it
-    /// must be plain causal softmax attention over one KV cache per layer,
-    /// without ALiBi, logit soft-capping, sliding windows or attention sinks
-    /// (also checked per op at run time), with equal K and V head sizes.
+    /// must be causal softmax attention over one KV cache per layer, over
+    /// the whole context or a standard sliding window
+    /// ([`Model::attention_windows`]), without ALiBi, logit soft-capping or
+    /// attention sinks (also checked per op at run time), with equal K and
+    /// V head sizes.
     pub fn check_graftable(&self) -> Result<(), EngineError> {
         let refuse = |why: String| {
             Err(EngineError::Unsupported {
@@ -402,9 +460,11 @@ impl Model {
         if encoder {
             return refuse("an encoder with cross-attention".into());
         }
-        if swa > 0 {
+        if swa > 0 && self.attention_windows().is_none() {
             return refuse(format!(
-                "sliding-window attention (window {swa}); the kernel attends to the whole context"
+                "sliding-window attention (window {swa}) of an architecture ({}) whose \
+                 windowed layers this build does not know",
+                self.architecture
             ));
         }
         let g = self.geometry;
@@ -415,6 +475,14 @@ impl Model {
             ));
         }
         let arch = &self.architecture;
+        // llama.cpp's architectures whose attention has sinks (a learned
+        // logit per head in the softmax, `attn_sinks` tensors).
+        if matches!(
+            arch.as_str(),
+            "gpt-oss" | "mimo2" | "granite_swa" | "hy_v4" | "dflash" | "deepseek4"
+        ) {
+            return refuse("attention sinks".into());
+        }
         let meta_f = |key: &str| {
             self.meta(&format!("{arch}.{key}"))
                 .and_then(|v| v.trim().parse::<f64>().ok())
@@ -442,6 +510,20 @@ impl Model {
         }
         Ok(())
     }
+}
+
+/// llama.cpp's `set_swa_pattern(period)`: every layer windowed but the last
+/// of each period (a period of 0 windows them all).
+fn windows_by_period(layers: usize, period: usize, window: usize) -> Vec<usize> {
+    (0..layers)
+        .map(|il| {
+            if period == 0 || il % period < period - 1 {
+                window
+            } else {
+                0
+            }
+        })
+        .collect()
 }
 
 /// Loads `path` through the raw API with weight repacking off (llama-cpp-2

@@ -33,7 +33,7 @@ use std::ffi::{CStr, c_void};
 
 use llama_cpp_sys_2 as sys;
 use siliceo_core::TokenId;
-use siliceo_kernels_turing::{AttnParams, Codec, KvLayout, KvStore, SeqKv, SeqQuery};
+use siliceo_kernels_turing::{AttnParams, Codec, KvLayout, KvStore, LayerAttn, SeqKv, SeqQuery};
 
 use crate::KvFormat;
 
@@ -89,6 +89,8 @@ struct Layer {
     out: Vec<f32>,
     /// Tokens whose attention output this layer has handled.
     tokens: usize,
+    /// The layer's sliding window (0 = the whole context).
+    window: usize,
 }
 
 /// What the callback works on (boxed: llama.cpp holds a pointer to it).
@@ -248,10 +250,14 @@ impl State {
                             &layer.v[i * kvrow..end * kvrow],
                         )
                         .map_err(|e| format!("layer {il}: {e}"))?;
-                    siliceo_kernels_turing::paged_attention(
+                    siliceo_kernels_turing::paged_attention_layer(
                         &layer.store,
                         nh,
-                        scale,
+                        &LayerAttn {
+                            scale,
+                            window: layer.window,
+                            sinks: None,
+                        },
                         &[SeqQuery {
                             kv: &layer.seq,
                             q: &layer.q[i * qrow..end * qrow],
@@ -363,9 +369,19 @@ impl<'m> ShadowContext<'m> {
         let threads = n_threads
             .map(|n| n as usize)
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-        let layers = (0..g.n_layer)
-            .map(|_| {
+        let windows = model
+            .attention_windows()
+            .ok_or_else(|| EngineError::InvalidOption {
+                field: "configs",
+                reason: format!(
+                    "{}'s sliding windows are not known to this build",
+                    model.name()
+                ),
+            })?;
+        let layers = (0..g.n_layer as usize)
+            .map(|il| {
                 Ok(Layer {
+                    window: windows[il],
                     store: KvStore::new(layout, sealed, tail).map_err(|e| {
                         EngineError::InvalidOption {
                             field: "configs",

@@ -769,6 +769,11 @@ pub(crate) fn upload_i32<B: Backend>(b: &B, x: &[i32]) -> Result<B::Buf, KernelE
     b.upload(&le_bytes(x, |v| v.to_le_bytes()))
 }
 
+/// A sliding window as the kernels' `int` argument (0 = none).
+pub(crate) fn window_arg(window: usize) -> Result<i32, KernelError> {
+    i32::try_from(window).map_err(|_| KernelError::Shape(format!("a window of {window} tokens")))
+}
+
 /// A decode call with its inputs on the device, ready to launch again and
 /// again (the benchmark times [`DecodeRun::enqueue`]).
 #[derive(Debug)]
@@ -827,11 +832,11 @@ impl<B: Backend> DecodeRun<B> {
         };
         // SAFETY: the run's own buffers: queries and output of seqs × heads ×
         // head_dim f32.
-        unsafe { self.enqueue_into(k, kv, Arg::Buf(out), Arg::Buf(q)) }
+        unsafe { self.enqueue_into(k, kv, Arg::Buf(out), Arg::Buf(q), 0) }
     }
 
     /// [`DecodeRun::enqueue`] with the queries read from `q` and the output
-    /// written to `out`.
+    /// written to `out`, each query seeing its last `window` tokens (0 = all).
     ///
     /// # Safety
     /// `q` and `out` must be device buffers (or addresses) holding `rows ×
@@ -843,7 +848,9 @@ impl<B: Backend> DecodeRun<B> {
         kv: &DeviceKv<B>,
         out: Arg<'_, B::Buf>,
         q: Arg<'_, B::Buf>,
+        window: usize,
     ) -> Result<(), KernelError> {
+        let window = window_arg(window)?;
         if (kv.layout, kv.pools.capacity()) != self.store {
             return Err(KernelError::Shape(
                 "a decode run launched on a store of another layout or size than it was prepared for"
@@ -883,6 +890,7 @@ impl<B: Backend> DecodeRun<B> {
             Arg::I32(sh.partition_tokens),
             Arg::I32(sh.partitions),
             tokens,
+            Arg::I32(window),
         ];
         // SAFETY: the arguments match `siliceo_attn_decode_*` in
         // paged_attention.cu; the tables were checked against pools of this

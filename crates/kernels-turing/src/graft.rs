@@ -293,7 +293,9 @@ impl<B: Backend> PrefillRun<B> {
         kv: &DeviceKv<B>,
         q: &B::Buf,
         out: Arg<'_, B::Buf>,
+        window: usize,
     ) -> Result<(), KernelError> {
+        let window = crate::device::window_arg(window)?;
         let d = self.d;
         let launch = Launch {
             grid: (
@@ -331,6 +333,7 @@ impl<B: Backend> PrefillRun<B> {
             Arg::I32(self.v_group),
             Arg::I32(self.partition_tokens),
             Arg::I32(self.partitions),
+            Arg::I32(window),
         ];
         // SAFETY: the arguments match `siliceo_attn_prefill_*`; the tables
         // were checked against the store's pools, every tile's rows lie in
@@ -474,7 +477,8 @@ impl<B: Backend> Kernels<B> {
     /// One layer of a grafted step, in this order: the batch's K and V (`k`,
     /// `v`: `[head_dim, ≥ tokens, kv_heads]`) into their tail rows, the step's
     /// copies and seals, then attention of every batch token (`q`:
-    /// `[head_dim, ≥ tokens, heads]`, × `scale`) into `out`, contiguous
+    /// `[head_dim, ≥ tokens, heads]`, × `scale`; each query seeing its last
+    /// `window` positions, 0 = all) into `out`, contiguous
     /// `tokens × heads × head_dim` f32. Waits for the kernels before it
     /// returns. A failure can leave rows written: the caller frees the blocks
     /// the step wrote.
@@ -487,6 +491,7 @@ impl<B: Backend> Kernels<B> {
         k: DeviceRows,
         v: DeviceRows,
         scale: f32,
+        window: usize,
         out: DeviceSpan,
     ) -> Result<(), KernelError> {
         let l = kv.layout;
@@ -561,7 +566,7 @@ impl<B: Backend> Kernels<B> {
         // SAFETY: the arguments match `siliceo_gather_q`; Q holds n tokens of
         // h heads (checked) and the query buffer n × h × d f32.
         unsafe { b.launch("siliceo_gather_q", gather, &args) }?;
-        self.attend(kv, step, out)?;
+        self.attend(kv, step, out, window)?;
         b.synchronize()
     }
 
@@ -574,6 +579,7 @@ impl<B: Backend> Kernels<B> {
         kv: &DeviceKv<B>,
         step: &DeviceStep<B>,
         out: DeviceSpan,
+        window: usize,
     ) -> Result<(), KernelError> {
         let (n, h, d) = (step.tokens, step.heads, kv.layout.head_dim);
         if out.addr == 0 || out.bytes < n * h * d * 4 || B::buf_len(&step.q) != n * h * d * 4 {
@@ -585,11 +591,11 @@ impl<B: Backend> Kernels<B> {
         if let Some(dec) = &step.decode {
             // SAFETY: `out` and the step's queries hold n × h × d f32
             // (checked above), the batch the run was made for.
-            unsafe { dec.enqueue_into(self, kv, Arg::Ptr(out.addr), Arg::Buf(&step.q)) }?;
+            unsafe { dec.enqueue_into(self, kv, Arg::Ptr(out.addr), Arg::Buf(&step.q), window) }?;
         }
         if let Some(pre) = &step.prefill {
             // SAFETY: as above.
-            unsafe { pre.enqueue(self, kv, &step.q, Arg::Ptr(out.addr)) }?;
+            unsafe { pre.enqueue(self, kv, &step.q, Arg::Ptr(out.addr), window) }?;
         }
         Ok(())
     }
@@ -778,13 +784,13 @@ pub fn bench_prefill<B: Backend>(
                 let mut step =
                     k.graft_step_with(&dev, heads, &writes, Vec::new(), Vec::new(), &run, &tuning)?;
                 step.q = b.upload(&le_bytes(&q, |x| x.to_le_bytes()))?;
-                k.attend(&dev, &step, span)?;
+                k.attend(&dev, &step, span, 0)?;
                 b.synchronize()?;
                 let got = crate::device::bytes_f32(&b.download(&out)?);
                 let mut times = Vec::new();
                 for _ in 0..shape.reps.max(1) {
                     let t0 = Instant::now();
-                    k.attend(&dev, &step, span)?;
+                    k.attend(&dev, &step, span, 0)?;
                     b.synchronize()?;
                     times.push(t0.elapsed().as_secs_f64());
                 }

@@ -7,7 +7,9 @@
 #![cfg(any(feature = "cuda", feature = "cuda-emu"))]
 
 use siliceo_kernels_turing::device::{Backend, Kernels, max_abs_diff, max_partition_tokens};
-use siliceo_kernels_turing::{Codec, KernelError, KvLayout, KvStore, SeqKv, naive_attention};
+use siliceo_kernels_turing::{
+    Codec, KernelError, KvLayout, KvStore, LayerAttn, SeqKv, naive_attention, naive_attention_layer,
+};
 
 fn data(n: usize, seed: usize) -> Vec<f32> {
     (0..n)
@@ -475,12 +477,16 @@ fn graft_layer_matches_the_cpu_pages<B: Backend>(k: &Kernels<B>) {
                         .unwrap();
                     assert_eq!(step.split(), split, "{what} step {si}: {tuning:?}");
                     let e = k
-                        .graft_layer(&mut dev, &step, qt, short, vt, scale, span)
+                        .graft_layer(&mut dev, &step, qt, short, vt, scale, 0, span)
                         .unwrap_err();
                     assert!(matches!(e, KernelError::Shape(_)), "{what}: {e}");
-                    k.graft_layer(&mut dev, &step, qt, kt, vt, scale, span)
-                        .unwrap();
-                    gots.push((tuning, bytes_f32(&b.download(&out).unwrap())));
+                    // The whole context, then a sliding window of 25 (the
+                    // same writes, copies and seals again: the same bytes).
+                    for window in [0, 25] {
+                        k.graft_layer(&mut dev, &step, qt, kt, vt, scale, window, span)
+                            .unwrap();
+                        gots.push((tuning, window, bytes_f32(&b.download(&out).unwrap())));
+                    }
                 }
                 // The same step on the host store.
                 for (i, &(blk, r)) in writes.iter().enumerate() {
@@ -509,31 +515,44 @@ fn graft_layer_matches_the_cpu_pages<B: Backend>(k: &Kernels<B>) {
                     );
                 }
                 // Each token against exact attention over what it may see.
-                let mut want = Vec::new();
-                let mut at = 0;
-                for &(tokens, kv) in runs {
-                    let (rk, rv) = host.read(kv);
-                    for j in 0..tokens {
-                        let len = kv.len - tokens + 1 + j;
-                        let qi = &t.qv[(at + j) * heads * d..(at + j + 1) * heads * d];
-                        want.extend(naive_attention(
-                            qi,
-                            1,
-                            heads,
-                            &rk[..len * row],
-                            &rv[..len * row],
-                            kv_heads,
-                            d,
-                            scale,
-                        ));
+                let want = |window| {
+                    let attn = LayerAttn {
+                        scale,
+                        window,
+                        sinks: None,
+                    };
+                    let mut want = Vec::new();
+                    let mut at = 0;
+                    for &(tokens, kv) in runs {
+                        let (rk, rv) = host.read(kv);
+                        for j in 0..tokens {
+                            let len = kv.len - tokens + 1 + j;
+                            let qi = &t.qv[(at + j) * heads * d..(at + j + 1) * heads * d];
+                            want.extend(naive_attention_layer(
+                                qi,
+                                1,
+                                heads,
+                                &rk[..len * row],
+                                &rv[..len * row],
+                                kv_heads,
+                                d,
+                                &attn,
+                            ));
+                        }
+                        at += tokens;
                     }
-                    at += tokens;
-                }
-                for (tuning, got) in &gots {
-                    let worst = max_abs_diff(got, &want);
+                    want
+                };
+                let wants = [want(0), want(25)];
+                assert!(
+                    max_abs_diff(&wants[0], &wants[1]) > 0.05,
+                    "the window hides nothing"
+                );
+                for (tuning, window, got) in &gots {
+                    let worst = max_abs_diff(got, &wants[usize::from(*window > 0)]);
                     assert!(
                         worst < 2e-3,
-                        "{what} step {si} {tuning:?}: attention differs by {worst}"
+                        "{what} step {si} {tuning:?} window {window}: attention differs by {worst}"
                     );
                 }
             }
@@ -690,7 +709,7 @@ fn prefill_matches_decode_and_exact_attention<B: Backend>(k: &Kernels<B>) {
                     addr: b.addr(&out),
                     bytes: B::buf_len(&out),
                 };
-                k.graft_layer(&mut dev, &step, qt, kt, vt, scale, span)
+                k.graft_layer(&mut dev, &step, qt, kt, vt, scale, 0, span)
                     .unwrap();
                 if si == 1 {
                     outputs.push((*tuning, bytes_f32(&b.download(&out).unwrap())));

@@ -463,6 +463,23 @@ pub struct RuntimeInfo {
     pub prefix_caching: bool,
     /// Speculative decoding configured (`None`: off).
     pub speculative: Option<SpeculativeConfig>,
+    /// Each layer's sliding attention window in tokens (0 = the whole
+    /// context; empty where the build does not know the model's windows).
+    pub attention_windows: Vec<usize>,
+}
+
+impl RuntimeInfo {
+    /// The sliding window and how many layers attend through it, where the
+    /// model has one.
+    pub fn sliding_window(&self) -> Option<(usize, usize)> {
+        let w = self
+            .attention_windows
+            .iter()
+            .copied()
+            .max()
+            .filter(|&w| w > 0)?;
+        Some((w, self.attention_windows.iter().filter(|&&x| x > 0).count()))
+    }
 }
 
 /// Occupancy, for metrics and leak checks.

@@ -114,7 +114,7 @@ fn llama_types(f: &KvFlags<'_>, model: &Path) -> Result<(KvType, KvType)> {
 
 /// How the ready line and `generate`'s summary name the KV.
 pub fn describe(info: &siliceo_runtime::RuntimeInfo) -> String {
-    match &info.store {
+    let kv = match &info.store {
         Some(s) => format!(
             "ours {} ({:.0} MiB, {} tokens)",
             info.kv_format,
@@ -122,5 +122,12 @@ pub fn describe(info: &siliceo_runtime::RuntimeInfo) -> String {
             s.tokens
         ),
         None => format!("llama.cpp {}", info.kv_format),
+    };
+    match info.sliding_window() {
+        Some((w, n)) => format!(
+            "{kv} · sliding window {w} in {n} of {} layers",
+            info.geometry.n_layer
+        ),
+        None => kv,
     }
 }

@@ -7,6 +7,7 @@ mod draft;
 mod embed;
 mod eval;
 mod graft;
+mod swa;
 mod text;
 
 use std::path::PathBuf;

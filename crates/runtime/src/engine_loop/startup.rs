@@ -381,6 +381,7 @@ impl<'m> Engine<'m> {
             max_running_seqs: max_running,
             prefix_caching: kv_config.prefix_caching,
             speculative: cfg.speculative.clone(),
+            attention_windows: model.attention_windows().unwrap_or_default(),
         };
         let engine = Engine {
             model,
