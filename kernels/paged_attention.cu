@@ -151,6 +151,16 @@ __device__ __forceinline__ float warp_sum(float x) {
     return x;
 }
 
+// What a row's accumulated values are multiplied by at the end: 1 / l, or
+// with an attention sink (a logit that joins the softmax's denominator and
+// weighs no value) e^(m−t) / (l·e^(m−t) + e^(sink−t)), t the larger of the
+// row's maximum m and the sink.
+__device__ __forceinline__ float row_norm(float l, float m, const float* sinks, int head) {
+    if (!sinks) return 1.f / l;
+    const float sink = sinks[head], t = fmaxf(m, sink), c = __expf(m - t);
+    return c / (l * c + __expf(sink - t));
+}
+
 // One CTA's partition of one sequence's context, for one KV head: where
 // each of its tokens' K and V rows live.
 struct Partition {
@@ -199,7 +209,7 @@ struct Partition {
 template <int D, int KC, int VC, int GT, int U>
 __device__ void attn_decode(float* out, float* part_m, float* part_l, float* part_acc, const float* q,
                             Tables tb, int H, int KVH, int T, int kg, int vg, int part_tokens, int P,
-                            const int* tokens, int window) {
+                            const int* tokens, int window, const float* sinks) {
     constexpr int LPT = D / 8, TPW = 32 / LPT, STEP = WARPS * TPW * U;
     DYNAMIC_SHARED(float, smem);
     float* qs = smem;
@@ -318,7 +328,7 @@ __device__ void attn_decode(float* out, float* part_m, float* part_l, float* par
         for (int w = 0; w < WARPS; w++) v += red[(w * GT + g) * D + c];
         size_t row = tok * H + kh * G + g;
         if (P == 1) {
-            out[row * D + c] = v / l_s[g];
+            out[row * D + c] = v * row_norm(l_s[g], m_s[g], sinks, kh * G + g);
         } else {
             part_acc[(row * P + p) * D + c] = v;
             if (c == 0) {
@@ -338,10 +348,10 @@ __device__ void attn_decode(float* out, float* part_m, float* part_l, float* par
         float* out, float* part_m, float* part_l, float* part_acc, const float* q, const uint8_t* sealed,      \
         const uint8_t* tail, const uint32_t* sealed_tab, const uint32_t* tail_tab, const int* seq_len,        \
         const int* n_sealed, int max_sealed, int max_tail, int H, int KVH, int T, int kg, int vg,             \
-        int part_tokens, int P, const int* tokens, int window) {                                              \
+        int part_tokens, int P, const int* tokens, int window, const float* sinks) {                          \
         Tables tb = {sealed, tail, sealed_tab, tail_tab, seq_len, n_sealed, max_sealed, max_tail};            \
         attn_decode<D, KC, VC, GT, U>(out, part_m, part_l, part_acc, q, tb, H, KVH, T, kg, vg, part_tokens,    \
-                                      P, tokens, window);                                                     \
+                                      P, tokens, window, sinks);                                              \
     }
 #define DECODE(NAME, KC, VC, D, GT) DECODE_U(NAME, KC, VC, D, GT, (GT >= 8 ? 2 : 4), )
 
@@ -422,7 +432,7 @@ __device__ __forceinline__ void prefill_tile_rows(const Partition& pt, int kb, f
 template <int D, int KC, int VC>
 __device__ void attn_prefill(float* out, float* part_m, float* part_l, float* part_acc, const float* q,
                              Tables tb, const int* tiles, int H, int KVH, int T, int kg, int vg,
-                             int part_tokens, int P, int window) {
+                             int part_tokens, int P, int window, const float* sinks) {
     using PT = PrefillTile<D>;
     constexpr int R = PT::R, KT = PT::KT, RP = PT::RP, RM = PT::RM, KM = PT::KM, CG = PT::CG, RO = PT::RO;
     DYNAMIC_SHARED(float, smem);
@@ -555,8 +565,9 @@ __device__ void attn_prefill(float* out, float* part_m, float* part_l, float* pa
         if (r >= rows) continue;
         const size_t row = (size_t)(token0 + x / G) * H + kh * G + x % G;
         if (P == 1) {
+            const float f = row_norm(l_s[r], m_s[r], sinks, kh * G + x % G);
 #pragma unroll
-            for (int c = 0; c < 8; c++) out[row * D + c0 + c] = acc[i][c] / l_s[r];
+            for (int c = 0; c < 8; c++) out[row * D + c0 + c] = acc[i][c] * f;
         } else {
 #pragma unroll
             for (int c = 0; c < 8; c++) part_acc[(row * P + p) * D + c0 + c] = acc[i][c];
@@ -573,10 +584,10 @@ __device__ void attn_prefill(float* out, float* part_m, float* part_l, float* pa
         float* out, float* part_m, float* part_l, float* part_acc, const float* q, const uint8_t* sealed,      \
         const uint8_t* tail, const uint32_t* sealed_tab, const uint32_t* tail_tab, const int* seq_len,        \
         const int* n_sealed, int max_sealed, int max_tail, const int* tiles, int H, int KVH, int T, int kg,   \
-        int vg, int part_tokens, int P, int window) {                                                         \
+        int vg, int part_tokens, int P, int window, const float* sinks) {                                     \
         Tables tb = {sealed, tail, sealed_tab, tail_tab, seq_len, n_sealed, max_sealed, max_tail};            \
         attn_prefill<D, KC, VC>(out, part_m, part_l, part_acc, q, tb, tiles, H, KVH, T, kg, vg, part_tokens, \
-                                P, window);                                                                   \
+                                P, window, sinks);                                                            \
     }
 #define PREFILL_DIMS(NAME, KC, VC) \
     PREFILL(NAME, KC, VC, 64)      \
@@ -590,7 +601,8 @@ PREFILL_DIMS(k5_v4, K5, V4)
 // Grid (H, S), D threads: merges P partial rows per head. Row y's batch
 // token is tokens[y] (y itself when tokens is null).
 extern "C" __global__ void siliceo_attn_reduce(float* out, const float* part_m, const float* part_l,
-                                               const float* part_acc, int H, int D, int P, const int* tokens) {
+                                               const float* part_acc, int H, int D, int P, const int* tokens,
+                                               const float* sinks) {
     const size_t row = (size_t)(tokens ? tokens[blockIdx.y] : blockIdx.y) * H + blockIdx.x;
     const int c = threadIdx.x;
     if (c >= D) return;
@@ -604,7 +616,7 @@ extern "C" __global__ void siliceo_attn_reduce(float* out, const float* part_m, 
         l += pl * w;
         v += part_acc[(row * P + p) * D + c] * w;
     }
-    out[row * D + c] = v / l;
+    out[row * D + c] = v * row_norm(l, m, sinks, blockIdx.x);
 }
 
 // One thread per (token, head, channel): row `slot_row[i]` of tail block

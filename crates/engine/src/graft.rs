@@ -236,6 +236,10 @@ struct State {
     q4_1: Option<Box<crate::q4_1::Shared>>,
     /// Each layer's sliding window (0 = the whole context).
     windows: Vec<usize>,
+    /// The layer being computed has attention sinks: `sinks`, one logit per
+    /// query head.
+    has_sinks: bool,
+    sinks: Vec<f32>,
     /// The mask llama.cpp gave the global layers and the windowed ones in
     /// the decode in flight, on a device and on the host
     /// ([`State::check_mask`]).
@@ -325,6 +329,29 @@ unsafe fn gather(
     Ok(())
 }
 
+/// Reads an attention op's sinks (`src[4]`: f32, one per query head, in
+/// host or device memory) into `dst`.
+///
+/// # Safety
+/// `t` must be a live, computed tensor.
+unsafe fn read_sinks(t: &sys::ggml_tensor, heads: usize, dst: &mut Vec<f32>) -> Result<(), String> {
+    if t.type_ != sys::GGML_TYPE_F32
+        || t.ne[0] as usize != heads
+        || t.ne[1..].iter().any(|&n| n != 1)
+        || t.nb[0] != 4
+        || t.buffer.is_null()
+    {
+        return Err(format!(
+            "attention sinks of type {} and shape {:?}, expected f32 [{heads}]",
+            t.type_, t.ne
+        ));
+    }
+    dst.resize(heads, 0.0);
+    // SAFETY: `heads` contiguous f32 (checked), wherever the tensor lives.
+    unsafe { sys::ggml_backend_tensor_get(t, dst.as_mut_ptr().cast(), 0, heads * 4) };
+    Ok(())
+}
+
 impl State {
     /// Handles `kqv_out-{il}`.
     ///
@@ -354,9 +381,8 @@ impl State {
                 fa.op_params[4]
             ));
         }
-        if !fa.src[4].is_null() {
-            return Err(format!("layer {il}: attention sinks are not supported"));
-        }
+        // SAFETY: a node's sources live as long as the graph.
+        let sinks = unsafe { fa.src[4].as_ref() };
         self.check_mask(fa, il)?;
         // SAFETY: Q, K and V of the op, computed before it and not yet freed.
         let (q, k, v) = unsafe { (&*fa.src[0], &*fa.src[1], &*fa.src[2]) };
@@ -379,10 +405,29 @@ impl State {
                 .as_mut()
                 .expect("a layer without a host store is on the device");
             // SAFETY: the op's inputs and output, computed (checked above).
-            unsafe { dev.layer(il, &self.step, nh, q, k, v, t, scale, self.windows[il])? };
+            unsafe {
+                dev.layer(
+                    il,
+                    &self.step,
+                    nh,
+                    q,
+                    k,
+                    v,
+                    t,
+                    scale,
+                    self.windows[il],
+                    sinks,
+                )?
+            };
             self.layers_done += 1;
             self.tap_output(t, il);
             return Ok(());
+        }
+        self.has_sinks = sinks.is_some();
+        if let Some(s) = sinks {
+            // SAFETY: a source of the op, computed (a weight) before it.
+            unsafe { read_sinks(s, nh, &mut self.sinks) }
+                .map_err(|e| format!("layer {il}: {e}"))?;
         }
         let copy = self.copy_tensors;
         unsafe {
@@ -531,7 +576,7 @@ impl State {
         let attn = LayerAttn {
             scale,
             window: self.windows[il],
-            sinks: None,
+            sinks: self.has_sinks.then_some(&self.sinks[..]),
         };
         siliceo_kernels_turing::paged_attention_layer(
             pages,
@@ -854,6 +899,8 @@ impl<'m> GraftedContext<'m> {
                 .flatten()
                 .map(|k| Box::new(crate::q4_1::Shared::new(k))),
             windows,
+            has_sinks: false,
+            sinks: Vec::new(),
             masks: [[None; 2]; 2],
         });
         // llama.cpp's own cache: one step, padded as llama.cpp pads it.

@@ -32,7 +32,8 @@ pub(crate) trait DeviceLayers {
     /// Forgets the last decode's tables (a new decode begins).
     fn end_step(&mut self);
     /// Layer `il` of `step`: writes, copies, seals, attention (each query
-    /// seeing its last `window` positions, 0 = all) into `out`.
+    /// seeing its last `window` positions, 0 = all; with the op's attention
+    /// `sinks`, f32 per query head) into `out`.
     ///
     /// # Safety
     /// The tensors are the layer's computed `FLASH_ATTN_EXT` inputs and its
@@ -49,6 +50,7 @@ pub(crate) trait DeviceLayers {
         out: &sys::ggml_tensor,
         scale: f32,
         window: usize,
+        sinks: Option<&sys::ggml_tensor>,
     ) -> Result<(), String>;
     /// Tail-row copies in every device layer, in order.
     fn copy_rows(&mut self, copies: &[RowCopy]) -> Result<(), String>;
@@ -202,6 +204,7 @@ impl<B: Backend> DeviceLayers for DeviceStore<B> {
         out: &sys::ggml_tensor,
         scale: f32,
         window: usize,
+        sinks: Option<&sys::ggml_tensor>,
     ) -> Result<(), String> {
         let err = |e: siliceo_kernels_turing::KernelError| format!("layer {il} on the device: {e}");
         if self.step.is_none() {
@@ -242,10 +245,28 @@ impl<B: Backend> DeviceLayers for DeviceStore<B> {
             addr: out.data as u64,
             bytes: unsafe { sys::ggml_nbytes(out) },
         };
+        let sinks = match sinks {
+            None => None,
+            Some(s) => {
+                if s.type_ != sys::GGML_TYPE_F32 || s.ne[0] as usize != n_heads || s.nb[0] != 4 {
+                    return Err(format!(
+                        "layer {il}: attention sinks of type {} and shape {:?}, expected f32 \
+                         [{n_heads}]",
+                        s.type_, s.ne
+                    ));
+                }
+                // SAFETY: a live tensor (the caller's contract).
+                unsafe { self.check_place(s, "the attention sinks")? };
+                Some(DeviceSpan {
+                    addr: s.data as u64,
+                    bytes: n_heads * 4,
+                })
+            }
+        };
         let dev_step = self.step.as_ref().expect("uploaded above");
         let kv = self.layers[il].as_mut().expect("checked by kv()");
         self.kernels
-            .graft_layer(kv, dev_step, qr, kr, vr, scale, window, span)
+            .graft_layer(kv, dev_step, qr, kr, vr, scale, window, sinks, span)
             .map_err(err)
     }
 

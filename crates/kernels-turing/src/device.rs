@@ -617,6 +617,7 @@ impl<B: Backend> Kernels<B> {
         (heads, d, p): (i32, usize, i32),
         rows: usize,
         tokens: Arg<'_, B::Buf>,
+        sinks: u64,
     ) -> Result<(), KernelError> {
         let args = [
             out,
@@ -627,6 +628,7 @@ impl<B: Backend> Kernels<B> {
             Arg::I32(d as i32),
             Arg::I32(p),
             tokens,
+            Arg::Ptr(sinks),
         ];
         let launch = Launch {
             grid: (heads as u32, rows as u32, 1),
@@ -832,16 +834,18 @@ impl<B: Backend> DecodeRun<B> {
         };
         // SAFETY: the run's own buffers: queries and output of seqs × heads ×
         // head_dim f32.
-        unsafe { self.enqueue_into(k, kv, Arg::Buf(out), Arg::Buf(q), 0) }
+        unsafe { self.enqueue_into(k, kv, Arg::Buf(out), Arg::Buf(q), 0, 0) }
     }
 
     /// [`DecodeRun::enqueue`] with the queries read from `q` and the output
-    /// written to `out`, each query seeing its last `window` tokens (0 = all).
+    /// written to `out`, each query seeing its last `window` tokens (0 = all),
+    /// with the attention sinks at device address `sinks` (f32 per query
+    /// head; 0 = none).
     ///
     /// # Safety
     /// `q` and `out` must be device buffers (or addresses) holding `rows ×
     /// heads × head_dim` f32, `rows` the run's sequences or, with a token
-    /// map, its batch's tokens.
+    /// map, its batch's tokens; `sinks`, when not 0, one f32 per head.
     pub(crate) unsafe fn enqueue_into(
         &self,
         k: &Kernels<B>,
@@ -849,6 +853,7 @@ impl<B: Backend> DecodeRun<B> {
         out: Arg<'_, B::Buf>,
         q: Arg<'_, B::Buf>,
         window: usize,
+        sinks: u64,
     ) -> Result<(), KernelError> {
         let window = window_arg(window)?;
         if (kv.layout, kv.pools.capacity()) != self.store {
@@ -891,6 +896,7 @@ impl<B: Backend> DecodeRun<B> {
             Arg::I32(sh.partitions),
             tokens,
             Arg::I32(window),
+            Arg::Ptr(sinks),
         ];
         // SAFETY: the arguments match `siliceo_attn_decode_*` in
         // paged_attention.cu; the tables were checked against pools of this
@@ -907,6 +913,7 @@ impl<B: Backend> DecodeRun<B> {
                     (sh.heads, self.d, sh.partitions),
                     self.seqs,
                     tokens,
+                    sinks,
                 )
             }?;
         }

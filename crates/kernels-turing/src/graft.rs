@@ -130,6 +130,19 @@ impl DeviceRows {
     }
 }
 
+/// The device address of a layer's attention sinks (0 = none), checked to
+/// hold one f32 per query head.
+fn sinks_addr(sinks: Option<DeviceSpan>, heads: usize) -> Result<u64, KernelError> {
+    match sinks {
+        None => Ok(0),
+        Some(s) if s.addr != 0 && s.bytes >= heads * 4 => Ok(s.addr),
+        Some(s) => Err(KernelError::Shape(format!(
+            "attention sinks of {} bytes for {heads} heads",
+            s.bytes
+        ))),
+    }
+}
+
 /// Contiguous bytes in device memory the backend did not allocate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeviceSpan {
@@ -294,6 +307,7 @@ impl<B: Backend> PrefillRun<B> {
         q: &B::Buf,
         out: Arg<'_, B::Buf>,
         window: usize,
+        sinks: u64,
     ) -> Result<(), KernelError> {
         let window = crate::device::window_arg(window)?;
         let d = self.d;
@@ -334,6 +348,7 @@ impl<B: Backend> PrefillRun<B> {
             Arg::I32(self.partition_tokens),
             Arg::I32(self.partitions),
             Arg::I32(window),
+            Arg::Ptr(sinks),
         ];
         // SAFETY: the arguments match `siliceo_attn_prefill_*`; the tables
         // were checked against the store's pools, every tile's rows lie in
@@ -349,6 +364,7 @@ impl<B: Backend> PrefillRun<B> {
                     (self.heads, d, self.partitions),
                     self.tokens,
                     Arg::Buf(&self.token_map),
+                    sinks,
                 )
             }?;
         }
@@ -478,7 +494,9 @@ impl<B: Backend> Kernels<B> {
     /// `v`: `[head_dim, ≥ tokens, kv_heads]`) into their tail rows, the step's
     /// copies and seals, then attention of every batch token (`q`:
     /// `[head_dim, ≥ tokens, heads]`, × `scale`; each query seeing its last
-    /// `window` positions, 0 = all) into `out`, contiguous
+    /// `window` positions, 0 = all; with `sinks`, one f32 logit per query
+    /// head in device memory, joining each softmax's denominator) into
+    /// `out`, contiguous
     /// `tokens × heads × head_dim` f32. Waits for the kernels before it
     /// returns. A failure can leave rows written: the caller frees the blocks
     /// the step wrote.
@@ -492,10 +510,12 @@ impl<B: Backend> Kernels<B> {
         v: DeviceRows,
         scale: f32,
         window: usize,
+        sinks: Option<DeviceSpan>,
         out: DeviceSpan,
     ) -> Result<(), KernelError> {
         let l = kv.layout;
         let (d, kvh, n, h) = (l.head_dim, l.kv_heads, step.tokens, step.heads);
+        sinks_addr(sinks, h)?;
         k.check("K", d, n, kvh)?;
         v.check("V", d, n, kvh)?;
         q.check("Q", d, n, h)?;
@@ -566,7 +586,7 @@ impl<B: Backend> Kernels<B> {
         // SAFETY: the arguments match `siliceo_gather_q`; Q holds n tokens of
         // h heads (checked) and the query buffer n × h × d f32.
         unsafe { b.launch("siliceo_gather_q", gather, &args) }?;
-        self.attend(kv, step, out, window)?;
+        self.attend(kv, step, out, window, sinks)?;
         b.synchronize()
     }
 
@@ -580,8 +600,10 @@ impl<B: Backend> Kernels<B> {
         step: &DeviceStep<B>,
         out: DeviceSpan,
         window: usize,
+        sinks: Option<DeviceSpan>,
     ) -> Result<(), KernelError> {
         let (n, h, d) = (step.tokens, step.heads, kv.layout.head_dim);
+        let sinks = sinks_addr(sinks, h)?;
         if out.addr == 0 || out.bytes < n * h * d * 4 || B::buf_len(&step.q) != n * h * d * 4 {
             return Err(KernelError::Shape(format!(
                 "an attention output of {} bytes for {n} tokens",
@@ -591,11 +613,20 @@ impl<B: Backend> Kernels<B> {
         if let Some(dec) = &step.decode {
             // SAFETY: `out` and the step's queries hold n × h × d f32
             // (checked above), the batch the run was made for.
-            unsafe { dec.enqueue_into(self, kv, Arg::Ptr(out.addr), Arg::Buf(&step.q), window) }?;
+            unsafe {
+                dec.enqueue_into(
+                    self,
+                    kv,
+                    Arg::Ptr(out.addr),
+                    Arg::Buf(&step.q),
+                    window,
+                    sinks,
+                )
+            }?;
         }
         if let Some(pre) = &step.prefill {
             // SAFETY: as above.
-            unsafe { pre.enqueue(self, kv, &step.q, Arg::Ptr(out.addr), window) }?;
+            unsafe { pre.enqueue(self, kv, &step.q, Arg::Ptr(out.addr), window, sinks) }?;
         }
         Ok(())
     }
@@ -784,13 +815,13 @@ pub fn bench_prefill<B: Backend>(
                 let mut step =
                     k.graft_step_with(&dev, heads, &writes, Vec::new(), Vec::new(), &run, &tuning)?;
                 step.q = b.upload(&le_bytes(&q, |x| x.to_le_bytes()))?;
-                k.attend(&dev, &step, span, 0)?;
+                k.attend(&dev, &step, span, 0, None)?;
                 b.synchronize()?;
                 let got = crate::device::bytes_f32(&b.download(&out)?);
                 let mut times = Vec::new();
                 for _ in 0..shape.reps.max(1) {
                     let t0 = Instant::now();
-                    k.attend(&dev, &step, span, 0)?;
+                    k.attend(&dev, &step, span, 0, None)?;
                     b.synchronize()?;
                     times.push(t0.elapsed().as_secs_f64());
                 }

@@ -442,6 +442,20 @@ fn graft_layer_matches_the_cpu_pages<B: Backend>(k: &Kernels<B>) {
                     addr: b.addr(&out),
                     bytes: B::buf_len(&out),
                 };
+                // A sink logit per query head, some above the scores, some below.
+                let sink_logits: Vec<f32> = (0..heads).map(|h| h as f32 - 2.5).collect();
+                let sinks_buf = b
+                    .upload(
+                        &sink_logits
+                            .iter()
+                            .flat_map(|x| x.to_le_bytes())
+                            .collect::<Vec<_>>(),
+                    )
+                    .unwrap();
+                let sinks_span = DeviceSpan {
+                    addr: b.addr(&sinks_buf),
+                    bytes: B::buf_len(&sinks_buf),
+                };
                 // A K tensor one token short is refused before anything runs.
                 let short = DeviceRows {
                     bytes: kt.bytes - (5 + 1) * row * 2,
@@ -477,15 +491,27 @@ fn graft_layer_matches_the_cpu_pages<B: Backend>(k: &Kernels<B>) {
                         .unwrap();
                     assert_eq!(step.split(), split, "{what} step {si}: {tuning:?}");
                     let e = k
-                        .graft_layer(&mut dev, &step, qt, short, vt, scale, 0, span)
+                        .graft_layer(&mut dev, &step, qt, short, vt, scale, 0, None, span)
                         .unwrap_err();
                     assert!(matches!(e, KernelError::Shape(_)), "{what}: {e}");
-                    // The whole context, then a sliding window of 25 (the
-                    // same writes, copies and seals again: the same bytes).
-                    for window in [0, 25] {
-                        k.graft_layer(&mut dev, &step, qt, kt, vt, scale, window, span)
+                    // Sinks for one head fewer than there are: refused.
+                    let few = DeviceSpan {
+                        bytes: (heads - 1) * 4,
+                        ..sinks_span
+                    };
+                    let e = k
+                        .graft_layer(&mut dev, &step, qt, kt, vt, scale, 0, Some(few), span)
+                        .unwrap_err();
+                    assert!(matches!(e, KernelError::Shape(_)), "{what}: {e}");
+                    // The whole context, a sliding window of 25, and the
+                    // window with sinks (the same writes, copies and seals
+                    // again: the same bytes).
+                    for (window, sinks) in [(0, false), (25, false), (25, true)] {
+                        let s = sinks.then_some(sinks_span);
+                        k.graft_layer(&mut dev, &step, qt, kt, vt, scale, window, s, span)
                             .unwrap();
-                        gots.push((tuning, window, bytes_f32(&b.download(&out).unwrap())));
+                        let got = bytes_f32(&b.download(&out).unwrap());
+                        gots.push((tuning, window, sinks, got));
                     }
                 }
                 // The same step on the host store.
@@ -515,11 +541,11 @@ fn graft_layer_matches_the_cpu_pages<B: Backend>(k: &Kernels<B>) {
                     );
                 }
                 // Each token against exact attention over what it may see.
-                let want = |window| {
+                let want = |window, sinks: bool| {
                     let attn = LayerAttn {
                         scale,
                         window,
-                        sinks: None,
+                        sinks: sinks.then_some(&sink_logits[..]),
                     };
                     let mut want = Vec::new();
                     let mut at = 0;
@@ -543,16 +569,22 @@ fn graft_layer_matches_the_cpu_pages<B: Backend>(k: &Kernels<B>) {
                     }
                     want
                 };
-                let wants = [want(0), want(25)];
+                let wants = [want(0, false), want(25, false), want(25, true)];
                 assert!(
                     max_abs_diff(&wants[0], &wants[1]) > 0.05,
                     "the window hides nothing"
                 );
-                for (tuning, window, got) in &gots {
-                    let worst = max_abs_diff(got, &wants[usize::from(*window > 0)]);
+                assert!(
+                    max_abs_diff(&wants[1], &wants[2]) > 0.05,
+                    "the sinks weigh nothing"
+                );
+                for (tuning, window, sinks, got) in &gots {
+                    let want = &wants[usize::from(*window > 0) + usize::from(*sinks)];
+                    let worst = max_abs_diff(got, want);
                     assert!(
                         worst < 2e-3,
-                        "{what} step {si} {tuning:?} window {window}: attention differs by {worst}"
+                        "{what} step {si} {tuning:?} window {window} sinks {sinks}: attention \
+                         differs by {worst}"
                     );
                 }
             }
@@ -709,7 +741,7 @@ fn prefill_matches_decode_and_exact_attention<B: Backend>(k: &Kernels<B>) {
                     addr: b.addr(&out),
                     bytes: B::buf_len(&out),
                 };
-                k.graft_layer(&mut dev, &step, qt, kt, vt, scale, 0, span)
+                k.graft_layer(&mut dev, &step, qt, kt, vt, scale, 0, None, span)
                     .unwrap();
                 if si == 1 {
                     outputs.push((*tuning, bytes_f32(&b.download(&out).unwrap())));

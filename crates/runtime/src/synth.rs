@@ -49,6 +49,14 @@ pub enum Like {
     /// Qwen2.5-1.5B: 28 layers, 1536 wide, 12/2 heads (with an output matrix
     /// of its own, as Qwen2.5-Coder-1.5B's GGUF has).
     Qwen25_1_5b,
+    /// gpt-oss-20b: 24 layers, 2880 wide, 64/8 heads of 64, 32 experts (4
+    /// used) of 2880, attention sinks, a 128-token window on every other
+    /// layer (its experts in Q8_0 or Q4_K here, not MXFP4).
+    GptOss20b,
+    /// gpt-oss's architecture at test size: 2 layers (the first windowed),
+    /// 256 wide, 8/2 heads of 64, 4 experts (2 used) of 256, a 32-token
+    /// window, attention sinks. For tests of sinks and windows, not speed.
+    GptOssMini,
 }
 
 /// Weight types: llama.cpp's Q4_K_M mix, or Q8_0 throughout.
@@ -68,8 +76,10 @@ impl std::str::FromStr for Like {
             "qwen2.5-7b" => Ok(Like::Qwen25_7b),
             "llama-3-8b" => Ok(Like::Llama3_8b),
             "qwen2.5-1.5b" => Ok(Like::Qwen25_1_5b),
+            "gpt-oss-20b" => Ok(Like::GptOss20b),
+            "gpt-oss-mini" => Ok(Like::GptOssMini),
             _ => Err(format!(
-                "`{s}`: one of qwen2.5-7b, llama-3-8b, qwen2.5-1.5b"
+                "`{s}`: one of qwen2.5-7b, llama-3-8b, qwen2.5-1.5b, gpt-oss-20b, gpt-oss-mini"
             )),
         }
     }
@@ -135,6 +145,24 @@ pub struct Geometry {
     pub qkv_bias: bool,
     /// The output matrix is the token embedding (no output.weight).
     pub tied: bool,
+    /// Head size where it is not `n_embd / n_head` (0: it is).
+    pub head_dim: u32,
+    /// Mixture of experts: (experts, experts used per token); `n_ff` is
+    /// each expert's feed-forward size.
+    pub experts: Option<(u32, u32)>,
+    /// Sliding attention window (0: none).
+    pub window: u32,
+}
+
+impl Geometry {
+    /// Each head's size.
+    pub fn head_dim(&self) -> u32 {
+        if self.head_dim == 0 {
+            self.n_embd / self.n_head
+        } else {
+            self.head_dim
+        }
+    }
 }
 
 impl Like {
@@ -155,6 +183,9 @@ impl Like {
                 rms_eps: 1e-6,
                 qkv_bias: true,
                 tied: false,
+                head_dim: 0,
+                experts: None,
+                window: 0,
             },
             Like::Llama3_8b => Geometry {
                 arch: "llama",
@@ -170,6 +201,46 @@ impl Like {
                 rms_eps: 1e-5,
                 qkv_bias: false,
                 tied: false,
+                head_dim: 0,
+                experts: None,
+                window: 0,
+            },
+            // From gpt-oss-20b's config.json.
+            Like::GptOss20b => Geometry {
+                arch: "gpt-oss",
+                name: "gpt-oss-20b",
+                n_layer: 24,
+                n_embd: 2880,
+                n_head: 64,
+                n_head_kv: 8,
+                n_ff: 2880,
+                n_vocab: 201088,
+                n_ctx: 131072,
+                rope_base: 150000.0,
+                rms_eps: 1e-5,
+                qkv_bias: true,
+                tied: false,
+                head_dim: 64,
+                experts: Some((32, 4)),
+                window: 128,
+            },
+            Like::GptOssMini => Geometry {
+                arch: "gpt-oss",
+                name: "gpt-oss-mini",
+                n_layer: 2,
+                n_embd: 256,
+                n_head: 8,
+                n_head_kv: 2,
+                n_ff: 256,
+                n_vocab: 0,
+                n_ctx: 4096,
+                rope_base: 150000.0,
+                rms_eps: 1e-5,
+                qkv_bias: true,
+                tied: false,
+                head_dim: 64,
+                experts: Some((4, 2)),
+                window: 32,
             },
             Like::Qwen25_1_5b => Geometry {
                 arch: "qwen2",
@@ -185,6 +256,9 @@ impl Like {
                 rms_eps: 1e-6,
                 qkv_bias: true,
                 tied: false,
+                head_dim: 0,
+                experts: None,
+                window: 0,
             },
         }
     }
@@ -207,7 +281,7 @@ pub type TensorSpec = (String, Vec<u64>, u32);
 /// embedding, in llama.cpp's names and file order.
 pub fn tensors(g: &Geometry, n_vocab: u32, quant: Quant) -> Vec<TensorSpec> {
     let (e, ff, v) = (u64::from(g.n_embd), u64::from(g.n_ff), u64::from(n_vocab));
-    let hd = u64::from(g.n_embd / g.n_head);
+    let hd = u64::from(g.head_dim());
     let (q, kv) = (u64::from(g.n_head) * hd, u64::from(g.n_head_kv) * hd);
     let (base, more) = match quant {
         Quant::Q4KM => (Q4_K, Q6_K),
@@ -233,6 +307,23 @@ pub fn tensors(g: &Geometry, n_vocab: u32, quant: Quant) -> Vec<TensorSpec> {
             add(b("attn_v.bias"), &[kv], F32);
         }
         add(b("attn_output.weight"), &[q, e], base);
+        if let Some((n_exp, _)) = g.experts {
+            // gpt-oss: an output bias, sinks, a post-attention norm, and
+            // biased experts behind a biased router.
+            let x = u64::from(n_exp);
+            add(b("attn_output.bias"), &[e], F32);
+            add(b("attn_sinks.weight"), &[u64::from(g.n_head)], F32);
+            add(b("post_attention_norm.weight"), &[e], F32);
+            add(b("ffn_gate_inp.weight"), &[e, x], base);
+            add(b("ffn_gate_inp.bias"), &[x], F32);
+            add(b("ffn_gate_exps.weight"), &[e, ff, x], base);
+            add(b("ffn_gate_exps.bias"), &[ff, x], F32);
+            add(b("ffn_up_exps.weight"), &[e, ff, x], base);
+            add(b("ffn_up_exps.bias"), &[ff, x], F32);
+            add(b("ffn_down_exps.weight"), &[ff, e, x], rich);
+            add(b("ffn_down_exps.bias"), &[e, x], F32);
+            continue;
+        }
         add(b("ffn_norm.weight"), &[e], F32);
         add(b("ffn_gate.weight"), &[e, ff], base);
         add(b("ffn_up.weight"), &[e, ff], base);
@@ -398,7 +489,8 @@ pub fn synth_model(a: &SynthOptions) -> Result<()> {
     }
     let Some(like) = a.like else {
         return invalid(
-            "--like is needed (qwen2.5-7b, llama-3-8b or qwen2.5-1.5b), or --vocab-only",
+            "--like is needed (qwen2.5-7b, llama-3-8b, qwen2.5-1.5b, gpt-oss-20b or \
+             gpt-oss-mini), or --vocab-only",
         );
     };
     let mut g = like.geometry();
@@ -431,7 +523,19 @@ pub fn synth_model(a: &SynthOptions) -> Result<()> {
     w.u32(&k("feed_forward_length"), g.n_ff);
     w.u32(&k("attention.head_count"), g.n_head);
     w.u32(&k("attention.head_count_kv"), g.n_head_kv);
-    w.u32(&k("rope.dimension_count"), g.n_embd / g.n_head);
+    w.u32(&k("rope.dimension_count"), g.head_dim());
+    if g.head_dim != 0 {
+        w.u32(&k("attention.key_length"), g.head_dim);
+        w.u32(&k("attention.value_length"), g.head_dim);
+    }
+    if let Some((n_exp, used)) = g.experts {
+        w.u32(&k("expert_count"), n_exp);
+        w.u32(&k("expert_used_count"), used);
+        w.u32(&k("expert_feed_forward_length"), g.n_ff);
+    }
+    if g.window > 0 {
+        w.u32(&k("attention.sliding_window"), g.window);
+    }
     w.f32(&k("rope.freq_base"), g.rope_base);
     w.f32(&k("attention.layer_norm_rms_epsilon"), g.rms_eps);
     w.u32(&k("vocab_size"), n_vocab as u32);
