@@ -314,6 +314,7 @@ fn capacity(path: &Path, model: &Model) -> Result<()> {
             BUDGET / per.max(1) / SEQ
         );
     }
+    let mut checked = None;
     for f in ["f16", "kv8", "k5v4", "k5v4+tail64"] {
         let format = KvFormat::parse(f)?;
         // Sized for as many running sequences as the budget then holds.
@@ -347,8 +348,22 @@ fn capacity(path: &Path, model: &Model) -> Result<()> {
             p.bytes_per_token(64)
         );
         if f == "kv8" {
-            verify_capacity(path, &format, seqs)?;
+            checked = Some(verify_capacity(path, &format, seqs)?);
         }
+    }
+    if let Some(line) = checked {
+        println!("\n{line}");
+    }
+    let windowed = model
+        .attention_windows()
+        .map_or(0, |w| w.iter().filter(|&&w| w > 0).count());
+    if windowed > 0 {
+        println!(
+            "\n({windowed} of {} layers have a sliding window: llama.cpp's iSWA cache keeps \
+             only the window's cells in those, our store keeps every block, so llama.cpp's \
+             rows above count all layers at full length and understate what it holds)",
+            g.n_layer
+        );
     }
     Ok(())
 }
@@ -358,7 +373,7 @@ fn capacity(path: &Path, model: &Model) -> Result<()> {
 /// long enough (`CAP_GEN` tokens) to still run when the last one's prompt
 /// is in: a step prefills at most 512 prompt tokens, so with short answers
 /// the first would end before the last starts, whatever the memory.
-fn verify_capacity(path: &Path, format: &KvFormat, n: u32) -> Result<()> {
+fn verify_capacity(path: &Path, format: &KvFormat, n: u32) -> Result<String> {
     const CAP_GEN: u32 = 64;
     let model = Model::load(path, &ModelOptions::default())?;
     let mut cfg = RuntimeConfig::new(path);
@@ -393,13 +408,12 @@ fn verify_capacity(path: &Path, format: &KvFormat, n: u32) -> Result<()> {
         check(&s.blocking_collect().2)?;
     }
     let s = rt.stats()?;
-    println!(
-        "\n(checked: {n} sequences of 2,048 tokens in ours {}: {peak} ran at once, {} preemptions)",
-        format.name(),
-        s.preemptions
-    );
     if peak < n as usize || s.preemptions > 0 {
         bail!("the store's plan says {n} sequences fit; {peak} ran at once");
     }
-    Ok(())
+    Ok(format!(
+        "(checked: {n} sequences of 2,048 tokens in ours {}: {peak} ran at once, {} preemptions)",
+        format.name(),
+        s.preemptions
+    ))
 }

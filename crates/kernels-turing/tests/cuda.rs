@@ -1218,6 +1218,7 @@ mod emulated {
             Arg::I32(4),
             Arg::I32(1),
             Arg::Ptr(0),
+            Arg::Ptr(0),
         ];
         // SAFETY: refused before running.
         let e = unsafe { b.launch("siliceo_attn_reduce", big, &args) }.unwrap_err();
