@@ -359,9 +359,11 @@ fn capacity(path: &Path, model: &Model) -> Result<()> {
         .map_or(0, |w| w.iter().filter(|&&w| w > 0).count());
     if windowed > 0 {
         println!(
-            "\n({windowed} of {} layers have a sliding window: llama.cpp's iSWA cache keeps \
-             only the window's cells in those, our store keeps every block, so llama.cpp's \
-             rows above count all layers at full length and understate what it holds)",
+            "\n({windowed} of {} layers have a sliding window. Every row counts them at full \
+             length: our store keeps every block, as llama.cpp's full-size SWA cache (its \
+             library default, which the timings above ran with) does; llama-server's default \
+             (--swa-full off) keeps about the window plus a batch there, holding more \
+             sequences without prefix reuse past the window)",
             g.n_layer
         );
     }
