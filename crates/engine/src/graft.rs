@@ -246,6 +246,25 @@ struct State {
     masks: [[Option<usize>; 2]; 2],
 }
 
+/// One layer's mask against those seen so far in a decode (`seen[0]` the
+/// global layers', `seen[1]` the windowed ones'): each kind must have one
+/// mask, unlike the other kind's. Records the layer's.
+fn match_mask(
+    seen: &mut [Option<usize>; 2],
+    windowed: bool,
+    mask: usize,
+) -> Result<(), &'static str> {
+    let (own, other) = (usize::from(windowed), usize::from(!windowed));
+    if seen[other] == Some(mask) {
+        return Err("shares its mask with the layers of the other kind");
+    }
+    if seen[own].is_some_and(|m| m != mask) {
+        return Err("has a mask unlike the other layers of its kind");
+    }
+    seen[own] = Some(mask);
+    Ok(())
+}
+
 /// Copies tokens `0..n` of a `[d, tokens, heads, 1]` view (any strides; f32 or
 /// f16) into `dst` as `[token][head][d]` f32. A tensor outside host memory
 /// (an offloaded layer's), or any tensor when `copy` is set, is read through
@@ -471,25 +490,18 @@ impl State {
         // SAFETY: a live tensor's buffer (checked non-null first).
         let host =
             tensor.buffer.is_null() || unsafe { sys::ggml_backend_buffer_is_host(tensor.buffer) };
-        let masks = &mut self.masks[usize::from(host)];
-        let windowed = self.windows[il] > 0;
-        let (own, other) = (usize::from(windowed), usize::from(!windowed));
-        let wrong = if masks[other] == Some(mask) {
-            "shares its mask with the layers of the other kind"
-        } else if masks[own].is_some_and(|m| m != mask) {
-            "has a mask unlike the other layers of its kind"
-        } else {
-            ""
-        };
-        if !wrong.is_empty() {
-            return Err(format!(
-                "layer {il} (window {}): llama.cpp's graph {wrong}; this build's window table \
-                 does not match llama.cpp's",
+        match_mask(
+            &mut self.masks[usize::from(host)],
+            self.windows[il] > 0,
+            mask,
+        )
+        .map_err(|wrong| {
+            format!(
+                "layer {il} (window {}): llama.cpp's graph {wrong}; this build's window \
+                     table does not match llama.cpp's",
                 self.windows[il]
-            ));
-        }
-        masks[own] = Some(mask);
-        Ok(())
+            )
+        })
     }
 
     /// Asked (before the graph computes) about `kqv_out-<il>` of a layer on
@@ -1340,5 +1352,49 @@ mod tests {
         assert_eq!(parse_layer(b"kqv_out"), None);
         assert_eq!(parse_layer(b"Qcur-3"), None);
         assert_eq!(parse_layer(b"kqv_out-x"), None);
+    }
+
+    /// The first layer whose mask disagrees with `windows` (a window per
+    /// layer, 0 = global), given the mask tensor llama.cpp gave each.
+    fn first_mismatch(windows: &[usize], masks: &[usize]) -> Option<(usize, &'static str)> {
+        let mut seen = [None; 2];
+        (0..windows.len()).find_map(|il| {
+            match_mask(&mut seen, windows[il] > 0, masks[il])
+                .err()
+                .map(|e| (il, e))
+        })
+    }
+
+    #[test]
+    fn a_window_table_unlike_llama_cpps_masks_is_caught() {
+        // Gemma 3's period of 6 as llama.cpp masks it: windowed layers share
+        // mask 1, global layers (5 and 11) mask 2.
+        let masks = [1, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1, 2];
+        let right: Vec<usize> = (0..12)
+            .map(|il| if il % 6 == 5 { 0 } else { 512 })
+            .collect();
+        assert_eq!(first_mismatch(&right, &masks), None);
+        // A period of 4 (Cohere2's) for the same graph: layer 3 is called
+        // global but has the windowed layers' mask.
+        let period_4: Vec<usize> = (0..12)
+            .map(|il| if il % 4 == 3 { 0 } else { 512 })
+            .collect();
+        assert_eq!(
+            first_mismatch(&period_4, &masks),
+            Some((3, "shares its mask with the layers of the other kind"))
+        );
+        // No windows at all: layer 5's mask differs from the other global
+        // layers'.
+        assert_eq!(
+            first_mismatch(&[0; 12], &masks),
+            Some((5, "has a mask unlike the other layers of its kind"))
+        );
+        // Every layer windowed (the last layer of the period forgotten).
+        assert_eq!(
+            first_mismatch(&[512; 12], &masks),
+            Some((5, "has a mask unlike the other layers of its kind"))
+        );
+        // A model without windows: one mask for all, and a table of zeros.
+        assert_eq!(first_mismatch(&[0; 12], &[7; 12]), None);
     }
 }
