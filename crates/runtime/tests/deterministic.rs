@@ -1,4 +1,5 @@
-//! Batch invariance on a K-quant model: Qwen2.5-Coder-1.5B (Q4_K_M) with
+//! Batch invariance on K-quant models: Qwen2.5-Coder-1.5B (Q4_K_M), and
+//! Gemma-3-270M (Q4_K_M, sliding windows), with
 //! `ModelOptions::deterministic` (no repacked weights, no tiled K-quant
 //! products). Its own test binary: llama.cpp reads the tiled switch once per
 //! process, at its first matrix product.
@@ -6,7 +7,7 @@
 use std::path::PathBuf;
 
 use siliceo_core::{Priority, SamplingParams, TokenId};
-use siliceo_runtime::{Event, GenerateRequest, Input, Runtime, RuntimeConfig};
+use siliceo_runtime::{Event, GenerateRequest, Input, Runtime, RuntimeConfig, SpeculativeConfig};
 
 /// This package's folder in the checkout the tests run in: cargo sets it when
 /// it runs a test. A test binary built in another checkout that shares the
@@ -27,7 +28,11 @@ fn qwen() -> PathBuf {
 }
 
 fn config() -> RuntimeConfig {
-    let mut cfg = RuntimeConfig::new(qwen());
+    config_for(qwen())
+}
+
+fn config_for(model: PathBuf) -> RuntimeConfig {
+    let mut cfg = RuntimeConfig::new(model);
     cfg.model.deterministic = true;
     cfg.context.n_ctx = 2048;
     // The binary's one test runs alone: every core, whatever
@@ -88,16 +93,182 @@ fn greedy_output_is_batch_invariant_on_a_k_quant_model() {
     }
     for (i, p) in prompts.iter().enumerate() {
         let (_, tokens, done) = rt.submit(greedy(p, n)).unwrap().blocking_collect();
-        let Event::Done { usage, .. } = done else {
-            panic!("no Done")
-        };
+        let usage = usage_of(&done);
         assert_eq!(usage.cached_prompt_tokens, usage.prompt_tokens - 1);
         assert_eq!(
             tokens, alone[i],
             "prompt {i}: output after a prefix hit differs"
         );
     }
+    assert_clean(&rt);
+}
+
+fn usage_of(done: &Event) -> siliceo_runtime::Usage {
+    match done {
+        Event::Done { usage, error, .. } => {
+            assert!(error.is_none(), "{error:?}");
+            *usage
+        }
+        other => panic!("not a Done event: {other:?}"),
+    }
+}
+
+/// Nothing running, no block held, and the store's books agree.
+fn assert_clean(rt: &Runtime) {
     let s = rt.stats().unwrap();
-    assert_eq!((s.running, s.kv_used_blocks), (0, 0), "{s:?}");
+    assert_eq!(
+        (s.running, s.kv_used_blocks, s.seq_ids_in_use),
+        (0, 0, 0),
+        "{s:?}"
+    );
     rt.check_kv().unwrap();
+}
+
+fn gemma() -> PathBuf {
+    let p = manifest_dir().join("../../models/gemma-3-270m-q4_k_m.gguf");
+    assert!(
+        p.is_file(),
+        "{} is missing: run `cargo xtask fetch-model --gemma`",
+        p.display()
+    );
+    p
+}
+
+/// Three ledgers of 600–700 tokens whose lines repeat a pattern (so the
+/// n-gram drafter finds continuations) with other numbers each.
+fn ledgers() -> Vec<String> {
+    let names = ["Ada", "Bruno", "Chiara", "Dmitri", "Elif"];
+    (0..3)
+        .map(|k| {
+            let lines: Vec<String> = (0..34 + 3 * k)
+                .map(|i| {
+                    format!(
+                        "Entry {i}: {} paid {} coins for {} lamps.",
+                        names[(i + k) % names.len()],
+                        (i * 37 + k * 11) % 101,
+                        i % 9 + 1
+                    )
+                })
+                .collect();
+            format!("{}\nEntry {}:", lines.join("\n"), 34 + 3 * k)
+        })
+        .collect()
+}
+
+/// Gemma 3's sliding windows (15 of 18 layers see the last 512 tokens)
+/// through the whole runtime on our store, with prompts longer than the
+/// window, so that every path below cuts the windows somewhere new: the
+/// same greedy request gives exactly the same tokens alone, chunked
+/// otherwise beside others, after a prefix hit, preempted (swapped out or
+/// computed again) and with n-gram token trees verified in one batch.
+#[test]
+fn gemma3_greedy_output_is_exact_through_batching_prefix_hits_preemption_and_trees() {
+    let n = 48;
+    let prompts = ledgers();
+    // Alone: a fresh runtime per prompt, nothing cached, nothing beside it.
+    let alone: Vec<Vec<TokenId>> = prompts
+        .iter()
+        .map(|p| {
+            let rt = Runtime::start(config_for(gemma())).unwrap();
+            let windows = &rt.info().attention_windows;
+            assert_eq!(windows.iter().filter(|&&w| w == 512).count(), 15);
+            let (_, tokens, done) = rt.submit(greedy(p, n)).unwrap().blocking_collect();
+            let u = usage_of(&done);
+            assert!(
+                u.prompt_tokens > 560,
+                "{u:?}: the prompt crosses the window"
+            );
+            assert_eq!(u.cached_prompt_tokens, 0);
+            tokens
+        })
+        .collect();
+
+    // Together, chunked at other places (96-token steps), then again one at
+    // a time after their prefixes are cached.
+    let mut cfg = config_for(gemma());
+    cfg.scheduler.max_batch_tokens = 96;
+    cfg.context.n_batch = 96;
+    let rt = Runtime::start(cfg).unwrap();
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| rt.submit(greedy(p, n)).unwrap())
+        .collect();
+    for (i, s) in streams.into_iter().enumerate() {
+        let (_, tokens, _) = s.blocking_collect();
+        assert_eq!(tokens, alone[i], "prompt {i}: batched output differs");
+    }
+    for (i, p) in prompts.iter().enumerate() {
+        let (_, tokens, done) = rt.submit(greedy(p, n)).unwrap().blocking_collect();
+        let u = usage_of(&done);
+        assert!(u.cached_prompt_tokens >= 512, "prompt {i}: {u:?}");
+        assert_eq!(tokens, alone[i], "prompt {i}: output after a prefix hit");
+    }
+    assert_clean(&rt);
+    drop(rt);
+
+    // A store of 1,536 tokens cannot hold the three at once: the later ones
+    // are preempted and resumed, by swapping their blocks out and back
+    // (recompute_below 0) or by computing them again (usize::MAX).
+    for recompute_below in [0usize, usize::MAX] {
+        let mut cfg = config_for(gemma());
+        cfg.context.n_ctx = 1536;
+        cfg.prefix_caching = false;
+        cfg.scheduler.recompute_below_tokens = recompute_below;
+        let rt = Runtime::start(cfg).unwrap();
+        let priorities = [Priority::Batch, Priority::Normal, Priority::Interactive];
+        let streams: Vec<_> = prompts
+            .iter()
+            .zip(priorities)
+            .map(|(p, priority)| {
+                let mut r = greedy(p, n);
+                r.priority = priority;
+                rt.submit(r).unwrap()
+            })
+            .collect();
+        for (i, s) in streams.into_iter().enumerate() {
+            let (_, tokens, _) = s.blocking_collect();
+            assert_eq!(
+                tokens, alone[i],
+                "prompt {i}, recompute_below {recompute_below}: preempted output differs"
+            );
+        }
+        assert!(
+            rt.stats().unwrap().preemptions > 0,
+            "recompute_below {recompute_below}: the test must actually preempt"
+        );
+        assert_clean(&rt);
+    }
+
+    // N-gram token trees: drafts verified several tokens to a batch, later
+    // branches in branch blocks, windows cutting through them; one at a
+    // time, then all three together.
+    let mut cfg = config_for(gemma());
+    cfg.speculative = Some(SpeculativeConfig {
+        tree_width: 3,
+        cost_switch_off: false,
+        ..Default::default()
+    });
+    let rt = Runtime::start(cfg).unwrap();
+    let speculative = |p: &str| GenerateRequest {
+        speculative: true,
+        ..greedy(p, n)
+    };
+    let mut accepted = 0;
+    for (i, p) in prompts.iter().enumerate() {
+        let (_, tokens, done) = rt.submit(speculative(p)).unwrap().blocking_collect();
+        accepted += usage_of(&done).accepted_draft_tokens;
+        assert_eq!(tokens, alone[i], "prompt {i}: speculated alone");
+        rt.check_kv().unwrap();
+    }
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| rt.submit(speculative(p)).unwrap())
+        .collect();
+    for (i, s) in streams.into_iter().enumerate() {
+        let (_, tokens, _) = s.blocking_collect();
+        assert_eq!(tokens, alone[i], "prompt {i}: speculated together");
+    }
+    assert!(accepted > 0, "no draft token was accepted");
+    assert!(rt.stats().unwrap().tree_verifications > 0, "no token tree");
+    assert_clean(&rt);
 }
