@@ -57,6 +57,12 @@ pub enum Like {
     /// 256 wide, 8/2 heads of 64, 4 experts (2 used) of 256, a 32-token
     /// window, attention sinks. For tests of sinks and windows, not speed.
     GptOssMini,
+    /// OLMo 3's architecture (llama.cpp's `olmo2` with a sliding window) at
+    /// test size: 4 layers, the first three with a 32-token window and the
+    /// fourth global (llama.cpp's default period of 4), 512 wide, 8/2 heads
+    /// of 64, Q and K normalised before RoPE, norms after attention and
+    /// after the feed-forward instead of before. For tests of windows.
+    Olmo3Mini,
 }
 
 /// Weight types: llama.cpp's Q4_K_M mix, or Q8_0 throughout.
@@ -78,8 +84,10 @@ impl std::str::FromStr for Like {
             "qwen2.5-1.5b" => Ok(Like::Qwen25_1_5b),
             "gpt-oss-20b" => Ok(Like::GptOss20b),
             "gpt-oss-mini" => Ok(Like::GptOssMini),
+            "olmo3-mini" => Ok(Like::Olmo3Mini),
             _ => Err(format!(
-                "`{s}`: one of qwen2.5-7b, llama-3-8b, qwen2.5-1.5b, gpt-oss-20b, gpt-oss-mini"
+                "`{s}`: one of qwen2.5-7b, llama-3-8b, qwen2.5-1.5b, gpt-oss-20b, gpt-oss-mini, \
+                 olmo3-mini"
             )),
         }
     }
@@ -242,6 +250,24 @@ impl Like {
                 experts: Some((4, 2)),
                 window: 32,
             },
+            Like::Olmo3Mini => Geometry {
+                arch: "olmo2",
+                name: "olmo3-mini",
+                n_layer: 4,
+                n_embd: 512,
+                n_head: 8,
+                n_head_kv: 2,
+                n_ff: 512,
+                n_vocab: 0,
+                n_ctx: 4096,
+                rope_base: 5e5,
+                rms_eps: 1e-6,
+                qkv_bias: false,
+                tied: false,
+                head_dim: 0,
+                experts: None,
+                window: 32,
+            },
             Like::Qwen25_1_5b => Geometry {
                 arch: "qwen2",
                 name: "qwen2.5-1.5b",
@@ -294,10 +320,15 @@ pub fn tensors(g: &Geometry, n_vocab: u32, quant: Quant) -> Vec<TensorSpec> {
     if !g.tied {
         add("output.weight".into(), &[e, v], more);
     }
+    // OLMo 2/3: norms after attention and the feed-forward, none before;
+    // Q and K normalised over all their heads.
+    let post_norms = g.arch == "olmo2";
     for l in 0..g.n_layer {
         let b = |s: &str| format!("blk.{l}.{s}");
         let rich = if more_bits(l, g.n_layer) { more } else { base };
-        add(b("attn_norm.weight"), &[e], F32);
+        if !post_norms {
+            add(b("attn_norm.weight"), &[e], F32);
+        }
         add(b("attn_q.weight"), &[e, q], base);
         add(b("attn_k.weight"), &[e, kv], base);
         add(b("attn_v.weight"), &[e, kv], rich);
@@ -324,10 +355,19 @@ pub fn tensors(g: &Geometry, n_vocab: u32, quant: Quant) -> Vec<TensorSpec> {
             add(b("ffn_down_exps.bias"), &[e, x], F32);
             continue;
         }
-        add(b("ffn_norm.weight"), &[e], F32);
+        if post_norms {
+            add(b("attn_q_norm.weight"), &[q], F32);
+            add(b("attn_k_norm.weight"), &[kv], F32);
+            add(b("post_attention_norm.weight"), &[e], F32);
+        } else {
+            add(b("ffn_norm.weight"), &[e], F32);
+        }
         add(b("ffn_gate.weight"), &[e, ff], base);
         add(b("ffn_up.weight"), &[e, ff], base);
         add(b("ffn_down.weight"), &[ff, e], rich);
+        if post_norms {
+            add(b("post_ffw_norm.weight"), &[e], F32);
+        }
     }
     t
 }
@@ -489,8 +529,8 @@ pub fn synth_model(a: &SynthOptions) -> Result<()> {
     }
     let Some(like) = a.like else {
         return invalid(
-            "--like is needed (qwen2.5-7b, llama-3-8b, qwen2.5-1.5b, gpt-oss-20b or \
-             gpt-oss-mini), or --vocab-only",
+            "--like is needed (qwen2.5-7b, llama-3-8b, qwen2.5-1.5b, gpt-oss-20b, \
+             gpt-oss-mini or olmo3-mini), or --vocab-only",
         );
     };
     let mut g = like.geometry();

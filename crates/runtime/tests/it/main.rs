@@ -11,7 +11,7 @@ use siliceo_runtime::{
 
 mod constrained;
 mod prompt_logprobs;
-mod sinks;
+mod synthetic;
 
 /// This package's folder in the checkout the tests run in: cargo sets it when
 /// it runs a test. A test binary built in another checkout that shares the

@@ -1,9 +1,13 @@
 //! Attention sinks and sliding windows through grafted attention, on
-//! gpt-oss's architecture: no gpt-oss model is on PyPI, so `synth-model`
-//! writes one at test size (`gpt-oss-mini`: two layers, the first with a
-//! 32-token window, sinks in both; random weights, SmolLM2's tokenizer).
-//! Its text is noise, but llama.cpp's own attention over its own iSWA cache
-//! is the reference for ours, logit for logit.
+//! architectures no model on PyPI has, written at test size by
+//! `synth-model` (random weights, SmolLM2's tokenizer):
+//! - gpt-oss (`gpt-oss-mini`: two layers, the first with a 32-token window,
+//!   sinks in both);
+//! - OLMo 3 (`olmo3-mini`: llama.cpp's `olmo2` with a window; four layers,
+//!   the first three with a 32-token window, the last global).
+//!
+//! Their text is noise, but llama.cpp's own attention over its own iSWA
+//! cache is the reference for ours, logit for logit.
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -17,30 +21,42 @@ use siliceo_runtime::synth::{Like, Quant, SynthOptions, synth_model};
 
 use crate::model_path;
 
-fn gpt_oss_mini() -> &'static Model {
-    static MODEL: OnceLock<Model> = OnceLock::new();
-    MODEL.get_or_init(|| {
-        let out: PathBuf =
-            std::env::temp_dir().join(format!("siliceo-gpt-oss-mini-{}.gguf", std::process::id()));
-        synth_model(&SynthOptions {
-            like: Some(Like::GptOssMini),
-            quant: Quant::Q8_0,
-            tokenizer: model_path(),
-            out: out.clone(),
-            layers: None,
-            seed: 7,
-            vocab_only: false,
-        })
-        .unwrap();
-        let model = Model::load(&out, &ModelOptions::default()).unwrap();
-        std::fs::remove_file(&out).ok();
-        model
+/// `like` at test size, written once per test process.
+fn synthetic(like: Like) -> Model {
+    let out: PathBuf = std::env::temp_dir().join(format!(
+        "siliceo-{}-{}.gguf",
+        like.geometry().name,
+        std::process::id()
+    ));
+    synth_model(&SynthOptions {
+        like: Some(like),
+        quant: Quant::Q8_0,
+        tokenizer: model_path(),
+        out: out.clone(),
+        layers: None,
+        seed: 7,
+        vocab_only: false,
     })
+    .unwrap();
+    let model = Model::load(&out, &ModelOptions::default()).unwrap();
+    std::fs::remove_file(&out).ok();
+    model
 }
 
-fn prompt() -> Vec<TokenId> {
+fn gpt_oss_mini() -> &'static Model {
+    static MODEL: OnceLock<Model> = OnceLock::new();
+    MODEL.get_or_init(|| synthetic(Like::GptOssMini))
+}
+
+fn olmo3_mini() -> &'static Model {
+    static MODEL: OnceLock<Model> = OnceLock::new();
+    MODEL.get_or_init(|| synthetic(Like::Olmo3Mini))
+}
+
+/// A prompt of more than 80 tokens: it crosses the 32-token windows.
+fn prompt(model: &Model) -> Vec<TokenId> {
     let text = "The lighthouse keeper counted the ships that passed each night. ".repeat(8);
-    let t = gpt_oss_mini().tokenize(&text, true).unwrap();
+    let t = model.tokenize(&text, true).unwrap();
     assert!(
         t.len() > 80,
         "{} tokens: the prompt crosses the window",
@@ -51,19 +67,19 @@ fn prompt() -> Vec<TokenId> {
 
 /// The logits after `prompt` through our store (`format`), fed `chunk`
 /// tokens per decode.
-fn grafted_logits(format: &str, prompt: &[TokenId], chunk: usize) -> Vec<f32> {
-    grafted_on(format, prompt, chunk, DeviceAttention::Host).0
+fn grafted_logits(model: &Model, format: &str, prompt: &[TokenId], chunk: usize) -> Vec<f32> {
+    grafted_on(model, format, prompt, chunk, DeviceAttention::Host).0
 }
 
 /// [`grafted_logits`] with some layers' attention on `device`; also layer
 /// 0's attention output after the last decode.
 fn grafted_on(
+    model: &Model,
     format: &str,
     prompt: &[TokenId],
     chunk: usize,
     device: DeviceAttention,
 ) -> (Vec<f32>, Vec<f32>) {
-    let model = gpt_oss_mini();
     let mut ctx = GraftedContext::new(
         model,
         &GraftOptions {
@@ -100,17 +116,11 @@ fn grafted_on(
     (last, ctx.tapped().to_vec())
 }
 
-#[test]
-fn gpt_oss_sinks_and_windows_are_llama_cpps() {
-    let model = gpt_oss_mini();
-    assert!(model.has_attention_sinks());
-    assert_eq!(model.attention_windows().unwrap(), vec![32, 0]);
+/// The largest logit difference between our store (f16) and llama.cpp's
+/// own attention and cache, after `prompt`; checks that a query's bits do
+/// not depend on how the prompt was cut.
+fn diff_to_llama_cpp(model: &Model, prompt: &[TokenId]) -> f32 {
     model.check_graftable().unwrap();
-    let prompt = if std::env::var_os("XX_SHORT").is_some() {
-        prompt()[..20].to_vec()
-    } else {
-        prompt()
-    };
     let mut llama = Context::new(
         model,
         ContextOptions {
@@ -121,8 +131,8 @@ fn gpt_oss_sinks_and_windows_are_llama_cpps() {
         },
     )
     .unwrap();
-    let want = llama.prefill(SeqId(0), &prompt, 0).unwrap();
-    let got = grafted_logits("f16", &prompt, prompt.len());
+    let want = llama.prefill(SeqId(0), prompt, 0).unwrap();
+    let got = grafted_logits(model, "f16", prompt, prompt.len());
     let diff = got
         .iter()
         .zip(&want)
@@ -130,17 +140,40 @@ fn gpt_oss_sinks_and_windows_are_llama_cpps() {
         .fold(0.0, f32::max);
     let spread = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
     eprintln!("logits within ±{spread:.3}; ours differ from llama.cpp's by {diff:.2e}");
+    for chunk in [1, 7, 40] {
+        assert!(
+            grafted_logits(model, "f16", prompt, chunk) == got,
+            "chunks of {chunk} changed the logits"
+        );
+    }
+    diff
+}
+
+#[test]
+fn gpt_oss_sinks_and_windows_are_llama_cpps() {
+    let model = gpt_oss_mini();
+    assert!(model.has_attention_sinks());
+    assert_eq!(model.attention_windows().unwrap(), vec![32, 0]);
+    let diff = diff_to_llama_cpp(model, &prompt(model));
     // Measured: 8.0e-3 (logits within ±1.3; llama.cpp's own flash attention
     // rounds Q to f16: 1.2e-2 apart on a 20-token prompt no window touches).
     // Without the window ours differed by 9.6e-2, without the sinks by 6.0e-2.
     assert!(diff < 3e-2, "ours differ from llama.cpp's by {diff}");
-    // A query's bits do not depend on how the prompt was cut.
-    for chunk in [1, 7, 40] {
-        assert!(
-            grafted_logits("f16", &prompt, chunk) == got,
-            "chunks of {chunk} changed the logits"
-        );
-    }
+}
+
+#[test]
+fn olmo3_windows_are_llama_cpps() {
+    let model = olmo3_mini();
+    assert!(!model.has_attention_sinks());
+    // llama.cpp's default period of 4 for `olmo2` with a window: three
+    // windowed layers, then a global one. (Every decode also checks that
+    // llama.cpp's masks agree with this table.)
+    assert_eq!(model.attention_windows().unwrap(), vec![32, 32, 32, 0]);
+    let diff = diff_to_llama_cpp(model, &prompt(model));
+    // Measured: 0 (logits within ±2.0). With no windows in the table (and
+    // the mask check off, which otherwise refuses the first decode) ours
+    // differed by 0.73.
+    assert!(diff < 3e-2, "ours differ from llama.cpp's by {diff}");
 }
 
 /// The CUDA kernels' sinks and windows in the emulator, through the engine:
@@ -151,11 +184,17 @@ fn gpt_oss_sinks_and_windows_are_llama_cpps() {
 #[cfg(feature = "cuda-emu")]
 #[test]
 fn device_layers_with_sinks_on_the_emulator_match_the_host_store() {
-    let prompt = prompt();
+    let prompt = prompt(gpt_oss_mini());
     for chunk in [prompt.len(), 9] {
-        let (host, host_tap) = grafted_on("f16", &prompt, chunk, DeviceAttention::Host);
-        let (dev, dev_tap) =
-            grafted_on("f16", &prompt, chunk, DeviceAttention::Emulated(vec![0, 1]));
+        let model = gpt_oss_mini();
+        let (host, host_tap) = grafted_on(model, "f16", &prompt, chunk, DeviceAttention::Host);
+        let (dev, dev_tap) = grafted_on(
+            model,
+            "f16",
+            &prompt,
+            chunk,
+            DeviceAttention::Emulated(vec![0, 1]),
+        );
         let worst = |a: &[f32], b: &[f32]| {
             assert_eq!(a.len(), b.len());
             a.iter()
