@@ -442,6 +442,7 @@ pub fn eval_kv(
                         tap_layer: None,
                         llama_attention: false,
                         q4_1_kernel: true,
+                        windows: None,
                     },
                 )?;
                 let placer = BlockPlacer::new(ctx.layout(), blocks, blocks);

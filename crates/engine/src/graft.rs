@@ -137,6 +137,10 @@ pub struct GraftOptions {
     /// start-up check against llama.cpp's own. `true` in serving;
     /// `SILICEO_LLAMA_MATMUL=1` turns it off for the whole process.
     pub q4_1_kernel: bool,
+    /// Each layer's sliding window, instead of [`Model::attention_windows`]
+    /// (`None` in serving). For tests: a table llama.cpp's graph disagrees
+    /// with must fail the decode.
+    pub windows: Option<Vec<usize>>,
 }
 
 /// Where grafted attention runs for the layers llama.cpp offloads to a GPU.
@@ -839,12 +843,21 @@ impl<'m> GraftedContext<'m> {
             DeviceAttention::Cuda => model.offloaded_layers().collect(),
             DeviceAttention::Emulated(layers) => layers.clone(),
         };
-        let windows = model
-            .attention_windows()
-            .ok_or_else(|| EngineError::Unsupported {
-                model: model.name().to_string(),
-                reason: "sliding windows this build does not know".into(),
-            })?;
+        let windows = match &opts.windows {
+            Some(w) if w.len() == n_layer => w.clone(),
+            Some(w) => {
+                return Err(EngineError::InvalidOption {
+                    field: "windows",
+                    reason: format!("{} windows for {n_layer} layers", w.len()),
+                });
+            }
+            None => model
+                .attention_windows()
+                .ok_or_else(|| EngineError::Unsupported {
+                    model: model.name().to_string(),
+                    reason: "sliding windows this build does not know".into(),
+                })?,
+        };
         let device = if on_device.is_empty() {
             None
         } else {

@@ -74,6 +74,7 @@ fn context_on(
             tap_layer,
             llama_attention,
             q4_1_kernel,
+            windows: None,
         },
     )
     .unwrap();

@@ -80,6 +80,7 @@ fn grafted_on(
             tap_layer,
             llama_attention: false,
             q4_1_kernel: true,
+            windows: None,
         },
     )
     .unwrap();

@@ -299,6 +299,7 @@ impl<'m> Engine<'m> {
                         tap_layer: None,
                         llama_attention: false,
                         q4_1_kernel: true,
+                        windows: None,
                     },
                 )
                 .map_err(start)?;

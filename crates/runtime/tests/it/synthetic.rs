@@ -71,16 +71,16 @@ fn grafted_logits(model: &Model, format: &str, prompt: &[TokenId], chunk: usize)
     grafted_on(model, format, prompt, chunk, DeviceAttention::Host).0
 }
 
-/// [`grafted_logits`] with some layers' attention on `device`; also layer
-/// 0's attention output after the last decode.
-fn grafted_on(
-    model: &Model,
+/// A grafted context of `model` over our store (`format`), some layers'
+/// attention on `device`, each layer's window from `windows` if given;
+/// layer 0's attention output tapped.
+fn grafted_context<'m>(
+    model: &'m Model,
     format: &str,
-    prompt: &[TokenId],
-    chunk: usize,
     device: DeviceAttention,
-) -> (Vec<f32>, Vec<f32>) {
-    let mut ctx = GraftedContext::new(
+    windows: Option<Vec<usize>>,
+) -> GraftedContext<'m> {
+    GraftedContext::new(
         model,
         &GraftOptions {
             format: KvFormat::parse(format).unwrap(),
@@ -97,9 +97,22 @@ fn grafted_on(
             tap_layer: Some(0),
             llama_attention: false,
             q4_1_kernel: true,
+            windows,
         },
     )
-    .unwrap();
+    .unwrap()
+}
+
+/// [`grafted_logits`] with some layers' attention on `device`; also layer
+/// 0's attention output after the last decode.
+fn grafted_on(
+    model: &Model,
+    format: &str,
+    prompt: &[TokenId],
+    chunk: usize,
+    device: DeviceAttention,
+) -> (Vec<f32>, Vec<f32>) {
+    let mut ctx = grafted_context(model, format, device, None);
     let mut placer = BlockPlacer::new(ctx.layout(), 8, 8);
     let mut seq = SeqKv::default();
     let mut last = Vec::new();
@@ -174,6 +187,28 @@ fn olmo3_windows_are_llama_cpps() {
     // the mask check off, which otherwise refuses the first decode) ours
     // differed by 0.73.
     assert!(diff < 3e-2, "ours differ from llama.cpp's by {diff}");
+}
+
+/// A window table unlike llama.cpp's masks fails the decode, with the
+/// layer named, instead of attending over the wrong tokens.
+#[test]
+fn a_window_table_llama_cpp_disagrees_with_fails_the_decode() {
+    let model = olmo3_mini();
+    let prompt = prompt(model);
+    for (table, layer) in [(vec![0, 0, 0, 0], 3), (vec![32, 32, 32, 32], 3)] {
+        let mut ctx = grafted_context(model, "f16", DeviceAttention::Host, Some(table.clone()));
+        let mut placer = BlockPlacer::new(ctx.layout(), 8, 8);
+        let mut seq = SeqKv::default();
+        let mut batch = Batch::new();
+        let mut g = GraftStep::default();
+        batch.push_run(&prompt, 0, SeqId(0)).unwrap();
+        placer.append(&mut seq, prompt.len(), 0, &mut g).unwrap();
+        let e = ctx.decode(&batch, g).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("layer {layer} ")) && e.contains("window table"),
+            "{table:?}: {e}"
+        );
+    }
 }
 
 /// The CUDA kernels' sinks and windows in the emulator, through the engine:
