@@ -393,6 +393,11 @@ impl Model {
             return Some(vec![0; layers]);
         }
         let arch = &self.architecture;
+        // EXAONE 4 has windows only at 32B's 64 layers (llama.cpp reads a
+        // window key in the others too, but masks them as global).
+        if arch == "exaone4" && layers != 64 {
+            return Some(vec![0; layers]);
+        }
         // Standard windows, the global layer last in each period.
         let period = match arch.as_str() {
             "gemma2" | "gpt-oss" => 2,

@@ -63,6 +63,10 @@ pub enum Like {
     /// of 64, Q and K normalised before RoPE, norms after attention and
     /// after the feed-forward instead of before. For tests of windows.
     Olmo3Mini,
+    /// EXAONE 4's architecture at test size: OLMo 3's shape with Q and K
+    /// normalised per head, and a 32-token window key, which llama.cpp
+    /// ignores at any depth but 32B's 64 layers. For tests of windows.
+    Exaone4Mini,
 }
 
 /// Weight types: llama.cpp's Q4_K_M mix, or Q8_0 throughout.
@@ -85,9 +89,10 @@ impl std::str::FromStr for Like {
             "gpt-oss-20b" => Ok(Like::GptOss20b),
             "gpt-oss-mini" => Ok(Like::GptOssMini),
             "olmo3-mini" => Ok(Like::Olmo3Mini),
+            "exaone4-mini" => Ok(Like::Exaone4Mini),
             _ => Err(format!(
                 "`{s}`: one of qwen2.5-7b, llama-3-8b, qwen2.5-1.5b, gpt-oss-20b, gpt-oss-mini, \
-                 olmo3-mini"
+                 olmo3-mini, exaone4-mini"
             )),
         }
     }
@@ -268,6 +273,11 @@ impl Like {
                 experts: None,
                 window: 32,
             },
+            Like::Exaone4Mini => Geometry {
+                arch: "exaone4",
+                name: "exaone4-mini",
+                ..Like::Olmo3Mini.geometry()
+            },
             Like::Qwen25_1_5b => Geometry {
                 arch: "qwen2",
                 name: "qwen2.5-1.5b",
@@ -320,9 +330,15 @@ pub fn tensors(g: &Geometry, n_vocab: u32, quant: Quant) -> Vec<TensorSpec> {
     if !g.tied {
         add("output.weight".into(), &[e, v], more);
     }
-    // OLMo 2/3: norms after attention and the feed-forward, none before;
-    // Q and K normalised over all their heads.
-    let post_norms = g.arch == "olmo2";
+    // OLMo 2/3 and EXAONE 4: norms after attention and the feed-forward,
+    // none before; Q and K normalised over all their heads (OLMo) or per
+    // head (EXAONE).
+    let post_norms = matches!(g.arch, "olmo2" | "exaone4");
+    let (q_norm, k_norm) = if g.arch == "exaone4" {
+        (hd, hd)
+    } else {
+        (q, kv)
+    };
     for l in 0..g.n_layer {
         let b = |s: &str| format!("blk.{l}.{s}");
         let rich = if more_bits(l, g.n_layer) { more } else { base };
@@ -356,8 +372,8 @@ pub fn tensors(g: &Geometry, n_vocab: u32, quant: Quant) -> Vec<TensorSpec> {
             continue;
         }
         if post_norms {
-            add(b("attn_q_norm.weight"), &[q], F32);
-            add(b("attn_k_norm.weight"), &[kv], F32);
+            add(b("attn_q_norm.weight"), &[q_norm], F32);
+            add(b("attn_k_norm.weight"), &[k_norm], F32);
             add(b("post_attention_norm.weight"), &[e], F32);
         } else {
             add(b("ffn_norm.weight"), &[e], F32);
@@ -530,7 +546,7 @@ pub fn synth_model(a: &SynthOptions) -> Result<()> {
     let Some(like) = a.like else {
         return invalid(
             "--like is needed (qwen2.5-7b, llama-3-8b, qwen2.5-1.5b, gpt-oss-20b, \
-             gpt-oss-mini or olmo3-mini), or --vocab-only",
+             gpt-oss-mini, olmo3-mini or exaone4-mini), or --vocab-only",
         );
     };
     let mut g = like.geometry();

@@ -53,6 +53,11 @@ fn olmo3_mini() -> &'static Model {
     MODEL.get_or_init(|| synthetic(Like::Olmo3Mini))
 }
 
+fn exaone4_mini() -> &'static Model {
+    static MODEL: OnceLock<Model> = OnceLock::new();
+    MODEL.get_or_init(|| synthetic(Like::Exaone4Mini))
+}
+
 /// A prompt of more than 80 tokens: it crosses the 32-token windows.
 fn prompt(model: &Model) -> Vec<TokenId> {
     let text = "The lighthouse keeper counted the ships that passed each night. ".repeat(8);
@@ -186,6 +191,16 @@ fn olmo3_windows_are_llama_cpps() {
     // Measured: 0 (logits within ±2.0). With no windows in the table (and
     // the mask check off, which otherwise refuses the first decode) ours
     // differed by 0.73.
+    assert!(diff < 3e-2, "ours differ from llama.cpp's by {diff}");
+}
+
+/// EXAONE 4 below 32B's 64 layers: llama.cpp reads the GGUF's window but
+/// masks every layer as global, and so must we.
+#[test]
+fn exaone4_windows_are_llama_cpps() {
+    let model = exaone4_mini();
+    assert_eq!(model.attention_windows().unwrap(), vec![0; 4]);
+    let diff = diff_to_llama_cpp(model, &prompt(model));
     assert!(diff < 3e-2, "ours differ from llama.cpp's by {diff}");
 }
 
