@@ -67,6 +67,11 @@ pub enum Like {
     /// normalised per head, and a 32-token window key, which llama.cpp
     /// ignores at any depth but 32B's 64 layers. For tests of windows.
     Exaone4Mini,
+    /// Cohere's Command R7B architecture (`cohere2`) at test size: OLMo 3's
+    /// dimensions, attention and feed-forward side by side after one layer
+    /// norm, RoPE in the windowed layers only, tied embeddings, a 32-token
+    /// window on three layers in four. For tests of windows.
+    Cohere2Mini,
 }
 
 /// Weight types: llama.cpp's Q4_K_M mix, or Q8_0 throughout.
@@ -90,9 +95,10 @@ impl std::str::FromStr for Like {
             "gpt-oss-mini" => Ok(Like::GptOssMini),
             "olmo3-mini" => Ok(Like::Olmo3Mini),
             "exaone4-mini" => Ok(Like::Exaone4Mini),
+            "cohere2-mini" => Ok(Like::Cohere2Mini),
             _ => Err(format!(
                 "`{s}`: one of qwen2.5-7b, llama-3-8b, qwen2.5-1.5b, gpt-oss-20b, gpt-oss-mini, \
-                 olmo3-mini, exaone4-mini"
+                 olmo3-mini, exaone4-mini, cohere2-mini"
             )),
         }
     }
@@ -278,6 +284,12 @@ impl Like {
                 name: "exaone4-mini",
                 ..Like::Olmo3Mini.geometry()
             },
+            Like::Cohere2Mini => Geometry {
+                arch: "cohere2",
+                name: "cohere2-mini",
+                tied: true,
+                ..Like::Olmo3Mini.geometry()
+            },
             Like::Qwen25_1_5b => Geometry {
                 arch: "qwen2",
                 name: "qwen2.5-1.5b",
@@ -375,7 +387,8 @@ pub fn tensors(g: &Geometry, n_vocab: u32, quant: Quant) -> Vec<TensorSpec> {
             add(b("attn_q_norm.weight"), &[q_norm], F32);
             add(b("attn_k_norm.weight"), &[k_norm], F32);
             add(b("post_attention_norm.weight"), &[e], F32);
-        } else {
+        } else if g.arch != "cohere2" {
+            // (Cohere's feed-forward reads the attention's norm.)
             add(b("ffn_norm.weight"), &[e], F32);
         }
         add(b("ffn_gate.weight"), &[e, ff], base);
@@ -546,7 +559,7 @@ pub fn synth_model(a: &SynthOptions) -> Result<()> {
     let Some(like) = a.like else {
         return invalid(
             "--like is needed (qwen2.5-7b, llama-3-8b, qwen2.5-1.5b, gpt-oss-20b, \
-             gpt-oss-mini, olmo3-mini or exaone4-mini), or --vocab-only",
+             gpt-oss-mini, olmo3-mini, exaone4-mini or cohere2-mini), or --vocab-only",
         );
     };
     let mut g = like.geometry();
@@ -594,6 +607,11 @@ pub fn synth_model(a: &SynthOptions) -> Result<()> {
     }
     w.f32(&k("rope.freq_base"), g.rope_base);
     w.f32(&k("attention.layer_norm_rms_epsilon"), g.rms_eps);
+    if arch == "cohere2" {
+        // A layer norm, and logits scaled (Command R7B's 0.25).
+        w.f32(&k("attention.layer_norm_epsilon"), g.rms_eps);
+        w.f32(&k("logit_scale"), 0.25);
+    }
     w.u32(&k("vocab_size"), n_vocab as u32);
     copy_tokenizer(&mut w, &tok_bytes, n_vocab)?;
     let specs = tensors(&g, n_vocab as u32, a.quant);

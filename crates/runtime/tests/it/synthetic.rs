@@ -4,7 +4,9 @@
 //! - gpt-oss (`gpt-oss-mini`: two layers, the first with a 32-token window,
 //!   sinks in both);
 //! - OLMo 3 (`olmo3-mini`: llama.cpp's `olmo2` with a window; four layers,
-//!   the first three with a 32-token window, the last global).
+//!   the first three with a 32-token window, the last global), Command R7B
+//!   (`cohere2-mini`, the same windows) and EXAONE 4 (`exaone4-mini`, whose
+//!   window key llama.cpp ignores at that depth).
 //!
 //! Their text is noise, but llama.cpp's own attention over its own iSWA
 //! cache is the reference for ours, logit for logit.
@@ -56,6 +58,11 @@ fn olmo3_mini() -> &'static Model {
 fn exaone4_mini() -> &'static Model {
     static MODEL: OnceLock<Model> = OnceLock::new();
     MODEL.get_or_init(|| synthetic(Like::Exaone4Mini))
+}
+
+fn cohere2_mini() -> &'static Model {
+    static MODEL: OnceLock<Model> = OnceLock::new();
+    MODEL.get_or_init(|| synthetic(Like::Cohere2Mini))
 }
 
 /// A prompt of more than 80 tokens: it crosses the 32-token windows.
@@ -201,6 +208,18 @@ fn exaone4_windows_are_llama_cpps() {
     let model = exaone4_mini();
     assert_eq!(model.attention_windows().unwrap(), vec![0; 4]);
     let diff = diff_to_llama_cpp(model, &prompt(model));
+    // Measured: 1.5e-2 (logits within ±1.9).
+    assert!(diff < 3e-2, "ours differ from llama.cpp's by {diff}");
+}
+
+/// Command R7B's architecture: three windowed layers in four, as OLMo 3.
+#[test]
+fn cohere2_windows_are_llama_cpps() {
+    let model = cohere2_mini();
+    assert_eq!(model.attention_windows().unwrap(), vec![32, 32, 32, 0]);
+    let diff = diff_to_llama_cpp(model, &prompt(model));
+    // Measured: 2.8e-3 (logits within ±0.41, scaled by 0.25); without the
+    // windows (and the mask check) 0.13.
     assert!(diff < 3e-2, "ours differ from llama.cpp's by {diff}");
 }
 
