@@ -241,28 +241,19 @@ fn test_phases(rest: &[String], phases: &mut Phases) -> Result<()> {
         ]))
     })?;
     // Grafted attention on the device, through the engine with real
-    // llama.cpp, on the emulator (and the CUDA glue compiled).
-    phases.run("engine --features cuda-emu,cuda-kernels", || {
+    // llama.cpp, on the emulator (and the CUDA glue compiled); the runtime's
+    // for the synthetic models only it can make (gpt-oss's sinks and
+    // windows). One cargo run, so the engine is built once with one set of
+    // features for both.
+    phases.run("engine and runtime --features cuda-emu", || {
         run(cargo().args([
             "test",
             "-p",
             "siliceo-engine",
-            "--features",
-            "cuda-emu,cuda-kernels",
-            "--test",
-            "it",
-            "device_layers",
-        ]))
-    })?;
-    // The same for gpt-oss's sinks and windows, on the synthetic gpt-oss only
-    // the runtime crate can make.
-    phases.run("runtime --features cuda-emu", || {
-        run(cargo().args([
-            "test",
             "-p",
             "siliceo-runtime",
             "--features",
-            "cuda-emu",
+            "siliceo-engine/cuda-emu,siliceo-engine/cuda-kernels,siliceo-runtime/cuda-emu",
             "--test",
             "it",
             "device_layers",
