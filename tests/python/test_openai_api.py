@@ -1435,6 +1435,70 @@ def test_real_templates_take_what_openai_clients_send():
             s.stop()
 
 
+# DeepSeek-R1's tool-call format (each call's type, its name, and its
+# arguments in a JSON fence) in a minimal template of DeepSeek's turns.
+DEEPSEEK_R1_TOOLS = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}{{ '<｜User｜>' + m.content }}"
+    "{%- elif m.role == 'assistant' and m.tool_calls -%}"
+    "{{ '<｜Assistant｜><｜tool▁calls▁begin｜>' }}"
+    "{%- for t in m.tool_calls -%}"
+    "{{ '<｜tool▁call▁begin｜>' + t.type + '<｜tool▁sep｜>' + t.function.name"
+    " + '\\n```json\\n' + t.function.arguments + '\\n```<｜tool▁call▁end｜>' }}"
+    "{%- endfor -%}{{ '<｜tool▁calls▁end｜><｜end▁of▁sentence｜>' }}"
+    "{%- elif m.role == 'assistant' -%}{{ '<｜Assistant｜>' + m.content + '<｜end▁of▁sentence｜>' }}"
+    "{%- elif m.role == 'tool' -%}{{ '<｜tool▁output▁begin｜>' + m.content + '<｜tool▁output▁end｜>' }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<｜Assistant｜>' }}{%- endif -%}"
+)
+
+
+def test_deepseek_tool_calls(tmp_path):
+    """DeepSeek's tool calls on SmolLM2: V3.1's own template
+    (`NAME<｜tool▁sep｜>{…}` in the list's tags) and an R1-style one (the
+    call's type, then its name and a JSON fence). A required call is forced
+    in each shape and read back, streamed as written; two calls the model
+    writes under `auto` are both read; R1's template renders the call.
+    (SmolLM2's vocabulary spells DeepSeek's tags in many byte tokens.)"""
+    two = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+           '\\{"city": "Rome"\\}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_weather'
+           '<｜tool▁sep｜>\\{"city": "Oslo"\\}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    s = template_server("testdata_deepseek_v31.jinja")
+    try:
+        c = client(s)
+        message, call, ask = forced_city_call(c, parallel_tool_calls=False, max_tokens=200)
+        assert set(json.loads(call.function.arguments)) == {"city"}
+        r = c.chat.completions.create(**dict(ask, tool_choice="auto", parallel_tool_calls=True,
+                                             max_tokens=400),
+                                      extra_body={"regex": two})
+        got = [json.loads(t.function.arguments)["city"] for t in r.choices[0].message.tool_calls]
+        assert got == ["Rome", "Oslo"] and r.choices[0].finish_reason == "tool_calls", r
+        s.wait_idle()
+    finally:
+        s.stop()
+    path = tmp_path / "deepseek_r1.jinja"
+    path.write_text(DEEPSEEK_R1_TOOLS)
+    s = Server("--chat-template-file", str(path))
+    try:
+        c = client(s)
+        message, call, ask = forced_city_call(c, parallel_tool_calls=False, max_tokens=200)
+        args = json.loads(call.function.arguments)
+        assert set(args) == {"city"}
+        loop = CITY_ASK + [
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": call.id, "type": "function",
+                "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": "18 C"}]
+        status, t = post_json(s, "/tokenize", {"messages": loop})
+        assert status == 200, t
+        text = post_json(s, "/detokenize", {"tokens": t["tokens"]})[1]["prompt"]
+        fence = f"function<｜tool▁sep｜>get_weather\n```json\n{call.function.arguments}\n```"
+        assert fence in text, text
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
 def test_granite_tool_calls():
     """Granite 3.3's own template on SmolLM2 (calls as a JSON list after
     `<|tool_call|>`): a required call is forced in that shape and read back,

@@ -124,7 +124,6 @@ enum State {
     },
 }
 
-const MISTRAL_ARGS: &str = "[ARGS]";
 const XML_FUNCTION: &str = "<function=";
 const XML_PARAM: &str = "<parameter=";
 const XML_PARAM_END: &str = "</parameter>";
@@ -539,20 +538,34 @@ impl CallParser {
                 }
                 Step::Wait
             }
-            // Mistral's newer calls: `NAME[ARGS]` after the marker, then the
-            // arguments (a JSON list or object after it: the older shape).
+            // Calls named before a separator, the arguments bare after it:
+            // Mistral's newer `[TOOL_CALLS]NAME[ARGS]{…}` (a JSON list or
+            // object after the marker is the older shape), DeepSeek's
+            // `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{…}` (after the list's
+            // opening, each call's own), R1's `…function<｜tool▁sep｜>NAME
+            // ```json {…}`.
             State::Head { marker, .. }
-                if self.syntax == ToolSyntax::MistralArgs
+                if self.syntax.named_call().is_some()
                     && !self.buf.trim_start().starts_with(['{', '[']) =>
             {
+                let (opener, sep) = self.syntax.named_call().unwrap_or_default();
+                let lead = self.buf.trim_start();
+                if !opener.is_empty() && lead.starts_with(opener) {
+                    let skip = self.buf.len() - lead.len() + opener.len();
+                    self.buf.drain(..skip);
+                    return Step::On;
+                }
+                if !opener.is_empty() && !lead.is_empty() && opener.starts_with(lead) {
+                    return Step::Wait;
+                }
                 let is_name = |s: &str| {
                     s.trim()
                         .chars()
                         .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
                 };
-                let Some(at) = self.buf.find(MISTRAL_ARGS) else {
-                    // A name so far, or one and the start of `[ARGS]`.
-                    let keep = held_prefix_len(&self.buf, MISTRAL_ARGS);
+                let Some(at) = self.buf.find(sep) else {
+                    // A name so far, or one and the start of the separator.
+                    let keep = held_prefix_len(&self.buf, sep);
                     if !is_name(&self.buf[..self.buf.len() - keep]) {
                         self.state = State::Hold { marker };
                         return Step::On;
@@ -564,7 +577,7 @@ impl CallParser {
                     self.state = State::Hold { marker };
                     return Step::On;
                 }
-                self.buf.drain(..at + MISTRAL_ARGS.len());
+                self.buf.drain(..at + sep.len());
                 if self.calls >= self.max_calls {
                     self.buf.clear();
                     self.state = State::After;

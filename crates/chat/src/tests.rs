@@ -208,6 +208,65 @@ fn mistral_calls_parse() {
     assert_eq!(ToolSyntax::detect("{{ m.content }}"), None);
 }
 
+/// DeepSeek's calls: V3.1's `NAME<｜tool▁sep｜>{…}` and R1's
+/// `function<｜tool▁sep｜>NAME` with the arguments in a JSON fence, each
+/// after the list's opening or a call's; text before the list is the
+/// answer, and the syntax is read from the template.
+#[test]
+fn deepseek_calls_parse() {
+    let at = |syntax| CALL_TEXTS.iter().position(|&(s, _)| s == syntax).unwrap();
+    let v31 = ToolSyntax::DeepSeek.parse(CALL_TEXTS[at(ToolSyntax::DeepSeek)].1, &[]);
+    assert_eq!(v31.content, "Checking.");
+    assert_eq!(
+        v31.calls,
+        [
+            ("get_weather".into(), r#"{"city": "Pa}ris"}"#.into()),
+            ("now".into(), "{}".into())
+        ]
+    );
+    assert!(!v31.cut_short);
+    let cut = ToolSyntax::DeepSeek.parse(CALL_TEXTS[at(ToolSyntax::DeepSeek) + 1].1, &[]);
+    assert!(cut.cut_short && cut.calls.len() == 1, "{cut:?}");
+    let text = CALL_TEXTS[at(ToolSyntax::DeepSeek) + 2].1;
+    assert_eq!(ToolSyntax::DeepSeek.parse(text, &[]).content, text);
+    let r1 = ToolSyntax::DeepSeekR1.parse(CALL_TEXTS[at(ToolSyntax::DeepSeekR1)].1, &[]);
+    assert_eq!(r1.content, "");
+    assert_eq!(
+        r1.calls,
+        [
+            ("get_weather".into(), r#"{"city": "Oslo"}"#.into()),
+            ("now".into(), "{}".into())
+        ]
+    );
+    // Only the first call when parallel calls are off.
+    let one = ToolSyntax::DeepSeekR1.parse_single(CALL_TEXTS[at(ToolSyntax::DeepSeekR1)].1, &[]);
+    assert_eq!(one.calls.len(), 1);
+    let t = ChatTemplate::new(include_str!("testdata_deepseek_v31.jinja"), "<s>", "</s>").unwrap();
+    assert_eq!(t.tool_syntax(), Some(ToolSyntax::DeepSeek));
+    assert_eq!(
+        ToolSyntax::detect(
+            "{{'<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] \
+             + '\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```'}}"
+        ),
+        Some(ToolSyntax::DeepSeekR1)
+    );
+    // What V3.1's template writes for an assistant's call reads back.
+    let [call, result] = long_id_call();
+    let text = t
+        .render(
+            &[Message::new("user", "Weather?"), call, result],
+            &[],
+            false,
+        )
+        .unwrap();
+    let written = &text[text.find("<｜tool▁calls▁begin｜>").unwrap()..];
+    let read = ToolSyntax::DeepSeek.parse(written, &[]);
+    assert_eq!(read.calls.len(), 1, "{written}");
+    assert_eq!(read.calls[0].0, "get_weather");
+    let args: serde_json::Value = serde_json::from_str(&read.calls[0].1).unwrap();
+    assert_eq!(args, serde_json::json!({"city": "Paris"}));
+}
+
 #[test]
 fn forced_calls_are_lark_grammars_with_the_tools_schemas() {
     let tools = [
@@ -354,6 +413,22 @@ const CALL_TEXTS: &[(ToolSyntax, &str)] = &[
     (
         ToolSyntax::MistralArgs,
         "[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {\"a\": 1}}]",
+    ),
+    (
+        ToolSyntax::DeepSeek,
+        "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Pa}ris\"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    ),
+    (
+        ToolSyntax::DeepSeek,
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Par",
+    ),
+    (
+        ToolSyntax::DeepSeek,
+        "<｜tool▁calls▁begin｜> is how a list opens",
+    ),
+    (
+        ToolSyntax::DeepSeekR1,
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Oslo\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
     ),
     // Granite writes its arguments first: each item is read whole.
     (
@@ -927,6 +1002,12 @@ fn random_texts_read_alike_however_cut() {
         ">",
         "[ARGS]",
         "g",
+        "<｜tool▁calls▁begin｜>",
+        "<｜tool▁call▁begin｜>",
+        "<｜tool▁sep｜>",
+        "function<｜tool▁sep｜>",
+        "```json\n",
+        "<｜tool▁call▁end｜>",
         "<|tool_call|>",
         "<TOOLCALL>",
         "</TOOLCALL>",
@@ -952,6 +1033,8 @@ fn random_texts_read_alike_however_cut() {
         ToolSyntax::Harmony,
         ToolSyntax::Granite,
         ToolSyntax::Nemotron,
+        ToolSyntax::DeepSeek,
+        ToolSyntax::DeepSeekR1,
     ];
     // How many texts held calls, and how many ended inside arguments: the
     // texts must reach the reader's paths, not only its prose.
@@ -969,6 +1052,10 @@ fn random_texts_read_alike_however_cut() {
             ToolSyntax::Harmony => "<|channel|>commentary to=functions.f<|message|>",
             ToolSyntax::Granite => "<|tool_call|>[{\"name\": \"f\", \"arguments\": ",
             ToolSyntax::Nemotron => "<TOOLCALL>[{\"name\": \"f\", \"arguments\": ",
+            ToolSyntax::DeepSeek => "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>",
+            ToolSyntax::DeepSeekR1 => {
+                "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n"
+            }
             _ => "{\"name\": \"f\", \"parameters\": ",
         };
         let text: String = std::iter::once(opener)

@@ -38,6 +38,13 @@ pub enum ToolSyntax {
     /// `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{…}`,
     /// one call per turn; read with its thinking by [`crate::HarmonyReader`].
     Harmony,
+    /// `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{…}<｜tool▁call▁end｜>…
+    /// <｜tool▁calls▁end｜>` (DeepSeek-V3.1 and later).
+    DeepSeek,
+    /// `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{…}\n```
+    /// <｜tool▁call▁end｜>…<｜tool▁calls▁end｜>` (DeepSeek-R1-0528 and its
+    /// distills, DeepSeek-V3).
+    DeepSeekR1,
 }
 
 /// Which tools the model may or must call (OpenAI's `tool_choice`).
@@ -94,6 +101,10 @@ impl ToolSyntax {
     pub fn detect(template: &str) -> Option<ToolSyntax> {
         if crate::harmony::is_harmony(template) {
             Some(ToolSyntax::Harmony)
+        } else if template.contains(DEEPSEEK_CALL) && template.contains("```json") {
+            Some(ToolSyntax::DeepSeekR1)
+        } else if template.contains(DEEPSEEK_CALL) {
+            Some(ToolSyntax::DeepSeek)
         } else if template.contains(GRANITE_CALL) {
             Some(ToolSyntax::Granite)
         } else if template.contains(NEMOTRON_CALL) {
@@ -123,7 +134,8 @@ impl ToolSyntax {
     }
 
     /// A short name (`hermes`, `mistral`, `mistral_args`, `llama3_json`,
-    /// `qwen3_coder`, `granite`, `nemotron`, `harmony`).
+    /// `qwen3_coder`, `granite`, `nemotron`, `harmony`, `deepseek_v3_1`,
+    /// `deepseek_r1`).
     pub fn name(self) -> &'static str {
         match self {
             ToolSyntax::Hermes => "hermes",
@@ -134,6 +146,21 @@ impl ToolSyntax {
             ToolSyntax::Granite => "granite",
             ToolSyntax::Nemotron => "nemotron",
             ToolSyntax::Harmony => "harmony",
+            ToolSyntax::DeepSeek => "deepseek_v3_1",
+            ToolSyntax::DeepSeekR1 => "deepseek_r1",
+        }
+    }
+
+    /// For syntaxes that name a call before a separator and write its
+    /// arguments bare after it: the text that opens each call (skipped
+    /// where the block's marker was the list's opening; empty when the
+    /// marker is each call's) and the separator.
+    pub(crate) fn named_call(self) -> Option<(&'static str, &'static str)> {
+        match self {
+            ToolSyntax::MistralArgs => Some(("", "[ARGS]")),
+            ToolSyntax::DeepSeek => Some((DEEPSEEK_CALL, DEEPSEEK_SEP)),
+            ToolSyntax::DeepSeekR1 => Some((DEEPSEEK_R1_CALL, "```json")),
+            _ => None,
         }
     }
 
@@ -159,6 +186,10 @@ impl ToolSyntax {
             ToolSyntax::QwenXml => &["<tool_call>", "<function="],
             // A call is a message's header ([`crate::HarmonyReader`]).
             ToolSyntax::Harmony => &[crate::harmony::CHANNEL],
+            // The list's opening, then each call's own (read as the start of
+            // the first call's head: see CallParser).
+            ToolSyntax::DeepSeek => &[DEEPSEEK_CALLS, DEEPSEEK_CALL],
+            ToolSyntax::DeepSeekR1 => &[DEEPSEEK_CALLS, DEEPSEEK_R1_CALL],
         }
     }
 
@@ -177,6 +208,7 @@ impl ToolSyntax {
             // llama.cpp renders these for gpt-oss already; a GGUF converted
             // otherwise would hide them, and with them where messages end.
             ToolSyntax::Harmony => &crate::harmony::MARKUP,
+            ToolSyntax::DeepSeek | ToolSyntax::DeepSeekR1 => &DEEPSEEK_MARKUP,
         }
     }
 
@@ -277,10 +309,53 @@ impl ToolSyntax {
                 named_calls(&mut g, &chosen, |name| format!("{name}[ARGS]"));
                 g
             }
+            ToolSyntax::DeepSeek | ToolSyntax::DeepSeekR1 => {
+                let lit = |s: &str| serde_json::to_string(s).unwrap_or_default();
+                let repeat = if parallel { "+" } else { "" };
+                let r1 = self == ToolSyntax::DeepSeekR1;
+                let (open, close) = if r1 {
+                    (DEEPSEEK_R1_CALL, "\n```<｜tool▁call▁end｜>")
+                } else {
+                    (DEEPSEEK_CALL, "<｜tool▁call▁end｜>")
+                };
+                let mut g = format!(
+                    "start: {} call{repeat} {}\ncall: {} fx {}\nfx: ",
+                    lit(DEEPSEEK_CALLS),
+                    lit("<｜tool▁calls▁end｜>"),
+                    lit(open),
+                    lit(close),
+                );
+                named_calls(&mut g, &chosen, |name| {
+                    if r1 {
+                        format!("{name}\n```json\n")
+                    } else {
+                        format!("{name}{DEEPSEEK_SEP}")
+                    }
+                });
+                g
+            }
         };
         Some(Constraint::Lark(grammar))
     }
 }
+
+/// DeepSeek's list of calls opens with this, then each call with
+/// [`DEEPSEEK_CALL`]; a call's name and arguments are split by
+/// [`DEEPSEEK_SEP`].
+pub(crate) const DEEPSEEK_CALLS: &str = "<｜tool▁calls▁begin｜>";
+pub(crate) const DEEPSEEK_CALL: &str = "<｜tool▁call▁begin｜>";
+pub(crate) const DEEPSEEK_SEP: &str = "<｜tool▁sep｜>";
+/// An R1-style call's opening, up to its name (its type is always
+/// `function`).
+pub(crate) const DEEPSEEK_R1_CALL: &str = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>";
+/// DeepSeek's tool-call tokens.
+const DEEPSEEK_MARKUP: [&str; 5] = [
+    DEEPSEEK_CALLS,
+    DEEPSEEK_CALL,
+    DEEPSEEK_SEP,
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁end｜>",
+];
 
 /// The marker before Granite's list of calls.
 const GRANITE_CALL: &str = "<|tool_call|>";

@@ -748,6 +748,48 @@ mod tests {
         ));
     }
 
+    /// DeepSeek's forced calls, V3.1's and R1's: the list's tags around
+    /// one call or (parallel) more, each named and then its arguments by
+    /// the tool's schema; what the grammar writes reads back.
+    #[test]
+    fn forced_deepseek_calls_are_tagged_lists_of_named_calls() {
+        let grammars = byte_grammars();
+        let tools = [city_tool()];
+        let args = r#"{"city": "Paris"}"#;
+        for (syntax, call) in [
+            (
+                ToolSyntax::DeepSeek,
+                format!("<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{args}<｜tool▁call▁end｜>"),
+            ),
+            (
+                ToolSyntax::DeepSeekR1,
+                format!(
+                    "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{args}\n```<｜tool▁call▁end｜>"
+                ),
+            ),
+        ] {
+            let lark = |parallel| {
+                syntax
+                    .constraint(&tools, &ToolChoice::Required, parallel)
+                    .unwrap()
+            };
+            let list = |calls: &str| format!("<｜tool▁calls▁begin｜>{calls}<｜tool▁calls▁end｜>");
+            let one = list(&call);
+            let two = list(&format!("{call}{call}"));
+            assert!(accepts(&grammars, &lark(false), &one), "{syntax:?}");
+            assert!(accepts(&grammars, &lark(true), &two), "{syntax:?}");
+            assert!(!accepts(&grammars, &lark(false), &two), "{syntax:?}");
+            assert!(
+                !accepts(&grammars, &lark(true), &one.replace("\"Paris\"", "7")),
+                "{syntax:?}"
+            );
+            assert!(!accepts(&grammars, &lark(true), &call), "{syntax:?}");
+            let read = syntax.parse(&two, &tools);
+            assert_eq!(read.calls.len(), 2, "{syntax:?}");
+            assert_eq!(read.calls[1], ("get_weather".into(), args.into()));
+        }
+    }
+
     /// gpt-oss's forced calls (harmony): the call's header and its
     /// arguments by the tool's schema, after an analysis message if the
     /// model thinks first; one call, and what a harmony reader reads back.
