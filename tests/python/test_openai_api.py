@@ -1499,6 +1499,53 @@ def test_deepseek_tool_calls(tmp_path):
         s.stop()
 
 
+# Command R's tool-call format (a JSON list of numbered calls in its action
+# tags) in a minimal template of Cohere's turns.
+COMMAND_R_TOOLS = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}"
+    "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>{{ m.content }}<|END_OF_TURN_TOKEN|>"
+    "{%- elif m.role == 'assistant' and m.tool_calls -%}"
+    "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_ACTION|>["
+    "{%- for t in m.tool_calls -%}{{ ', ' if not loop.first }}"
+    '{"tool_call_id": "{{ loop.index0 }}", "tool_name": "{{ t.function.name }}", '
+    '"parameters": {{ t.function.arguments | tojson }}}'
+    "{%- endfor -%}]<|END_ACTION|><|END_OF_TURN_TOKEN|>"
+    "{%- elif m.role == 'assistant' -%}"
+    "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_RESPONSE|>{{ m.content }}"
+    "<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"
+    "{%- elif m.role == 'tool' -%}"
+    "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|><|START_TOOL_RESULT|>{{ m.content }}"
+    "<|END_TOOL_RESULT|><|END_OF_TURN_TOKEN|>"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>{%- endif -%}"
+)
+
+
+def test_command_r_tool_calls(tmp_path):
+    """Command R's tool calls on SmolLM2 (a template of Cohere's turns): a
+    required call is forced as a numbered item of its action list and read
+    back, its arguments streamed as written; two calls the model writes
+    under `auto` are both read."""
+    path = tmp_path / "command_r.jinja"
+    path.write_text(COMMAND_R_TOOLS)
+    s = Server("--chat-template-file", str(path))
+    try:
+        c = client(s)
+        message, call, ask = forced_city_call(c, parallel_tool_calls=False, max_tokens=100)
+        assert set(json.loads(call.function.arguments)) == {"city"}
+        two = ('<\\|START_ACTION\\|>\\[\\{"tool_call_id": "0", "tool_name": "get_weather", '
+               '"parameters": \\{"city": "Rome"\\}\\}, \\{"tool_call_id": "1", "tool_name": '
+               '"get_weather", "parameters": \\{"city": "Oslo"\\}\\}\\]<\\|END_ACTION\\|>')
+        r = c.chat.completions.create(**dict(ask, tool_choice="auto", parallel_tool_calls=True,
+                                             max_tokens=150), extra_body={"regex": two})
+        got = [json.loads(t.function.arguments)["city"] for t in r.choices[0].message.tool_calls]
+        assert got == ["Rome", "Oslo"] and r.choices[0].finish_reason == "tool_calls", r
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
 def test_granite_tool_calls():
     """Granite 3.3's own template on SmolLM2 (calls as a JSON list after
     `<|tool_call|>`): a required call is forced in that shape and read back,

@@ -211,6 +211,7 @@ fn close_of(marker: &str) -> &'static str {
     match marker {
         "<tool_call>" => "</tool_call>",
         "```json" => "```",
+        crate::tools::COMMAND_R_CALL => crate::tools::COMMAND_R_END,
         _ => "",
     }
 }
@@ -288,7 +289,25 @@ fn head(s: &str, first: bool) -> Result<(String, usize, bool), NoHead> {
     }
     c.eat("{")?;
     c.ws();
-    c.eat("\"name\"")?;
+    // Command R's calls lead with their id (`"tool_call_id": "0", `),
+    // skipped, and name the function `tool_name`.
+    match c.eat("\"tool_call_id\"") {
+        Ok(()) => {
+            c.ws();
+            c.eat(":")?;
+            c.ws();
+            c.string()?;
+            c.ws();
+            c.eat(",")?;
+            c.ws();
+        }
+        Err(NoHead::Partial) => return Err(NoHead::Partial),
+        Err(NoHead::Fail) => {}
+    }
+    match c.eat("\"name\"") {
+        Err(NoHead::Fail) => c.eat("\"tool_name\"")?,
+        r => r?,
+    }
     c.ws();
     c.eat(":")?;
     c.ws();
@@ -549,35 +568,38 @@ impl CallParser {
                     && !self.buf.trim_start().starts_with(['{', '[']) =>
             {
                 let (opener, sep) = self.syntax.named_call().unwrap_or_default();
+                // The call's own opener, when the marker was the list's:
+                // passed over, and drained only with the call's name (a
+                // block that is no call is held whole).
                 let lead = self.buf.trim_start();
-                if !opener.is_empty() && lead.starts_with(opener) {
-                    let skip = self.buf.len() - lead.len() + opener.len();
-                    self.buf.drain(..skip);
-                    return Step::On;
-                }
-                if !opener.is_empty() && !lead.is_empty() && opener.starts_with(lead) {
+                let start = if !opener.is_empty() && lead.starts_with(opener) {
+                    self.buf.len() - lead.len() + opener.len()
+                } else if !opener.is_empty() && !lead.is_empty() && opener.starts_with(lead) {
                     return Step::Wait;
-                }
+                } else {
+                    0
+                };
+                let rest = &self.buf[start..];
                 let is_name = |s: &str| {
                     s.trim()
                         .chars()
                         .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
                 };
-                let Some(at) = self.buf.find(sep) else {
+                let Some(at) = rest.find(sep) else {
                     // A name so far, or one and the start of the separator.
-                    let keep = held_prefix_len(&self.buf, sep);
-                    if !is_name(&self.buf[..self.buf.len() - keep]) {
+                    let keep = held_prefix_len(rest, sep);
+                    if !is_name(&rest[..rest.len() - keep]) {
                         self.state = State::Hold { marker };
                         return Step::On;
                     }
                     return Step::Wait;
                 };
-                let name = self.buf[..at].trim().to_string();
+                let name = rest[..at].trim().to_string();
                 if name.is_empty() || !is_name(&name) {
                     self.state = State::Hold { marker };
                     return Step::On;
                 }
-                self.buf.drain(..at + sep.len());
+                self.buf.drain(..start + at + sep.len());
                 if self.calls >= self.max_calls {
                     self.buf.clear();
                     self.state = State::After;

@@ -39,6 +39,13 @@ impl ThinkTags {
         close: "[/THINK]",
     };
 
+    /// `<|START_THINKING|>…<|END_THINKING|>` (Cohere's Command R7B and
+    /// Command A).
+    pub const COHERE: ThinkTags = ThinkTags {
+        open: "<|START_THINKING|>",
+        close: "<|END_THINKING|>",
+    };
+
     /// gpt-oss's `analysis` channel (OpenAI's harmony format): its
     /// message's header, and the end of a message.
     pub const HARMONY: ThinkTags = ThinkTags {
@@ -51,7 +58,7 @@ impl ThinkTags {
         if crate::harmony::is_harmony(source) {
             return Some(ThinkTags::HARMONY);
         }
-        [ThinkTags::ANGLE, ThinkTags::SQUARE]
+        [ThinkTags::ANGLE, ThinkTags::SQUARE, ThinkTags::COHERE]
             .into_iter()
             .find(|t| source.contains(t.open))
     }

@@ -267,6 +267,36 @@ fn deepseek_calls_parse() {
     assert_eq!(args, serde_json::json!({"city": "Paris"}));
 }
 
+/// Command R's calls: a JSON list in `<|START_ACTION|>` tags, each item
+/// led by its id and naming its function `tool_name`; streamed as written.
+#[test]
+fn command_r_calls_parse() {
+    let text = CALL_TEXTS
+        .iter()
+        .find(|&&(s, _)| s == ToolSyntax::CommandR)
+        .unwrap()
+        .1;
+    let out = ToolSyntax::CommandR.parse(text, &[]);
+    assert_eq!(
+        out.calls,
+        [
+            ("get_weather".into(), r#"{"city": "Lima"}"#.into()),
+            ("now".into(), "{}".into())
+        ]
+    );
+    // The name goes out before the arguments are written.
+    let (pieces, _) = streamed(ToolSyntax::CommandR, &[&text[..text.find("Lima").unwrap()]]);
+    assert_eq!(pieces[0], CallPiece::Call("get_weather".into()));
+    assert_eq!(
+        ToolSyntax::detect("{{ '<|START_ACTION|>' + calls | tojson + '<|END_ACTION|>' }}"),
+        Some(ToolSyntax::CommandR)
+    );
+    assert_eq!(
+        ThinkTags::of_template("{{ '<|START_THINKING|>' + m.thinking + '<|END_THINKING|>' }}"),
+        Some(ThinkTags::COHERE)
+    );
+}
+
 #[test]
 fn forced_calls_are_lark_grammars_with_the_tools_schemas() {
     let tools = [
@@ -429,6 +459,10 @@ const CALL_TEXTS: &[(ToolSyntax, &str)] = &[
     (
         ToolSyntax::DeepSeekR1,
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Oslo\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    ),
+    (
+        ToolSyntax::CommandR,
+        "<|START_ACTION|>[\n    {\"tool_call_id\": \"0\", \"tool_name\": \"get_weather\", \"parameters\": {\"city\": \"Lima\"}},\n    {\"tool_call_id\": \"1\", \"tool_name\": \"now\", \"parameters\": {}}\n]<|END_ACTION|>",
     ),
     // Granite writes its arguments first: each item is read whole.
     (
@@ -1008,6 +1042,10 @@ fn random_texts_read_alike_however_cut() {
         "function<｜tool▁sep｜>",
         "```json\n",
         "<｜tool▁call▁end｜>",
+        "<|START_ACTION|>",
+        "<|END_ACTION|>",
+        "\"tool_call_id\": \"0\", ",
+        "\"tool_name\"",
         "<|tool_call|>",
         "<TOOLCALL>",
         "</TOOLCALL>",
@@ -1035,6 +1073,7 @@ fn random_texts_read_alike_however_cut() {
         ToolSyntax::Nemotron,
         ToolSyntax::DeepSeek,
         ToolSyntax::DeepSeekR1,
+        ToolSyntax::CommandR,
     ];
     // How many texts held calls, and how many ended inside arguments: the
     // texts must reach the reader's paths, not only its prose.
@@ -1055,6 +1094,9 @@ fn random_texts_read_alike_however_cut() {
             ToolSyntax::DeepSeek => "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>",
             ToolSyntax::DeepSeekR1 => {
                 "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n"
+            }
+            ToolSyntax::CommandR => {
+                "<|START_ACTION|>[{\"tool_call_id\": \"0\", \"tool_name\": \"f\", \"parameters\": "
             }
             _ => "{\"name\": \"f\", \"parameters\": ",
         };

@@ -45,6 +45,9 @@ pub enum ToolSyntax {
     /// <｜tool▁call▁end｜>…<｜tool▁calls▁end｜>` (DeepSeek-R1-0528 and its
     /// distills, DeepSeek-V3).
     DeepSeekR1,
+    /// `<|START_ACTION|>[{"tool_call_id": "0", "tool_name": …, "parameters":
+    /// {…}}, …]<|END_ACTION|>` (Cohere's Command R7B and Command A).
+    CommandR,
 }
 
 /// Which tools the model may or must call (OpenAI's `tool_choice`).
@@ -105,6 +108,8 @@ impl ToolSyntax {
             Some(ToolSyntax::DeepSeekR1)
         } else if template.contains(DEEPSEEK_CALL) {
             Some(ToolSyntax::DeepSeek)
+        } else if template.contains(COMMAND_R_CALL) {
+            Some(ToolSyntax::CommandR)
         } else if template.contains(GRANITE_CALL) {
             Some(ToolSyntax::Granite)
         } else if template.contains(NEMOTRON_CALL) {
@@ -135,7 +140,7 @@ impl ToolSyntax {
 
     /// A short name (`hermes`, `mistral`, `mistral_args`, `llama3_json`,
     /// `qwen3_coder`, `granite`, `nemotron`, `harmony`, `deepseek_v3_1`,
-    /// `deepseek_r1`).
+    /// `deepseek_r1`, `command_r`).
     pub fn name(self) -> &'static str {
         match self {
             ToolSyntax::Hermes => "hermes",
@@ -148,6 +153,7 @@ impl ToolSyntax {
             ToolSyntax::Harmony => "harmony",
             ToolSyntax::DeepSeek => "deepseek_v3_1",
             ToolSyntax::DeepSeekR1 => "deepseek_r1",
+            ToolSyntax::CommandR => "command_r",
         }
     }
 
@@ -167,8 +173,16 @@ impl ToolSyntax {
     /// The key a call's arguments go under.
     fn arguments_key(self) -> &'static str {
         match self {
-            ToolSyntax::Llama3Json => "parameters",
+            ToolSyntax::Llama3Json | ToolSyntax::CommandR => "parameters",
             _ => "arguments",
+        }
+    }
+
+    /// The key a call's function name goes under.
+    fn name_key(self) -> &'static str {
+        match self {
+            ToolSyntax::CommandR => "tool_name",
+            _ => "name",
         }
     }
 
@@ -180,6 +194,7 @@ impl ToolSyntax {
             ToolSyntax::Mistral | ToolSyntax::MistralArgs => &["[TOOL_CALLS]"],
             ToolSyntax::Granite => &[GRANITE_CALL],
             ToolSyntax::Nemotron => &[NEMOTRON_CALL],
+            ToolSyntax::CommandR => &[COMMAND_R_CALL],
             // The call is the answer's opening `{` (see CallParser).
             ToolSyntax::Llama3Json => &[],
             // Its models now and then leave out the outer tag.
@@ -203,6 +218,7 @@ impl ToolSyntax {
             ToolSyntax::Mistral => &["[TOOL_CALLS]"],
             ToolSyntax::Granite => &[GRANITE_CALL],
             ToolSyntax::Nemotron => &[NEMOTRON_CALL, "</TOOLCALL>"],
+            ToolSyntax::CommandR => &[COMMAND_R_CALL, COMMAND_R_END],
             ToolSyntax::MistralArgs => &["[TOOL_CALLS]", "[ARGS]"],
             ToolSyntax::Llama3Json => &[],
             // llama.cpp renders these for gpt-oss already; a GGUF converted
@@ -250,21 +266,34 @@ impl ToolSyntax {
         if chosen.is_empty() {
             return None;
         }
-        // One call: `{"name": <the tool>, "arguments": <its schema>}`, for
-        // any of the chosen tools, laid out as the JSON constraints are
+        // One call: `{"name": <the tool>, "arguments": <its schema>}` (in
+        // the syntax's keys; Command R's lead with a call id), for any of
+        // the chosen tools, laid out as the JSON constraints are
         // (siliceo-constrain): `", "`, `": "`, no free whitespace.
+        let (name, args) = (self.name_key(), self.arguments_key());
         let one_call = serde_json::json!({
             "anyOf": chosen
                 .iter()
-                .map(|t| serde_json::json!({
-                    "type": "object",
-                    "properties": {
-                        "name": {"const": t.name},
-                        self.arguments_key(): t.parameters_value(),
-                    },
-                    "required": ["name", self.arguments_key()],
-                    "additionalProperties": false,
-                }))
+                .map(|t| {
+                    let mut props = serde_json::Map::new();
+                    let mut required = Vec::new();
+                    if self == ToolSyntax::CommandR {
+                        props.insert(
+                            "tool_call_id".into(),
+                            serde_json::json!({"type": "string", "pattern": "^[0-9]{1,3}$"}),
+                        );
+                        required.push("tool_call_id");
+                    }
+                    props.insert(name.into(), serde_json::json!({"const": t.name}));
+                    props.insert(args.into(), t.parameters_value());
+                    required.extend([name, args]);
+                    serde_json::json!({
+                        "type": "object",
+                        "properties": props,
+                        "required": required,
+                        "additionalProperties": false,
+                    })
+                })
                 .collect::<Vec<_>>(),
         });
         let layout = json_layout();
@@ -277,7 +306,10 @@ impl ToolSyntax {
                     "start: call{repeat}\ncall: \"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: %json {body}\n"
                 )
             }
-            ToolSyntax::Mistral | ToolSyntax::Granite | ToolSyntax::Nemotron => {
+            ToolSyntax::Mistral
+            | ToolSyntax::Granite
+            | ToolSyntax::Nemotron
+            | ToolSyntax::CommandR => {
                 let mut list = serde_json::json!({
                     "type": "array",
                     "items": one_call,
@@ -290,6 +322,7 @@ impl ToolSyntax {
                 let (head, tail) = match self {
                     ToolSyntax::Mistral => ("\"[TOOL_CALLS] \"", ""),
                     ToolSyntax::Granite => ("\"<|tool_call|>\"", ""),
+                    ToolSyntax::CommandR => ("\"<|START_ACTION|>\"", " \"<|END_ACTION|>\""),
                     _ => ("\"<TOOLCALL>\"", " \"</TOOLCALL>\""),
                 };
                 format!("start: {head} body{tail}\nbody: %json {list}\n")
@@ -356,6 +389,10 @@ const DEEPSEEK_MARKUP: [&str; 5] = [
     "<｜tool▁call▁end｜>",
     "<｜tool▁calls▁end｜>",
 ];
+
+/// The tags around Command R's list of calls.
+pub(crate) const COMMAND_R_CALL: &str = "<|START_ACTION|>";
+pub(crate) const COMMAND_R_END: &str = "<|END_ACTION|>";
 
 /// The marker before Granite's list of calls.
 const GRANITE_CALL: &str = "<|tool_call|>";
@@ -538,11 +575,12 @@ pub(crate) fn calls_of(body: &str) -> Option<Vec<(String, String)>> {
 }
 
 /// `{"name": …, "arguments": {…}}` (or `parameters`, as some models
-/// write), its arguments' JSON text as written; `None` when `item` is no
-/// such object.
+/// write; Command R's `tool_name`), its arguments' JSON text as written;
+/// `None` when `item` is no such object.
 pub(crate) fn call_of_text(item: &str) -> Option<(String, String)> {
     let fields: std::collections::HashMap<String, &RawValue> = serde_json::from_str(item).ok()?;
-    let name: String = serde_json::from_str(fields.get("name")?.get()).ok()?;
+    let name = fields.get("name").or_else(|| fields.get("tool_name"))?;
+    let name: String = serde_json::from_str(name.get()).ok()?;
     // `arguments` is required: `{"name": "Bob"}` in an answer is data.
     let args = fields
         .get("arguments")

@@ -790,6 +790,49 @@ mod tests {
         }
     }
 
+    /// Command R's forced calls: a list in its action tags, each item led by
+    /// a call id, `tool_name` and `parameters` by the tool's schema.
+    #[test]
+    fn forced_command_r_calls_are_lists_of_numbered_calls() {
+        let grammars = byte_grammars();
+        let tools = [city_tool()];
+        let lark = |parallel| {
+            ToolSyntax::CommandR
+                .constraint(&tools, &ToolChoice::Required, parallel)
+                .unwrap()
+        };
+        let call = |id: &str| {
+            format!(
+                r#"{{"tool_call_id": "{id}", "tool_name": "get_weather", "parameters": {{"city": "Paris"}}}}"#
+            )
+        };
+        let one = format!("<|START_ACTION|>[{}]<|END_ACTION|>", call("0"));
+        let two = format!(
+            "<|START_ACTION|>[{}, {}]<|END_ACTION|>",
+            call("0"),
+            call("1")
+        );
+        assert!(accepts(&grammars, &lark(false), &one));
+        assert!(accepts(&grammars, &lark(true), &two));
+        assert!(!accepts(&grammars, &lark(false), &two));
+        assert!(!accepts(
+            &grammars,
+            &lark(true),
+            &one.replace("\"0\"", "\"x\"")
+        ));
+        assert!(!accepts(
+            &grammars,
+            &lark(true),
+            &one.replace("tool_name", "name")
+        ));
+        let read = ToolSyntax::CommandR.parse(&two, &tools);
+        assert_eq!(read.calls.len(), 2);
+        assert_eq!(
+            read.calls[1],
+            ("get_weather".into(), r#"{"city": "Paris"}"#.into())
+        );
+    }
+
     /// gpt-oss's forced calls (harmony): the call's header and its
     /// arguments by the tool's schema, after an analysis message if the
     /// model thinks first; one call, and what a harmony reader reads back.
