@@ -12,6 +12,9 @@ import os
 import subprocess
 import tempfile
 
+import openai
+import pytest
+
 from conftest import ROOT, Server, client, model_file
 
 GEMMA = "gemma-3-270m-q4_k_m.gguf"
@@ -49,6 +52,12 @@ def test_gemma3_sliding_windows_through_our_store():
     try:
         assert "sliding window 512 in 15 of 18 layers" in ours.ready_line, ours.ready_line
         c = client(ours)
+        # This GGUF has no chat template: a chat is a 400 that says how to
+        # give one, and the server goes on serving.
+        with pytest.raises(openai.BadRequestError, match="--chat-template-file"):
+            c.chat.completions.create(
+                model=MODEL_ID, messages=[{"role": "user", "content": "Hi"}], max_tokens=1
+            )
         usage = c.completions.create(
             model=MODEL_ID, prompt=prompt, max_tokens=1, temperature=0
         ).usage

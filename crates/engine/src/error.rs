@@ -131,7 +131,10 @@ pub enum EngineError {
         source: llama_cpp_2::StateSeqError,
     },
     /// The model has no chat template.
-    #[error("the model has no chat template; send a plain prompt instead")]
+    #[error(
+        "the model has no chat template: send a plain prompt, or give the server one \
+         (`siliceo serve --chat-template-file`)"
+    )]
     NoChatTemplate,
     /// Applying the chat template failed.
     #[error("applying the chat template failed: {0}")]
