@@ -1449,7 +1449,7 @@ DEEPSEEK_R1_TOOLS = (
     "{%- elif m.role == 'assistant' -%}{{ '<｜Assistant｜>' + m.content + '<｜end▁of▁sentence｜>' }}"
     "{%- elif m.role == 'tool' -%}{{ '<｜tool▁output▁begin｜>' + m.content + '<｜tool▁output▁end｜>' }}"
     "{%- endif -%}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<｜Assistant｜>' }}{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{ '<｜Assistant｜><think>\\n' }}{%- endif -%}"
 )
 
 
@@ -1458,8 +1458,10 @@ def test_deepseek_tool_calls(tmp_path):
     (`NAME<｜tool▁sep｜>{…}` in the list's tags) and an R1-style one (the
     call's type, then its name and a JSON fence). A required call is forced
     in each shape and read back, streamed as written; two calls the model
-    writes under `auto` are both read; R1's template renders the call.
-    (SmolLM2's vocabulary spells DeepSeek's tags in many byte tokens.)"""
+    writes under `auto` are both read. R1's template opens a thinking
+    block, as DeepSeek-R1's does: a budget of 0 closes it at once and the
+    call follows; the template renders the call back. (SmolLM2's vocabulary
+    spells DeepSeek's tags in many byte tokens.)"""
     two = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
            '\\{"city": "Rome"\\}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_weather'
            '<｜tool▁sep｜>\\{"city": "Oslo"\\}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
@@ -1481,7 +1483,10 @@ def test_deepseek_tool_calls(tmp_path):
     s = Server("--chat-template-file", str(path))
     try:
         c = client(s)
-        message, call, ask = forced_city_call(c, parallel_tool_calls=False, max_tokens=200)
+        message, call, ask = forced_city_call(c, parallel_tool_calls=False, max_tokens=200,
+                                              extra_body={"thinking_token_budget": 0})
+        # The forced close is "\n</think>\n\n": its newline is all the thinking.
+        assert message.reasoning_content == "\n", message
         args = json.loads(call.function.arguments)
         assert set(args) == {"city"}
         loop = CITY_ASK + [
