@@ -69,7 +69,7 @@ impl ThinkTags {
     /// whitespace after it; for harmony, an optional analysis message and
     /// the final message's header.
     pub fn lead_grammar(self, open: bool) -> String {
-        let lit = |s: &str| serde_json::to_string(s).unwrap_or_default();
+        let lit = crate::tools::lark_literal;
         let thought = format!("thought[lazy]: /(.|\\n)*/ {}\n", lit(self.close));
         if self == ThinkTags::HARMONY {
             return format!(

@@ -343,20 +343,19 @@ impl ToolSyntax {
                 g
             }
             ToolSyntax::DeepSeek | ToolSyntax::DeepSeekR1 => {
-                let lit = |s: &str| serde_json::to_string(s).unwrap_or_default();
                 let repeat = if parallel { "+" } else { "" };
                 let r1 = self == ToolSyntax::DeepSeekR1;
                 let (open, close) = if r1 {
-                    (DEEPSEEK_R1_CALL, "\n```<｜tool▁call▁end｜>")
+                    (DEEPSEEK_R1_CALL, format!("\n```{DEEPSEEK_CALL_END}"))
                 } else {
-                    (DEEPSEEK_CALL, "<｜tool▁call▁end｜>")
+                    (DEEPSEEK_CALL, DEEPSEEK_CALL_END.to_string())
                 };
                 let mut g = format!(
                     "start: {} call{repeat} {}\ncall: {} fx {}\nfx: ",
-                    lit(DEEPSEEK_CALLS),
-                    lit("<｜tool▁calls▁end｜>"),
-                    lit(open),
-                    lit(close),
+                    lark_literal(DEEPSEEK_CALLS),
+                    lark_literal(DEEPSEEK_CALLS_END),
+                    lark_literal(open),
+                    lark_literal(&close),
                 );
                 named_calls(&mut g, &chosen, |name| {
                     if r1 {
@@ -378,6 +377,8 @@ impl ToolSyntax {
 pub(crate) const DEEPSEEK_CALLS: &str = "<｜tool▁calls▁begin｜>";
 pub(crate) const DEEPSEEK_CALL: &str = "<｜tool▁call▁begin｜>";
 pub(crate) const DEEPSEEK_SEP: &str = "<｜tool▁sep｜>";
+const DEEPSEEK_CALL_END: &str = "<｜tool▁call▁end｜>";
+const DEEPSEEK_CALLS_END: &str = "<｜tool▁calls▁end｜>";
 /// An R1-style call's opening, up to its name (its type is always
 /// `function`).
 pub(crate) const DEEPSEEK_R1_CALL: &str = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>";
@@ -386,8 +387,8 @@ const DEEPSEEK_MARKUP: [&str; 5] = [
     DEEPSEEK_CALLS,
     DEEPSEEK_CALL,
     DEEPSEEK_SEP,
-    "<｜tool▁call▁end｜>",
-    "<｜tool▁calls▁end｜>",
+    DEEPSEEK_CALL_END,
+    DEEPSEEK_CALLS_END,
 ];
 
 /// The tags around Command R's list of calls.
@@ -398,6 +399,11 @@ pub(crate) const COMMAND_R_END: &str = "<|END_ACTION|>";
 const GRANITE_CALL: &str = "<|tool_call|>";
 /// The tag around Nemotron's list of calls.
 const NEMOTRON_CALL: &str = "<TOOLCALL>";
+
+/// `s` as a Lark string literal (a JSON string is one).
+pub(crate) fn lark_literal(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_default()
+}
 
 /// The JSON layout forced calls are written in, in llguidance's
 /// `x-guidance` terms (as `siliceo-constrain` lays out JSON schemas): `", "`,
@@ -415,7 +421,6 @@ fn json_layout() -> Value {
 /// value text up to its closing tag when the schema says `string` (or says
 /// nothing), else JSON following the parameter's schema.
 fn xml_grammar(tools: &[&Tool], parallel: bool) -> String {
-    let lit = |s: &str| serde_json::to_string(s).unwrap_or_default();
     let repeat = if parallel { " (\"\\n\" call)*" } else { "" };
     let mut g = format!(
         "start: call{repeat}\ncall: \"<tool_call>\\n<function=\" func \"</function>\\n</tool_call>\"\n"
@@ -432,7 +437,7 @@ fn xml_grammar(tools: &[&Tool], parallel: bool) -> String {
             .and_then(Value::as_array)
             .map(|r| r.iter().filter_map(Value::as_str).collect())
             .unwrap_or_default();
-        let mut seq = vec![lit(&format!("{}>\n", t.name))];
+        let mut seq = vec![lark_literal(&format!("{}>\n", t.name))];
         let props = schema.get("properties").and_then(Value::as_object);
         for (j, (key, sub)) in props.into_iter().flatten().enumerate() {
             let rule = format!("f{i}_{j}");
@@ -447,7 +452,7 @@ fn xml_grammar(tools: &[&Tool], parallel: bool) -> String {
                 g.push_str(&format!("{rule}_v: %json {sub}\n"));
                 format!("{rule}_v \"\\n\" {XML_VALUE_END}")
             };
-            let head = lit(&format!("<parameter={key}>\n"));
+            let head = lark_literal(&format!("<parameter={key}>\n"));
             g.push_str(&format!("{rule}: {head} {value}\n"));
             let optional = if required.contains(&key.as_str()) {
                 ""
@@ -487,7 +492,7 @@ fn named_calls(g: &mut String, tools: &[&Tool], head: impl Fn(&str) -> String) {
         if let Some(o) = args.as_object_mut() {
             o.insert("x-guidance".into(), json_layout());
         }
-        let head = serde_json::to_string(&head(&t.name)).unwrap_or_default();
+        let head = lark_literal(&head(&t.name));
         g.push_str(&format!(
             "f{i}: {head} f{i}_args\nf{i}_args: %json {args}\n"
         ));
@@ -506,7 +511,7 @@ fn string_value(g: &mut String, rule: &str, schema: &Value) -> String {
         let lits: Vec<String> = texts
             .iter()
             .filter_map(Value::as_str)
-            .map(|t| serde_json::to_string(t).unwrap_or_default())
+            .map(lark_literal)
             .collect();
         if !lits.is_empty() {
             return format!("({}) \"\\n\" {XML_VALUE_END}", lits.join(" | "));
