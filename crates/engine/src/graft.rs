@@ -1383,15 +1383,11 @@ mod tests {
         // Gemma 3's period of 6 as llama.cpp masks it: windowed layers share
         // mask 1, global layers (5 and 11) mask 2.
         let masks = [1, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1, 2];
-        let right: Vec<usize> = (0..12)
-            .map(|il| if il % 6 == 5 { 0 } else { 512 })
-            .collect();
+        let right = crate::model::windows_by_period(12, 6, 512);
         assert_eq!(first_mismatch(&right, &masks), None);
         // A period of 4 (Cohere2's) for the same graph: layer 3 is called
         // global but has the windowed layers' mask.
-        let period_4: Vec<usize> = (0..12)
-            .map(|il| if il % 4 == 3 { 0 } else { 512 })
-            .collect();
+        let period_4 = crate::model::windows_by_period(12, 4, 512);
         assert_eq!(
             first_mismatch(&period_4, &masks),
             Some((3, "shares its mask with the layers of the other kind"))

@@ -393,15 +393,14 @@ impl Model {
             return Some(vec![0; layers]);
         }
         let arch = &self.architecture;
-        // EXAONE 4 has windows only at 32B's 64 layers (llama.cpp reads a
-        // window key in the others too, but masks them as global).
-        if arch == "exaone4" && layers != 64 {
-            return Some(vec![0; layers]);
-        }
         // Standard windows, the global layer last in each period.
         let period = match arch.as_str() {
             "gemma2" | "gpt-oss" => 2,
-            "cohere2" | "olmo2" | "exaone4" => 4,
+            "cohere2" | "olmo2" => 4,
+            // EXAONE 4 has windows only at 32B's 64 layers (llama.cpp reads
+            // a window key in the others too, but masks them as global).
+            "exaone4" if layers == 64 => 4,
+            "exaone4" => return Some(vec![0; layers]),
             "gemma3" => 6,
             _ => return None,
         };
@@ -527,7 +526,7 @@ impl Model {
 
 /// llama.cpp's `set_swa_pattern(period)`: every layer windowed but the last
 /// of each period (a period of 0 windows them all).
-fn windows_by_period(layers: usize, period: usize, window: usize) -> Vec<usize> {
+pub(crate) fn windows_by_period(layers: usize, period: usize, window: usize) -> Vec<usize> {
     (0..layers)
         .map(|il| {
             if period == 0 || il % period < period - 1 {
