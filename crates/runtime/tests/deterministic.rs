@@ -79,17 +79,10 @@ fn greedy_output_is_batch_invariant_on_a_k_quant_model() {
             rt.submit(greedy(p, n)).unwrap().blocking_collect().1
         })
         .collect();
-    let mut cfg = config();
-    cfg.scheduler.max_batch_tokens = 96;
-    cfg.context.n_batch = 96;
-    let rt = Runtime::start(cfg).unwrap();
-    let streams: Vec<_> = prompts
-        .iter()
-        .map(|p| rt.submit(greedy(p, n)).unwrap())
-        .collect();
-    for (i, s) in streams.into_iter().enumerate() {
-        let (_, tokens, _) = s.blocking_collect();
-        assert_eq!(tokens, alone[i], "prompt {i}: batched output differs");
+    let rt = Runtime::start(chunked(config())).unwrap();
+    let batched = together(&rt, prompts.iter().map(|p| greedy(p, n)));
+    for (i, tokens) in batched.iter().enumerate() {
+        assert_eq!(tokens, &alone[i], "prompt {i}: batched output differs");
     }
     for (i, p) in prompts.iter().enumerate() {
         let (_, tokens, done) = rt.submit(greedy(p, n)).unwrap().blocking_collect();
@@ -101,6 +94,29 @@ fn greedy_output_is_batch_invariant_on_a_k_quant_model() {
         );
     }
     assert_clean(&rt);
+}
+
+/// `cfg` stepping 96 tokens at a time: prompts are cut at other places
+/// than in a step of their own.
+fn chunked(mut cfg: RuntimeConfig) -> RuntimeConfig {
+    cfg.scheduler.max_batch_tokens = 96;
+    cfg.context.n_batch = 96;
+    cfg
+}
+
+/// Submits every request at once; each one's tokens, in order.
+fn together(
+    rt: &Runtime,
+    requests: impl IntoIterator<Item = GenerateRequest>,
+) -> Vec<Vec<TokenId>> {
+    let streams: Vec<_> = requests
+        .into_iter()
+        .map(|r| rt.submit(r).unwrap())
+        .collect();
+    streams
+        .into_iter()
+        .map(|s| s.blocking_collect().1)
+        .collect()
 }
 
 fn usage_of(done: &Event) -> siliceo_runtime::Usage {
@@ -185,17 +201,10 @@ fn gemma3_greedy_output_is_exact_through_batching_prefix_hits_preemption_and_tre
 
     // Together, chunked at other places (96-token steps), then again one at
     // a time after their prefixes are cached.
-    let mut cfg = config_for(gemma());
-    cfg.scheduler.max_batch_tokens = 96;
-    cfg.context.n_batch = 96;
-    let rt = Runtime::start(cfg).unwrap();
-    let streams: Vec<_> = prompts
-        .iter()
-        .map(|p| rt.submit(greedy(p, n)).unwrap())
-        .collect();
-    for (i, s) in streams.into_iter().enumerate() {
-        let (_, tokens, _) = s.blocking_collect();
-        assert_eq!(tokens, alone[i], "prompt {i}: batched output differs");
+    let rt = Runtime::start(chunked(config_for(gemma()))).unwrap();
+    let batched = together(&rt, prompts.iter().map(|p| greedy(p, n)));
+    for (i, tokens) in batched.iter().enumerate() {
+        assert_eq!(tokens, &alone[i], "prompt {i}: batched output differs");
     }
     for (i, p) in prompts.iter().enumerate() {
         let (_, tokens, done) = rt.submit(greedy(p, n)).unwrap().blocking_collect();
@@ -206,29 +215,43 @@ fn gemma3_greedy_output_is_exact_through_batching_prefix_hits_preemption_and_tre
     assert_clean(&rt);
     drop(rt);
 
-    // A store of 1,536 tokens cannot hold the three at once: the later ones
-    // are preempted and resumed, by swapping their blocks out and back
-    // (recompute_below 0) or by computing them again (usize::MAX).
+    // A store of 1,536 tokens cannot hold the three at once: the third,
+    // more urgent, comes once the first two hold the store, and one of them
+    // is preempted and resumed, by swapping its blocks out and back
+    // (recompute_below 0) or by computing it again (usize::MAX).
+    let with_priority = |p: &str, priority| GenerateRequest {
+        priority,
+        ..greedy(p, n)
+    };
     for recompute_below in [0usize, usize::MAX] {
         let mut cfg = config_for(gemma());
         cfg.context.n_ctx = 1536;
         cfg.prefix_caching = false;
         cfg.scheduler.recompute_below_tokens = recompute_below;
         let rt = Runtime::start(cfg).unwrap();
-        let priorities = [Priority::Batch, Priority::Normal, Priority::Interactive];
-        let streams: Vec<_> = prompts
-            .iter()
-            .zip(priorities)
-            .map(|(p, priority)| {
-                let mut r = greedy(p, n);
-                r.priority = priority;
-                rt.submit(r).unwrap()
-            })
+        let mut streams = vec![
+            rt.submit(with_priority(&prompts[0], Priority::Batch))
+                .unwrap(),
+            rt.submit(with_priority(&prompts[1], Priority::Normal))
+                .unwrap(),
+        ];
+        // (Submitted together, the urgent one would be admitted first and
+        // nothing preempted.)
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        while rt.stats().unwrap().running < 2 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        streams.push(
+            rt.submit(with_priority(&prompts[2], Priority::Interactive))
+                .unwrap(),
+        );
+        let preempted: Vec<Vec<TokenId>> = streams
+            .into_iter()
+            .map(|s| s.blocking_collect().1)
             .collect();
-        for (i, s) in streams.into_iter().enumerate() {
-            let (_, tokens, _) = s.blocking_collect();
+        for (i, tokens) in preempted.iter().enumerate() {
             assert_eq!(
-                tokens, alone[i],
+                tokens, &alone[i],
                 "prompt {i}, recompute_below {recompute_below}: preempted output differs"
             );
         }
@@ -260,13 +283,9 @@ fn gemma3_greedy_output_is_exact_through_batching_prefix_hits_preemption_and_tre
         assert_eq!(tokens, alone[i], "prompt {i}: speculated alone");
         rt.check_kv().unwrap();
     }
-    let streams: Vec<_> = prompts
-        .iter()
-        .map(|p| rt.submit(speculative(p)).unwrap())
-        .collect();
-    for (i, s) in streams.into_iter().enumerate() {
-        let (_, tokens, _) = s.blocking_collect();
-        assert_eq!(tokens, alone[i], "prompt {i}: speculated together");
+    let speculated = together(&rt, prompts.iter().map(|p| speculative(p)));
+    for (i, tokens) in speculated.iter().enumerate() {
+        assert_eq!(tokens, &alone[i], "prompt {i}: speculated together");
     }
     assert!(accepted > 0, "no draft token was accepted");
     assert!(rt.stats().unwrap().tree_verifications > 0, "no token tree");
