@@ -1188,6 +1188,16 @@ def forced_city_call(c, **kw):
     return message, call, ask
 
 
+def two_cities_under_auto(c, ask, regex: str, max_tokens: int):
+    """Under `tool_choice: auto`, the model writes (by `regex`) two calls to
+    CITY_TOOLS' tool, for Rome then Oslo, in its template's syntax: both are
+    read, in order, and the answer ends on `tool_calls`."""
+    r = c.chat.completions.create(**dict(ask, tool_choice="auto", parallel_tool_calls=True,
+                                         max_tokens=max_tokens), extra_body={"regex": regex})
+    got = [json.loads(t.function.arguments)["city"] for t in r.choices[0].message.tool_calls]
+    assert got == ["Rome", "Oslo"] and r.choices[0].finish_reason == "tool_calls", r
+
+
 def template_server(name: str) -> Server:
     """A server on one of the chat crate's test-data templates."""
     return Server("--chat-template-file", str(ROOT / "crates" / "chat" / "src" / name))
@@ -1470,11 +1480,7 @@ def test_deepseek_tool_calls(tmp_path):
         c = client(s)
         message, call, ask = forced_city_call(c, parallel_tool_calls=False, max_tokens=200)
         assert set(json.loads(call.function.arguments)) == {"city"}
-        r = c.chat.completions.create(**dict(ask, tool_choice="auto", parallel_tool_calls=True,
-                                             max_tokens=400),
-                                      extra_body={"regex": two})
-        got = [json.loads(t.function.arguments)["city"] for t in r.choices[0].message.tool_calls]
-        assert got == ["Rome", "Oslo"] and r.choices[0].finish_reason == "tool_calls", r
+        two_cities_under_auto(c, ask, two, max_tokens=400)
         s.wait_idle()
     finally:
         s.stop()
@@ -1542,10 +1548,7 @@ def test_command_r_tool_calls(tmp_path):
         two = ('<\\|START_ACTION\\|>\\[\\{"tool_call_id": "0", "tool_name": "get_weather", '
                '"parameters": \\{"city": "Rome"\\}\\}, \\{"tool_call_id": "1", "tool_name": '
                '"get_weather", "parameters": \\{"city": "Oslo"\\}\\}\\]<\\|END_ACTION\\|>')
-        r = c.chat.completions.create(**dict(ask, tool_choice="auto", parallel_tool_calls=True,
-                                             max_tokens=150), extra_body={"regex": two})
-        got = [json.loads(t.function.arguments)["city"] for t in r.choices[0].message.tool_calls]
-        assert got == ["Rome", "Oslo"] and r.choices[0].finish_reason == "tool_calls", r
+        two_cities_under_auto(c, ask, two, max_tokens=150)
         s.wait_idle()
     finally:
         s.stop()
@@ -1563,10 +1566,7 @@ def test_granite_tool_calls():
         assert set(json.loads(call.function.arguments)) == {"city"}
         two = ('<\\|tool_call\\|>\\[\\{"arguments": \\{"city": "Rome"\\}, "name": "get_weather"\\}, '
                '\\{"name": "get_weather", "arguments": \\{"city": "Oslo"\\}\\}\\]')
-        r = c.chat.completions.create(**dict(ask, tool_choice="auto", parallel_tool_calls=True,
-                                             max_tokens=150), extra_body={"regex": two})
-        got = [json.loads(t.function.arguments)["city"] for t in r.choices[0].message.tool_calls]
-        assert got == ["Rome", "Oslo"] and r.choices[0].finish_reason == "tool_calls", r
+        two_cities_under_auto(c, ask, two, max_tokens=150)
         s.wait_idle()
     finally:
         s.stop()

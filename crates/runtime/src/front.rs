@@ -624,6 +624,13 @@ mod tests {
     }
 
     /// `get_weather`, whose one required argument is a string `city`.
+    /// `syntax`'s constraint forcing a call to one of `tools`.
+    fn forced(syntax: ToolSyntax, tools: &[Tool], parallel: bool) -> Constraint {
+        syntax
+            .constraint(tools, &ToolChoice::Required, parallel)
+            .unwrap()
+    }
+
     fn city_tool() -> Tool {
         tool(
             "get_weather",
@@ -689,11 +696,7 @@ mod tests {
     fn forced_mistral_calls_take_name_args_then_json() {
         let grammars = byte_grammars();
         let tools = [city_tool()];
-        let lark = |parallel| {
-            ToolSyntax::MistralArgs
-                .constraint(&tools, &ToolChoice::Required, parallel)
-                .unwrap()
-        };
+        let lark = |parallel| forced(ToolSyntax::MistralArgs, &tools, parallel);
         let one = r#"[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}"#;
         assert!(accepts(&grammars, &lark(false), one));
         assert!(accepts(&grammars, &lark(true), &format!("{one}{one}")));
@@ -709,11 +712,7 @@ mod tests {
             r#"[TOOL_CALLS]get_weather[ARGS]{"town": "Paris"}"#
         ));
         // Granite's list after its marker, one call or (parallel) more.
-        let granite = |parallel| {
-            ToolSyntax::Granite
-                .constraint(&tools, &ToolChoice::Required, parallel)
-                .unwrap()
-        };
+        let granite = |parallel| forced(ToolSyntax::Granite, &tools, parallel);
         let call = r#"{"name": "get_weather", "arguments": {"city": "Paris"}}"#;
         assert!(accepts(
             &grammars,
@@ -736,9 +735,7 @@ mod tests {
             &format!("[TOOL_CALLS] [{call}]")
         ));
         // Nemotron's list, in its tags.
-        let nemotron = ToolSyntax::Nemotron
-            .constraint(&tools, &ToolChoice::Required, false)
-            .unwrap();
+        let nemotron = forced(ToolSyntax::Nemotron, &tools, false);
         let text = format!("<TOOLCALL>[{call}]</TOOLCALL>");
         assert!(accepts(&grammars, &nemotron, &text));
         assert!(!accepts(
@@ -768,11 +765,7 @@ mod tests {
                 ),
             ),
         ] {
-            let lark = |parallel| {
-                syntax
-                    .constraint(&tools, &ToolChoice::Required, parallel)
-                    .unwrap()
-            };
+            let lark = |parallel| forced(syntax, &tools, parallel);
             let list = |calls: &str| format!("<｜tool▁calls▁begin｜>{calls}<｜tool▁calls▁end｜>");
             let one = list(&call);
             let two = list(&format!("{call}{call}"));
@@ -796,11 +789,7 @@ mod tests {
     fn forced_command_r_calls_are_lists_of_numbered_calls() {
         let grammars = byte_grammars();
         let tools = [city_tool()];
-        let lark = |parallel| {
-            ToolSyntax::CommandR
-                .constraint(&tools, &ToolChoice::Required, parallel)
-                .unwrap()
-        };
+        let lark = |parallel| forced(ToolSyntax::CommandR, &tools, parallel);
         let call = |id: &str| {
             format!(
                 r#"{{"tool_call_id": "{id}", "tool_name": "get_weather", "parameters": {{"city": "Paris"}}}}"#
@@ -843,9 +832,7 @@ mod tests {
             city_tool(),
             tool("now", r#"{"type": "object", "properties": {}}"#),
         ];
-        let lark = ToolSyntax::Harmony
-            .constraint(&tools, &ToolChoice::Required, true)
-            .unwrap();
+        let lark = forced(ToolSyntax::Harmony, &tools, true);
         let call = r#"<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}"#;
         let thought = "<|channel|>analysis<|message|>User wants <b> weather.
 <|end|><|start|>assistant";

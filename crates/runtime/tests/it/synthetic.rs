@@ -16,8 +16,8 @@ use std::sync::OnceLock;
 
 use siliceo_core::{SeqId, TokenId};
 use siliceo_engine::{
-    Batch, BlockPlacer, Context, ContextOptions, DeviceAttention, GraftOptions, GraftStep,
-    GraftedContext, KvFormat, Model, ModelOptions, SeqKv,
+    Batch, BlockPlacer, Context, ContextOptions, DeviceAttention, EngineError, GraftOptions,
+    GraftStep, GraftedContext, KvFormat, Model, ModelOptions, SeqKv,
 };
 use siliceo_runtime::synth::{Like, Quant, SynthOptions, synth_model};
 
@@ -129,16 +129,36 @@ fn grafted_on(
     let mut seq = SeqKv::default();
     let mut last = Vec::new();
     for piece in prompt.chunks(chunk) {
-        let mut batch = Batch::new();
-        let mut g = GraftStep::default();
-        let pos0 = seq.len as u32;
-        let ix = batch.push_run(piece, pos0, SeqId(0)).unwrap();
-        placer.append(&mut seq, piece.len(), 0, &mut g).unwrap();
-        ctx.decode(&batch, g).unwrap();
-        placer.end_step();
+        let ix = decode_piece(&mut ctx, &mut placer, &mut seq, piece).unwrap();
         last = ctx.logits(ix).unwrap().to_vec();
     }
     (last, ctx.tapped().to_vec())
+}
+
+/// One decode of `piece` after the tokens `seq` holds; the batch index of
+/// its last token.
+fn decode_piece(
+    ctx: &mut GraftedContext<'_>,
+    placer: &mut BlockPlacer,
+    seq: &mut SeqKv,
+    piece: &[TokenId],
+) -> Result<usize, EngineError> {
+    let mut batch = Batch::new();
+    let mut g = GraftStep::default();
+    let ix = batch.push_run(piece, seq.len as u32, SeqId(0)).unwrap();
+    placer.append(seq, piece.len(), 0, &mut g).unwrap();
+    let done = ctx.decode(&batch, g);
+    placer.end_step();
+    done.map(|()| ix)
+}
+
+/// Checks that `model`'s window table is `windows` and that our store (f16)
+/// gives llama.cpp's own attention's logits after the test prompt within
+/// 3e-2 (see [`diff_to_llama_cpp`]).
+fn assert_like_llama_cpp(model: &Model, windows: &[usize]) {
+    assert_eq!(model.attention_windows().unwrap(), windows);
+    let diff = diff_to_llama_cpp(model, &prompt(model));
+    assert!(diff < 3e-2, "ours differ from llama.cpp's by {diff}");
 }
 
 /// The largest logit difference between our store (f16) and llama.cpp's
@@ -178,12 +198,10 @@ fn diff_to_llama_cpp(model: &Model, prompt: &[TokenId]) -> f32 {
 fn gpt_oss_sinks_and_windows_are_llama_cpps() {
     let model = gpt_oss_mini();
     assert!(model.has_attention_sinks());
-    assert_eq!(model.attention_windows().unwrap(), vec![32, 0]);
-    let diff = diff_to_llama_cpp(model, &prompt(model));
     // Measured: 8.0e-3 (logits within ±1.3; llama.cpp's own flash attention
     // rounds Q to f16: 1.2e-2 apart on a 20-token prompt no window touches).
     // Without the window ours differed by 9.6e-2, without the sinks by 6.0e-2.
-    assert!(diff < 3e-2, "ours differ from llama.cpp's by {diff}");
+    assert_like_llama_cpp(model, &[32, 0]);
 }
 
 #[test]
@@ -193,34 +211,26 @@ fn olmo3_windows_are_llama_cpps() {
     // llama.cpp's default period of 4 for `olmo2` with a window: three
     // windowed layers, then a global one. (Every decode also checks that
     // llama.cpp's masks agree with this table.)
-    assert_eq!(model.attention_windows().unwrap(), vec![32, 32, 32, 0]);
-    let diff = diff_to_llama_cpp(model, &prompt(model));
     // Measured: 0 (logits within ±2.0). With no windows in the table (and
     // the mask check off, which otherwise refuses the first decode) ours
     // differed by 0.73.
-    assert!(diff < 3e-2, "ours differ from llama.cpp's by {diff}");
+    assert_like_llama_cpp(model, &[32, 32, 32, 0]);
 }
 
 /// EXAONE 4 below 32B's 64 layers: llama.cpp reads the GGUF's window but
 /// masks every layer as global, and so must we.
 #[test]
 fn exaone4_windows_are_llama_cpps() {
-    let model = exaone4_mini();
-    assert_eq!(model.attention_windows().unwrap(), vec![0; 4]);
-    let diff = diff_to_llama_cpp(model, &prompt(model));
     // Measured: 1.5e-2 (logits within ±1.9).
-    assert!(diff < 3e-2, "ours differ from llama.cpp's by {diff}");
+    assert_like_llama_cpp(exaone4_mini(), &[0; 4]);
 }
 
 /// Command R7B's architecture: three windowed layers in four, as OLMo 3.
 #[test]
 fn cohere2_windows_are_llama_cpps() {
-    let model = cohere2_mini();
-    assert_eq!(model.attention_windows().unwrap(), vec![32, 32, 32, 0]);
-    let diff = diff_to_llama_cpp(model, &prompt(model));
     // Measured: 2.8e-3 (logits within ±0.41, scaled by 0.25); without the
     // windows (and the mask check) 0.13.
-    assert!(diff < 3e-2, "ours differ from llama.cpp's by {diff}");
+    assert_like_llama_cpp(cohere2_mini(), &[32, 32, 32, 0]);
 }
 
 /// A window table unlike llama.cpp's masks fails the decode, with the
@@ -232,12 +242,9 @@ fn a_window_table_llama_cpp_disagrees_with_fails_the_decode() {
     for (table, layer) in [(vec![0, 0, 0, 0], 3), (vec![32, 32, 32, 32], 3)] {
         let mut ctx = grafted_context(model, "f16", DeviceAttention::Host, Some(table.clone()));
         let mut placer = BlockPlacer::new(ctx.layout(), 8, 8);
-        let mut seq = SeqKv::default();
-        let mut batch = Batch::new();
-        let mut g = GraftStep::default();
-        batch.push_run(&prompt, 0, SeqId(0)).unwrap();
-        placer.append(&mut seq, prompt.len(), 0, &mut g).unwrap();
-        let e = ctx.decode(&batch, g).unwrap_err().to_string();
+        let e = decode_piece(&mut ctx, &mut placer, &mut SeqKv::default(), &prompt)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains(&format!("layer {layer} ")) && e.contains("window table"),
             "{table:?}: {e}"
