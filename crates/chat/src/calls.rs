@@ -29,6 +29,7 @@
 use siliceo_core::held_prefix_len;
 
 use crate::Tool;
+use crate::gemma4::{self, ArgsToJson};
 use crate::harmony::HarmonyReader;
 use crate::tools::{ToolSyntax, call_of_text, calls_of, find_first, held_tail_len, param_type};
 
@@ -69,6 +70,8 @@ pub struct CallParser {
     /// value is being read.
     func: String,
     param: String,
+    /// Gemma 4's call being read: its arguments, turned into JSON.
+    gemma: ArgsToJson,
 }
 
 /// Where the reader is. `marker`: the start marker of the block it is in.
@@ -122,6 +125,10 @@ enum State {
         text: bool,
         lead: bool,
     },
+    /// Gemma 4's call after its marker: `call:NAME{`.
+    GemmaHead { marker: &'static str },
+    /// Gemma 4's arguments (in [`CallParser::gemma`]).
+    GemmaArgs { marker: &'static str },
 }
 
 const XML_FUNCTION: &str = "<function=";
@@ -212,6 +219,7 @@ fn close_of(marker: &str) -> &'static str {
         "<tool_call>" => "</tool_call>",
         "```json" => "```",
         crate::tools::COMMAND_R_CALL => crate::tools::COMMAND_R_END,
+        gemma4::CALL => gemma4::CALL_END,
         _ => "",
     }
 }
@@ -331,6 +339,13 @@ fn pieces_of(r: crate::Routed) -> Vec<CallPiece> {
     text.into_iter().chain(r.calls).collect()
 }
 
+/// Whether `s` (trimmed) may be a function's name.
+fn is_name(s: &str) -> bool {
+    s.trim()
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+}
+
 /// Whether [`CallParser::step`] read on or needs more text.
 enum Step {
     On,
@@ -353,6 +368,7 @@ impl CallParser {
             harmony: (syntax == ToolSyntax::Harmony).then(|| Box::new(HarmonyReader::new(true))),
             func: String::new(),
             param: String::new(),
+            gemma: ArgsToJson::new(),
         }
     }
 
@@ -433,7 +449,8 @@ impl CallParser {
                 first: true,
                 ..
             }
-            | State::Hold { marker } => self.whole_block(marker, &rest, ""),
+            | State::Hold { marker }
+            | State::GemmaHead { marker } => self.whole_block(marker, &rest, ""),
             State::Value { kind, .. } => {
                 self.cut = true;
                 if kind != Some(ValueKind::Nested) {
@@ -449,6 +466,11 @@ impl CallParser {
                 }
             }
             State::XmlParams { .. } => self.cut = true,
+            State::GemmaArgs { .. } => {
+                self.cut = true;
+                let tail = self.gemma.finish(&rest);
+                self.emit(CallPiece::Args(tail));
+            }
             State::XmlName { marker } if self.calls == 0 => {
                 self.emit(CallPiece::Text(format!("{marker}{rest}")));
             }
@@ -540,6 +562,8 @@ impl CallParser {
                     }
                     self.state = if marker == XML_FUNCTION {
                         State::XmlName { marker }
+                    } else if marker == gemma4::CALL {
+                        State::GemmaHead { marker }
                     } else {
                         State::Head {
                             marker,
@@ -580,11 +604,6 @@ impl CallParser {
                     0
                 };
                 let rest = &self.buf[start..];
-                let is_name = |s: &str| {
-                    s.trim()
-                        .chars()
-                        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
-                };
                 let Some(at) = rest.find(sep) else {
                     // A name so far, or one and the start of the separator.
                     let keep = held_prefix_len(rest, sep);
@@ -613,6 +632,56 @@ impl CallParser {
                     kind: None,
                     scan: Scan::default(),
                     bare: true,
+                };
+                Step::On
+            }
+            // Gemma 4's call: `call:NAME{`, then the arguments in its notation.
+            State::GemmaHead { marker } => {
+                let lead = self.buf.trim_start();
+                let skip = self.buf.len() - lead.len();
+                let Some(rest) = lead.strip_prefix(gemma4::CALL_HEAD) else {
+                    if gemma4::CALL_HEAD.starts_with(lead) {
+                        return Step::Wait;
+                    }
+                    self.state = State::Hold { marker };
+                    return Step::On;
+                };
+                let Some(at) = rest.find('{') else {
+                    if !is_name(rest) {
+                        self.state = State::Hold { marker };
+                        return Step::On;
+                    }
+                    return Step::Wait;
+                };
+                let name = rest[..at].trim().to_string();
+                if name.is_empty() || !is_name(&name) {
+                    self.state = State::Hold { marker };
+                    return Step::On;
+                }
+                // The `{` stays: the arguments open with it.
+                self.buf.drain(..skip + gemma4::CALL_HEAD.len() + at);
+                if self.calls >= self.max_calls {
+                    self.buf.clear();
+                    self.state = State::After;
+                    return Step::Wait;
+                }
+                self.calls += 1;
+                self.emit(CallPiece::Call(name));
+                self.gemma = ArgsToJson::new();
+                self.state = State::GemmaArgs { marker };
+                Step::On
+            }
+            State::GemmaArgs { marker } => {
+                let fed = self.gemma.feed(&self.buf);
+                self.buf.drain(..fed.read);
+                self.emit(CallPiece::Args(fed.json));
+                if !fed.done {
+                    return Step::Wait;
+                }
+                self.state = if fed.ended {
+                    State::After
+                } else {
+                    State::Close { marker }
                 };
                 Step::On
             }

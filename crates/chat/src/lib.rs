@@ -30,6 +30,7 @@
 
 mod calls;
 mod fit;
+mod gemma4;
 mod harmony;
 mod json;
 mod reasoning;

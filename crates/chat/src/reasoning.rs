@@ -46,6 +46,12 @@ impl ThinkTags {
         close: "<|END_THINKING|>",
     };
 
+    /// Gemma 4's thought channel: `<|channel>thought` … `<channel|>`.
+    pub const GEMMA4: ThinkTags = ThinkTags {
+        open: "<|channel>thought",
+        close: crate::gemma4::CHANNEL_END,
+    };
+
     /// gpt-oss's `analysis` channel (OpenAI's harmony format): its
     /// message's header, and the end of a message.
     pub const HARMONY: ThinkTags = ThinkTags {
@@ -58,9 +64,14 @@ impl ThinkTags {
         if crate::harmony::is_harmony(source) {
             return Some(ThinkTags::HARMONY);
         }
-        [ThinkTags::ANGLE, ThinkTags::SQUARE, ThinkTags::COHERE]
-            .into_iter()
-            .find(|t| source.contains(t.open))
+        [
+            ThinkTags::ANGLE,
+            ThinkTags::SQUARE,
+            ThinkTags::COHERE,
+            ThinkTags::GEMMA4,
+        ]
+        .into_iter()
+        .find(|t| source.contains(t.open))
     }
 
     /// Lark rules whose `lead` derives the thinking a constrained answer
@@ -89,15 +100,16 @@ impl ThinkTags {
     /// The text that closes a block the model has thought in long enough
     /// (a thinking budget forces it): `"\n</think>\n\n"` as Qwen3's and
     /// DeepSeek-R1's templates write a closed block; for harmony, the end
-    /// of the analysis message and the header of the final one.
+    /// of the analysis message and the header of the final one; for Gemma
+    /// 4, `"\n<channel|>"`, as its template closes a thought.
     pub fn forced_close(self) -> String {
-        if self == ThinkTags::HARMONY {
-            format!(
+        match self {
+            ThinkTags::HARMONY => format!(
                 "{}<|start|>assistant<|channel|>final<|message|>",
                 self.close
-            )
-        } else {
-            format!("\n{}\n\n", self.close)
+            ),
+            ThinkTags::GEMMA4 => format!("\n{}", self.close),
+            _ => format!("\n{}\n\n", self.close),
         }
     }
 }

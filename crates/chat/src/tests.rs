@@ -297,6 +297,105 @@ fn command_r_calls_parse() {
     );
 }
 
+/// Gemma 4's calls: its notation read as JSON (bare keys quoted, its
+/// quoted strings escaped, nested values kept), streamed as written; its
+/// template detected, with its thinking channel; a call it writes for an
+/// assistant reads back as the arguments given.
+#[test]
+fn gemma4_calls_parse_as_json() {
+    let at = CALL_TEXTS
+        .iter()
+        .position(|&(s, _)| s == ToolSyntax::Gemma4)
+        .unwrap();
+    let json = |s: &str| serde_json::from_str::<serde_json::Value>(s).expect(s);
+    let two = ToolSyntax::Gemma4.parse(CALL_TEXTS[at].1, &[]);
+    assert_eq!(two.content, "Checking.");
+    assert_eq!(two.calls.len(), 2);
+    assert_eq!(two.calls[0].0, "get_weather");
+    assert_eq!(
+        json(&two.calls[0].1),
+        serde_json::json!({"city": "Pa}ris \"x\"", "days": 3})
+    );
+    assert_eq!(two.calls[1], ("now".into(), "{}".into()));
+    assert!(!two.cut_short);
+    let nested = ToolSyntax::Gemma4.parse(CALL_TEXTS[at + 1].1, &[]);
+    assert_eq!(
+        json(&nested.calls[0].1),
+        serde_json::json!({
+            "flag": true,
+            "n": "many",
+            "opts": {"a": [1, "x", -2500.0], "b c": null, "j": "q\""},
+            "text": "line\n\"two\" \\",
+        })
+    );
+    // Cut inside a string: what was written of it.
+    let cut = ToolSyntax::Gemma4.parse(CALL_TEXTS[at + 2].1, &[]);
+    assert!(cut.cut_short);
+    assert_eq!(cut.calls[0].1, r#"{"text":"half a li"#);
+    // A marker that opens no call is text.
+    let text = CALL_TEXTS[at + 3].1;
+    assert_eq!(ToolSyntax::Gemma4.parse(text, &[]).content, text);
+    // The call's end inside its arguments closes them.
+    let early = ToolSyntax::Gemma4.parse(CALL_TEXTS[at + 4].1, &[]);
+    assert_eq!(
+        json(&early.calls[0].1),
+        serde_json::json!({"a": 1, "b": {"c": null}})
+    );
+    // The name goes out before the arguments are written.
+    let t0 = CALL_TEXTS[at].1;
+    let (pieces, _) = streamed(ToolSyntax::Gemma4, &[&t0[..t0.find("city").unwrap()]]);
+    assert_eq!(pieces[1], CallPiece::Call("get_weather".into()));
+
+    let t = ChatTemplate::new(include_str!("testdata_gemma4.jinja"), "<bos>", "<eos>").unwrap();
+    assert_eq!(t.tool_syntax(), Some(ToolSyntax::Gemma4));
+    assert_eq!(t.think_tags(), Some(ThinkTags::GEMMA4));
+    assert_eq!(t.thinking_switch(), Some(ChatTemplate::THINKING_SWITCH));
+    // Off unless asked for: its prompt then closes an empty thought.
+    assert!(!t.thinking_on(&serde_json::Map::new()));
+    let hi = t.render(&[Message::new("user", "Hi")], &[], true).unwrap();
+    assert!(
+        hi.ends_with("<|turn>model\n<|channel>thought\n<channel|>"),
+        "{hi}"
+    );
+    // A call with nested and quoted arguments, and its result.
+    let args = serde_json::json!({
+        "city": "São \"Paulo\"",
+        "days": 3,
+        "opts": {"metric": true, "hours": [6, 12]},
+    });
+    let call = Message {
+        role: "assistant".into(),
+        tool_calls: vec![ToolCall {
+            id: "call_0".into(),
+            name: "get_weather".into(),
+            arguments: args.to_string(),
+        }],
+        ..Message::default()
+    };
+    let result = Message {
+        role: "tool".into(),
+        content: Some("{\"temp\": 21}".into()),
+        tool_call_id: Some("call_0".into()),
+        ..Message::default()
+    };
+    let text = t
+        .render(
+            &[Message::new("user", "Weather?"), call, result],
+            &[weather()],
+            true,
+        )
+        .unwrap();
+    let written = &text[text.find("<|tool_call>").unwrap()..];
+    assert!(
+        written.contains("<|tool_response>response:get_weather{"),
+        "{text}"
+    );
+    let read = ToolSyntax::Gemma4.parse(written, &[]);
+    assert_eq!(read.calls.len(), 1, "{written}");
+    assert_eq!(read.calls[0].0, "get_weather");
+    assert_eq!(json(&read.calls[0].1), args, "{written}");
+}
+
 #[test]
 fn forced_calls_are_lark_grammars_with_the_tools_schemas() {
     let tools = [
@@ -463,6 +562,24 @@ const CALL_TEXTS: &[(ToolSyntax, &str)] = &[
     (
         ToolSyntax::CommandR,
         "<|START_ACTION|>[\n    {\"tool_call_id\": \"0\", \"tool_name\": \"get_weather\", \"parameters\": {\"city\": \"Lima\"}},\n    {\"tool_call_id\": \"1\", \"tool_name\": \"now\", \"parameters\": {}}\n]<|END_ACTION|>",
+    ),
+    // Gemma 4's notation: bare keys, strings between quote tokens.
+    (
+        ToolSyntax::Gemma4,
+        "Checking.<|tool_call>call:get_weather{city:<|\"|>Pa}ris \"x\"<|\"|>,days:3}<tool_call|><|tool_call>call:now{}<tool_call|>",
+    ),
+    (
+        ToolSyntax::Gemma4,
+        "<|tool_call>call:write{flag:true,n:many,opts:{a:[1,<|\"|>x<|\"|>,-2.5e3],<|\"|>b c<|\"|>:null,j:\"q\\\"\"},text:<|\"|>line\n\"two\" \\<|\"|>}<tool_call|>",
+    ),
+    (
+        ToolSyntax::Gemma4,
+        "<|tool_call>call:write{text:<|\"|>half a li",
+    ),
+    (ToolSyntax::Gemma4, "<|tool_call> is how a call opens"),
+    (
+        ToolSyntax::Gemma4,
+        "<|tool_call>call:f{a:1,b:{c:<tool_call|> then text",
     ),
     // Granite writes its arguments first: each item is read whole.
     (
@@ -1059,6 +1176,12 @@ fn random_texts_read_alike_however_cut() {
         " to=functions.f",
         "<|constrain|>json",
         "<|call|>",
+        "<|tool_call>",
+        "<tool_call|>",
+        "<|\"|>",
+        "call:",
+        "k:",
+        "true",
     ];
     // A fixed stream: the same texts every run.
     let mut rng = Xorshift(0x9E37_79B9_7F4A_7C15);
@@ -1074,6 +1197,7 @@ fn random_texts_read_alike_however_cut() {
         ToolSyntax::DeepSeek,
         ToolSyntax::DeepSeekR1,
         ToolSyntax::CommandR,
+        ToolSyntax::Gemma4,
     ];
     // How many texts held calls, and how many ended inside arguments: the
     // texts must reach the reader's paths, not only its prose.
@@ -1098,6 +1222,7 @@ fn random_texts_read_alike_however_cut() {
             ToolSyntax::CommandR => {
                 "<|START_ACTION|>[{\"tool_call_id\": \"0\", \"tool_name\": \"f\", \"parameters\": "
             }
+            ToolSyntax::Gemma4 => "<|tool_call>call:f{",
             _ => "{\"name\": \"f\", \"parameters\": ",
         };
         let text: String = std::iter::once(opener)
@@ -1136,6 +1261,7 @@ fn a_single_call_reader_drops_later_calls() {
         (ToolSyntax::Mistral, 9),
         (ToolSyntax::Llama3Json, 11),
         (ToolSyntax::Granite, CALL_TEXTS.len() - 3),
+        (ToolSyntax::Gemma4, CALL_TEXTS.len() - 8),
     ] {
         let text = CALL_TEXTS[i].1;
         let read = |parts: &[&str]| {

@@ -7,6 +7,7 @@ use siliceo_core::Constraint;
 
 use crate::Tool;
 use crate::calls::{CallParser, CallPiece};
+use crate::gemma4;
 
 /// How a model family writes tool calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,6 +49,9 @@ pub enum ToolSyntax {
     /// `<|START_ACTION|>[{"tool_call_id": "0", "tool_name": …, "parameters":
     /// {…}}, …]<|END_ACTION|>` (Cohere's Command R7B and Command A).
     CommandR,
+    /// `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>` (Google's
+    /// Gemma 4): arguments in a notation of its own, read as JSON.
+    Gemma4,
 }
 
 /// Which tools the model may or must call (OpenAI's `tool_choice`).
@@ -104,6 +108,8 @@ impl ToolSyntax {
     pub fn detect(template: &str) -> Option<ToolSyntax> {
         if crate::harmony::is_harmony(template) {
             Some(ToolSyntax::Harmony)
+        } else if template.contains(gemma4::CALL) && template.contains(gemma4::CALL_HEAD) {
+            Some(ToolSyntax::Gemma4)
         } else if template.contains(DEEPSEEK_CALL) && template.contains("```json") {
             Some(ToolSyntax::DeepSeekR1)
         } else if template.contains(DEEPSEEK_CALL) {
@@ -140,7 +146,7 @@ impl ToolSyntax {
 
     /// A short name (`hermes`, `mistral`, `mistral_args`, `llama3_json`,
     /// `qwen3_coder`, `granite`, `nemotron`, `harmony`, `deepseek_v3_1`,
-    /// `deepseek_r1`, `command_r`).
+    /// `deepseek_r1`, `command_r`, `gemma4`).
     pub fn name(self) -> &'static str {
         match self {
             ToolSyntax::Hermes => "hermes",
@@ -154,6 +160,7 @@ impl ToolSyntax {
             ToolSyntax::DeepSeek => "deepseek_v3_1",
             ToolSyntax::DeepSeekR1 => "deepseek_r1",
             ToolSyntax::CommandR => "command_r",
+            ToolSyntax::Gemma4 => "gemma4",
         }
     }
 
@@ -195,6 +202,7 @@ impl ToolSyntax {
             ToolSyntax::Granite => &[GRANITE_CALL],
             ToolSyntax::Nemotron => &[NEMOTRON_CALL],
             ToolSyntax::CommandR => &[COMMAND_R_CALL],
+            ToolSyntax::Gemma4 => &[gemma4::CALL],
             // The call is the answer's opening `{` (see CallParser).
             ToolSyntax::Llama3Json => &[],
             // Its models now and then leave out the outer tag.
@@ -225,6 +233,9 @@ impl ToolSyntax {
             // otherwise would hide them, and with them where messages end.
             ToolSyntax::Harmony => &crate::harmony::MARKUP,
             ToolSyntax::DeepSeek | ToolSyntax::DeepSeekR1 => &DEEPSEEK_MARKUP,
+            // Its thinking channel's tokens too: its thinking tags are
+            // each a token and a word.
+            ToolSyntax::Gemma4 => &gemma4::MARKUP,
         }
     }
 
@@ -334,6 +345,7 @@ impl ToolSyntax {
                 format!("start: call{repeat}\ncall: %json {body}\n")
             }
             ToolSyntax::QwenXml => xml_grammar(&chosen, parallel),
+            ToolSyntax::Gemma4 => gemma4::grammar(&chosen, parallel),
             ToolSyntax::Harmony => harmony_grammar(&chosen),
             ToolSyntax::MistralArgs => {
                 // `[TOOL_CALLS]NAME[ARGS]` then the arguments by the tool's schema.
