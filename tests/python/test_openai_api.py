@@ -1554,6 +1554,53 @@ def test_command_r_tool_calls(tmp_path):
         s.stop()
 
 
+def test_gemma4_tool_calls_and_thinking():
+    """Gemma 4's own template on SmolLM2 (calls as `<|tool_call>call:NAME{…}
+    <tool_call|>`, arguments in Gemma's notation: bare keys, strings between
+    `<|"|>` tokens): a required call is forced in that notation and read back
+    as JSON, streamed as it is written; two calls the model writes under
+    `auto` are both read; the call and its result render back in the
+    notation. Its thinking is off by default (the prompt closes an empty
+    thought); switched on, a thought in its channel is split off as
+    `reasoning_content`. (SmolLM2 spells Gemma's tokens in byte tokens.)"""
+    s = template_server("testdata_gemma4.jinja")
+    try:
+        c = client(s)
+        message, call, ask = forced_city_call(c, parallel_tool_calls=False, max_tokens=120)
+        args = json.loads(call.function.arguments)
+        assert set(args) == {"city"} and message.reasoning_content is None, message
+        two = (r'<\|tool_call>call:get_weather\{city:<\|"\|>Rome<\|"\|>\}<tool_call\|>'
+               r'<\|tool_call>call:get_weather\{city:<\|"\|>Oslo<\|"\|>\}<tool_call\|>')
+        two_cities_under_auto(c, ask, two, max_tokens=150)
+        loop = CITY_ASK + [
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": call.id, "type": "function",
+                "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": "18 C"}]
+        status, t = post_json(s, "/tokenize", {"messages": loop, "tools": CITY_TOOLS})
+        assert status == 200, t
+        text = post_json(s, "/detokenize", {"tokens": t["tokens"]})[1]["prompt"]
+        q = '<|"|>'
+        written = (f"<|tool_call>call:get_weather{{city:{q}{args['city']}{q}}}<tool_call|>"
+                   f"<|tool_response>response:get_weather{{value:{q}18 C{q}}}<tool_response|>")
+        assert written in text, text
+        # Thinking: off unless switched on; on, its channel is split off.
+        grammar = ('start: "<|channel>thought\\n" THOUGHT "<channel|>" ANSWER\n'
+                   'THOUGHT: /[a-z][a-z ]{8,40}/\nANSWER: /[A-Z][a-z ]{3,30}\\./\n')
+        ask = [{"role": "user", "content": "What is the capital of France?"}]
+        on = {"chat_template_kwargs": {"enable_thinking": True}, "grammar": grammar}
+        r = c.chat.completions.create(model="", messages=ask, max_tokens=80, temperature=0,
+                                      extra_body=on)
+        m = r.choices[0].message
+        assert m.reasoning_content and m.reasoning_content.startswith("\n"), m
+        assert m.content and "channel" not in m.reasoning_content + m.content, m
+        plain = c.chat.completions.create(model="", messages=ask, max_tokens=8, temperature=0)
+        assert plain.choices[0].message.reasoning_content is None, plain
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
 def test_granite_tool_calls():
     """Granite 3.3's own template on SmolLM2 (calls as a JSON list after
     `<|tool_call|>`): a required call is forced in that shape and read back,

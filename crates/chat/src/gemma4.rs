@@ -298,8 +298,9 @@ impl ArgsToJson {
 /// A forced call in Gemma 4's notation to one of `tools`: its arguments
 /// in the order its template writes them (sorted by key, as `dictsort`
 /// does), the required ones always, each value as its schema types it
-/// (strings between quote tokens, an `enum`'s texts, numbers, booleans);
-/// other values in the notation's general form.
+/// (strings between quote tokens, of its `minLength` to `maxLength`
+/// characters; an `enum`'s texts; numbers; booleans); other values in the
+/// notation's general form.
 pub(crate) fn grammar(tools: &[&Tool], parallel: bool) -> String {
     let lit = |s: &str| lark_literal(s);
     let repeat = if parallel { "+" } else { "" };
@@ -348,7 +349,21 @@ pub(crate) fn grammar(tools: &[&Tool], parallel: bool) -> String {
                         .collect();
                     format!("({})", alts.join(" | "))
                 }
-                ("string", _) => "gstr".into(),
+                ("string", _) => {
+                    let bound = |k: &str| sub.get(k).and_then(Value::as_u64);
+                    match (bound("minLength"), bound("maxLength")) {
+                        (None, None) => "gstr".into(),
+                        (min, max) => {
+                            let max = max.map_or(String::new(), |m| m.to_string());
+                            g.push_str(&format!(
+                                "f{i}_{j}_v[lazy]: /(.|\\n){{{},{max}}}/ {}\n",
+                                min.unwrap_or(0),
+                                lit(QUOTE)
+                            ));
+                            format!("{} f{i}_{j}_v", lit(QUOTE))
+                        }
+                    }
+                }
                 ("integer", _) => "gint".into(),
                 ("number", _) => "gnum".into(),
                 ("boolean", _) => "gbool".into(),

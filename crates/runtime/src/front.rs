@@ -822,6 +822,62 @@ mod tests {
         );
     }
 
+    /// Gemma 4's forced calls: its notation, the keys in the order its
+    /// template writes them (sorted), each value as the schema types it
+    /// (strings between quote tokens, an `enum`'s texts, integers,
+    /// booleans, other values in the notation's general form), the
+    /// required ones always; what the grammar takes reads back as JSON.
+    #[test]
+    fn forced_gemma4_calls_take_the_notation_typed_by_the_schema() {
+        let grammars = byte_grammars();
+        let tools = [
+            tool(
+                "get_weather",
+                r#"{"type": "object", "properties": {"days": {"type": "integer"},
+                    "city": {"type": "string", "maxLength": 20},
+                    "unit": {"type": "string", "enum": ["C", "F"]},
+                    "opts": {"type": "object"}}, "required": ["city", "days"]}"#,
+            ),
+            tool("now", r#"{"type": "object", "properties": {}}"#),
+        ];
+        let q = "<|\"|>";
+        let call = |args: &str| format!("<|tool_call>call:get_weather{{{args}}}<tool_call|>");
+        let full = call(&format!(
+            "city:{q}Rio \"de\" }}Janeiro{q},days:3,opts:{{a:[1,{q}x{q},true],b:null}},unit:{q}C{q}"
+        ));
+        let short = call(&format!("city:{q}Oslo{q},days:-2"));
+        let now = "<|tool_call>call:now{}<tool_call|>";
+        let lark = |parallel| forced(ToolSyntax::Gemma4, &tools, parallel);
+        let takes = |parallel, text: &str| accepts(&grammars, &lark(parallel), text);
+        assert!(takes(false, &full));
+        assert!(takes(false, &short));
+        assert!(takes(false, now));
+        assert!(takes(true, &format!("{short}{now}{full}")));
+        assert!(!takes(false, &format!("{short}{now}")));
+        // Out of order, a required key missing, a value of another type,
+        // a text not in the enum, a key the schema lacks, no call.
+        assert!(!takes(false, &call(&format!("days:3,city:{q}Oslo{q}"))));
+        assert!(!takes(false, &call(&format!("city:{q}Oslo{q}"))));
+        assert!(!takes(false, &call(&format!("city:{q}Oslo{q},days:{q}3{q}"))));
+        assert!(!takes(false, &call(&format!("city:{q}Oslo{q},days:3,unit:{q}K{q}"))));
+        assert!(!takes(false, &call(&format!("city:{q}Oslo{q},days:3,town:1"))));
+        let long = "Llanfairpwllgwyngyllgogerych";
+        assert!(!takes(false, &call(&format!("city:{q}{long}{q},days:3"))));
+        assert!(!takes(false, "It is sunny."));
+        let read = ToolSyntax::Gemma4.parse(&format!("{short}{full}"), &tools);
+        let args: Vec<serde_json::Value> = read
+            .calls
+            .iter()
+            .map(|(_, a)| serde_json::from_str(a).unwrap())
+            .collect();
+        assert_eq!(args[0], serde_json::json!({"city": "Oslo", "days": -2}));
+        assert_eq!(
+            args[1],
+            serde_json::json!({"city": "Rio \"de\" }Janeiro", "days": 3,
+                "opts": {"a": [1, "x", true], "b": null}, "unit": "C"})
+        );
+    }
+
     /// gpt-oss's forced calls (harmony): the call's header and its
     /// arguments by the tool's schema, after an analysis message if the
     /// model thinks first; one call, and what a harmony reader reads back.
