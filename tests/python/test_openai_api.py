@@ -2,7 +2,6 @@
 
 import json
 import math
-import re
 import subprocess
 import urllib.error
 import urllib.request
@@ -1552,6 +1551,57 @@ def test_command_r_tool_calls(tmp_path):
         s.wait_idle()
     finally:
         s.stop()
+
+
+# GLM's tool-call format (the name after `<tool_call>`, each argument's key
+# and value in their own tags) in a minimal template of GLM's turns, in
+# GLM-4.5's layout (`NL` a newline) or GLM-4.7's (none).
+GLM_TOOLS = (
+    "{%- if tools -%}<|system|>\n# Tools\n{%- for t in tools %}\n{{ t | tojson }}{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}<|user|>\n{{ m.content }}"
+    "{%- elif m.role == 'assistant' -%}<|assistant|>\n{{ m.content or '' }}"
+    "{%- for tc in m.tool_calls or [] -%}{{ '<tool_call>' + tc.function.name }}"
+    "{%- for k, v in tc.function.arguments.items() -%}NL<arg_key>{{ k }}</arg_key>NL"
+    "<arg_value>{{ v | tojson if v is not string else v }}</arg_value>"
+    "{%- endfor -%}NL</tool_call>{%- endfor -%}"
+    "{%- elif m.role == 'tool' -%}<|observation|>\n<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>\n{%- endif -%}"
+)
+
+
+def test_glm_tool_calls(tmp_path):
+    """GLM's tool calls on SmolLM2, in GLM-4.5's layout and GLM-4.7's (told
+    apart by the template): a required call is forced in that layout and
+    read back as JSON typed by the tool's schema, its string value streamed
+    as written; two calls the model writes under `auto` are both read; the
+    call renders back through the template."""
+    for nl in ["\n", ""]:
+        path = tmp_path / f"glm{len(nl)}.jinja"
+        path.write_text(GLM_TOOLS.replace("NL", "{{ '\\n' }}" if nl else ""))
+        s = Server("--chat-template-file", str(path))
+        try:
+            c = client(s)
+            message, call, ask = forced_city_call(c, parallel_tool_calls=False, max_tokens=100)
+            args = json.loads(call.function.arguments)
+            assert set(args) == {"city"}
+            n = "\\n" if nl else ""  # the regex's newline
+            one = (f"<tool_call>get_weather{n}<arg_key>city</arg_key>{n}<arg_value>CITY"
+                   f"</arg_value>{n}</tool_call>")
+            two_cities_under_auto(c, ask, one.replace("CITY", "Rome") + n
+                                  + one.replace("CITY", "Oslo"), max_tokens=150)
+            loop = CITY_ASK + [{"role": "assistant", "content": None, "tool_calls": [{
+                "id": call.id, "type": "function",
+                "function": {"name": "get_weather", "arguments": call.function.arguments}}]}]
+            status, t = post_json(s, "/tokenize", {"messages": loop})
+            assert status == 200, t
+            text = post_json(s, "/detokenize", {"tokens": t["tokens"]})[1]["prompt"]
+            assert f"<arg_key>city</arg_key>{nl}<arg_value>{args['city']}</arg_value>" in text, text
+            s.wait_idle()
+        finally:
+            s.stop()
 
 
 def test_gemma4_tool_calls_and_thinking():

@@ -132,9 +132,44 @@ enum State {
 }
 
 const XML_FUNCTION: &str = "<function=";
-const XML_PARAM: &str = "<parameter=";
-const XML_PARAM_END: &str = "</parameter>";
-const XML_FUNCTION_END: &str = "</function>";
+
+/// The tags of an XML call's arguments: Qwen3-Coder's `<parameter=KEY>\n
+/// VALUE\n</parameter>` in `<function=NAME>…</function>`, GLM's
+/// `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` after the name.
+pub(crate) struct XmlTags {
+    /// Opens a parameter's key.
+    pub key: &'static str,
+    /// Ends the key.
+    pub key_end: &'static str,
+    /// Opens the value after the key (and whitespace); empty: the key's
+    /// end does.
+    pub value: &'static str,
+    /// Ends the value.
+    pub value_end: &'static str,
+    /// Ends the call's parameters (the block's close when it is that).
+    pub call_end: &'static str,
+    /// A value's leading and trailing newline are the layout's, not the
+    /// value's.
+    pub newlines: bool,
+}
+
+pub(crate) const QWEN_XML: XmlTags = XmlTags {
+    key: "<parameter=",
+    key_end: ">",
+    value: "",
+    value_end: "</parameter>",
+    call_end: "</function>",
+    newlines: true,
+};
+
+pub(crate) const GLM_XML: XmlTags = XmlTags {
+    key: "<arg_key>",
+    key_end: "</arg_key>",
+    value: "<arg_value>",
+    value_end: "</arg_value>",
+    call_end: "</tool_call>",
+    newlines: false,
+};
 
 /// A JSON string's text without its quotes.
 fn escaped(s: &str) -> String {
@@ -376,7 +411,7 @@ impl CallParser {
     /// parameter the schema does not type is a string).
     pub fn with_tools(mut self, tools: &[Tool]) -> Self {
         // Only XML values are typed: other syntaxes' arguments are JSON.
-        if self.syntax != ToolSyntax::QwenXml {
+        if self.syntax.xml_tags().is_none() {
             return self;
         }
         self.types = tools
@@ -685,6 +720,39 @@ impl CallParser {
                 };
                 Step::On
             }
+            // GLM's call: its name after the tag, to a newline or its
+            // first key.
+            State::Head { marker, .. }
+                if self.syntax.is_glm() && !self.buf.trim_start().starts_with(['{', '[']) =>
+            {
+                let lead = self.buf.trim_start();
+                let skip = self.buf.len() - lead.len();
+                let ends = ["\n", GLM_XML.key, GLM_XML.call_end];
+                let Some((at, _)) = find_first(lead, &ends) else {
+                    let keep = held_tail_len(lead, &ends);
+                    if !is_name(&lead[..lead.len() - keep]) {
+                        self.state = State::Hold { marker };
+                        return Step::On;
+                    }
+                    return Step::Wait;
+                };
+                let name = lead[..at].trim().to_string();
+                if name.is_empty() || !is_name(&name) {
+                    self.state = State::Hold { marker };
+                    return Step::On;
+                }
+                self.buf.drain(..skip + at);
+                if self.calls >= self.max_calls {
+                    self.buf.clear();
+                    self.state = State::After;
+                    return Step::Wait;
+                }
+                self.calls += 1;
+                self.emit(CallPiece::Call(name.clone()));
+                self.func = name;
+                self.state = State::XmlParams { marker, n: 0 };
+                Step::On
+            }
             // Qwen3-Coder's block: `<function=` after the tag.
             State::Head { marker, .. }
                 if self.syntax == ToolSyntax::QwenXml
@@ -726,15 +794,32 @@ impl CallParser {
                 Step::On
             }
             State::XmlParams { marker, n } => {
+                let tags = self.syntax.xml_tags().unwrap_or(&QWEN_XML);
                 if !self.skip_ws() {
                     return Step::Wait;
                 }
-                if self.buf.starts_with(XML_PARAM) {
-                    let Some(gt) = self.buf.find('>') else {
+                if self.buf.starts_with(tags.key) {
+                    let Some(ke) = self.buf.find(tags.key_end) else {
                         return Step::Wait;
                     };
-                    self.param = self.buf[XML_PARAM.len()..gt].trim().to_string();
-                    self.buf.drain(..=gt);
+                    let key = self.buf[tags.key.len()..ke].trim().to_string();
+                    let mut end = ke + tags.key_end.len();
+                    if !tags.value.is_empty() {
+                        let rest = &self.buf[end..];
+                        let lead = rest.trim_start();
+                        if lead.starts_with(tags.value) {
+                            end += rest.len() - lead.len() + tags.value.len();
+                        } else if tags.value.starts_with(lead) {
+                            return Step::Wait;
+                        } else {
+                            // A key with no value: the call ends there.
+                            self.emit(CallPiece::Args(if n == 0 { "{}" } else { "}" }.into()));
+                            self.state = State::Close { marker };
+                            return Step::On;
+                        }
+                    }
+                    self.param = key;
+                    self.buf.drain(..end);
                     let text = self.param_type() == "string";
                     if text {
                         let head = self.arg_head(n);
@@ -748,15 +833,16 @@ impl CallParser {
                     };
                     return Step::On;
                 }
-                if [XML_PARAM, XML_FUNCTION_END]
+                if [tags.key, tags.call_end]
                     .iter()
                     .any(|t| t.len() > self.buf.len() && t.starts_with(self.buf.as_str()))
                 {
                     return Step::Wait;
                 }
-                // `</function>`, or anything else: the call ends.
-                if self.buf.starts_with(XML_FUNCTION_END) {
-                    self.buf.drain(..XML_FUNCTION_END.len());
+                // The call's end (the block's own close is left to
+                // `Close`), or anything else: the call ends.
+                if self.buf.starts_with(tags.call_end) && tags.call_end != close_of(marker) {
+                    self.buf.drain(..tags.call_end.len());
                 }
                 let close = if n == 0 { "{}" } else { "}" };
                 self.emit(CallPiece::Args(close.to_string()));
@@ -769,7 +855,8 @@ impl CallParser {
                 text,
                 lead,
             } => {
-                if lead {
+                let tags = self.syntax.xml_tags().unwrap_or(&QWEN_XML);
+                if lead && tags.newlines {
                     if self.buf.is_empty() {
                         return Step::Wait;
                     }
@@ -777,12 +864,15 @@ impl CallParser {
                         self.buf.drain(..1);
                     }
                 }
-                let Some(at) = self.buf.find(XML_PARAM_END) else {
+                let Some(at) = self.buf.find(tags.value_end) else {
                     if text {
-                        // What may begin the closing tag (its newline
-                        // before it optional).
-                        let keep = held_prefix_len(&self.buf, "\n</parameter>")
-                            .max(held_prefix_len(&self.buf, XML_PARAM_END));
+                        // What may begin the closing tag (with the newline
+                        // before it, where the layout writes one).
+                        let mut keep = held_prefix_len(&self.buf, tags.value_end);
+                        if tags.newlines {
+                            let nl = format!("\n{}", tags.value_end);
+                            keep = keep.max(held_prefix_len(&self.buf, &nl));
+                        }
                         let out: String = self.buf.drain(..self.buf.len() - keep).collect();
                         self.emit(CallPiece::Args(escaped(&out)));
                     }
@@ -794,8 +884,13 @@ impl CallParser {
                     };
                     return Step::Wait;
                 };
-                let raw: String = self.buf.drain(..at + XML_PARAM_END.len()).collect();
-                let value = raw[..at].strip_suffix('\n').unwrap_or(&raw[..at]);
+                let raw: String = self.buf.drain(..at + tags.value_end.len()).collect();
+                let value = &raw[..at];
+                let value = if tags.newlines {
+                    value.strip_suffix('\n').unwrap_or(value)
+                } else {
+                    value
+                };
                 let args = if text {
                     format!("{}\"", escaped(value))
                 } else {

@@ -396,6 +396,80 @@ fn gemma4_calls_parse_as_json() {
     assert_eq!(json(&read.calls[0].1), args, "{written}");
 }
 
+/// A template that writes calls as GLM's do, in GLM-4.5's layout (or,
+/// `compact`, GLM-4.7's): `<|user|>` and `<|assistant|>` turns, results
+/// in `<|observation|>` ones.
+fn glm_template(compact: bool) -> String {
+    let nl = if compact { "" } else { "{{ '\\n' }}" };
+    format!(
+        "{{%- for m in messages -%}}\
+         {{%- if m.role == 'user' -%}}<|user|>\n{{{{ m.content }}}}\
+         {{%- elif m.role == 'assistant' -%}}<|assistant|>\n{{{{ m.content or '' }}}}\
+         {{%- for tc in m.tool_calls or [] -%}}{{{{ '<tool_call>' + tc.function.name }}}}\
+         {{%- for k, v in tc.function.arguments.items() -%}}{nl}<arg_key>{{{{ k }}}}</arg_key>{nl}\
+         <arg_value>{{{{ v | tojson if v is not string else v }}}}</arg_value>\
+         {{%- endfor -%}}{nl}</tool_call>{{%- endfor -%}}\
+         {{%- elif m.role == 'tool' -%}}<|observation|>\n<tool_response>\n{{{{ m.content }}}}\n</tool_response>\
+         {{%- endif -%}}{{%- endfor -%}}\
+         {{%- if add_generation_prompt -%}}<|assistant|>\n{{%- endif -%}}"
+    )
+}
+
+/// GLM's calls: each value text typed by the tool's schema, a string's
+/// streamed as written, both layouts read alike; the layout is told from
+/// the template, and a call it writes reads back.
+#[test]
+fn glm_calls_parse_as_typed_json() {
+    let at = CALL_TEXTS
+        .iter()
+        .position(|&(s, _)| s == ToolSyntax::Glm45)
+        .unwrap();
+    let json = |s: &str| serde_json::from_str::<serde_json::Value>(s).expect(s);
+    let tools = xml_tools();
+    let two = ToolSyntax::Glm45.parse(CALL_TEXTS[at].1, &tools);
+    assert_eq!(two.content, "Sure.");
+    assert_eq!(
+        two.calls,
+        [
+            (
+                "get_weather".into(),
+                r#"{"city": "Paris", "days": 3}"#.into()
+            ),
+            ("now".into(), "{}".into())
+        ]
+    );
+    let typed = ToolSyntax::Glm47.parse(CALL_TEXTS[at + 1].1, &tools);
+    assert_eq!(
+        json(&typed.calls[0].1),
+        serde_json::json!({"text": "line \"one\"\n<b>two</b>", "flag": true,
+            "opts": {"a": [1]}, "n": "many"})
+    );
+    let cut = ToolSyntax::Glm47.parse(CALL_TEXTS[at + 2].1, &tools);
+    assert!(cut.cut_short);
+    assert_eq!(cut.calls[0].1, r#"{"text": "half a li"#);
+    let text = CALL_TEXTS[at + 3].1;
+    assert_eq!(ToolSyntax::Glm45.parse(text, &tools).content, text);
+    // A JSON call in the tags (as Hermes writes one) is read too.
+    let hermes = r#"<tool_call>{"name": "now", "arguments": {}}</tool_call>"#;
+    assert_eq!(ToolSyntax::Glm45.parse(hermes, &tools).calls.len(), 1);
+    for (compact, syntax) in [(false, ToolSyntax::Glm45), (true, ToolSyntax::Glm47)] {
+        let t = ChatTemplate::new(&glm_template(compact), "", "").unwrap();
+        assert_eq!(t.tool_syntax(), Some(syntax));
+        let [call, result] = long_id_call();
+        let rendered = t
+            .render(
+                &[Message::new("user", "Weather?"), call, result],
+                &[],
+                false,
+            )
+            .unwrap();
+        let written = &rendered[rendered.find("<tool_call>").unwrap()..];
+        let read = syntax.parse(written, &[weather()]);
+        assert_eq!(read.calls.len(), 1, "{written}");
+        assert_eq!(json(&read.calls[0].1), serde_json::json!({"city": "Paris"}));
+    }
+}
+
 #[test]
 fn forced_calls_are_lark_grammars_with_the_tools_schemas() {
     let tools = [
@@ -563,6 +637,20 @@ const CALL_TEXTS: &[(ToolSyntax, &str)] = &[
         ToolSyntax::CommandR,
         "<|START_ACTION|>[\n    {\"tool_call_id\": \"0\", \"tool_name\": \"get_weather\", \"parameters\": {\"city\": \"Lima\"}},\n    {\"tool_call_id\": \"1\", \"tool_name\": \"now\", \"parameters\": {}}\n]<|END_ACTION|>",
     ),
+    // GLM's XML arguments, with and without newlines.
+    (
+        ToolSyntax::Glm45,
+        "Sure.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>now\n</tool_call>",
+    ),
+    (
+        ToolSyntax::Glm47,
+        "<tool_call>write<arg_key>text</arg_key><arg_value>line \"one\"\n<b>two</b></arg_value><arg_key>flag</arg_key><arg_value>True</arg_value><arg_key>opts</arg_key><arg_value>{\"a\": [1]}</arg_value><arg_key>n</arg_key><arg_value>many</arg_value></tool_call>",
+    ),
+    (
+        ToolSyntax::Glm47,
+        "<tool_call>write<arg_key>text</arg_key><arg_value>half a li",
+    ),
+    (ToolSyntax::Glm45, "<tool_call> is how a call opens"),
     // Gemma 4's notation: bare keys, strings between quote tokens.
     (
         ToolSyntax::Gemma4,
@@ -1182,6 +1270,10 @@ fn random_texts_read_alike_however_cut() {
         "call:",
         "k:",
         "true",
+        "<arg_key>",
+        "</arg_key>",
+        "<arg_value>",
+        "</arg_value>",
     ];
     // A fixed stream: the same texts every run.
     let mut rng = Xorshift(0x9E37_79B9_7F4A_7C15);
@@ -1198,6 +1290,8 @@ fn random_texts_read_alike_however_cut() {
         ToolSyntax::DeepSeekR1,
         ToolSyntax::CommandR,
         ToolSyntax::Gemma4,
+        ToolSyntax::Glm45,
+        ToolSyntax::Glm47,
     ];
     // How many texts held calls, and how many ended inside arguments: the
     // texts must reach the reader's paths, not only its prose.
@@ -1223,6 +1317,9 @@ fn random_texts_read_alike_however_cut() {
                 "<|START_ACTION|>[{\"tool_call_id\": \"0\", \"tool_name\": \"f\", \"parameters\": "
             }
             ToolSyntax::Gemma4 => "<|tool_call>call:f{",
+            ToolSyntax::Glm45 | ToolSyntax::Glm47 => {
+                "<tool_call>write\n<arg_key>text</arg_key>\n<arg_value>"
+            }
             _ => "{\"name\": \"f\", \"parameters\": ",
         };
         let text: String = std::iter::once(opener)

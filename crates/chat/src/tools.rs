@@ -6,7 +6,7 @@ use serde_json::value::RawValue;
 use siliceo_core::Constraint;
 
 use crate::Tool;
-use crate::calls::{CallParser, CallPiece};
+use crate::calls::{CallParser, CallPiece, GLM_XML, QWEN_XML, XmlTags};
 use crate::gemma4;
 
 /// How a model family writes tool calls.
@@ -52,6 +52,14 @@ pub enum ToolSyntax {
     /// `<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>` (Google's
     /// Gemma 4): arguments in a notation of its own, read as JSON.
     Gemma4,
+    /// `<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n…
+    /// </tool_call>` (Z.ai's GLM-4.5 and GLM-4.6): XML arguments, each
+    /// value text typed by the tool's schema, as Qwen3-Coder's.
+    Glm45,
+    /// GLM's calls without the newlines, `<tool_call>NAME<arg_key>KEY
+    /// </arg_key><arg_value>VALUE</arg_value></tool_call>` (GLM-4.7 and
+    /// GLM-4.7-Flash). Read alike; a forced call is laid out so.
+    Glm47,
 }
 
 /// Which tools the model may or must call (OpenAI's `tool_choice`).
@@ -120,6 +128,16 @@ impl ToolSyntax {
             Some(ToolSyntax::Granite)
         } else if template.contains(NEMOTRON_CALL) {
             Some(ToolSyntax::Nemotron)
+        } else if template.contains("<tool_call>") && template.contains(GLM_XML.key) {
+            // 4.7's template writes a key right after the name.
+            let compact = ["</arg_key><arg_value>", "tc.name }}<arg_key>"]
+                .iter()
+                .any(|t| template.contains(t));
+            Some(if compact {
+                ToolSyntax::Glm47
+            } else {
+                ToolSyntax::Glm45
+            })
         } else if template.contains("<tool_call>") && template.contains("<function=") {
             Some(ToolSyntax::QwenXml)
         } else if template.contains("<tool_call>") {
@@ -146,7 +164,7 @@ impl ToolSyntax {
 
     /// A short name (`hermes`, `mistral`, `mistral_args`, `llama3_json`,
     /// `qwen3_coder`, `granite`, `nemotron`, `harmony`, `deepseek_v3_1`,
-    /// `deepseek_r1`, `command_r`, `gemma4`).
+    /// `deepseek_r1`, `command_r`, `gemma4`, `glm45`, `glm47`).
     pub fn name(self) -> &'static str {
         match self {
             ToolSyntax::Hermes => "hermes",
@@ -161,7 +179,23 @@ impl ToolSyntax {
             ToolSyntax::DeepSeekR1 => "deepseek_r1",
             ToolSyntax::CommandR => "command_r",
             ToolSyntax::Gemma4 => "gemma4",
+            ToolSyntax::Glm45 => "glm45",
+            ToolSyntax::Glm47 => "glm47",
         }
+    }
+
+    /// The tags of an XML syntax's arguments (Qwen3-Coder's, GLM's).
+    pub(crate) fn xml_tags(self) -> Option<&'static XmlTags> {
+        match self {
+            ToolSyntax::QwenXml => Some(&QWEN_XML),
+            ToolSyntax::Glm45 | ToolSyntax::Glm47 => Some(&GLM_XML),
+            _ => None,
+        }
+    }
+
+    /// GLM's syntax, in either layout.
+    pub(crate) fn is_glm(self) -> bool {
+        matches!(self, ToolSyntax::Glm45 | ToolSyntax::Glm47)
     }
 
     /// For syntaxes that name a call before a separator and write its
@@ -203,6 +237,7 @@ impl ToolSyntax {
             ToolSyntax::Nemotron => &[NEMOTRON_CALL],
             ToolSyntax::CommandR => &[COMMAND_R_CALL],
             ToolSyntax::Gemma4 => &[gemma4::CALL],
+            ToolSyntax::Glm45 | ToolSyntax::Glm47 => &["<tool_call>"],
             // The call is the answer's opening `{` (see CallParser).
             ToolSyntax::Llama3Json => &[],
             // Its models now and then leave out the outer tag.
@@ -223,6 +258,7 @@ impl ToolSyntax {
     pub fn markup(self) -> &'static [&'static str] {
         match self {
             ToolSyntax::Hermes | ToolSyntax::QwenXml => &["<tool_call>", "</tool_call>"],
+            ToolSyntax::Glm45 | ToolSyntax::Glm47 => &GLM_MARKUP,
             ToolSyntax::Mistral => &["[TOOL_CALLS]"],
             ToolSyntax::Granite => &[GRANITE_CALL],
             ToolSyntax::Nemotron => &[NEMOTRON_CALL, "</TOOLCALL>"],
@@ -345,6 +381,9 @@ impl ToolSyntax {
                 format!("start: call{repeat}\ncall: %json {body}\n")
             }
             ToolSyntax::QwenXml => xml_grammar(&chosen, parallel),
+            ToolSyntax::Glm45 | ToolSyntax::Glm47 => {
+                glm_grammar(&chosen, parallel, self == ToolSyntax::Glm47)
+            }
             ToolSyntax::Gemma4 => gemma4::grammar(&chosen, parallel),
             ToolSyntax::Harmony => harmony_grammar(&chosen),
             ToolSyntax::MistralArgs => {
@@ -403,6 +442,16 @@ const DEEPSEEK_MARKUP: [&str; 5] = [
     DEEPSEEK_CALLS_END,
 ];
 
+/// GLM's call tags (control tokens in its vocabulary).
+const GLM_MARKUP: [&str; 6] = [
+    "<tool_call>",
+    "</tool_call>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+];
+
 /// The tags around Command R's list of calls.
 pub(crate) const COMMAND_R_CALL: &str = "<|START_ACTION|>";
 pub(crate) const COMMAND_R_END: &str = "<|END_ACTION|>";
@@ -417,6 +466,15 @@ pub(crate) fn lark_literal(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_default()
 }
 
+/// `s` as a Lark literal in a sequence: nothing when it is empty.
+fn seq_literal(s: &str) -> String {
+    if s.is_empty() {
+        String::new()
+    } else {
+        lark_literal(s)
+    }
+}
+
 /// The JSON layout forced calls are written in, in llguidance's
 /// `x-guidance` terms (as `siliceo-constrain` lays out JSON schemas): `", "`,
 /// `": "`, no free whitespace.
@@ -428,20 +486,100 @@ fn json_layout() -> Value {
     })
 }
 
-/// A forced call in [`ToolSyntax::QwenXml`]'s shape to one of `tools`:
-/// its parameters in the schema's order, the required ones always, each
-/// value text up to its closing tag when the schema says `string` (or says
-/// nothing), else JSON following the parameter's schema.
+/// How a forced XML call is laid out (the text around its parts).
+struct XmlLayout {
+    /// Before the function's name.
+    open: &'static str,
+    /// After it.
+    name_end: &'static str,
+    /// After the parameters.
+    close: &'static str,
+    /// Between calls.
+    between: &'static str,
+    /// A parameter's key before it, and after it to the value.
+    key: (&'static str, &'static str),
+    /// What a value written by the layout (not the model) ends with before
+    /// the value's closing tag (Qwen3-Coder's newline).
+    value_nl: &'static str,
+    /// The closing tag, and the layout after it.
+    value_end: &'static str,
+}
+
+/// Qwen3-Coder's layout: `<tool_call>\n<function=NAME>\n<parameter=KEY>\n
+/// VALUE\n</parameter>\n…</function>\n</tool_call>`.
+const QWEN_LAYOUT: XmlLayout = XmlLayout {
+    open: "<tool_call>\n<function=",
+    name_end: ">\n",
+    close: "</function>\n</tool_call>",
+    between: "\n",
+    key: ("<parameter=", ">\n"),
+    value_nl: "\n",
+    value_end: "</parameter>\n",
+};
+
+/// GLM-4.5's: `<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE
+/// </arg_value>\n…</tool_call>`.
+const GLM45_LAYOUT: XmlLayout = XmlLayout {
+    open: "<tool_call>",
+    name_end: "\n",
+    close: "</tool_call>",
+    between: "\n",
+    key: ("<arg_key>", "</arg_key>\n<arg_value>"),
+    value_nl: "",
+    value_end: "</arg_value>\n",
+};
+
+/// GLM-4.7's: the same without the newlines.
+const GLM47_LAYOUT: XmlLayout = XmlLayout {
+    open: "<tool_call>",
+    name_end: "",
+    close: "</tool_call>",
+    between: "",
+    key: ("<arg_key>", "</arg_key><arg_value>"),
+    value_nl: "",
+    value_end: "</arg_value>",
+};
+
+/// A forced call in [`ToolSyntax::QwenXml`]'s shape to one of `tools`.
 fn xml_grammar(tools: &[&Tool], parallel: bool) -> String {
-    let repeat = if parallel { " (\"\\n\" call)*" } else { "" };
+    xml_calls(tools, parallel, &QWEN_LAYOUT)
+}
+
+/// A forced call in GLM's shape to one of `tools` (`compact`: GLM-4.7's).
+fn glm_grammar(tools: &[&Tool], parallel: bool, compact: bool) -> String {
+    xml_calls(
+        tools,
+        parallel,
+        if compact {
+            &GLM47_LAYOUT
+        } else {
+            &GLM45_LAYOUT
+        },
+    )
+}
+
+/// A forced XML call laid out as `layout` says to one of `tools`: its
+/// parameters in the schema's order, the required ones always, each value
+/// text up to its closing tag when the schema says `string` (or says
+/// nothing), else JSON following the parameter's schema.
+fn xml_calls(tools: &[&Tool], parallel: bool, layout: &XmlLayout) -> String {
+    let lit = |s: &str| lark_literal(s);
+    let repeat = if parallel {
+        format!(" ({} call)*", seq_literal(layout.between))
+    } else {
+        String::new()
+    };
     let mut g = format!(
-        "start: call{repeat}\ncall: \"<tool_call>\\n<function=\" func \"</function>\\n</tool_call>\"\n"
+        "start: call{repeat}\ncall: {} func {}\n",
+        lit(layout.open),
+        lit(layout.close)
     );
     let fns: Vec<String> = (0..tools.len()).map(|i| format!("f{i}")).collect();
     g.push_str(&format!("func: {}\n", fns.join(" | ")));
-    // Text to the first closing tag (its newline before the tag, which the
-    // reader drops, optional as there).
-    g.push_str(&format!("text[lazy]: /(.|\\n)*/ {XML_VALUE_END}\n"));
+    let end = lit(layout.value_end);
+    // Text to the first closing tag (with the layout's newline before the
+    // tag, which the reader drops, optional as there).
+    g.push_str(&format!("text[lazy]: /(.|\\n)*/ {end}\n"));
     for (i, t) in tools.iter().enumerate() {
         let schema = t.parameters_value();
         let required: Vec<&str> = schema
@@ -449,22 +587,21 @@ fn xml_grammar(tools: &[&Tool], parallel: bool) -> String {
             .and_then(Value::as_array)
             .map(|r| r.iter().filter_map(Value::as_str).collect())
             .unwrap_or_default();
-        let mut seq = vec![lark_literal(&format!("{}>\n", t.name))];
+        let mut seq = vec![lit(&format!("{}{}", t.name, layout.name_end))];
         let props = schema.get("properties").and_then(Value::as_object);
         for (j, (key, sub)) in props.into_iter().flatten().enumerate() {
             let rule = format!("f{i}_{j}");
             let value = if param_type(sub) == "string" {
-                string_value(&mut g, &rule, sub)
+                string_value(&mut g, &rule, sub, layout)
             } else {
                 let mut sub = sub.clone();
                 if let Some(o) = sub.as_object_mut() {
                     o.insert("x-guidance".into(), json_layout());
                 }
-
                 g.push_str(&format!("{rule}_v: %json {sub}\n"));
-                format!("{rule}_v \"\\n\" {XML_VALUE_END}")
+                format!("{rule}_v {} {end}", seq_literal(layout.value_nl))
             };
-            let head = lark_literal(&format!("<parameter={key}>\n"));
+            let head = lit(&format!("{}{key}{}", layout.key.0, layout.key.1));
             g.push_str(&format!("{rule}: {head} {value}\n"));
             let optional = if required.contains(&key.as_str()) {
                 ""
@@ -511,14 +648,11 @@ fn named_calls(g: &mut String, tools: &[&Tool], head: impl Fn(&str) -> String) {
     }
 }
 
-/// The Lark literal that ends an XML parameter's value (its newline before
-/// the tag is the value's to write, or not).
-const XML_VALUE_END: &str = "\"</parameter>\\n\"";
-
 /// An XML string value up to its closing tag, as `schema` bounds it: one
 /// of its `enum` texts, or `minLength` to `maxLength` characters (rule
 /// `{rule}_v`), or any text (`text`).
-fn string_value(g: &mut String, rule: &str, schema: &Value) -> String {
+fn string_value(g: &mut String, rule: &str, schema: &Value, layout: &XmlLayout) -> String {
+    let (nl, end) = (seq_literal(layout.value_nl), lark_literal(layout.value_end));
     if let Some(texts) = schema.get("enum").and_then(Value::as_array) {
         let lits: Vec<String> = texts
             .iter()
@@ -526,7 +660,7 @@ fn string_value(g: &mut String, rule: &str, schema: &Value) -> String {
             .map(lark_literal)
             .collect();
         if !lits.is_empty() {
-            return format!("({}) \"\\n\" {XML_VALUE_END}", lits.join(" | "));
+            return format!("({}) {nl} {end}", lits.join(" | "));
         }
     }
     let bound = |k: &str| schema.get(k).and_then(Value::as_u64);
@@ -537,8 +671,13 @@ fn string_value(g: &mut String, rule: &str, schema: &Value) -> String {
                 min.unwrap_or(0),
                 max.map_or(String::new(), |m| m.to_string()),
             );
+            let nl = if layout.value_nl.is_empty() {
+                ""
+            } else {
+                "\\n?"
+            };
             g.push_str(&format!(
-                "{rule}_v[lazy]: /(.|\\n){{{min},{max}}}\\n?/ {XML_VALUE_END}\n"
+                "{rule}_v[lazy]: /(.|\\n){{{min},{max}}}{nl}/ {end}\n"
             ));
             format!("{rule}_v")
         }

@@ -690,6 +690,58 @@ mod tests {
         assert!(!call("K", "Paris") && !call("C", "Lisbon"));
     }
 
+    /// GLM's forced calls, in GLM-4.5's layout and GLM-4.7's: the name,
+    /// then each parameter's key and value in their tags, a value of its
+    /// schema's type (a string's text bounded as the schema says); what
+    /// the grammar takes reads back.
+    #[test]
+    fn forced_glm_calls_take_keys_and_values_in_tags() {
+        let grammars = byte_grammars();
+        let tools = [tool(
+            "get_weather",
+            r#"{"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer"}}, "required": ["city"]}"#,
+        )];
+        for (syntax, nl) in [(ToolSyntax::Glm45, "\n"), (ToolSyntax::Glm47, "")] {
+            let call = |city: &str, days: &str| {
+                let days = if days.is_empty() {
+                    String::new()
+                } else {
+                    format!("<arg_key>days</arg_key>{nl}<arg_value>{days}</arg_value>{nl}")
+                };
+                format!(
+                    "<tool_call>get_weather{nl}<arg_key>city</arg_key>{nl}\
+                     <arg_value>{city}</arg_value>{nl}{days}</tool_call>"
+                )
+            };
+            let lark = |parallel| forced(syntax, &tools, parallel);
+            let takes = |parallel, text: &str| accepts(&grammars, &lark(parallel), text);
+            assert!(takes(false, &call("Paris", "3")), "{syntax:?}");
+            assert!(takes(false, &call("New\nYork", "")), "{syntax:?}");
+            let two = format!("{}{nl}{}", call("Rome", ""), call("Oslo", "-1"));
+            assert!(takes(true, &two), "{syntax:?}");
+            assert!(!takes(false, &two), "{syntax:?}");
+            assert!(!takes(false, &call("Paris", "three")), "{syntax:?}");
+            assert!(
+                !takes(false, &call("Llanfairpwllgwyngyll", "")),
+                "{syntax:?}"
+            );
+            assert!(!takes(false, "Paris is sunny."), "{syntax:?}");
+            let read = syntax.parse(&two, &tools);
+            assert_eq!(
+                read.calls,
+                [
+                    ("get_weather".into(), r#"{"city": "Rome"}"#.into()),
+                    (
+                        "get_weather".into(),
+                        r#"{"city": "Oslo", "days": -1}"#.into()
+                    )
+                ],
+                "{syntax:?}"
+            );
+        }
+    }
+
     /// Mistral's newer forced calls: `[TOOL_CALLS]NAME[ARGS]` and the
     /// arguments by the tool's schema, once or (parallel) more.
     #[test]
@@ -858,9 +910,18 @@ mod tests {
         // a text not in the enum, a key the schema lacks, no call.
         assert!(!takes(false, &call(&format!("days:3,city:{q}Oslo{q}"))));
         assert!(!takes(false, &call(&format!("city:{q}Oslo{q}"))));
-        assert!(!takes(false, &call(&format!("city:{q}Oslo{q},days:{q}3{q}"))));
-        assert!(!takes(false, &call(&format!("city:{q}Oslo{q},days:3,unit:{q}K{q}"))));
-        assert!(!takes(false, &call(&format!("city:{q}Oslo{q},days:3,town:1"))));
+        assert!(!takes(
+            false,
+            &call(&format!("city:{q}Oslo{q},days:{q}3{q}"))
+        ));
+        assert!(!takes(
+            false,
+            &call(&format!("city:{q}Oslo{q},days:3,unit:{q}K{q}"))
+        ));
+        assert!(!takes(
+            false,
+            &call(&format!("city:{q}Oslo{q},days:3,town:1"))
+        ));
         let long = "Llanfairpwllgwyngyllgogerych";
         assert!(!takes(false, &call(&format!("city:{q}{long}{q},days:3"))));
         assert!(!takes(false, "It is sunny."));
