@@ -1553,6 +1553,52 @@ def test_command_r_tool_calls(tmp_path):
         s.stop()
 
 
+# LFM2's tool-call format (a Python list of calls in its tags; the tools
+# listed in its system turn) in ChatML's turns, which LFM2 and SmolLM2 share.
+LFM2_TOOLS = (
+    "{%- if tools -%}<|im_start|>system\nList of tools: <|tool_list_start|>["
+    "{%- for t in tools -%}{{ t | tojson }}{{ ', ' if not loop.last }}{%- endfor -%}"
+    "]<|tool_list_end|><|im_end|>\n{%- endif -%}"
+    "{%- for m in messages -%}{{ '<|im_start|>' + m.role + '\n' }}"
+    "{%- if m.tool_calls -%}<|tool_call_start|>["
+    "{%- for tc in m.tool_calls -%}{{ ', ' if not loop.first }}{{ tc.function.name }}("
+    "{%- for k, v in tc.function.arguments.items() -%}{{ ', ' if not loop.first }}"
+    "{{ k }}={{ v | tojson }}{%- endfor -%}){%- endfor -%}]<|tool_call_end|>"
+    "{%- else -%}{{ m.content }}{%- endif -%}{{ '<|im_end|>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+
+
+def test_lfm2_tool_calls(tmp_path):
+    """LFM2's tool calls on SmolLM2 (a template of its turns): a required
+    call is forced as a Python call in its tags and read back as JSON, its
+    arguments streamed as written; two calls the model writes in one list
+    under `auto` (one string single-quoted) are both read; the call renders
+    back through the template."""
+    path = tmp_path / "lfm2.jinja"
+    path.write_text(LFM2_TOOLS)
+    s = Server("--chat-template-file", str(path))
+    try:
+        c = client(s)
+        message, call, ask = forced_city_call(c, parallel_tool_calls=False, max_tokens=100)
+        args = json.loads(call.function.arguments)
+        assert set(args) == {"city"}
+        two = (r"<\|tool_call_start\|>\[get_weather\(city='Rome'\), "
+               r'get_weather\(city="Oslo"\)\]<\|tool_call_end\|>')
+        two_cities_under_auto(c, ask, two, max_tokens=150)
+        loop = CITY_ASK + [{"role": "assistant", "content": None, "tool_calls": [{
+            "id": call.id, "type": "function",
+            "function": {"name": "get_weather", "arguments": call.function.arguments}}]}]
+        status, t = post_json(s, "/tokenize", {"messages": loop})
+        assert status == 200, t
+        text = post_json(s, "/detokenize", {"tokens": t["tokens"]})[1]["prompt"]
+        written = f"<|tool_call_start|>[get_weather(city={json.dumps(args['city'])})]<|tool_call_end|>"
+        assert written in text, text
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
 # GLM's tool-call format (the name after `<tool_call>`, each argument's key
 # and value in their own tags) in a minimal template of GLM's turns, in
 # GLM-4.5's layout (`NL` a newline) or GLM-4.7's (none).

@@ -31,6 +31,7 @@ use siliceo_core::held_prefix_len;
 use crate::Tool;
 use crate::gemma4::{self, ArgsToJson};
 use crate::harmony::HarmonyReader;
+use crate::pythonic;
 use crate::tools::{ToolSyntax, call_of_text, calls_of, find_first, held_tail_len, param_type};
 
 /// A piece of a model's answer, read for tool calls.
@@ -72,6 +73,8 @@ pub struct CallParser {
     param: String,
     /// Gemma 4's call being read: its arguments, turned into JSON.
     gemma: ArgsToJson,
+    /// A Python call's arguments being read, turned into JSON.
+    python: pythonic::ArgsToJson,
 }
 
 /// Where the reader is. `marker`: the start marker of the block it is in.
@@ -129,6 +132,13 @@ enum State {
     GemmaHead { marker: &'static str },
     /// Gemma 4's arguments (in [`CallParser::gemma`]).
     GemmaArgs { marker: &'static str },
+    /// A Python call's name, to its `(` (`first`: at the block's start,
+    /// where the list's `[` may open).
+    PyName { marker: &'static str, first: bool },
+    /// A Python call's arguments (in [`CallParser::python`]).
+    PyArgs { marker: &'static str },
+    /// After a Python call: `,` and another, or the list's end.
+    PyBetween { marker: &'static str },
 }
 
 const XML_FUNCTION: &str = "<function=";
@@ -255,6 +265,7 @@ fn close_of(marker: &str) -> &'static str {
         "```json" => "```",
         crate::tools::COMMAND_R_CALL => crate::tools::COMMAND_R_END,
         gemma4::CALL => gemma4::CALL_END,
+        pythonic::CALL => pythonic::CALL_END,
         _ => "",
     }
 }
@@ -404,6 +415,7 @@ impl CallParser {
             func: String::new(),
             param: String::new(),
             gemma: ArgsToJson::new(),
+            python: pythonic::ArgsToJson::new(),
         }
     }
 
@@ -485,7 +497,11 @@ impl CallParser {
                 ..
             }
             | State::Hold { marker }
-            | State::GemmaHead { marker } => self.whole_block(marker, &rest, ""),
+            | State::GemmaHead { marker }
+            | State::PyName {
+                marker,
+                first: true,
+            } => self.whole_block(marker, &rest, ""),
             State::Value { kind, .. } => {
                 self.cut = true;
                 if kind != Some(ValueKind::Nested) {
@@ -501,6 +517,11 @@ impl CallParser {
                 }
             }
             State::XmlParams { .. } => self.cut = true,
+            State::PyArgs { .. } => {
+                self.cut = true;
+                let tail = self.python.finish();
+                self.emit(CallPiece::Args(tail));
+            }
             State::GemmaArgs { .. } => {
                 self.cut = true;
                 let tail = self.gemma.finish(&rest);
@@ -599,6 +620,11 @@ impl CallParser {
                         State::XmlName { marker }
                     } else if marker == gemma4::CALL {
                         State::GemmaHead { marker }
+                    } else if marker == pythonic::CALL {
+                        State::PyName {
+                            marker,
+                            first: true,
+                        }
                     } else {
                         State::Head {
                             marker,
@@ -751,6 +777,72 @@ impl CallParser {
                 self.emit(CallPiece::Call(name.clone()));
                 self.func = name;
                 self.state = State::XmlParams { marker, n: 0 };
+                Step::On
+            }
+            // A Python call: `NAME(`, after the list's `[` at the block's
+            // start.
+            State::PyName { marker, first } => {
+                let lead = self.buf.trim_start();
+                let lead = match lead.strip_prefix('[') {
+                    Some(rest) if first => rest.trim_start(),
+                    _ => lead,
+                };
+                let skip = self.buf.len() - lead.len();
+                let Some(at) = lead.find('(') else {
+                    if !is_name(lead) {
+                        self.state = if first {
+                            State::Hold { marker }
+                        } else {
+                            State::Close { marker }
+                        };
+                        return Step::On;
+                    }
+                    return Step::Wait;
+                };
+                let name = lead[..at].trim().to_string();
+                if name.is_empty() || !is_name(&name) {
+                    self.state = if first {
+                        State::Hold { marker }
+                    } else {
+                        State::Close { marker }
+                    };
+                    return Step::On;
+                }
+                self.buf.drain(..skip + at + 1);
+                if self.calls >= self.max_calls {
+                    self.buf.clear();
+                    self.state = State::After;
+                    return Step::Wait;
+                }
+                self.calls += 1;
+                self.emit(CallPiece::Call(name));
+                self.python = pythonic::ArgsToJson::new();
+                self.state = State::PyArgs { marker };
+                Step::On
+            }
+            State::PyArgs { marker } => {
+                let fed = self.python.feed(&self.buf);
+                self.buf.drain(..fed.read);
+                self.emit(CallPiece::Args(fed.json));
+                if !fed.done {
+                    return Step::Wait;
+                }
+                self.state = State::PyBetween { marker };
+                Step::On
+            }
+            State::PyBetween { marker } => {
+                if !self.skip_ws() {
+                    return Step::Wait;
+                }
+                self.state = if self.buf.starts_with(',') {
+                    self.buf.drain(..1);
+                    State::PyName {
+                        marker,
+                        first: false,
+                    }
+                } else {
+                    State::Close { marker }
+                };
                 Step::On
             }
             // Qwen3-Coder's block: `<function=` after the tag.

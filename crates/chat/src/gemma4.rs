@@ -13,7 +13,7 @@
 use serde_json::Value;
 
 use crate::Tool;
-use crate::tools::{lark_literal, param_type};
+use crate::tools::{lark_literal, ordered_items, param_type};
 
 /// Opens a call.
 pub(crate) const CALL: &str = "<|tool_call>";
@@ -27,6 +27,8 @@ pub(crate) const QUOTE: &str = "<|\"|>";
 pub(crate) const CHANNEL: &str = "<|channel>";
 pub(crate) const CHANNEL_END: &str = "<channel|>";
 
+/// Between a call's arguments, as its template writes them.
+const SEP: &str = ",";
 /// Gemma 4's tool-call tokens.
 pub(crate) const MARKUP: [&str; 5] = [CALL, CALL_END, QUOTE, CHANNEL, CHANNEL_END];
 
@@ -371,35 +373,11 @@ pub(crate) fn grammar(tools: &[&Tool], parallel: bool) -> String {
             };
             g.push_str(&format!("f{i}_{j}: {} {value}\n", lit(&format!("{key}:"))));
         }
-        // `a{k}`: the items from `k` on, the first of them present; each
-        // later one after a comma. An optional item may be left out.
-        let n = props.len();
-        let is_req = |j: usize| required.contains(&props[j].0.as_str());
-        let tail = |from: usize| -> String {
-            (from..n)
-                .map(|j| {
-                    if is_req(j) {
-                        format!(" \",\" f{i}_{j}")
-                    } else {
-                        format!(" (\",\" f{i}_{j})?")
-                    }
-                })
-                .collect()
-        };
-        for k in 0..n {
-            let here = format!("f{i}_{k}{}", tail(k + 1));
-            if is_req(k) || k + 1 == n {
-                g.push_str(&format!("f{i}_a{k}: {here}\n"));
-            } else {
-                g.push_str(&format!("f{i}_a{k}: {here} | f{i}_a{}\n", k + 1));
-            }
-        }
-        let all_optional = (0..n).all(|j| !is_req(j));
-        let body = match (n, all_optional) {
-            (0, _) => String::new(),
-            (_, true) => format!(" f{i}_a0?"),
-            _ => format!(" f{i}_a0"),
-        };
+        let required: Vec<bool> = props
+            .iter()
+            .map(|(k, _)| required.contains(&k.as_str()))
+            .collect();
+        let body = ordered_items(&mut g, &format!("f{i}"), &required, &lit(SEP));
         g.push_str(&format!(
             "f{i}: {}{body} \"}}\"\n",
             lit(&format!("{}{{", t.name))

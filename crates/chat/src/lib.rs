@@ -33,6 +33,7 @@ mod fit;
 mod gemma4;
 mod harmony;
 mod json;
+mod pythonic;
 mod reasoning;
 mod router;
 #[cfg(test)]

@@ -396,6 +396,57 @@ fn gemma4_calls_parse_as_json() {
     assert_eq!(json(&read.calls[0].1), args, "{written}");
 }
 
+/// Calls written as Python (LFM2's): keyword arguments read as JSON,
+/// strings in either quote with their escapes, Python's constants and
+/// numbers, tuples as lists; several calls in one list; streamed as
+/// written; LFM2's and LFM2.5's templates known.
+#[test]
+fn python_calls_parse_as_json() {
+    let at = CALL_TEXTS
+        .iter()
+        .position(|&(s, _)| s == ToolSyntax::Lfm2)
+        .unwrap();
+    let json = |s: &str| serde_json::from_str::<serde_json::Value>(s).expect(s);
+    let two = ToolSyntax::Lfm2.parse(CALL_TEXTS[at].1, &[]);
+    assert_eq!(two.content, "Let me check.");
+    assert_eq!(
+        two.calls,
+        [
+            (
+                "get_weather".into(),
+                r#"{"city": "Paris", "days": 3}"#.into()
+            ),
+            ("now".into(), "{}".into())
+        ]
+    );
+    let typed = ToolSyntax::Lfm2.parse(CALL_TEXTS[at + 1].1, &[]);
+    assert_eq!(
+        json(&typed.calls[0].1),
+        serde_json::json!({"text": "it's \"x\"\n\u{e9}\\q", "flag": true,
+            "opts": {"a": [1, [2, 3]], "b": null}, "n": 1000, "ratio": 0.5, "word": "many"})
+    );
+    let cut = ToolSyntax::Lfm2.parse(CALL_TEXTS[at + 2].1, &[]);
+    assert!(cut.cut_short);
+    assert_eq!(cut.calls[0].1, r#"{"text": "half a li"#);
+    let text = CALL_TEXTS[at + 3].1;
+    assert_eq!(ToolSyntax::Lfm2.parse(text, &[]).content, text);
+    let loose = ToolSyntax::Lfm2.parse(CALL_TEXTS[at + 4].1, &[]);
+    assert_eq!(
+        json(&loose.calls[0].1),
+        serde_json::json!({"0": 1, "1": "two", "x": true, "y": null, "z": null})
+    );
+    // The name goes out before the arguments are written.
+    let t0 = CALL_TEXTS[at].1;
+    let (pieces, _) = streamed(ToolSyntax::Lfm2, &[&t0[..t0.find("Paris").unwrap()]]);
+    assert_eq!(pieces[1], CallPiece::Call("get_weather".into()));
+    for template in [
+        "{{ '<|tool_list_start|>' + tools | tojson + '<|tool_list_end|>' }}",
+        "{{ 'List of tools: [' + tools | map('tojson') | join(', ') + ']' }}",
+    ] {
+        assert_eq!(ToolSyntax::detect(template), Some(ToolSyntax::Lfm2));
+    }
+}
+
 /// A template that writes calls as GLM's do, in GLM-4.5's layout (or,
 /// `compact`, GLM-4.7's): `<|user|>` and `<|assistant|>` turns, results
 /// in `<|observation|>` ones.
@@ -636,6 +687,24 @@ const CALL_TEXTS: &[(ToolSyntax, &str)] = &[
     (
         ToolSyntax::CommandR,
         "<|START_ACTION|>[\n    {\"tool_call_id\": \"0\", \"tool_name\": \"get_weather\", \"parameters\": {\"city\": \"Lima\"}},\n    {\"tool_call_id\": \"1\", \"tool_name\": \"now\", \"parameters\": {}}\n]<|END_ACTION|>",
+    ),
+    // Calls written as Python (LFM2).
+    (
+        ToolSyntax::Lfm2,
+        r#"Let me check.<|tool_call_start|>[get_weather(city="Paris", days=3), now()]<|tool_call_end|>"#,
+    ),
+    (
+        ToolSyntax::Lfm2,
+        r#"<|tool_call_start|>[write(text='it\'s "x"\n\u00e9\q', flag=True, opts={'a': [1, (2, 3)], 'b': None}, n=1_000, ratio=.5, word=many)]<|tool_call_end|>"#,
+    ),
+    (
+        ToolSyntax::Lfm2,
+        r#"<|tool_call_start|>[write(text="half a li"#,
+    ),
+    (ToolSyntax::Lfm2, "<|tool_call_start|> is how calls open"),
+    (
+        ToolSyntax::Lfm2,
+        "<|tool_call_start|>[f(1, 'two', x=true, y=null, z)]<|tool_call_end|> then text",
     ),
     // GLM's XML arguments, with and without newlines.
     (
@@ -1274,6 +1343,14 @@ fn random_texts_read_alike_however_cut() {
         "</arg_key>",
         "<arg_value>",
         "</arg_value>",
+        "<|tool_call_start|>",
+        "<|tool_call_end|>",
+        "(",
+        ")",
+        "x=",
+        "'",
+        "True",
+        "\\u00e",
     ];
     // A fixed stream: the same texts every run.
     let mut rng = Xorshift(0x9E37_79B9_7F4A_7C15);
@@ -1292,6 +1369,7 @@ fn random_texts_read_alike_however_cut() {
         ToolSyntax::Gemma4,
         ToolSyntax::Glm45,
         ToolSyntax::Glm47,
+        ToolSyntax::Lfm2,
     ];
     // How many texts held calls, and how many ended inside arguments: the
     // texts must reach the reader's paths, not only its prose.
@@ -1320,6 +1398,7 @@ fn random_texts_read_alike_however_cut() {
             ToolSyntax::Glm45 | ToolSyntax::Glm47 => {
                 "<tool_call>write\n<arg_key>text</arg_key>\n<arg_value>"
             }
+            ToolSyntax::Lfm2 => "<|tool_call_start|>[f(",
             _ => "{\"name\": \"f\", \"parameters\": ",
         };
         let text: String = std::iter::once(opener)

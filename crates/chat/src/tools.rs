@@ -7,7 +7,7 @@ use siliceo_core::Constraint;
 
 use crate::Tool;
 use crate::calls::{CallParser, CallPiece, GLM_XML, QWEN_XML, XmlTags};
-use crate::gemma4;
+use crate::{gemma4, pythonic};
 
 /// How a model family writes tool calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,6 +60,10 @@ pub enum ToolSyntax {
     /// </arg_key><arg_value>VALUE</arg_value></tool_call>` (GLM-4.7 and
     /// GLM-4.7-Flash). Read alike; a forced call is laid out so.
     Glm47,
+    /// `<|tool_call_start|>[get_weather(city="Paris"), now()]<|tool_call_end|>`
+    /// (Liquid AI's LFM2 and LFM2.5): calls written as Python, their
+    /// keyword arguments read as JSON.
+    Lfm2,
 }
 
 /// Which tools the model may or must call (OpenAI's `tool_choice`).
@@ -118,6 +122,12 @@ impl ToolSyntax {
             Some(ToolSyntax::Harmony)
         } else if template.contains(gemma4::CALL) && template.contains(gemma4::CALL_HEAD) {
             Some(ToolSyntax::Gemma4)
+        } else if template.contains(pythonic::CALL)
+            || template.contains("<|tool_list_start|>")
+            || template.contains("List of tools: [")
+        {
+            // LFM2's template names its list of tools; LFM2.5's says it so.
+            Some(ToolSyntax::Lfm2)
         } else if template.contains(DEEPSEEK_CALL) && template.contains("```json") {
             Some(ToolSyntax::DeepSeekR1)
         } else if template.contains(DEEPSEEK_CALL) {
@@ -164,7 +174,7 @@ impl ToolSyntax {
 
     /// A short name (`hermes`, `mistral`, `mistral_args`, `llama3_json`,
     /// `qwen3_coder`, `granite`, `nemotron`, `harmony`, `deepseek_v3_1`,
-    /// `deepseek_r1`, `command_r`, `gemma4`, `glm45`, `glm47`).
+    /// `deepseek_r1`, `command_r`, `gemma4`, `glm45`, `glm47`, `lfm2`).
     pub fn name(self) -> &'static str {
         match self {
             ToolSyntax::Hermes => "hermes",
@@ -181,6 +191,7 @@ impl ToolSyntax {
             ToolSyntax::Gemma4 => "gemma4",
             ToolSyntax::Glm45 => "glm45",
             ToolSyntax::Glm47 => "glm47",
+            ToolSyntax::Lfm2 => "lfm2",
         }
     }
 
@@ -238,6 +249,7 @@ impl ToolSyntax {
             ToolSyntax::CommandR => &[COMMAND_R_CALL],
             ToolSyntax::Gemma4 => &[gemma4::CALL],
             ToolSyntax::Glm45 | ToolSyntax::Glm47 => &["<tool_call>"],
+            ToolSyntax::Lfm2 => &[pythonic::CALL],
             // The call is the answer's opening `{` (see CallParser).
             ToolSyntax::Llama3Json => &[],
             // Its models now and then leave out the outer tag.
@@ -259,6 +271,7 @@ impl ToolSyntax {
         match self {
             ToolSyntax::Hermes | ToolSyntax::QwenXml => &["<tool_call>", "</tool_call>"],
             ToolSyntax::Glm45 | ToolSyntax::Glm47 => &GLM_MARKUP,
+            ToolSyntax::Lfm2 => &pythonic::MARKUP,
             ToolSyntax::Mistral => &["[TOOL_CALLS]"],
             ToolSyntax::Granite => &[GRANITE_CALL],
             ToolSyntax::Nemotron => &[NEMOTRON_CALL, "</TOOLCALL>"],
@@ -385,6 +398,7 @@ impl ToolSyntax {
                 glm_grammar(&chosen, parallel, self == ToolSyntax::Glm47)
             }
             ToolSyntax::Gemma4 => gemma4::grammar(&chosen, parallel),
+            ToolSyntax::Lfm2 => pythonic::grammar(&chosen, parallel),
             ToolSyntax::Harmony => harmony_grammar(&chosen),
             ToolSyntax::MistralArgs => {
                 // `[TOOL_CALLS]NAME[ARGS]` then the arguments by the tool's schema.
@@ -464,6 +478,39 @@ const NEMOTRON_CALL: &str = "<TOOLCALL>";
 /// `s` as a Lark string literal (a JSON string is one).
 pub(crate) fn lark_literal(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_default()
+}
+
+/// Rules for a call's arguments in a fixed order, some optional, the items
+/// being rules `{rule}_{j}`: `{rule}_a{k}` derives the items from `k` on,
+/// the first of them present, each later one after `sep` (a Lark
+/// literal). Returns what goes between the call's brackets: nothing for
+/// no items, optional when every item is.
+pub(crate) fn ordered_items(g: &mut String, rule: &str, required: &[bool], sep: &str) -> String {
+    let n = required.len();
+    let tail = |from: usize| -> String {
+        (from..n)
+            .map(|j| {
+                if required[j] {
+                    format!(" {sep} {rule}_{j}")
+                } else {
+                    format!(" ({sep} {rule}_{j})?")
+                }
+            })
+            .collect()
+    };
+    for k in 0..n {
+        let here = format!("{rule}_{k}{}", tail(k + 1));
+        if required[k] || k + 1 == n {
+            g.push_str(&format!("{rule}_a{k}: {here}\n"));
+        } else {
+            g.push_str(&format!("{rule}_a{k}: {here} | {rule}_a{}\n", k + 1));
+        }
+    }
+    match (n, required.iter().all(|r| !r)) {
+        (0, _) => String::new(),
+        (_, true) => format!(" {rule}_a0?"),
+        _ => format!(" {rule}_a0"),
+    }
 }
 
 /// `s` as a Lark literal in a sequence: nothing when it is empty.

@@ -742,6 +742,69 @@ mod tests {
         }
     }
 
+    /// LFM2's forced calls: a Python list of calls in its tags, keyword
+    /// arguments in the schema's order, the required ones always, each of
+    /// its type (a double-quoted string within its bounds, an integer, an
+    /// `enum`'s texts, `True`/`False`, JSON for other values); what the
+    /// grammar takes reads back as JSON.
+    #[test]
+    fn forced_python_calls_take_keyword_arguments_by_the_schema() {
+        let grammars = byte_grammars();
+        let tools = [
+            tool(
+                "get_weather",
+                r#"{"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                    "days": {"type": "integer"}, "unit": {"type": "string", "enum": ["C", "F"]},
+                    "alerts": {"type": "boolean"}, "opts": {"type": "object"}},
+                    "required": ["city"]}"#,
+            ),
+            tool("now", r#"{"type": "object", "properties": {}}"#),
+        ];
+        let lark = |parallel| forced(ToolSyntax::Lfm2, &tools, parallel);
+        let takes = |parallel, text: &str| accepts(&grammars, &lark(parallel), text);
+        let list = |calls: &str| format!("<|tool_call_start|>[{calls}]<|tool_call_end|>");
+        let full =
+            r#"get_weather(city="Rio \"de\" J", days=3, unit="C", alerts=True, opts={"a": [1]})"#;
+        let short = r#"get_weather(city="Oslo", alerts=False)"#;
+        assert!(takes(false, &list(full)));
+        assert!(takes(false, &list(short)));
+        assert!(takes(false, &list("now()")));
+        assert!(takes(true, &list(&format!("{short}, now(), {full}"))));
+        assert!(!takes(false, &list(&format!("{short}, now()"))));
+        // Out of order, the required one missing, another type, a text not
+        // in the enum, too long, no call.
+        assert!(!takes(false, &list(r#"get_weather(days=3, city="Oslo")"#)));
+        assert!(!takes(false, &list("get_weather(days=3)")));
+        assert!(!takes(
+            false,
+            &list(r#"get_weather(city="Oslo", days="3")"#)
+        ));
+        assert!(!takes(
+            false,
+            &list(r#"get_weather(city="Oslo", unit="K")"#)
+        ));
+        assert!(!takes(
+            false,
+            &list(r#"get_weather(city="Llanfairpwllgwyngyll")"#)
+        ));
+        assert!(!takes(false, "It is sunny."));
+        let read = ToolSyntax::Lfm2.parse(&list(&format!("{short}, {full}")), &tools);
+        let args: Vec<serde_json::Value> = read
+            .calls
+            .iter()
+            .map(|(_, a)| serde_json::from_str(a).unwrap())
+            .collect();
+        assert_eq!(
+            args[0],
+            serde_json::json!({"city": "Oslo", "alerts": false})
+        );
+        assert_eq!(
+            args[1],
+            serde_json::json!({"city": "Rio \"de\" J", "days": 3, "unit": "C",
+                "alerts": true, "opts": {"a": [1]}})
+        );
+    }
+
     /// Mistral's newer forced calls: `[TOOL_CALLS]NAME[ARGS]` and the
     /// arguments by the tool's schema, once or (parallel) more.
     #[test]
