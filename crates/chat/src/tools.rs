@@ -498,9 +498,9 @@ pub(crate) fn ordered_items(g: &mut String, rule: &str, required: &[bool], sep: 
             })
             .collect()
     };
-    for k in 0..n {
+    for (k, &req) in required.iter().enumerate() {
         let here = format!("{rule}_{k}{}", tail(k + 1));
-        if required[k] || k + 1 == n {
+        if req || k + 1 == n {
             g.push_str(&format!("{rule}_a{k}: {here}\n"));
         } else {
             g.push_str(&format!("{rule}_a{k}: {here} | {rule}_a{}\n", k + 1));
