@@ -97,6 +97,15 @@ impl ThinkTags {
         }
     }
 
+    /// Whether the model may think again after it began its answer: Gemma
+    /// 4 writes another thought, or a bare closing token, after its answer
+    /// now and then (llama.cpp's parser takes them so); those are thinking
+    /// (the bare close, nothing), not answer. Other models' later tags are
+    /// the answer's text.
+    pub fn interleaved(self) -> bool {
+        self == ThinkTags::GEMMA4
+    }
+
     /// The text that closes a block the model has thought in long enough
     /// (a thinking budget forces it): `"\n</think>\n\n"` as Qwen3's and
     /// DeepSeek-R1's templates write a closed block; for harmony, the end
@@ -133,6 +142,8 @@ pub struct ThinkSplitter {
     state: State,
     held: String,
     tags: ThinkTags,
+    /// The answer began (a later thought, closed, goes back to it as is).
+    answered: bool,
 }
 
 /// A piece of output, split.
@@ -152,6 +163,7 @@ impl ThinkSplitter {
             state: if open { State::Thinking } else { State::Start },
             held: String::new(),
             tags: ThinkTags::default(),
+            answered: false,
         }
     }
 
@@ -195,7 +207,11 @@ impl ThinkSplitter {
                     Some(at) => {
                         out.reasoning.push_str(&self.held[..at]);
                         self.held.drain(..at + self.tags.close.len());
-                        self.state = State::Closed;
+                        self.state = if self.answered {
+                            State::Answer
+                        } else {
+                            State::Closed
+                        };
                     }
                     None => {
                         let keep = siliceo_core::held_prefix_len(&self.held, self.tags.close);
@@ -213,6 +229,22 @@ impl ThinkSplitter {
                     }
                     self.held = lead.to_string();
                     self.state = State::Answer;
+                }
+                State::Answer if self.tags.interleaved() => {
+                    self.answered = true;
+                    let tags = [self.tags.open, self.tags.close];
+                    let Some((at, tag)) = crate::tools::find_first(&self.held, &tags) else {
+                        let keep = crate::tools::held_tail_len(&self.held, &tags);
+                        let tail = self.held.split_off(self.held.len() - keep);
+                        out.content
+                            .push_str(&std::mem::replace(&mut self.held, tail));
+                        return out;
+                    };
+                    out.content.push_str(&self.held[..at]);
+                    self.held.drain(..at + tag.len());
+                    if tag == self.tags.open {
+                        self.state = State::Thinking;
+                    }
                 }
                 State::Answer => {
                     out.content.push_str(&self.held);
@@ -333,6 +365,26 @@ mod tests {
             Some(ThinkTags::ANGLE)
         );
         assert_eq!(ThinkTags::of_template("{{ m.content }}"), None);
+    }
+
+    /// Gemma 4's thought channel: a leading thought, and the thoughts and
+    /// bare closes it writes after its answer, are thinking; other models'
+    /// later tags stay answer text (above).
+    #[test]
+    fn gemma4_thoughts_after_the_answer_are_thinking() {
+        same_in_pieces_in(
+            ThinkTags::GEMMA4,
+            false,
+            "<|channel>thought\nPlan.<channel|>Paris.<|channel>thought\nMore.<channel|> Yes.<channel|>",
+            ("\nPlan.\nMore.", "Paris. Yes."),
+        );
+        same_in_pieces_in(
+            ThinkTags::GEMMA4,
+            false,
+            "It is <b>4</b>.<channel|>",
+            ("", "It is <b>4</b>."),
+        );
+        same_in_pieces_in(ThinkTags::GEMMA4, false, "4 <|chan", ("", "4 <|chan"));
     }
 
     #[test]
