@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import urllib.error
 import urllib.request
