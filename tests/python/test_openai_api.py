@@ -11,7 +11,7 @@ import grpc
 import openai
 import pytest
 
-from conftest import API_KEY, BROWSER_ORIGIN, QUESTION, ROOT, Server, client, refused_start
+from conftest import API_KEY, BROWSER_ORIGIN, QUESTION, ROOT, Server, client, refused_start, synth_model
 
 
 def post_json(server, path: str, body: dict) -> tuple[int, dict]:
@@ -1651,6 +1651,14 @@ def test_glm_tool_calls(tmp_path):
             s.stop()
 
 
+# A thought in Gemma 4's channel, then an answer (forced: neither SmolLM2 nor
+# a synthetic model thinks on its own).
+GEMMA4_THOUGHT_THEN_ANSWER = (
+    'start: "<|channel>thought\\n" THOUGHT "<channel|>" ANSWER\n'
+    "THOUGHT: /[a-z][a-z ]{8,40}/\nANSWER: /[A-Z][a-z ]{3,30}\\./\n"
+)
+
+
 def test_gemma4_tool_calls_and_thinking():
     """Gemma 4's own template on SmolLM2 (calls as `<|tool_call>call:NAME{…}
     <tool_call|>`, arguments in Gemma's notation: bare keys, strings between
@@ -1682,10 +1690,9 @@ def test_gemma4_tool_calls_and_thinking():
                    f"<|tool_response>response:get_weather{{value:{q}18 C{q}}}<tool_response|>")
         assert written in text, text
         # Thinking: off unless switched on; on, its channel is split off.
-        grammar = ('start: "<|channel>thought\\n" THOUGHT "<channel|>" ANSWER\n'
-                   'THOUGHT: /[a-z][a-z ]{8,40}/\nANSWER: /[A-Z][a-z ]{3,30}\\./\n')
         ask = [{"role": "user", "content": "What is the capital of France?"}]
-        on = {"chat_template_kwargs": {"enable_thinking": True}, "grammar": grammar}
+        on = {"chat_template_kwargs": {"enable_thinking": True},
+              "grammar": GEMMA4_THOUGHT_THEN_ANSWER}
         r = c.chat.completions.create(model="", messages=ask, max_tokens=80, temperature=0,
                                       extra_body=on)
         m = r.choices[0].message
@@ -1693,6 +1700,49 @@ def test_gemma4_tool_calls_and_thinking():
         assert m.content and "channel" not in m.reasoning_content + m.content, m
         plain = c.chat.completions.create(model="", messages=ask, max_tokens=8, temperature=0)
         assert plain.choices[0].message.reasoning_content is None, plain
+        s.wait_idle()
+    finally:
+        s.stop()
+
+
+def test_gemma4_architecture_on_llamas_cache(tmp_path):
+    """Gemma 4's architecture at test size (`synth-model --like gemma4-mini`:
+    windowed and global layers with heads of two sizes, the last two layers
+    reading earlier layers' KV; random weights, SmolLM2's tokenizer). Our
+    store refuses it at start-up, naming what it lacks and the flag that
+    serves it; with `--kv-backend llama` it serves Gemma 4's template: a
+    forced call in Gemma's notation read back, whole and streamed, and a
+    thought split off."""
+    model = synth_model("gemma4-mini", str(tmp_path / "gemma4-mini.gguf"))
+    why = refused_start("--model", model)
+    assert "KV shared across layers" in why and "--kv-backend llama" in why, why
+    template = str(ROOT / "crates" / "chat" / "src" / "testdata_gemma4.jinja")
+    s = Server("--model", model, "--kv-backend", "llama", "--chat-template-file", template)
+    try:
+        c = client(s)
+        from openai.lib.streaming.chat import ChatCompletionStreamState
+
+        # (Not compared whole against streamed: llama.cpp's cache reuses
+        # the prompt the second time, and a random model's near-even
+        # logits follow the different arithmetic.)
+        ask = dict(model="", messages=CITY_ASK, tools=CITY_TOOLS, tool_choice="required",
+                   parallel_tool_calls=False, temperature=0, max_tokens=80)
+        whole = c.chat.completions.create(**ask).choices[0]
+        state = ChatCompletionStreamState()
+        for chunk in c.chat.completions.create(**ask, stream=True):
+            state.handle_chunk(chunk)
+        streamed = state.get_final_completion().choices[0]
+        for choice in [whole, streamed]:
+            assert choice.finish_reason == "tool_calls", choice
+            (call,) = choice.message.tool_calls
+            assert call.function.name == "get_weather", call
+            assert set(json.loads(call.function.arguments)) == {"city"}, call
+        on = {"chat_template_kwargs": {"enable_thinking": True},
+              "grammar": GEMMA4_THOUGHT_THEN_ANSWER}
+        r = c.chat.completions.create(model="", messages=QUESTION, max_tokens=60, temperature=0,
+                                      extra_body=on)
+        m = r.choices[0].message
+        assert m.reasoning_content and m.content and "channel" not in m.content, m
         s.wait_idle()
     finally:
         s.stop()

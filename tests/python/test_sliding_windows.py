@@ -9,13 +9,12 @@ made by `siliceo synth-model --like gpt-oss-mini`. The real server, the
 import concurrent.futures
 import math
 import os
-import subprocess
 import tempfile
 
 import openai
 import pytest
 
-from conftest import ROOT, Server, client, model_file
+from conftest import Server, client, model_file, synth_model
 
 GEMMA = "gemma-3-270m-q4_k_m.gguf"
 # The id the server gives it: the file name without `.gguf`.
@@ -106,25 +105,8 @@ def test_gemma3_sliding_windows_through_our_store():
 def test_gpt_oss_sinks_and_windows_through_our_store():
     """A two-layer gpt-oss (random weights, SmolLM2's tokenizer: its text is
     noise) served through our store agrees with llama.cpp's cache."""
-    binary = os.environ.get("SILICEO_BIN") or str(ROOT / "target" / "debug" / "siliceo")
     with tempfile.TemporaryDirectory() as tmp:
-        model = os.path.join(tmp, "gpt-oss-mini.gguf")
-        subprocess.run(
-            [
-                binary,
-                "synth-model",
-                "--like",
-                "gpt-oss-mini",
-                "--quant",
-                "q8_0",
-                "--tokenizer",
-                model_file("SmolLM2-135M-Instruct.Q4_1.gguf", ""),
-                "--out",
-                model,
-            ],
-            check=True,
-            capture_output=True,
-        )
+        model = synth_model("gpt-oss-mini", os.path.join(tmp, "gpt-oss-mini.gguf"))
         prompt = "The lighthouse keeper counted the ships that passed each night. " * 8
         ours = Server("--model", model, "--kv", "f16", context=1024)
         try:

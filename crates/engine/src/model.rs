@@ -470,6 +470,34 @@ impl Model {
         if encoder {
             return refuse("an encoder with cross-attention".into());
         }
+        // Gemma 4's and Gemma 3n's: checked before the windows, which those
+        // have too, so the refusal names what the store lacks first.
+        let arch = &self.architecture;
+        let meta_u = |key: &str| {
+            self.meta(&format!("{arch}.{key}"))
+                .and_then(|v| v.trim().parse::<u32>().ok())
+        };
+        if let Some(n) = meta_u("attention.shared_kv_layers").filter(|&n| n > 0) {
+            return refuse(format!(
+                "KV shared across layers (the last {n} layers attend over earlier layers' KV, \
+                 as Gemma 4's and Gemma 3n's do)"
+            ));
+        }
+        let g = self.geometry;
+        let swa_heads = [
+            meta_u("attention.key_length_swa"),
+            meta_u("attention.value_length_swa"),
+        ];
+        if let Some(d) = swa_heads
+            .into_iter()
+            .flatten()
+            .find(|&d| d != g.head_dim_k || d != g.head_dim_v)
+        {
+            return refuse(format!(
+                "heads of a size per layer (windowed layers' of {d}, the others' of {})",
+                g.head_dim_k
+            ));
+        }
         if swa > 0 && self.attention_windows().is_none() {
             return refuse(format!(
                 "sliding-window attention (window {swa}) of an architecture ({}) whose \
@@ -477,14 +505,12 @@ impl Model {
                 self.architecture
             ));
         }
-        let g = self.geometry;
         if g.head_dim_k != g.head_dim_v {
             return refuse(format!(
                 "K and V heads of different sizes ({} and {}), as in MLA",
                 g.head_dim_k, g.head_dim_v
             ));
         }
-        let arch = &self.architecture;
         // llama.cpp's architectures whose attention has sinks (a learned
         // logit per head in the softmax, `attn_sinks` tensors) other than
         // gpt-oss, whose sinks the kernel takes (tested on a synthetic

@@ -352,6 +352,13 @@ impl GgufWriter {
             self.kv.extend(x.to_le_bytes());
         }
     }
+    /// An array of `bool`.
+    pub fn bools(&mut self, k: &str, v: &[bool]) {
+        self.key(k, 9);
+        self.kv.extend(7u32.to_le_bytes());
+        self.kv.extend((v.len() as u64).to_le_bytes());
+        self.kv.extend(v.iter().map(|&b| u8::from(b)));
+    }
     /// An entry copied whole from another file (a span from
     /// [`metadata_spans`]).
     pub fn raw(&mut self, entry: &[u8]) {

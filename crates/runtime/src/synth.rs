@@ -72,7 +72,21 @@ pub enum Like {
     /// norm, RoPE in the windowed layers only, tied embeddings, a 32-token
     /// window on three layers in four. For tests of windows.
     Cohere2Mini,
+    /// Google's Gemma 4 architecture at test size: 6 layers, 256 wide, 4/2
+    /// heads; windowed layers (a 32-token window) with heads of 64, the
+    /// others ([`GEMMA4_PATTERN`]) global with heads of 128; the last
+    /// [`GEMMA4_SHARED_KV`] layers read the KV of earlier ones, as Gemma 4's
+    /// do. No per-layer embeddings (E2B's and E4B's), no experts.
+    Gemma4Mini,
 }
+
+/// `gemma4-mini`'s windowed layers (`true`) and global ones: layer 3 is the
+/// last global layer with its own KV, layer 2 the last windowed one.
+pub const GEMMA4_PATTERN: [bool; 6] = [true, true, true, false, true, false];
+/// `gemma4-mini`'s layers at the end that keep no KV of their own.
+pub const GEMMA4_SHARED_KV: u32 = 2;
+/// `gemma4-mini`'s windowed layers' head size.
+const GEMMA4_SWA_HEAD: u32 = 64;
 
 /// Weight types: llama.cpp's Q4_K_M mix, or Q8_0 throughout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,9 +110,10 @@ impl std::str::FromStr for Like {
             "olmo3-mini" => Ok(Like::Olmo3Mini),
             "exaone4-mini" => Ok(Like::Exaone4Mini),
             "cohere2-mini" => Ok(Like::Cohere2Mini),
+            "gemma4-mini" => Ok(Like::Gemma4Mini),
             _ => Err(format!(
                 "`{s}`: one of qwen2.5-7b, llama-3-8b, qwen2.5-1.5b, gpt-oss-20b, gpt-oss-mini, \
-                 olmo3-mini, exaone4-mini, cohere2-mini"
+                 olmo3-mini, exaone4-mini, cohere2-mini, gemma4-mini"
             )),
         }
     }
@@ -290,6 +305,24 @@ impl Like {
                 tied: true,
                 ..Like::Olmo3Mini.geometry()
             },
+            Like::Gemma4Mini => Geometry {
+                arch: "gemma4",
+                name: "gemma4-mini",
+                n_layer: GEMMA4_PATTERN.len() as u32,
+                n_embd: 256,
+                n_head: 4,
+                n_head_kv: 2,
+                n_ff: 512,
+                n_vocab: 0,
+                n_ctx: 4096,
+                rope_base: 1e6,
+                rms_eps: 1e-6,
+                qkv_bias: false,
+                tied: true,
+                head_dim: 128,
+                experts: None,
+                window: 32,
+            },
             Like::Qwen25_1_5b => Geometry {
                 arch: "qwen2",
                 name: "qwen2.5-1.5b",
@@ -338,6 +371,10 @@ pub fn tensors(g: &Geometry, n_vocab: u32, quant: Quant) -> Vec<TensorSpec> {
     let mut t: Vec<TensorSpec> = Vec::new();
     let mut add = |name: String, dims: &[u64], ty: u32| t.push((name, dims.to_vec(), ty));
     add("token_embd.weight".into(), &[e, v], base);
+    if g.arch == "gemma4" {
+        gemma4_tensors(g, (base, more), &mut add);
+        return t;
+    }
     add("output_norm.weight".into(), &[e], F32);
     if !g.tied {
         add("output.weight".into(), &[e, v], more);
@@ -399,6 +436,47 @@ pub fn tensors(g: &Geometry, n_vocab: u32, quant: Quant) -> Vec<TensorSpec> {
         }
     }
     t
+}
+
+/// Gemma 4's tensors after the embedding (tied output): per layer a head
+/// size by its kind, Q and K normalised, norms after attention and after
+/// the feed-forward; K and V only in layers with KV of their own; one
+/// `rope_freqs` for the global layers' proportional RoPE.
+fn gemma4_tensors(
+    g: &Geometry,
+    (base, more): (u32, u32),
+    add: &mut impl FnMut(String, &[u64], u32),
+) {
+    let (e, ff) = (u64::from(g.n_embd), u64::from(g.n_ff));
+    add("output_norm.weight".into(), &[e], F32);
+    let global = u64::from(g.head_dim);
+    add("rope_freqs.weight".into(), &[global / 2], F32);
+    let with_kv = g.n_layer.saturating_sub(GEMMA4_SHARED_KV);
+    for l in 0..g.n_layer {
+        let b = |s: &str| format!("blk.{l}.{s}");
+        let rich = if more_bits(l, g.n_layer) { more } else { base };
+        let hd = if GEMMA4_PATTERN[l as usize % GEMMA4_PATTERN.len()] {
+            u64::from(GEMMA4_SWA_HEAD)
+        } else {
+            global
+        };
+        let (q, kv) = (u64::from(g.n_head) * hd, u64::from(g.n_head_kv) * hd);
+        add(b("attn_norm.weight"), &[e], F32);
+        add(b("attn_q.weight"), &[e, q], base);
+        if l < with_kv {
+            add(b("attn_k.weight"), &[e, kv], base);
+            add(b("attn_v.weight"), &[e, kv], rich);
+            add(b("attn_k_norm.weight"), &[hd], F32);
+        }
+        add(b("attn_q_norm.weight"), &[hd], F32);
+        add(b("attn_output.weight"), &[q, e], base);
+        add(b("post_attention_norm.weight"), &[e], F32);
+        add(b("ffn_norm.weight"), &[e], F32);
+        add(b("ffn_gate.weight"), &[e, ff], base);
+        add(b("ffn_up.weight"), &[e, ff], base);
+        add(b("ffn_down.weight"), &[ff, e], rich);
+        add(b("post_ffw_norm.weight"), &[e], F32);
+    }
 }
 
 /// splitmix64: fast, seedable, good enough for noise.
@@ -559,7 +637,7 @@ pub fn synth_model(a: &SynthOptions) -> Result<()> {
     let Some(like) = a.like else {
         return invalid(
             "--like is needed (qwen2.5-7b, llama-3-8b, qwen2.5-1.5b, gpt-oss-20b, \
-             gpt-oss-mini, olmo3-mini, exaone4-mini or cohere2-mini), or --vocab-only",
+             gpt-oss-mini, olmo3-mini, exaone4-mini, cohere2-mini or gemma4-mini), or --vocab-only",
         );
     };
     let mut g = like.geometry();
@@ -607,6 +685,22 @@ pub fn synth_model(a: &SynthOptions) -> Result<()> {
     }
     w.f32(&k("rope.freq_base"), g.rope_base);
     w.f32(&k("attention.layer_norm_rms_epsilon"), g.rms_eps);
+    if arch == "gemma4" {
+        let n = g.n_layer as usize;
+        let pattern: Vec<bool> = (0..n)
+            .map(|l| GEMMA4_PATTERN[l % GEMMA4_PATTERN.len()])
+            .collect();
+        w.bools(&k("attention.sliding_window_pattern"), &pattern);
+        w.u32(
+            &k("attention.shared_kv_layers"),
+            GEMMA4_SHARED_KV.min(g.n_layer),
+        );
+        w.u32(&k("attention.key_length_swa"), GEMMA4_SWA_HEAD);
+        w.u32(&k("attention.value_length_swa"), GEMMA4_SWA_HEAD);
+        w.u32(&k("rope.dimension_count_swa"), GEMMA4_SWA_HEAD);
+        w.f32(&k("rope.freq_base_swa"), 1e4);
+        w.u32(&k("embedding_length_per_layer_input"), 0);
+    }
     if arch == "cohere2" {
         // A layer norm, and logits scaled (Command R7B's 0.25).
         w.f32(&k("attention.layer_norm_epsilon"), g.rms_eps);
