@@ -1198,6 +1198,20 @@ def two_cities_under_auto(c, ask, regex: str, max_tokens: int):
     assert got == ["Rome", "Oslo"] and r.choices[0].finish_reason == "tool_calls", r
 
 
+def call_rendered_back(s, call, result: str | None = "18 C", **body) -> str:
+    """The prompt text `s`'s template renders for CITY_ASK, then an assistant
+    message making `call`, then (unless `result` is None) the tool's
+    `result`: the call as the template writes it back."""
+    loop = CITY_ASK + [{"role": "assistant", "content": None, "tool_calls": [{
+        "id": call.id, "type": "function",
+        "function": {"name": "get_weather", "arguments": call.function.arguments}}]}]
+    if result is not None:
+        loop.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    status, t = post_json(s, "/tokenize", dict(body, messages=loop))
+    assert status == 200, t
+    return post_json(s, "/detokenize", {"tokens": t["tokens"]})[1]["prompt"]
+
+
 def template_server(name: str) -> Server:
     """A server on one of the chat crate's test-data templates."""
     return Server("--chat-template-file", str(ROOT / "crates" / "chat" / "src" / name))
@@ -1495,14 +1509,7 @@ def test_deepseek_tool_calls(tmp_path):
         assert message.reasoning_content == "\n", message
         args = json.loads(call.function.arguments)
         assert set(args) == {"city"}
-        loop = CITY_ASK + [
-            {"role": "assistant", "content": None, "tool_calls": [{
-                "id": call.id, "type": "function",
-                "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
-            {"role": "tool", "tool_call_id": call.id, "content": "18 C"}]
-        status, t = post_json(s, "/tokenize", {"messages": loop})
-        assert status == 200, t
-        text = post_json(s, "/detokenize", {"tokens": t["tokens"]})[1]["prompt"]
+        text = call_rendered_back(s, call)
         fence = f"function<｜tool▁sep｜>get_weather\n```json\n{call.function.arguments}\n```"
         assert fence in text, text
         s.wait_idle()
@@ -1587,12 +1594,7 @@ def test_lfm2_tool_calls(tmp_path):
         two = (r"<\|tool_call_start\|>\[get_weather\(city='Rome'\), "
                r'get_weather\(city="Oslo"\)\]<\|tool_call_end\|>')
         two_cities_under_auto(c, ask, two, max_tokens=150)
-        loop = CITY_ASK + [{"role": "assistant", "content": None, "tool_calls": [{
-            "id": call.id, "type": "function",
-            "function": {"name": "get_weather", "arguments": call.function.arguments}}]}]
-        status, t = post_json(s, "/tokenize", {"messages": loop})
-        assert status == 200, t
-        text = post_json(s, "/detokenize", {"tokens": t["tokens"]})[1]["prompt"]
+        text = call_rendered_back(s, call, result=None)
         written = f"<|tool_call_start|>[get_weather(city={json.dumps(args['city'])})]<|tool_call_end|>"
         assert written in text, text
         s.wait_idle()
@@ -1639,12 +1641,7 @@ def test_glm_tool_calls(tmp_path):
                    f"</arg_value>{n}</tool_call>")
             two_cities_under_auto(c, ask, one.replace("CITY", "Rome") + n
                                   + one.replace("CITY", "Oslo"), max_tokens=150)
-            loop = CITY_ASK + [{"role": "assistant", "content": None, "tool_calls": [{
-                "id": call.id, "type": "function",
-                "function": {"name": "get_weather", "arguments": call.function.arguments}}]}]
-            status, t = post_json(s, "/tokenize", {"messages": loop})
-            assert status == 200, t
-            text = post_json(s, "/detokenize", {"tokens": t["tokens"]})[1]["prompt"]
+            text = call_rendered_back(s, call, result=None)
             assert f"<arg_key>city</arg_key>{nl}<arg_value>{args['city']}</arg_value>" in text, text
             s.wait_idle()
         finally:
@@ -1677,14 +1674,7 @@ def test_gemma4_tool_calls_and_thinking():
         two = (r'<\|tool_call>call:get_weather\{city:<\|"\|>Rome<\|"\|>\}<tool_call\|>'
                r'<\|tool_call>call:get_weather\{city:<\|"\|>Oslo<\|"\|>\}<tool_call\|>')
         two_cities_under_auto(c, ask, two, max_tokens=150)
-        loop = CITY_ASK + [
-            {"role": "assistant", "content": None, "tool_calls": [{
-                "id": call.id, "type": "function",
-                "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
-            {"role": "tool", "tool_call_id": call.id, "content": "18 C"}]
-        status, t = post_json(s, "/tokenize", {"messages": loop, "tools": CITY_TOOLS})
-        assert status == 200, t
-        text = post_json(s, "/detokenize", {"tokens": t["tokens"]})[1]["prompt"]
+        text = call_rendered_back(s, call, tools=CITY_TOOLS)
         q = '<|"|>'
         written = (f"<|tool_call>call:get_weather{{city:{q}{args['city']}{q}}}<tool_call|>"
                    f"<|tool_response>response:get_weather{{value:{q}18 C{q}}}<tool_response|>")

@@ -576,6 +576,41 @@ impl CallParser {
         }
     }
 
+    /// A call named `name` begins, its head read: its name goes out and
+    /// the reader goes on to `next` (its arguments); false when the calls
+    /// taken are all there may be (then it and all after it go).
+    fn take_call(&mut self, name: String, next: State) -> bool {
+        if self.calls >= self.max_calls {
+            self.buf.clear();
+            self.state = State::After;
+            return false;
+        }
+        self.calls += 1;
+        self.emit(CallPiece::Call(name));
+        self.state = next;
+        true
+    }
+
+    /// [`CallParser::take_call`] for an XML call: its function is kept
+    /// (its values' types), and its parameters come next.
+    fn take_xml_call(&mut self, name: String, marker: &'static str) -> Step {
+        self.func.clone_from(&name);
+        if self.take_call(name, State::XmlParams { marker, n: 0 }) {
+            Step::On
+        } else {
+            Step::Wait
+        }
+    }
+
+    /// What a reader of arguments in a notation of their own read: it
+    /// leaves `buf` and its JSON goes out. `Some(ended)` once the arguments
+    /// closed (`ended`: by the call's end).
+    fn took_args(&mut self, fed: gemma4::Fed) -> Option<bool> {
+        self.buf.drain(..fed.read);
+        self.emit(CallPiece::Args(fed.json));
+        fed.done.then_some(fed.ended)
+    }
+
     /// Skips whitespace at the front of `buf`; false when none is left.
     fn skip_ws(&mut self) -> bool {
         let n = self.buf.len() - self.buf.trim_start().len();
@@ -680,20 +715,16 @@ impl CallParser {
                     return Step::On;
                 }
                 self.buf.drain(..start + at + sep.len());
-                if self.calls >= self.max_calls {
-                    self.buf.clear();
-                    self.state = State::After;
-                    return Step::Wait;
-                }
-                self.calls += 1;
-                self.emit(CallPiece::Call(name));
-                self.state = State::Value {
+                let value = State::Value {
                     marker,
                     list: false,
                     kind: None,
                     scan: Scan::default(),
                     bare: true,
                 };
+                if !self.take_call(name, value) {
+                    return Step::Wait;
+                }
                 Step::On
             }
             // Gemma 4's call: `call:NAME{`, then the arguments in its notation.
@@ -721,25 +752,18 @@ impl CallParser {
                 }
                 // The `{` stays: the arguments open with it.
                 self.buf.drain(..skip + gemma4::CALL_HEAD.len() + at);
-                if self.calls >= self.max_calls {
-                    self.buf.clear();
-                    self.state = State::After;
+                self.gemma = ArgsToJson::new();
+                if !self.take_call(name, State::GemmaArgs { marker }) {
                     return Step::Wait;
                 }
-                self.calls += 1;
-                self.emit(CallPiece::Call(name));
-                self.gemma = ArgsToJson::new();
-                self.state = State::GemmaArgs { marker };
                 Step::On
             }
             State::GemmaArgs { marker } => {
                 let fed = self.gemma.feed(&self.buf);
-                self.buf.drain(..fed.read);
-                self.emit(CallPiece::Args(fed.json));
-                if !fed.done {
+                let Some(ended) = self.took_args(fed) else {
                     return Step::Wait;
-                }
-                self.state = if fed.ended {
+                };
+                self.state = if ended {
                     State::After
                 } else {
                     State::Close { marker }
@@ -768,16 +792,7 @@ impl CallParser {
                     return Step::On;
                 }
                 self.buf.drain(..skip + at);
-                if self.calls >= self.max_calls {
-                    self.buf.clear();
-                    self.state = State::After;
-                    return Step::Wait;
-                }
-                self.calls += 1;
-                self.emit(CallPiece::Call(name.clone()));
-                self.func = name;
-                self.state = State::XmlParams { marker, n: 0 };
-                Step::On
+                self.take_xml_call(name, marker)
             }
             // A Python call: `NAME(`, after the list's `[` at the block's
             // start.
@@ -809,22 +824,15 @@ impl CallParser {
                     return Step::On;
                 }
                 self.buf.drain(..skip + at + 1);
-                if self.calls >= self.max_calls {
-                    self.buf.clear();
-                    self.state = State::After;
+                self.python = pythonic::ArgsToJson::new();
+                if !self.take_call(name, State::PyArgs { marker }) {
                     return Step::Wait;
                 }
-                self.calls += 1;
-                self.emit(CallPiece::Call(name));
-                self.python = pythonic::ArgsToJson::new();
-                self.state = State::PyArgs { marker };
                 Step::On
             }
             State::PyArgs { marker } => {
                 let fed = self.python.feed(&self.buf);
-                self.buf.drain(..fed.read);
-                self.emit(CallPiece::Args(fed.json));
-                if !fed.done {
+                if self.took_args(fed).is_none() {
                     return Step::Wait;
                 }
                 self.state = State::PyBetween { marker };
@@ -874,16 +882,7 @@ impl CallParser {
                 };
                 let name = self.buf[start..gt].trim().to_string();
                 self.buf.drain(..=gt);
-                if self.calls >= self.max_calls {
-                    self.buf.clear();
-                    self.state = State::After;
-                    return Step::Wait;
-                }
-                self.calls += 1;
-                self.emit(CallPiece::Call(name.clone()));
-                self.func = name;
-                self.state = State::XmlParams { marker, n: 0 };
-                Step::On
+                self.take_xml_call(name, marker)
             }
             State::XmlParams { marker, n } => {
                 let tags = self.syntax.xml_tags().unwrap_or(&QWEN_XML);
@@ -1016,23 +1015,19 @@ impl CallParser {
                     self.state = State::Item { marker };
                     Step::On
                 }
-                // A call past the last one taken: it and all after go.
-                Ok(_) if self.calls >= self.max_calls => {
-                    self.buf.clear();
-                    self.state = State::After;
-                    Step::Wait
-                }
                 Ok((name, end, opened)) => {
                     self.buf.drain(..end);
-                    self.calls += 1;
-                    self.emit(CallPiece::Call(name));
-                    self.state = State::Value {
+                    let value = State::Value {
                         marker,
                         list: list || opened,
                         kind: None,
                         scan: Scan::default(),
                         bare: false,
                     };
+                    // A call past the last one taken: it and all after go.
+                    if !self.take_call(name, value) {
+                        return Step::Wait;
+                    }
                     Step::On
                 }
             },
@@ -1051,20 +1046,14 @@ impl CallParser {
                     return Step::Wait;
                 };
                 let item: String = self.buf.drain(..=lead + end).collect();
-                let call = call_of_text(&item);
-                self.state = match call {
-                    Some(_) if self.calls >= self.max_calls => {
-                        self.buf.clear();
-                        State::After
-                    }
+                match call_of_text(&item) {
                     Some((name, args)) => {
-                        self.calls += 1;
-                        self.emit(CallPiece::Call(name));
-                        self.emit(CallPiece::Args(args));
-                        State::Between { marker, list: true }
+                        if self.take_call(name, State::Between { marker, list: true }) {
+                            self.emit(CallPiece::Args(args));
+                        }
                     }
-                    None => State::Close { marker },
-                };
+                    None => self.state = State::Close { marker },
+                }
                 Step::On
             }
             State::Hold { marker } => {

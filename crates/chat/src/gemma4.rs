@@ -13,7 +13,7 @@
 use serde_json::Value;
 
 use crate::Tool;
-use crate::tools::{lark_literal, ordered_items, param_type};
+use crate::tools::{Keywords, keyword_args, lark_literal};
 
 /// Opens a call.
 pub(crate) const CALL: &str = "<|tool_call>";
@@ -27,8 +27,6 @@ pub(crate) const QUOTE: &str = "<|\"|>";
 pub(crate) const CHANNEL: &str = "<|channel>";
 pub(crate) const CHANNEL_END: &str = "<channel|>";
 
-/// Between a call's arguments, as its template writes them.
-const SEP: &str = ",";
 /// Gemma 4's tool-call tokens.
 pub(crate) const MARKUP: [&str; 5] = [CALL, CALL_END, QUOTE, CHANNEL, CHANNEL_END];
 
@@ -67,7 +65,8 @@ pub(crate) struct ArgsToJson {
     want_value: bool,
 }
 
-/// What [`ArgsToJson::feed`] read.
+/// What a reader of arguments in a notation of their own (this one's,
+/// Python's) read of the text it was given.
 pub(crate) struct Fed {
     /// Bytes of the input read (the rest may begin a token: held).
     pub read: usize,
@@ -297,6 +296,50 @@ impl ArgsToJson {
     }
 }
 
+/// Gemma 4's keyword notation for forcing grammars: keys sorted (as its
+/// template's `dictsort` writes them), `key:value` by `,`, strings between
+/// quote tokens; values a schema does not type in its general form.
+struct Notation;
+
+impl Keywords for Notation {
+    const SEP: &'static str = ",";
+    const SORTED: bool = true;
+
+    fn key(&self, key: &str) -> String {
+        format!("{key}:")
+    }
+
+    fn text(&self, text: &str) -> String {
+        format!("{QUOTE}{text}{QUOTE}")
+    }
+
+    fn string(&self, g: &mut String, rule: &str, min: Option<u64>, max: Option<u64>) -> String {
+        if min.is_none() && max.is_none() {
+            return "gstr".into();
+        }
+        let max = max.map_or(String::new(), |m| m.to_string());
+        let q = lark_literal(QUOTE);
+        g.push_str(&format!(
+            "{rule}_v[lazy]: /(.|\\n){{{},{max}}}/ {q}\n",
+            min.unwrap_or(0)
+        ));
+        format!("{q} {rule}_v")
+    }
+
+    fn scalar(&self, ty: &str) -> Option<&'static str> {
+        match ty {
+            "integer" => Some("gint"),
+            "number" => Some("gnum"),
+            "boolean" => Some("gbool"),
+            _ => None,
+        }
+    }
+
+    fn other(&self, _: &mut String, _: &str, _: &Value) -> String {
+        "gval".into()
+    }
+}
+
 /// A forced call in Gemma 4's notation to one of `tools`: its arguments
 /// in the order its template writes them (sorted by key, as `dictsort`
 /// does), the required ones always, each value as its schema types it
@@ -327,57 +370,7 @@ pub(crate) fn grammar(tools: &[&Tool], parallel: bool) -> String {
         q = lit(QUOTE)
     ));
     for (i, t) in tools.iter().enumerate() {
-        let schema = t.parameters_value();
-        let required: Vec<&str> = schema
-            .get("required")
-            .and_then(Value::as_array)
-            .map(|r| r.iter().filter_map(Value::as_str).collect())
-            .unwrap_or_default();
-        let mut props: Vec<(&String, &Value)> = schema
-            .get("properties")
-            .and_then(Value::as_object)
-            .into_iter()
-            .flatten()
-            .collect();
-        props.sort_by(|a, b| a.0.cmp(b.0));
-        // Item `j`: `key:value`.
-        for (j, (key, sub)) in props.iter().enumerate() {
-            let value = match (param_type(sub), sub.get("enum").and_then(Value::as_array)) {
-                ("string", Some(texts)) if !texts.is_empty() => {
-                    let alts: Vec<String> = texts
-                        .iter()
-                        .filter_map(Value::as_str)
-                        .map(|s| lit(&format!("{QUOTE}{s}{QUOTE}")))
-                        .collect();
-                    format!("({})", alts.join(" | "))
-                }
-                ("string", _) => {
-                    let bound = |k: &str| sub.get(k).and_then(Value::as_u64);
-                    match (bound("minLength"), bound("maxLength")) {
-                        (None, None) => "gstr".into(),
-                        (min, max) => {
-                            let max = max.map_or(String::new(), |m| m.to_string());
-                            g.push_str(&format!(
-                                "f{i}_{j}_v[lazy]: /(.|\\n){{{},{max}}}/ {}\n",
-                                min.unwrap_or(0),
-                                lit(QUOTE)
-                            ));
-                            format!("{} f{i}_{j}_v", lit(QUOTE))
-                        }
-                    }
-                }
-                ("integer", _) => "gint".into(),
-                ("number", _) => "gnum".into(),
-                ("boolean", _) => "gbool".into(),
-                _ => "gval".into(),
-            };
-            g.push_str(&format!("f{i}_{j}: {} {value}\n", lit(&format!("{key}:"))));
-        }
-        let required: Vec<bool> = props
-            .iter()
-            .map(|(k, _)| required.contains(&k.as_str()))
-            .collect();
-        let body = ordered_items(&mut g, &format!("f{i}"), &required, &lit(SEP));
+        let body = keyword_args(&mut g, i, t, &Notation);
         g.push_str(&format!(
             "f{i}: {}{body} \"}}\"\n",
             lit(&format!("{}{{", t.name))

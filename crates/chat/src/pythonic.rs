@@ -12,7 +12,8 @@
 use serde_json::Value;
 
 use crate::Tool;
-use crate::tools::{lark_literal, ordered_items, param_type};
+use crate::gemma4::Fed;
+use crate::tools::{Keywords, keyword_args, lark_literal};
 
 /// Opens a list of calls.
 pub(crate) const CALL: &str = "<|tool_call_start|>";
@@ -58,16 +59,6 @@ pub(crate) struct ArgsToJson {
     mode: Mode,
     /// Arguments of the call written so far.
     n: usize,
-}
-
-/// What [`ArgsToJson::feed`] read.
-pub(crate) struct Fed {
-    /// Bytes of the input read.
-    pub read: usize,
-    /// JSON text.
-    pub json: String,
-    /// The call's `)` was read.
-    pub done: bool,
 }
 
 /// The character a Python escape stands for, once `esc` (from its
@@ -225,6 +216,7 @@ impl ArgsToJson {
                                 read: i,
                                 json: out,
                                 done: true,
+                                ended: false,
                             };
                         }
                         Some(Frame::Dict) => out.push('}'),
@@ -268,6 +260,7 @@ impl ArgsToJson {
             read: i,
             json: out,
             done: false,
+            ended: false,
         }
     }
 
@@ -302,6 +295,50 @@ impl ArgsToJson {
     }
 }
 
+/// Python's keyword notation for forcing grammars: `key=value` by `, ` in
+/// the schema's order, strings double-quoted, `True`/`False`, other values
+/// as JSON (which Python's literals mostly are, and these models write).
+struct Notation;
+
+impl Keywords for Notation {
+    const SEP: &'static str = SEP;
+    const SORTED: bool = false;
+
+    fn key(&self, key: &str) -> String {
+        format!("{key}=")
+    }
+
+    fn text(&self, text: &str) -> String {
+        serde_json::to_string(text).unwrap_or_default()
+    }
+
+    fn string(&self, g: &mut String, rule: &str, min: Option<u64>, max: Option<u64>) -> String {
+        if min.is_none() && max.is_none() {
+            return "pstr".into();
+        }
+        let max = max.map_or(String::new(), |m| m.to_string());
+        g.push_str(&format!(
+            "{rule}_v: /\"([^\"\\\\\\n]|\\\\.){{{},{max}}}\"/\n",
+            min.unwrap_or(0)
+        ));
+        format!("{rule}_v")
+    }
+
+    fn scalar(&self, ty: &str) -> Option<&'static str> {
+        match ty {
+            "integer" => Some("pint"),
+            "number" => Some("pnum"),
+            "boolean" => Some("pbool"),
+            _ => None,
+        }
+    }
+
+    fn other(&self, g: &mut String, rule: &str, schema: &Value) -> String {
+        g.push_str(&format!("{rule}_v: %json {schema}\n"));
+        format!("{rule}_v")
+    }
+}
+
 /// A forced list of calls in Python's notation to `tools` (one call, or
 /// several when `parallel`): each call's keyword arguments in the schema's
 /// order, the required ones always, each value as its schema types it (a
@@ -328,57 +365,7 @@ pub(crate) fn grammar(tools: &[&Tool], parallel: bool) -> String {
          pbool: \"True\" | \"False\"\n",
     );
     for (i, t) in tools.iter().enumerate() {
-        let schema = t.parameters_value();
-        let required: Vec<&str> = schema
-            .get("required")
-            .and_then(Value::as_array)
-            .map(|r| r.iter().filter_map(Value::as_str).collect())
-            .unwrap_or_default();
-        let props: Vec<(&String, &Value)> = schema
-            .get("properties")
-            .and_then(Value::as_object)
-            .into_iter()
-            .flatten()
-            .collect();
-        for (j, (key, sub)) in props.iter().enumerate() {
-            let value = match (param_type(sub), sub.get("enum").and_then(Value::as_array)) {
-                ("string", Some(texts)) if !texts.is_empty() => {
-                    let alts: Vec<String> = texts
-                        .iter()
-                        .filter_map(Value::as_str)
-                        .map(|s| lit(&serde_json::to_string(s).unwrap_or_default()))
-                        .collect();
-                    format!("({})", alts.join(" | "))
-                }
-                ("string", _) => {
-                    let bound = |k: &str| sub.get(k).and_then(Value::as_u64);
-                    match (bound("minLength"), bound("maxLength")) {
-                        (None, None) => "pstr".into(),
-                        (min, max) => {
-                            let max = max.map_or(String::new(), |m| m.to_string());
-                            g.push_str(&format!(
-                                "f{i}_{j}_v: /\"([^\"\\\\\\n]|\\\\.){{{},{max}}}\"/\n",
-                                min.unwrap_or(0)
-                            ));
-                            format!("f{i}_{j}_v")
-                        }
-                    }
-                }
-                ("integer", _) => "pint".into(),
-                ("number", _) => "pnum".into(),
-                ("boolean", _) => "pbool".into(),
-                _ => {
-                    g.push_str(&format!("f{i}_{j}_v: %json {sub}\n"));
-                    format!("f{i}_{j}_v")
-                }
-            };
-            g.push_str(&format!("f{i}_{j}: {} {value}\n", lit(&format!("{key}="))));
-        }
-        let required: Vec<bool> = props
-            .iter()
-            .map(|(k, _)| required.contains(&k.as_str()))
-            .collect();
-        let body = ordered_items(&mut g, &format!("f{i}"), &required, &lit(SEP));
+        let body = keyword_args(&mut g, i, t, &Notation);
         g.push_str(&format!(
             "f{i}: {}{body} \")\"\n",
             lit(&format!("{}(", t.name))

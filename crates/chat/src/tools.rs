@@ -480,6 +480,81 @@ pub(crate) fn lark_literal(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_default()
 }
 
+/// The names a tool's schema requires.
+pub(crate) fn required_of(schema: &Value) -> Vec<&str> {
+    schema
+        .get("required")
+        .and_then(Value::as_array)
+        .map(|r| r.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default()
+}
+
+/// A notation of keyword arguments of a model's own (Gemma 4's
+/// `key:value`, Python's `key=value`): how a forcing grammar writes each.
+pub(crate) trait Keywords {
+    /// Between arguments.
+    const SEP: &'static str;
+    /// Keys sorted (as Gemma 4's template writes them), else in the
+    /// schema's order.
+    const SORTED: bool;
+    /// The text before a value: the key and its separator.
+    fn key(&self, key: &str) -> String;
+    /// One of a string `enum`'s texts, as a value.
+    fn text(&self, text: &str) -> String;
+    /// A string of `min` to `max` characters (rules it needs go to `g`,
+    /// named from `rule`); any string when neither bound is given.
+    fn string(&self, g: &mut String, rule: &str, min: Option<u64>, max: Option<u64>) -> String;
+    /// The rule for an integer, a number and a boolean.
+    fn scalar(&self, ty: &str) -> Option<&'static str>;
+    /// Any other value, by its schema.
+    fn other(&self, g: &mut String, rule: &str, schema: &Value) -> String;
+}
+
+/// What goes between tool `i`'s call brackets in notation `n`: a rule per
+/// argument (`f{i}_{j}`, its key and a value its schema types) and the chain
+/// that keeps them in order, the required ones always.
+pub(crate) fn keyword_args<K: Keywords>(g: &mut String, i: usize, tool: &Tool, n: &K) -> String {
+    let schema = tool.parameters_value();
+    let required = required_of(&schema);
+    let mut props: Vec<(&String, &Value)> = schema
+        .get("properties")
+        .and_then(Value::as_object)
+        .into_iter()
+        .flatten()
+        .collect();
+    if K::SORTED {
+        props.sort_by(|a, b| a.0.cmp(b.0));
+    }
+    for (j, (key, sub)) in props.iter().enumerate() {
+        let rule = format!("f{i}_{j}");
+        let texts = sub.get("enum").and_then(Value::as_array);
+        let value = match (param_type(sub), texts) {
+            ("string", Some(texts)) if !texts.is_empty() => {
+                let alts: Vec<String> = texts
+                    .iter()
+                    .filter_map(Value::as_str)
+                    .map(|t| lark_literal(&n.text(t)))
+                    .collect();
+                format!("({})", alts.join(" | "))
+            }
+            ("string", _) => {
+                let bound = |k: &str| sub.get(k).and_then(Value::as_u64);
+                n.string(g, &rule, bound("minLength"), bound("maxLength"))
+            }
+            (ty, _) => match n.scalar(ty) {
+                Some(r) => r.to_string(),
+                None => n.other(g, &rule, sub),
+            },
+        };
+        g.push_str(&format!("{rule}: {} {value}\n", lark_literal(&n.key(key))));
+    }
+    let flags: Vec<bool> = props
+        .iter()
+        .map(|(k, _)| required.contains(&k.as_str()))
+        .collect();
+    ordered_items(g, &format!("f{i}"), &flags, &lark_literal(K::SEP))
+}
+
 /// Rules for a call's arguments in a fixed order, some optional, the items
 /// being rules `{rule}_{j}`: `{rule}_a{k}` derives the items from `k` on,
 /// the first of them present, each later one after `sep` (a Lark
@@ -629,11 +704,7 @@ fn xml_calls(tools: &[&Tool], parallel: bool, layout: &XmlLayout) -> String {
     g.push_str(&format!("text[lazy]: /(.|\\n)*/ {end}\n"));
     for (i, t) in tools.iter().enumerate() {
         let schema = t.parameters_value();
-        let required: Vec<&str> = schema
-            .get("required")
-            .and_then(Value::as_array)
-            .map(|r| r.iter().filter_map(Value::as_str).collect())
-            .unwrap_or_default();
+        let required = required_of(&schema);
         let mut seq = vec![lit(&format!("{}{}", t.name, layout.name_end))];
         let props = schema.get("properties").and_then(Value::as_object);
         for (j, (key, sub)) in props.into_iter().flatten().enumerate() {
