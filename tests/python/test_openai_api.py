@@ -1695,38 +1695,20 @@ def test_gemma4_tool_calls_and_thinking():
         s.stop()
 
 
-def test_gemma4_architecture_on_llamas_cache(tmp_path):
+def test_gemma4_architecture_with_its_template(tmp_path):
     """Gemma 4's architecture at test size (`synth-model --like gemma4-mini`:
-    windowed and global layers with heads of two sizes, the last two layers
-    reading earlier layers' KV; random weights, SmolLM2's tokenizer). Our
-    store refuses it at start-up, naming what it lacks and the flag that
-    serves it; with `--kv-backend llama` it serves Gemma 4's template: a
-    forced call in Gemma's notation read back, whole and streamed, and a
-    thought split off."""
+    heads of two sizes, the last two layers reading earlier layers' KV;
+    random weights, SmolLM2's tokenizer) served through our store with
+    Gemma 4's own template: a forced call in Gemma's notation, the same
+    whole and streamed, and a thought split off."""
     model = synth_model("gemma4-mini", str(tmp_path / "gemma4-mini.gguf"))
-    why = refused_start("--model", model)
-    assert "KV shared across layers" in why and "--kv-backend llama" in why, why
     template = str(ROOT / "crates" / "chat" / "src" / "testdata_gemma4.jinja")
-    s = Server("--model", model, "--kv-backend", "llama", "--chat-template-file", template)
+    s = Server("--model", model, "--chat-template-file", template)
     try:
+        assert "KV ours kv8:kv8" in s.ready_line, s.ready_line
         c = client(s)
-        from openai.lib.streaming.chat import ChatCompletionStreamState
-
-        # (Not compared whole against streamed: llama.cpp's cache reuses
-        # the prompt the second time, and a random model's near-even
-        # logits follow the different arithmetic.)
-        ask = dict(model="", messages=CITY_ASK, tools=CITY_TOOLS, tool_choice="required",
-                   parallel_tool_calls=False, temperature=0, max_tokens=80)
-        whole = c.chat.completions.create(**ask).choices[0]
-        state = ChatCompletionStreamState()
-        for chunk in c.chat.completions.create(**ask, stream=True):
-            state.handle_chunk(chunk)
-        streamed = state.get_final_completion().choices[0]
-        for choice in [whole, streamed]:
-            assert choice.finish_reason == "tool_calls", choice
-            (call,) = choice.message.tool_calls
-            assert call.function.name == "get_weather", call
-            assert set(json.loads(call.function.arguments)) == {"city"}, call
+        message, call, _ = forced_city_call(c, parallel_tool_calls=False, max_tokens=80)
+        assert set(json.loads(call.function.arguments)) == {"city"}, call
         on = {"chat_template_kwargs": {"enable_thinking": True},
               "grammar": GEMMA4_THOUGHT_THEN_ANSWER}
         r = c.chat.completions.create(model="", messages=QUESTION, max_tokens=60, temperature=0,

@@ -102,18 +102,30 @@ def test_gemma3_sliding_windows_through_our_store():
         assert math.isclose(got[t], want[t], abs_tol=0.5), (t, got, want)
 
 
-def test_gpt_oss_sinks_and_windows_through_our_store():
-    """A two-layer gpt-oss (random weights, SmolLM2's tokenizer: its text is
-    noise) served through our store agrees with llama.cpp's cache."""
+@pytest.mark.parametrize(
+    "like, ready",
+    [
+        # Attention sinks in both layers, a window in the first.
+        ("gpt-oss-mini", "sliding window 32 in 1 of 2 layers"),
+        # Heads of 64 (windowed) and 128 (global), the last two layers
+        # reading layers 2 and 3's KV.
+        ("gemma4-mini", "sliding window 32 in 4 of 6 layers"),
+    ],
+)
+def test_synthetic_architectures_through_our_store(like, ready):
+    """gpt-oss and Gemma 4 at test size (`synth-model`: random weights,
+    SmolLM2's tokenizer, so their text is noise) served through our store:
+    a greedy completion is the same alone and beside others, and the first
+    token's log-probabilities agree with llama.cpp's cache."""
     with tempfile.TemporaryDirectory() as tmp:
-        model = synth_model("gpt-oss-mini", os.path.join(tmp, "gpt-oss-mini.gguf"))
+        model = synth_model(like, os.path.join(tmp, f"{like}.gguf"))
         prompt = "The lighthouse keeper counted the ships that passed each night. " * 8
         ours = Server("--model", model, "--kv", "f16", context=1024)
         try:
-            assert "sliding window 32 in 1 of 2 layers" in ours.ready_line, ours.ready_line
+            assert ready in ours.ready_line, ours.ready_line
             c = client(ours)
-            got = first_token_logprobs(c, prompt, "gpt-oss-mini")
-            kw = dict(model="gpt-oss-mini", max_tokens=12, temperature=0)
+            got = first_token_logprobs(c, prompt, like)
+            kw = dict(model=like, max_tokens=12, temperature=0)
             alone = c.completions.create(prompt=prompt, **kw).choices[0].text
             with concurrent.futures.ThreadPoolExecutor(3) as pool:
                 texts = list(
@@ -128,12 +140,13 @@ def test_gpt_oss_sinks_and_windows_through_our_store():
             ours.stop()
         ref = Server("--model", model, "--kv-backend", "llama", context=1024)
         try:
-            want = first_token_logprobs(client(ref), prompt, "gpt-oss-mini")
+            want = first_token_logprobs(client(ref), prompt, like)
         finally:
             ref.stop()
     # Logits within about ±1.3: llama.cpp's flash attention (Q in f16) and
-    # ours differ by about 1e-2; without sinks ours moved by 6e-2, without
-    # the window by 1e-1 (the runtime's test, `sinks.rs`).
+    # ours differ by about 1e-2 on gpt-oss (without sinks ours moved by
+    # 6e-2, without the window by 1e-1), by 0 on Gemma 4 (the runtime's
+    # tests, `synthetic.rs`).
     shared = [t for t in want if t in got]
     assert len(shared) >= 3, (got, want)
     for t in shared:

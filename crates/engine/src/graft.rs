@@ -206,16 +206,22 @@ struct State {
     layers: Vec<Option<KvPages>>,
     /// The layers whose store lives on the device.
     device: Option<Box<dyn DeviceLayers>>,
-    /// The scratch blocks, lent to the layer being computed.
-    scratch: SharedTail,
+    /// The scratch blocks, lent to the layer being computed: one set per
+    /// layout (a model whose layers' heads differ in size has two).
+    scratch: Vec<SharedTail>,
+    /// Each layer's scratch set (an index into `scratch`).
+    scratch_of: Vec<usize>,
+    /// The layer whose store each layer attends over: itself, or for a
+    /// layer that keeps no KV of its own (Gemma 4's last layers) the one it
+    /// reads ([`Model::layer_kv`]).
+    sources: Vec<usize>,
     /// Read and write attention tensors through ggml's copies even in host
     /// memory ([`GraftOptions::copy_tensors`]).
     copy_tensors: bool,
     /// Bytes of an input read from device memory.
     staging: Vec<u8>,
-    n_head: usize,
-    kv_heads: usize,
-    head_dim: usize,
+    /// Each layer's query heads, KV heads and head size.
+    geom: Vec<(usize, usize, usize)>,
     params: AttnParams,
     step: GraftStep,
     /// Batch tokens of the decode in flight.
@@ -381,10 +387,11 @@ impl State {
     /// # Safety
     /// `t` is the tensor llama.cpp passes to the callback (computed).
     unsafe fn on_layer(&mut self, t: &mut sys::ggml_tensor, il: usize) -> Result<(), String> {
-        let (nh, kvh, d, n) = (self.n_head, self.kv_heads, self.head_dim, self.n_tokens);
         if il >= self.layers.len() {
             return Err(format!("layer {il} beyond the model's layers"));
         }
+        let ((nh, kvh, d), n) = (self.geom[il], self.n_tokens);
+        let source = self.sources[il];
         crate::raw::check_kqv_out(t, il, nh * d, Some(n))?;
         // SAFETY: a node's sources live as long as the graph.
         let fa = unsafe { t.src[0].as_ref() };
@@ -409,20 +416,21 @@ impl State {
         self.check_mask(fa, il)?;
         // SAFETY: Q, K and V of the op, computed before it and not yet freed.
         let (q, k, v) = unsafe { (&*fa.src[0], &*fa.src[1], &*fa.src[2]) };
-        // A layer reusing another layer's cache would be stored twice.
+        // A layer reusing another layer's cache would be stored twice,
+        // unless it is the layer the model says it reads.
         // SAFETY: a view's source tensor lives as long as the context.
         if let Some(cache) = unsafe { k.view_src.as_ref() } {
             // SAFETY: ggml names are NUL-terminated within the array.
             let name = unsafe { CStr::from_ptr(cache.name.as_ptr()) }.to_bytes();
-            let own = format!("cache_k_l{il}");
+            let own = format!("cache_k_l{source}");
             if name.starts_with(b"cache_k_l") && name != own.as_bytes() {
                 return Err(format!(
-                    "layer {il} attends over another layer's cache ({})",
+                    "layer {il} attends over another layer's cache ({}), not layer {source}'s",
                     String::from_utf8_lossy(name)
                 ));
             }
         }
-        if self.layers[il].is_none() {
+        if self.layers[source].is_none() {
             let dev = self
                 .device
                 .as_mut()
@@ -453,15 +461,18 @@ impl State {
                 .map_err(|e| format!("layer {il}: {e}"))?;
         }
         let copy = self.copy_tensors;
+        // (A layer reading another's KV gets that layer's rows of this step,
+        // which llama.cpp's cache holds: they go to the scratch again.)
         unsafe {
             gather(q, n, nh, d, &mut self.q, &mut self.staging, copy)?;
             gather(k, n, kvh, d, &mut self.k, &mut self.staging, copy)?;
             gather(v, n, kvh, d, &mut self.v, &mut self.staging, copy)?;
         }
         // The scratch is this layer's while it is computed.
-        host_layer(&mut self.layers, il).swap_shared(&mut self.scratch);
+        let sc = self.scratch_of[source];
+        host_layer(&mut self.layers, source).swap_shared(&mut self.scratch[sc]);
         let r = self.apply(il, scale);
-        host_layer(&mut self.layers, il).swap_shared(&mut self.scratch);
+        host_layer(&mut self.layers, source).swap_shared(&mut self.scratch[sc]);
         r?;
         // SAFETY: a non-null buffer (checked by `check_kqv_out`).
         if unsafe { sys::ggml_backend_buffer_is_host(t.buffer) } && !copy {
@@ -513,7 +524,8 @@ impl State {
     /// CPU backend skips a `GGML_OP_NONE` node), unless it is to run. Its
     /// inputs are still computed, and `on_layer` writes the whole output.
     fn switch_off_llama_attention(&mut self, t: &sys::ggml_tensor, il: usize) {
-        if self.llama_attention || !matches!(self.layers.get(il), Some(Some(_))) {
+        let source = self.sources.get(il).copied().unwrap_or(il);
+        if self.llama_attention || !matches!(self.layers.get(source), Some(Some(_))) {
             return;
         }
         // SAFETY: a node's sources live as long as the graph; nothing reads
@@ -549,7 +561,8 @@ impl State {
         if self.tap != Some(il) {
             return;
         }
-        let len = self.n_tokens * self.n_head * self.head_dim;
+        let (nh, _, d) = self.geom[il];
+        let len = self.n_tokens * nh * d;
         self.tapped.resize(len, 0.0);
         // SAFETY: kqv_out holds exactly `len` contiguous f32 (checked by
         // `check_kqv_out`), in host or device memory.
@@ -559,9 +572,13 @@ impl State {
     /// The step's writes, copies, seals and attention in layer `il` (its
     /// inputs gathered) into `self.out`.
     fn apply(&mut self, il: usize, scale: f32) -> Result<(), String> {
-        let (nh, kvh, d, n) = (self.n_head, self.kv_heads, self.head_dim, self.n_tokens);
-        let pages = host_layer(&mut self.layers, il);
+        let ((nh, kvh, d), n) = (self.geom[il], self.n_tokens);
+        let source = self.sources[il];
+        let pages = host_layer(&mut self.layers, source);
         let row = kvh * d;
+        // A layer reading another's KV writes only the step's rows again
+        // (the same values: the scratch's rows are gone since), never
+        // copies or seals (done).
         for (i, &(block, r)) in self.step.writes.iter().enumerate() {
             pages.write_token(
                 block,
@@ -570,11 +587,13 @@ impl State {
                 &self.v[i * row..(i + 1) * row],
             );
         }
-        for c in &self.step.copies {
-            pages.copy_tail_rows(c.src, c.dst, c.rows.clone());
-        }
-        for &(src, dst) in &self.step.seals {
-            pages.seal(src, dst);
+        if source == il {
+            for c in &self.step.copies {
+                pages.copy_tail_rows(c.src, c.dst, c.rows.clone());
+            }
+            for &(src, dst) in &self.step.seals {
+                pages.seal(src, dst);
+            }
         }
         let qrow = nh * d;
         let queries: Vec<SeqQuery<'_>> = self
@@ -818,12 +837,34 @@ impl<'m> GraftedContext<'m> {
                 reason: format!("{} query heads over {kv_heads} KV heads", g.n_head),
             });
         }
+        let layer_kv = model.layer_kv().ok_or_else(|| EngineError::Unsupported {
+            model: model.name().to_string(),
+            reason: "sliding windows this build does not know".into(),
+        })?;
+        // A layout per distinct head size (one for most models).
+        let mut layouts: Vec<KvLayout> = Vec::new();
+        let mut layout_of = Vec::with_capacity(layer_kv.len());
+        for lk in &layer_kv {
+            let mut l = opts.format.layout(kv_heads, lk.head_dim)?;
+            l.block_tokens = opts.block_tokens;
+            l.check().map_err(|e| EngineError::InvalidOption {
+                field: "block_size",
+                reason: e.to_string(),
+            })?;
+            let at = match layouts.iter().position(|x| *x == l) {
+                Some(i) => i,
+                None => {
+                    layouts.push(l);
+                    layouts.len() - 1
+                }
+            };
+            layout_of.push(at);
+        }
+        // The model's own head size's: what the runtime plans with.
         let mut layout = opts.format.layout(kv_heads, d)?;
         layout.block_tokens = opts.block_tokens;
-        layout.check().map_err(|e| EngineError::InvalidOption {
-            field: "block_size",
-            reason: e.to_string(),
-        })?;
+        let per_layer =
+            layouts.len() > 1 || layer_kv.iter().enumerate().any(|(i, l)| l.source != i);
         if opts.n_batch == 0 {
             return Err(EngineError::InvalidOption {
                 field: "n_batch",
@@ -858,6 +899,14 @@ impl<'m> GraftedContext<'m> {
                     reason: "sliding windows this build does not know".into(),
                 })?,
         };
+        if per_layer && !on_device.is_empty() {
+            return Err(EngineError::InvalidOption {
+                field: "device",
+                reason: "layers with heads of their own size or without KV of their own \
+                         (Gemma 4's) are served on the host only in this build"
+                    .into(),
+            });
+        }
         let device = if on_device.is_empty() {
             None
         } else {
@@ -878,10 +927,10 @@ impl<'m> GraftedContext<'m> {
         };
         let layers = (0..n_layer)
             .map(|il| {
-                if on_device.contains(&il) {
+                if on_device.contains(&il) || layer_kv[il].source != il {
                     return Ok(None);
                 }
-                KvPages::new(layout, opts.sealed_blocks, opts.tail_blocks).map(Some)
+                KvPages::new(layouts[layout_of[il]], opts.sealed_blocks, opts.tail_blocks).map(Some)
             })
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| EngineError::InvalidOption {
@@ -892,12 +941,18 @@ impl<'m> GraftedContext<'m> {
         let mut state = Box::new(State {
             layers,
             device,
-            scratch: SharedTail::new(&layout, opts.scratch_blocks),
+            scratch: layouts
+                .iter()
+                .map(|l| SharedTail::new(l, opts.scratch_blocks))
+                .collect(),
+            scratch_of: layout_of.clone(),
+            sources: layer_kv.iter().map(|l| l.source).collect(),
             copy_tensors: opts.copy_tensors,
             staging: Vec::new(),
-            n_head: g.n_head as usize,
-            kv_heads,
-            head_dim: d,
+            geom: layer_kv
+                .iter()
+                .map(|l| (g.n_head as usize, kv_heads, l.head_dim))
+                .collect(),
             params: AttnParams {
                 threads: opts.kernel_threads.unwrap_or(threads as usize).max(1),
                 // On llama.cpp's own (idle, spinning) OpenMP threads, which
@@ -1000,7 +1055,12 @@ impl<'m> GraftedContext<'m> {
             .flatten()
             .map(KvPages::byte_len)
             .sum::<usize>()
-            + self.state.scratch.byte_len()
+            + self
+                .state
+                .scratch
+                .iter()
+                .map(SharedTail::byte_len)
+                .sum::<usize>()
     }
 
     /// Bytes of the store in device memory (layers on the device, each with
@@ -1025,7 +1085,30 @@ impl<'m> GraftedContext<'m> {
 
     /// Layers whose store and attention are on the device.
     pub fn device_layers(&self) -> usize {
-        self.state.layers.iter().filter(|l| l.is_none()).count()
+        (0..self.state.layers.len())
+            .filter(|&il| self.state.layers[il].is_none() && self.state.sources[il] == il)
+            .count()
+    }
+
+    /// Bytes of one (sealed, tail) block summed over the layers that keep KV
+    /// of their own, each in its layout.
+    pub fn block_bytes(&self) -> (usize, usize) {
+        let mut sum = (0, 0);
+        for (il, pages) in self.state.layers.iter().enumerate() {
+            if self.state.sources[il] != il {
+                continue;
+            }
+            let l = pages.as_ref().map_or(self.layout, |p| *p.layout());
+            sum.0 += l.block_bytes();
+            sum.1 += l.tail_block_bytes();
+        }
+        sum
+    }
+
+    /// The layer whose store layer `il` attends over (itself, but for
+    /// Gemma 4's last layers).
+    pub fn kv_source(&self, il: usize) -> usize {
+        self.state.sources.get(il).copied().unwrap_or(il)
     }
 
     /// One host layer's store, to read a sequence back (tests, quality
@@ -1037,6 +1120,12 @@ impl<'m> GraftedContext<'m> {
     /// One layer's pools as bytes (sealed, tail: the scratch not included),
     /// wherever the layer lives.
     pub fn layer_pools(&self, il: usize) -> Result<(Vec<u8>, Vec<u8>), EngineError> {
+        if self.kv_source(il) != il {
+            return Err(EngineError::Graft(format!(
+                "layer {il} keeps no KV of its own (it reads layer {}'s)",
+                self.kv_source(il)
+            )));
+        }
         if let Some(pages) = self.layer(il) {
             return Ok((pages.sealed_bytes().to_vec(), pages.tail_bytes().to_vec()));
         }
@@ -1221,9 +1310,11 @@ impl<'m> GraftedContext<'m> {
         if error.is_some() {
             // A layer that panicked still holds the scratch.
             let state = &mut *self.state;
-            for pages in state.layers.iter_mut().flatten() {
-                if pages.shared_blocks() > 0 {
-                    pages.swap_shared(&mut state.scratch);
+            for (il, pages) in state.layers.iter_mut().enumerate() {
+                if let Some(pages) = pages
+                    && pages.shared_blocks() > 0
+                {
+                    pages.swap_shared(&mut state.scratch[state.scratch_of[il]]);
                 }
             }
         }
@@ -1285,6 +1376,9 @@ impl<'m> GraftedContext<'m> {
     pub fn save_blocks(&self, blocks: &[StoreBlock]) -> Result<SavedBlocks, EngineError> {
         let mut bytes = Vec::new();
         for (il, pages) in self.state.layers.iter().enumerate() {
+            if self.state.sources[il] != il {
+                continue;
+            }
             let Some(pages) = pages else {
                 let dev = self
                     .state
@@ -1331,6 +1425,9 @@ impl<'m> GraftedContext<'m> {
         let mut at = 0;
         let state = &mut *self.state;
         for (il, pages) in state.layers.iter_mut().enumerate() {
+            if state.sources[il] != il {
+                continue;
+            }
             let Some(pages) = pages else {
                 let dev = state
                     .device

@@ -54,6 +54,9 @@ pub struct Model {
     architecture: String,
     name: String,
     gpu_layers: u32,
+    /// `{arch}.attention.sliding_window_pattern` when the file lists it per
+    /// layer (llama.cpp's metadata strings leave arrays out).
+    window_flags: Option<Vec<bool>>,
 }
 
 impl std::fmt::Debug for Model {
@@ -148,6 +151,10 @@ impl Model {
             n_ctx_train: inner.n_ctx_train(),
         };
         tracing::info!(path = %path.display(), %architecture, ?geometry, "model loaded");
+        let window_flags = gguf_flags(
+            path,
+            &format!("{architecture}.attention.sliding_window_pattern"),
+        );
         Ok(Model {
             inner,
             path: path.to_owned(),
@@ -159,6 +166,7 @@ impl Model {
             } else {
                 0
             },
+            window_flags,
         })
     }
 
@@ -395,33 +403,28 @@ impl Model {
         let arch = &self.architecture;
         // Standard windows, the global layer last in each period.
         let period = match arch.as_str() {
-            "gemma2" | "gpt-oss" => 2,
-            "cohere2" | "olmo2" => 4,
+            "gemma2" | "gpt-oss" => Some(2),
+            "cohere2" | "olmo2" => Some(4),
             // EXAONE 4 has windows only at 32B's 64 layers (llama.cpp reads
             // a window key in the others too, but masks them as global).
-            "exaone4" if layers == 64 => 4,
+            "exaone4" if layers == 64 => Some(4),
             "exaone4" => return Some(vec![0; layers]),
-            "gemma3" => 6,
+            "gemma3" => Some(6),
+            // Gemma 4's GGUF lists its windowed layers (llama.cpp requires
+            // the list): no period to fall back on.
+            "gemma4" => None,
             _ => return None,
         };
         let key = format!("{arch}.attention.sliding_window_pattern");
-        let flags = match self.meta(&key) {
-            None => None,
-            Some(v) => match v.trim().strip_prefix('[').and_then(|v| v.strip_suffix(']')) {
-                Some(list) => Some(
-                    list.split(',')
-                        .map(|f| match f.trim() {
-                            "true" | "1" => Some(true),
-                            "false" | "0" => Some(false),
-                            _ => None,
-                        })
-                        .collect::<Option<Vec<bool>>>()?,
-                ),
-                None => {
-                    let p: usize = v.trim().parse().ok()?;
-                    return Some(windows_by_period(layers, p, window));
-                }
-            },
+        // Listed per layer (read from the file: llama.cpp's metadata
+        // strings leave arrays out), or a period.
+        let flags = match (&self.window_flags, self.meta(&key)) {
+            (Some(f), _) => Some(f.clone()),
+            (None, Some(v)) => {
+                let p: usize = v.trim().parse().ok()?;
+                return Some(windows_by_period(layers, p, window));
+            }
+            (None, None) => None,
         };
         match flags {
             Some(f) if f.len() >= layers => Some(
@@ -431,8 +434,47 @@ impl Model {
                     .collect(),
             ),
             Some(_) => None,
-            None => Some(windows_by_period(layers, period, window)),
+            None => period.map(|p| windows_by_period(layers, p, window)),
         }
+    }
+
+    /// Each layer's KV as llama.cpp keeps it: its heads' size (Gemma 4's
+    /// windowed layers have their own, `attention.key_length_swa`) and the
+    /// layer whose KV it attends over — itself, but for the last
+    /// `attention.shared_kv_layers` layers of Gemma 4, which read the last
+    /// windowed or global layer with KV of its own (llama.cpp's `reuse`
+    /// in `llama-model.cpp`). `None` where the windows are not known.
+    pub fn layer_kv(&self) -> Option<Vec<LayerKv>> {
+        let g = self.geometry;
+        let layers = g.n_layer as usize;
+        let windows = self.attention_windows()?;
+        let arch = &self.architecture;
+        let meta_u = |key: &str| {
+            self.meta(&format!("{arch}.{key}"))
+                .and_then(|v| v.trim().parse::<usize>().ok())
+        };
+        let full = g.head_dim_k as usize;
+        let swa = meta_u("attention.key_length_swa").unwrap_or(full);
+        let shared = meta_u("attention.shared_kv_layers")
+            .unwrap_or(0)
+            .min(layers);
+        let own = layers - shared;
+        Some(
+            (0..layers)
+                .map(|il| {
+                    let windowed = windows[il] > 0;
+                    let source = if il < own {
+                        il
+                    } else {
+                        own.saturating_sub(if windowed { 2 } else { 1 })
+                    };
+                    LayerKv {
+                        head_dim: if windowed { swa } else { full },
+                        source,
+                    }
+                })
+                .collect(),
+        )
     }
 
     /// Whether the model's attention has sinks (gpt-oss: a learned logit
@@ -477,7 +519,10 @@ impl Model {
             self.meta(&format!("{arch}.{key}"))
                 .and_then(|v| v.trim().parse::<u32>().ok())
         };
-        if let Some(n) = meta_u("attention.shared_kv_layers").filter(|&n| n > 0) {
+        // Gemma 4's are served (`Model::layer_kv`, tested on a synthetic
+        // `gemma4-mini`); others' (Gemma 3n's) are not tried.
+        let per_layer_ok = arch == "gemma4";
+        if let Some(n) = meta_u("attention.shared_kv_layers").filter(|&n| n > 0 && !per_layer_ok) {
             return refuse(format!(
                 "KV shared across layers (the last {n} layers attend over earlier layers' KV, \
                  as Gemma 4's and Gemma 3n's do)"
@@ -491,7 +536,7 @@ impl Model {
         if let Some(d) = swa_heads
             .into_iter()
             .flatten()
-            .find(|&d| d != g.head_dim_k || d != g.head_dim_v)
+            .find(|&d| (d != g.head_dim_k || d != g.head_dim_v) && !per_layer_ok)
         {
             return refuse(format!(
                 "heads of a size per layer (windowed layers' of {d}, the others' of {})",
@@ -548,6 +593,62 @@ impl Model {
         }
         Ok(())
     }
+}
+
+/// A boolean (or integer) array of a GGUF's metadata, read with ggml's
+/// GGUF reader (metadata only); `None` when the key is missing or not such
+/// an array.
+fn gguf_flags(path: &Path, key: &str) -> Option<Vec<bool>> {
+    let file = std::ffi::CString::new(path.to_string_lossy().as_bytes()).ok()?;
+    let key = std::ffi::CString::new(key).ok()?;
+    // SAFETY: ggml's GGUF reader over a file it opens and we free; with
+    // `no_alloc` and no context it reads the metadata only. The array's
+    // data holds `n` elements of its type.
+    unsafe {
+        let params = llama_cpp_sys_2::gguf_init_params {
+            no_alloc: true,
+            ctx: std::ptr::null_mut(),
+        };
+        let ctx = llama_cpp_sys_2::gguf_init_from_file(file.as_ptr(), params);
+        if ctx.is_null() {
+            return None;
+        }
+        let id = llama_cpp_sys_2::gguf_find_key(ctx, key.as_ptr());
+        let mut out = None;
+        if id >= 0 && llama_cpp_sys_2::gguf_get_kv_type(ctx, id) == llama_cpp_sys_2::GGUF_TYPE_ARRAY
+        {
+            let n = llama_cpp_sys_2::gguf_get_arr_n(ctx, id);
+            let data = llama_cpp_sys_2::gguf_get_arr_data(ctx, id);
+            out = match llama_cpp_sys_2::gguf_get_arr_type(ctx, id) {
+                llama_cpp_sys_2::GGUF_TYPE_BOOL
+                | llama_cpp_sys_2::GGUF_TYPE_UINT8
+                | llama_cpp_sys_2::GGUF_TYPE_INT8 => Some(
+                    std::slice::from_raw_parts(data as *const u8, n)
+                        .iter()
+                        .map(|&b| b != 0)
+                        .collect(),
+                ),
+                llama_cpp_sys_2::GGUF_TYPE_INT32 | llama_cpp_sys_2::GGUF_TYPE_UINT32 => Some(
+                    std::slice::from_raw_parts(data as *const u32, n)
+                        .iter()
+                        .map(|&x| x != 0)
+                        .collect(),
+                ),
+                _ => None,
+            };
+        }
+        llama_cpp_sys_2::gguf_free(ctx);
+        out
+    }
+}
+
+/// One layer's KV ([`Model::layer_kv`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerKv {
+    /// Its K and V heads' size.
+    pub head_dim: usize,
+    /// The layer whose KV it attends over (itself, unless it keeps none).
+    pub source: usize,
 }
 
 /// llama.cpp's `set_swa_pattern(period)`: every layer windowed but the last

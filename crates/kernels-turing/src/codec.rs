@@ -405,7 +405,7 @@ fn k5_planes<'s>(
 }
 
 /// Largest head dimension the codecs and kernels accept.
-pub const MAX_HEAD_DIM: usize = 256;
+pub const MAX_HEAD_DIM: usize = 512;
 
 /// Scale and minimum (both f16) for an asymmetric code with `levels` steps over `lo..=hi`.
 fn quant_params(lo: f32, hi: f32, levels: f32) -> (f16, f16) {

@@ -455,12 +455,12 @@ fn the_avx2_loops_match_naive_attention_too() {
     );
 }
 
-/// Heads of 128 (most models): K5 keys take the integer path, V4 values are
-/// read in place; the output error against the original values stays that of
-/// the format.
+/// Heads of 128 (most models), 256 and 512 (Gemma 4's global layers): K5
+/// keys take the integer path, V4 values are read in place; the output
+/// error against the original values stays that of the format.
 #[test]
 fn wide_heads_match_naive_attention() {
-    for d in [128, 256] {
+    for d in [128, 256, 512] {
         for (name, bound) in [("k5v4", 0.1), ("f16", 2e-3), ("kv8", 3e-2)] {
             let layout = KvLayout::preset(name, 2, d).unwrap();
             let err = check_layout(layout, 7);

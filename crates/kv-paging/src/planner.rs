@@ -411,6 +411,9 @@ pub struct StoreInput {
     pub open_block_bytes: u64,
     /// Bytes of one sealed block of one layer.
     pub sealed_block_bytes: u64,
+    /// Bytes of one scratch block (0: an open block of one layer; a store
+    /// whose layers differ in head size keeps a scratch set per size).
+    pub scratch_block_bytes: u64,
     /// Tokens per block.
     pub block_size: u32,
     /// Newest tokens kept open beyond the partial block.
@@ -532,6 +535,11 @@ pub fn plan_store(input: &StoreInput) -> Result<StorePlan, PlanError> {
     let running = u64::from(input.max_running.max(1));
     let blocks_of = |tokens: u64| tokens.div_ceil(bs);
     let branch = u64::from(input.branch_blocks);
+    let scratch_b = if input.scratch_block_bytes == 0 {
+        input.open_block_bytes
+    } else {
+        input.scratch_block_bytes
+    };
     let (open, sealed, scratch) = if input.seals {
         let window = (u64::from(input.tail_tokens) + bs).div_ceil(bs);
         let open = running * (window + 1);
@@ -539,7 +547,7 @@ pub fn plan_store(input: &StoreInput) -> Result<StorePlan, PlanError> {
         let sealed = match input.size {
             StoreSize::Tokens(t) => blocks_of(t),
             StoreSize::Budget(b) => {
-                let fixed = (open + branch) * open_b + scratch * input.open_block_bytes;
+                let fixed = (open + branch) * open_b + scratch * scratch_b;
                 if fixed >= b {
                     return Err(PlanError::OpenPoolDoesNotFit {
                         open_bytes: fixed,
@@ -582,10 +590,10 @@ pub fn plan_store(input: &StoreInput) -> Result<StorePlan, PlanError> {
         sealed_blocks: sealed as u32,
         scratch_blocks: scratch as u32,
         branch_blocks: branch as u32,
-        bytes: (open + branch) * open_b + scratch * input.open_block_bytes + sealed * sealed_b,
+        bytes: (open + branch) * open_b + scratch * scratch_b + sealed * sealed_b,
         tokens: context_blocks * bs,
         open_block_bytes: open_b,
-        scratch_bytes: scratch * input.open_block_bytes,
+        scratch_bytes: scratch * scratch_b,
         sealed_block_bytes: if input.seals { sealed_b } else { 0 },
     })
 }
@@ -916,6 +924,7 @@ mod tests {
             layers: 30,
             open_block_bytes: 3 * 2 * 64 * 64 * 2,
             sealed_block_bytes: 3 * 2 * (64 * 64 + 64 * 2 * 2),
+            scratch_block_bytes: 0,
             block_size: 64,
             tail_tokens: 0,
             seals: true,

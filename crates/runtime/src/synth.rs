@@ -735,14 +735,23 @@ pub fn synth_model(a: &SynthOptions) -> Result<()> {
     let mut pools: Vec<(u32, Vec<u8>)> = Vec::new();
     let ones: Vec<u8> = 1f32.to_le_bytes().repeat(1 << 16);
     let zeros = vec![0u8; ones.len()];
+    // Gemma 4 scales attention scores by 1 (its Q and K are normalised
+    // instead): with norm weights of 1 the scores of random weights reach
+    // tens and every softmax is one-hot, so small differences in arithmetic
+    // flip it. A real model's learned weights keep them moderate; these do.
+    let quarters: Vec<u8> = 0.25f32.to_le_bytes().repeat(1 << 16);
     let mut written = 0u64;
     let mut last_report = Instant::now();
     for ((name, _, ty), &bytes) in specs.iter().zip(&sizes) {
         let (buf, start) = if *ty == F32 {
             // Norm weights 1, biases 0.
+            let qk_norm =
+                name.ends_with("attn_q_norm.weight") || name.ends_with("attn_k_norm.weight");
             (
                 if name.ends_with(".bias") {
                     &zeros
+                } else if arch == "gemma4" && qk_norm {
+                    &quarters
                 } else {
                     &ones
                 },

@@ -60,12 +60,8 @@ impl<'m> GraftKv<'m> {
 
     /// Bytes of one (sealed, open) block over all layers.
     pub(crate) fn block_bytes(&self) -> (u64, u64) {
-        let l = self.ctx.layout();
-        let layers = self.ctx.model().geometry().n_layer as u64;
-        (
-            l.block_bytes() as u64 * layers,
-            l.tail_block_bytes() as u64 * layers,
-        )
+        let (sealed, open) = self.ctx.block_bytes();
+        (sealed as u64, open as u64)
     }
 
     /// The store block behind a kv-paging block id.

@@ -34,18 +34,72 @@ pub fn store_plan(
     max_batch_tokens: u32,
     branch_blocks: u32,
 ) -> Result<(StoreInput, StorePlan), RuntimeError> {
-    let mut layout = format
-        .layout(g.n_head_kv as usize, g.head_dim_k as usize)
-        .map_err(|e| RuntimeError::Start(e.to_string()))?;
-    layout.block_tokens = block_size as usize;
-    layout
-        .check()
-        .map_err(|e| RuntimeError::Start(format!("--block-size {block_size}: {e}")))?;
+    store_plan_layers(
+        g,
+        format,
+        size,
+        (block_size, max_running, max_batch_tokens),
+        branch_blocks,
+        None,
+    )
+}
+
+/// [`store_plan`] for a model whose layers' KV differ (`layers`: each
+/// layer's, [`Model::layer_kv`]; Gemma 4's): the input counts one "layer"
+/// whose blocks are all the layers' that keep KV of their own, each in its
+/// head size, and a scratch set per head size.
+fn store_plan_layers(
+    g: &siliceo_core::ModelGeometry,
+    format: &KvFormat,
+    size: StoreSize,
+    (block_size, max_running, max_batch_tokens): (u32, u32, u32),
+    branch_blocks: u32,
+    layers: Option<&[siliceo_engine::LayerKv]>,
+) -> Result<(StoreInput, StorePlan), RuntimeError> {
+    let layout_of = |d: usize| {
+        let mut layout = format
+            .layout(g.n_head_kv as usize, d)
+            .map_err(|e| RuntimeError::Start(e.to_string()))?;
+        layout.block_tokens = block_size as usize;
+        layout
+            .check()
+            .map_err(|e| RuntimeError::Start(format!("--block-size {block_size}: {e}")))?;
+        Ok::<_, RuntimeError>(layout)
+    };
+    let layout = layout_of(g.head_dim_k as usize)?;
     let f16 = layout.full_precision();
+    let (n, open_b, sealed_b, scratch_b) = match layers {
+        None => (
+            g.n_layer,
+            layout.tail_block_bytes() as u64,
+            layout.block_bytes() as u64,
+            0,
+        ),
+        Some(layers) => {
+            let (mut open, mut sealed, mut dims) = (0, 0, Vec::new());
+            for (il, l) in layers.iter().enumerate() {
+                if l.source != il {
+                    continue;
+                }
+                let lay = layout_of(l.head_dim)?;
+                open += lay.tail_block_bytes() as u64;
+                sealed += lay.block_bytes() as u64;
+                if !dims.contains(&l.head_dim) {
+                    dims.push(l.head_dim);
+                }
+            }
+            let scratch = dims
+                .iter()
+                .map(|&d| layout_of(d).map(|l| l.tail_block_bytes() as u64))
+                .sum::<Result<u64, _>>()?;
+            (1, open, sealed, scratch)
+        }
+    };
     let input = StoreInput {
-        layers: g.n_layer,
-        open_block_bytes: layout.tail_block_bytes() as u64,
-        sealed_block_bytes: layout.block_bytes() as u64,
+        layers: n,
+        open_block_bytes: open_b,
+        sealed_block_bytes: sealed_b,
+        scratch_block_bytes: scratch_b,
         block_size,
         tail_tokens: layout.tail_tokens as u32,
         seals: !f16,
@@ -77,6 +131,7 @@ fn our_store_plan(
     g: &siliceo_core::ModelGeometry,
     format: &KvFormat,
     size: Option<StoreSize>,
+    layers: Option<&[siliceo_engine::LayerKv]>,
 ) -> Result<(StoreInput, StorePlan), RuntimeError> {
     let (bs, max_running, max_batch_tokens) = step_limits(cfg);
     let size = size.unwrap_or(StoreSize::Tokens(u64::from(cfg.context.n_ctx)));
@@ -84,7 +139,14 @@ fn our_store_plan(
         .speculative
         .as_ref()
         .map_or(0, |s| s.tree_branch_blocks(bs, max_running));
-    store_plan(g, format, size, bs, max_running, max_batch_tokens, branch)
+    store_plan_layers(
+        g,
+        format,
+        size,
+        (bs, max_running, max_batch_tokens),
+        branch,
+        layers,
+    )
 }
 
 /// With layers offloaded to a GPU: what they take there (weights, llama.cpp's
@@ -135,7 +197,7 @@ fn check_offload(cfg: &RuntimeConfig) -> Result<(), RuntimeError> {
             0,
         ),
         KvBackend::Ours { format, size, .. } if siliceo_engine::DEVICE_KERNELS => {
-            let (_, plan) = our_store_plan(cfg, &g, format, *size)?;
+            let (_, plan) = our_store_plan(cfg, &g, format, *size, None)?;
             (0.0, plan.split(g.n_layer, 1).device_bytes)
         }
         KvBackend::Ours { .. } => (0.0, 0),
@@ -281,7 +343,14 @@ impl<'m> Engine<'m> {
                 size,
                 kernel_threads,
             } => {
-                let (input, plan) = our_store_plan(cfg, &model.geometry(), format, *size)?;
+                // Per layer where the layers' KV differ (Gemma 4's).
+                let layer_kv = model.layer_kv().filter(|l| {
+                    l.iter().enumerate().any(|(il, k)| {
+                        k.source != il || k.head_dim != model.geometry().head_dim_k as usize
+                    })
+                });
+                let (input, plan) =
+                    our_store_plan(cfg, &model.geometry(), format, *size, layer_kv.as_deref())?;
                 let ctx = GraftedContext::new(
                     model,
                     &GraftOptions {
@@ -305,7 +374,7 @@ impl<'m> Engine<'m> {
                 .map_err(start)?;
                 // Each layer on the device has its own scratch blocks.
                 let device_layers = ctx.device_layers() as u32;
-                let split = plan.split(model.geometry().n_layer, device_layers);
+                let split = plan.split(input.layers, device_layers);
                 let (host, device) = (ctx.host_store_bytes(), ctx.device_store_bytes());
                 if (host as u64, device as u64) != (split.host_bytes, split.device_bytes) {
                     return Err(RuntimeError::Start(format!(

@@ -65,6 +65,11 @@ fn cohere2_mini() -> &'static Model {
     MODEL.get_or_init(|| synthetic(Like::Cohere2Mini))
 }
 
+fn gemma4_mini() -> &'static Model {
+    static MODEL: OnceLock<Model> = OnceLock::new();
+    MODEL.get_or_init(|| synthetic(Like::Gemma4Mini))
+}
+
 /// A prompt of more than 80 tokens: it crosses the 32-token windows.
 fn prompt(model: &Model) -> Vec<TokenId> {
     let text = "The lighthouse keeper counted the ships that passed each night. ".repeat(8);
@@ -231,6 +236,49 @@ fn cohere2_windows_are_llama_cpps() {
     // Measured: 2.8e-3 (logits within ±0.41, scaled by 0.25); without the
     // windows (and the mask check) 0.13.
     assert_like_llama_cpp(cohere2_mini(), &[32, 32, 32, 0]);
+}
+
+/// Gemma 4's architecture: windowed layers with heads of 64, global ones
+/// with heads of 128, and the last two layers attending over layers 2
+/// and 3's KV (they keep none): through our store, llama.cpp's logits; in
+/// every format, a query's logits whatever the prompt's cut; the store
+/// holds four layers' pools, in two sizes.
+///
+/// Measured: 0 (logits within ±1.23). With the synthetic Q/K norm weights
+/// at 1, every softmax is one-hot and arithmetic decides: llama.cpp's own
+/// flash attention and its plain attention then differ by 0.14, ours and
+/// its flash attention by 3.5e-2 (by 7e-2 with no shared layers).
+#[test]
+fn gemma4_heads_of_two_sizes_and_shared_kv_are_llama_cpps() {
+    let model = gemma4_mini();
+    let kv = model.layer_kv().unwrap();
+    let heads: Vec<usize> = kv.iter().map(|l| l.head_dim).collect();
+    let sources: Vec<usize> = kv.iter().map(|l| l.source).collect();
+    assert_eq!(heads, [64, 64, 64, 128, 64, 128]);
+    assert_eq!(sources, [0, 1, 2, 3, 2, 3]);
+    assert_like_llama_cpp(model, &[32, 32, 32, 0, 32, 0]);
+    let prompt = prompt(model);
+    for format in ["kv8", "k5v4"] {
+        let whole = grafted_logits(model, format, &prompt, prompt.len());
+        for chunk in [1, 13] {
+            assert!(
+                grafted_logits(model, format, &prompt, chunk) == whole,
+                "{format}: chunks of {chunk} changed the logits"
+            );
+        }
+    }
+    let ctx = grafted_context(model, "f16", DeviceAttention::Host, None);
+    assert!((0..4).all(|il| ctx.layer(il).is_some()));
+    assert!(ctx.layer(4).is_none() && ctx.layer(5).is_none());
+    assert_eq!(ctx.device_layers(), 0);
+    let (sealed, tail) = ctx.block_bytes();
+    let one = |il: usize| ctx.layer(il).unwrap().layout().tail_block_bytes();
+    assert_eq!(tail, 3 * one(0) + one(3));
+    assert_eq!(one(3), 2 * one(0));
+    assert_eq!(
+        sealed, tail,
+        "f16 seals nothing: its blocks are its tail blocks"
+    );
 }
 
 /// A window table unlike llama.cpp's masks fails the decode, with the
