@@ -845,7 +845,13 @@ impl<'m> GraftedContext<'m> {
         let mut layouts: Vec<KvLayout> = Vec::new();
         let mut layout_of = Vec::with_capacity(layer_kv.len());
         for lk in &layer_kv {
-            let mut l = opts.format.layout(kv_heads, lk.head_dim)?;
+            if lk.kv_heads == 0 || !(g.n_head as usize).is_multiple_of(lk.kv_heads) {
+                return Err(EngineError::Unsupported {
+                    model: model.name().to_string(),
+                    reason: format!("{} query heads over {} KV heads", g.n_head, lk.kv_heads),
+                });
+            }
+            let mut l = opts.format.layout(lk.kv_heads, lk.head_dim)?;
             l.block_tokens = opts.block_tokens;
             l.check().map_err(|e| EngineError::InvalidOption {
                 field: "block_size",
@@ -951,7 +957,7 @@ impl<'m> GraftedContext<'m> {
             staging: Vec::new(),
             geom: layer_kv
                 .iter()
-                .map(|l| (g.n_head as usize, kv_heads, l.head_dim))
+                .map(|l| (g.n_head as usize, l.kv_heads, l.head_dim))
                 .collect(),
             params: AttnParams {
                 threads: opts.kernel_threads.unwrap_or(threads as usize).max(1),

@@ -57,6 +57,8 @@ pub struct Model {
     /// `{arch}.attention.sliding_window_pattern` when the file lists it per
     /// layer (llama.cpp's metadata strings leave arrays out).
     window_flags: Option<Vec<bool>>,
+    /// `{arch}.attention.head_count_kv` when the file lists it per layer.
+    kv_heads: Option<Vec<u32>>,
 }
 
 impl std::fmt::Debug for Model {
@@ -155,6 +157,7 @@ impl Model {
             path,
             &format!("{architecture}.attention.sliding_window_pattern"),
         );
+        let kv_heads = gguf_u32s(path, &format!("{architecture}.attention.head_count_kv"));
         Ok(Model {
             inner,
             path: path.to_owned(),
@@ -167,6 +170,7 @@ impl Model {
                 0
             },
             window_flags,
+            kv_heads,
         })
     }
 
@@ -439,7 +443,8 @@ impl Model {
     }
 
     /// Each layer's KV as llama.cpp keeps it: its heads' size (Gemma 4's
-    /// windowed layers have their own, `attention.key_length_swa`) and the
+    /// windowed layers have their own, `attention.key_length_swa`), its KV
+    /// heads (`attention.head_count_kv` may list them per layer) and the
     /// layer whose KV it attends over — itself, but for the last
     /// `attention.shared_kv_layers` layers of Gemma 4, which read the last
     /// windowed or global layer with KV of its own (llama.cpp's `reuse`
@@ -470,6 +475,11 @@ impl Model {
                     };
                     LayerKv {
                         head_dim: if windowed { swa } else { full },
+                        kv_heads: self
+                            .kv_heads
+                            .as_ref()
+                            .and_then(|h| h.get(il))
+                            .map_or(g.n_head_kv as usize, |&h| h as usize),
                         source,
                     }
                 })
@@ -599,6 +609,11 @@ impl Model {
 /// GGUF reader (metadata only); `None` when the key is missing or not such
 /// an array.
 fn gguf_flags(path: &Path, key: &str) -> Option<Vec<bool>> {
+    gguf_u32s(path, key).map(|v| v.into_iter().map(|x| x != 0).collect())
+}
+
+/// An integer (or boolean) array of a GGUF's metadata, as [`gguf_flags`].
+fn gguf_u32s(path: &Path, key: &str) -> Option<Vec<u32>> {
     let file = std::ffi::CString::new(path.to_string_lossy().as_bytes()).ok()?;
     let key = std::ffi::CString::new(key).ok()?;
     // SAFETY: ggml's GGUF reader over a file it opens and we free; with
@@ -625,15 +640,12 @@ fn gguf_flags(path: &Path, key: &str) -> Option<Vec<bool>> {
                 | llama_cpp_sys_2::GGUF_TYPE_INT8 => Some(
                     std::slice::from_raw_parts(data as *const u8, n)
                         .iter()
-                        .map(|&b| b != 0)
+                        .map(|&b| u32::from(b))
                         .collect(),
                 ),
-                llama_cpp_sys_2::GGUF_TYPE_INT32 | llama_cpp_sys_2::GGUF_TYPE_UINT32 => Some(
-                    std::slice::from_raw_parts(data as *const u32, n)
-                        .iter()
-                        .map(|&x| x != 0)
-                        .collect(),
-                ),
+                llama_cpp_sys_2::GGUF_TYPE_INT32 | llama_cpp_sys_2::GGUF_TYPE_UINT32 => {
+                    Some(std::slice::from_raw_parts(data as *const u32, n).to_vec())
+                }
                 _ => None,
             };
         }
@@ -647,6 +659,8 @@ fn gguf_flags(path: &Path, key: &str) -> Option<Vec<bool>> {
 pub struct LayerKv {
     /// Its K and V heads' size.
     pub head_dim: usize,
+    /// Its KV heads (a model may list them per layer).
+    pub kv_heads: usize,
     /// The layer whose KV it attends over (itself, unless it keeps none).
     pub source: usize,
 }

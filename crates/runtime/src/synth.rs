@@ -72,9 +72,10 @@ pub enum Like {
     /// norm, RoPE in the windowed layers only, tied embeddings, a 32-token
     /// window on three layers in four. For tests of windows.
     Cohere2Mini,
-    /// Google's Gemma 4 architecture at test size: 6 layers, 256 wide, 4/2
-    /// heads; windowed layers (a 32-token window) with heads of 64, the
-    /// others ([`GEMMA4_PATTERN`]) global with heads of 128; the last
+    /// Google's Gemma 4 architecture at test size: 6 layers, 256 wide, 4
+    /// query heads; windowed layers (a 32-token window) with 2 KV heads of
+    /// 64, the others ([`GEMMA4_PATTERN`]) global with 1 KV head of 128
+    /// (KV heads listed per layer); the last
     /// [`GEMMA4_SHARED_KV`] layers read the KV of earlier ones, as Gemma 4's
     /// do. No per-layer embeddings (E2B's and E4B's), no experts.
     Gemma4Mini,
@@ -87,6 +88,10 @@ pub const GEMMA4_PATTERN: [bool; 6] = [true, true, true, false, true, false];
 pub const GEMMA4_SHARED_KV: u32 = 2;
 /// `gemma4-mini`'s windowed layers' head size.
 const GEMMA4_SWA_HEAD: u32 = 64;
+/// `gemma4-mini`'s global layers' KV heads (its windowed layers have
+/// `n_head_kv`): listed per layer, as a Gemma 4 with fewer global KV heads
+/// lists them.
+const GEMMA4_GLOBAL_KV_HEADS: u32 = 1;
 
 /// Weight types: llama.cpp's Q4_K_M mix, or Q8_0 throughout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -460,7 +465,12 @@ fn gemma4_tensors(
         } else {
             global
         };
-        let (q, kv) = (u64::from(g.n_head) * hd, u64::from(g.n_head_kv) * hd);
+        let kv_heads = if hd == global {
+            GEMMA4_GLOBAL_KV_HEADS
+        } else {
+            g.n_head_kv
+        };
+        let (q, kv) = (u64::from(g.n_head) * hd, u64::from(kv_heads) * hd);
         add(b("attn_norm.weight"), &[e], F32);
         add(b("attn_q.weight"), &[e, q], base);
         if l < with_kv {
@@ -669,7 +679,9 @@ pub fn synth_model(a: &SynthOptions) -> Result<()> {
     w.u32(&k("block_count"), g.n_layer);
     w.u32(&k("feed_forward_length"), g.n_ff);
     w.u32(&k("attention.head_count"), g.n_head);
-    w.u32(&k("attention.head_count_kv"), g.n_head_kv);
+    if arch != "gemma4" {
+        w.u32(&k("attention.head_count_kv"), g.n_head_kv);
+    }
     w.u32(&k("rope.dimension_count"), g.head_dim());
     if g.head_dim != 0 {
         w.u32(&k("attention.key_length"), g.head_dim);
@@ -695,6 +707,17 @@ pub fn synth_model(a: &SynthOptions) -> Result<()> {
             &k("attention.shared_kv_layers"),
             GEMMA4_SHARED_KV.min(g.n_layer),
         );
+        let kv_heads: Vec<i32> = pattern
+            .iter()
+            .map(|&windowed| {
+                if windowed {
+                    g.n_head_kv as i32
+                } else {
+                    GEMMA4_GLOBAL_KV_HEADS as i32
+                }
+            })
+            .collect();
+        w.i32s(&k("attention.head_count_kv"), &kv_heads);
         w.u32(&k("attention.key_length_swa"), GEMMA4_SWA_HEAD);
         w.u32(&k("attention.value_length_swa"), GEMMA4_SWA_HEAD);
         w.u32(&k("rope.dimension_count_swa"), GEMMA4_SWA_HEAD);

@@ -56,9 +56,9 @@ fn store_plan_layers(
     branch_blocks: u32,
     layers: Option<&[siliceo_engine::LayerKv]>,
 ) -> Result<(StoreInput, StorePlan), RuntimeError> {
-    let layout_of = |d: usize| {
+    let layout_of = |heads: usize, d: usize| {
         let mut layout = format
-            .layout(g.n_head_kv as usize, d)
+            .layout(heads, d)
             .map_err(|e| RuntimeError::Start(e.to_string()))?;
         layout.block_tokens = block_size as usize;
         layout
@@ -66,7 +66,7 @@ fn store_plan_layers(
             .map_err(|e| RuntimeError::Start(format!("--block-size {block_size}: {e}")))?;
         Ok::<_, RuntimeError>(layout)
     };
-    let layout = layout_of(g.head_dim_k as usize)?;
+    let layout = layout_of(g.n_head_kv as usize, g.head_dim_k as usize)?;
     let f16 = layout.full_precision();
     let (n, open_b, sealed_b, scratch_b) = match layers {
         None => (
@@ -81,16 +81,16 @@ fn store_plan_layers(
                 if l.source != il {
                     continue;
                 }
-                let lay = layout_of(l.head_dim)?;
+                let lay = layout_of(l.kv_heads, l.head_dim)?;
                 open += lay.tail_block_bytes() as u64;
                 sealed += lay.block_bytes() as u64;
-                if !dims.contains(&l.head_dim) {
-                    dims.push(l.head_dim);
+                if !dims.contains(&(l.kv_heads, l.head_dim)) {
+                    dims.push((l.kv_heads, l.head_dim));
                 }
             }
             let scratch = dims
                 .iter()
-                .map(|&d| layout_of(d).map(|l| l.tail_block_bytes() as u64))
+                .map(|&(h, d)| layout_of(h, d).map(|l| l.tail_block_bytes() as u64))
                 .sum::<Result<u64, _>>()?;
             (1, open, sealed, scratch)
         }
@@ -344,9 +344,12 @@ impl<'m> Engine<'m> {
                 kernel_threads,
             } => {
                 // Per layer where the layers' KV differ (Gemma 4's).
+                let g = model.geometry();
                 let layer_kv = model.layer_kv().filter(|l| {
                     l.iter().enumerate().any(|(il, k)| {
-                        k.source != il || k.head_dim != model.geometry().head_dim_k as usize
+                        k.source != il
+                            || k.head_dim != g.head_dim_k as usize
+                            || k.kv_heads != g.n_head_kv as usize
                     })
                 });
                 let (input, plan) =
