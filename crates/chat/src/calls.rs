@@ -392,6 +392,34 @@ fn is_name(s: &str) -> bool {
         .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
 }
 
+/// A function's name at the front of a call's text, before what ends it.
+enum NameAt {
+    /// The name, and where the first of the ends begins.
+    Name(String, usize),
+    /// A name so far: more text decides.
+    Wait,
+    /// Not a name.
+    No,
+}
+
+/// The name at the front of `text`, up to the first of `ends` (the tail
+/// that may begin one of them held).
+fn name_before(text: &str, ends: &[&str]) -> NameAt {
+    let Some((at, _)) = find_first(text, ends) else {
+        let keep = held_tail_len(text, ends);
+        return if is_name(&text[..text.len() - keep]) {
+            NameAt::Wait
+        } else {
+            NameAt::No
+        };
+    };
+    let name = text[..at].trim();
+    if name.is_empty() || !is_name(name) {
+        return NameAt::No;
+    }
+    NameAt::Name(name.to_string(), at)
+}
+
 /// Whether [`CallParser::step`] read on or needs more text.
 enum Step {
     On,
@@ -699,21 +727,14 @@ impl CallParser {
                 } else {
                     0
                 };
-                let rest = &self.buf[start..];
-                let Some(at) = rest.find(sep) else {
-                    // A name so far, or one and the start of the separator.
-                    let keep = held_prefix_len(rest, sep);
-                    if !is_name(&rest[..rest.len() - keep]) {
+                let (name, at) = match name_before(&self.buf[start..], &[sep]) {
+                    NameAt::Name(name, at) => (name, at),
+                    NameAt::Wait => return Step::Wait,
+                    NameAt::No => {
                         self.state = State::Hold { marker };
                         return Step::On;
                     }
-                    return Step::Wait;
                 };
-                let name = rest[..at].trim().to_string();
-                if name.is_empty() || !is_name(&name) {
-                    self.state = State::Hold { marker };
-                    return Step::On;
-                }
                 self.buf.drain(..start + at + sep.len());
                 let value = State::Value {
                     marker,
@@ -738,18 +759,14 @@ impl CallParser {
                     self.state = State::Hold { marker };
                     return Step::On;
                 };
-                let Some(at) = rest.find('{') else {
-                    if !is_name(rest) {
+                let (name, at) = match name_before(rest, &["{"]) {
+                    NameAt::Name(name, at) => (name, at),
+                    NameAt::Wait => return Step::Wait,
+                    NameAt::No => {
                         self.state = State::Hold { marker };
                         return Step::On;
                     }
-                    return Step::Wait;
                 };
-                let name = rest[..at].trim().to_string();
-                if name.is_empty() || !is_name(&name) {
-                    self.state = State::Hold { marker };
-                    return Step::On;
-                }
                 // The `{` stays: the arguments open with it.
                 self.buf.drain(..skip + gemma4::CALL_HEAD.len() + at);
                 self.gemma = ArgsToJson::new();
@@ -777,20 +794,14 @@ impl CallParser {
             {
                 let lead = self.buf.trim_start();
                 let skip = self.buf.len() - lead.len();
-                let ends = ["\n", GLM_XML.key, GLM_XML.call_end];
-                let Some((at, _)) = find_first(lead, &ends) else {
-                    let keep = held_tail_len(lead, &ends);
-                    if !is_name(&lead[..lead.len() - keep]) {
+                let (name, at) = match name_before(lead, &["\n", GLM_XML.key, GLM_XML.call_end]) {
+                    NameAt::Name(name, at) => (name, at),
+                    NameAt::Wait => return Step::Wait,
+                    NameAt::No => {
                         self.state = State::Hold { marker };
                         return Step::On;
                     }
-                    return Step::Wait;
                 };
-                let name = lead[..at].trim().to_string();
-                if name.is_empty() || !is_name(&name) {
-                    self.state = State::Hold { marker };
-                    return Step::On;
-                }
                 self.buf.drain(..skip + at);
                 self.take_xml_call(name, marker)
             }
@@ -803,8 +814,12 @@ impl CallParser {
                     _ => lead,
                 };
                 let skip = self.buf.len() - lead.len();
-                let Some(at) = lead.find('(') else {
-                    if !is_name(lead) {
+                let (name, at) = match name_before(lead, &["("]) {
+                    NameAt::Name(name, at) => (name, at),
+                    NameAt::Wait => return Step::Wait,
+                    // Not a call: the block is text (or, after a call,
+                    // skipped to its end).
+                    NameAt::No => {
                         self.state = if first {
                             State::Hold { marker }
                         } else {
@@ -812,17 +827,7 @@ impl CallParser {
                         };
                         return Step::On;
                     }
-                    return Step::Wait;
                 };
-                let name = lead[..at].trim().to_string();
-                if name.is_empty() || !is_name(&name) {
-                    self.state = if first {
-                        State::Hold { marker }
-                    } else {
-                        State::Close { marker }
-                    };
-                    return Step::On;
-                }
                 self.buf.drain(..skip + at + 1);
                 self.python = pythonic::ArgsToJson::new();
                 if !self.take_call(name, State::PyArgs { marker }) {
