@@ -165,14 +165,28 @@ impl DeviceAttention {
     /// its offloaded layers where this build has them, else the host.
     /// `SILICEO_DEVICE_ATTENTION=host` keeps every layer's attention on the
     /// host (a fallback, and the baseline the device path is measured
-    /// against).
+    /// against). A model whose layers differ (Gemma 4's: heads of several
+    /// shapes, layers without KV) keeps its attention on the host: the
+    /// device store takes layers alike only.
     pub fn for_model(model: &Model) -> DeviceAttention {
         let host = std::env::var("SILICEO_DEVICE_ATTENTION").is_ok_and(|v| v == "host");
+        let alike = model.layer_kv().is_none_or(|layers| {
+            layers.iter().enumerate().all(|(il, l)| {
+                l.source == il
+                    && (l.kv_heads, l.head_dim) == (layers[0].kv_heads, layers[0].head_dim)
+            })
+        });
         if cfg!(feature = "cuda-kernels") && !host && !model.offloaded_layers().is_empty() {
-            DeviceAttention::Cuda
-        } else {
-            DeviceAttention::Host
+            if alike {
+                return DeviceAttention::Cuda;
+            }
+            tracing::warn!(
+                model = model.name(),
+                "its layers differ in shape or share KV: attention stays on the host \
+                 (the device store takes layers alike only)"
+            );
         }
+        DeviceAttention::Host
     }
 }
 
