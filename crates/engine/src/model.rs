@@ -153,11 +153,15 @@ impl Model {
             n_ctx_train: inner.n_ctx_train(),
         };
         tracing::info!(path = %path.display(), %architecture, ?geometry, "model loaded");
-        let window_flags = gguf_flags(
+        // Arrays llama.cpp's metadata strings leave out, read in one pass.
+        let [window_flags, kv_heads] = gguf_arrays(
             path,
-            &format!("{architecture}.attention.sliding_window_pattern"),
+            [
+                &format!("{architecture}.attention.sliding_window_pattern"),
+                &format!("{architecture}.attention.head_count_kv"),
+            ],
         );
-        let kv_heads = gguf_u32s(path, &format!("{architecture}.attention.head_count_kv"));
+        let window_flags = window_flags.map(|f| f.into_iter().map(|x| x != 0).collect());
         Ok(Model {
             inner,
             path: path.to_owned(),
@@ -605,29 +609,50 @@ impl Model {
     }
 }
 
-/// A boolean (or integer) array of a GGUF's metadata, read with ggml's
-/// GGUF reader (metadata only); `None` when the key is missing or not such
-/// an array.
-fn gguf_flags(path: &Path, key: &str) -> Option<Vec<bool>> {
-    gguf_u32s(path, key).map(|v| v.into_iter().map(|x| x != 0).collect())
+/// Integer (or boolean) arrays of a GGUF's metadata, read with ggml's GGUF
+/// reader (metadata only); `None` for a key that is missing or not such an
+/// array.
+fn gguf_arrays<const N: usize>(path: &Path, keys: [&str; N]) -> [Option<Vec<u32>>; N] {
+    let mut out = [const { None }; N];
+    let Ok(file) = std::ffi::CString::new(path.to_string_lossy().as_bytes()) else {
+        return out;
+    };
+    // SAFETY: ggml's GGUF reader over a file it opens and we free; with
+    // `no_alloc` and no context it reads the metadata only.
+    let ctx = unsafe {
+        llama_cpp_sys_2::gguf_init_from_file(
+            file.as_ptr(),
+            llama_cpp_sys_2::gguf_init_params {
+                no_alloc: true,
+                ctx: std::ptr::null_mut(),
+            },
+        )
+    };
+    if ctx.is_null() {
+        return out;
+    }
+    for (slot, key) in out.iter_mut().zip(keys) {
+        if let Ok(key) = std::ffi::CString::new(key) {
+            // SAFETY: a live context (freed below).
+            *slot = unsafe { gguf_u32s(ctx, &key) };
+        }
+    }
+    // SAFETY: made above, not used after.
+    unsafe { llama_cpp_sys_2::gguf_free(ctx) };
+    out
 }
 
-/// An integer (or boolean) array of a GGUF's metadata, as [`gguf_flags`].
-fn gguf_u32s(path: &Path, key: &str) -> Option<Vec<u32>> {
-    let file = std::ffi::CString::new(path.to_string_lossy().as_bytes()).ok()?;
-    let key = std::ffi::CString::new(key).ok()?;
-    // SAFETY: ggml's GGUF reader over a file it opens and we free; with
-    // `no_alloc` and no context it reads the metadata only. The array's
-    // data holds `n` elements of its type.
+/// One integer (or boolean) array of `ctx`'s metadata.
+///
+/// # Safety
+/// `ctx` must be a live GGUF context.
+unsafe fn gguf_u32s(
+    ctx: *mut llama_cpp_sys_2::gguf_context,
+    key: &std::ffi::CStr,
+) -> Option<Vec<u32>> {
+    // SAFETY: plain queries of a live context; the array's data holds `n`
+    // elements of its type.
     unsafe {
-        let params = llama_cpp_sys_2::gguf_init_params {
-            no_alloc: true,
-            ctx: std::ptr::null_mut(),
-        };
-        let ctx = llama_cpp_sys_2::gguf_init_from_file(file.as_ptr(), params);
-        if ctx.is_null() {
-            return None;
-        }
         let id = llama_cpp_sys_2::gguf_find_key(ctx, key.as_ptr());
         let mut out = None;
         if id >= 0 && llama_cpp_sys_2::gguf_get_kv_type(ctx, id) == llama_cpp_sys_2::GGUF_TYPE_ARRAY
@@ -649,7 +674,6 @@ fn gguf_u32s(path: &Path, key: &str) -> Option<Vec<u32>> {
                 _ => None,
             };
         }
-        llama_cpp_sys_2::gguf_free(ctx);
         out
     }
 }
