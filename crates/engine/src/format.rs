@@ -85,6 +85,34 @@ impl KvFormat {
         Ok(l)
     }
 
+    /// The store's layouts for a model's layers ([`crate::Model::layer_kv`])
+    /// in blocks of `block_tokens`: each distinct shape once (one for most
+    /// models), and each layer's index into them.
+    pub fn layer_layouts(
+        &self,
+        layers: &[crate::LayerKv],
+        block_tokens: usize,
+    ) -> Result<(Vec<KvLayout>, Vec<usize>), EngineError> {
+        let mut layouts: Vec<KvLayout> = Vec::new();
+        let mut of = Vec::with_capacity(layers.len());
+        for l in layers {
+            let mut layout = self.layout(l.kv_heads, l.head_dim)?;
+            layout.block_tokens = block_tokens;
+            layout.check().map_err(|e| EngineError::InvalidOption {
+                field: "block_size",
+                reason: e.to_string(),
+            })?;
+            of.push(match layouts.iter().position(|x| *x == layout) {
+                Some(i) => i,
+                None => {
+                    layouts.push(layout);
+                    layouts.len() - 1
+                }
+            });
+        }
+        Ok((layouts, of))
+    }
+
     /// The format's name, e.g. `k5:v4/32+rot+tail128` (what [`KvFormat::parse`] reads back).
     pub fn name(&self) -> String {
         let mut s = format!("{}:{}", self.k, self.v);

@@ -170,12 +170,9 @@ impl DeviceAttention {
     /// device store takes layers alike only.
     pub fn for_model(model: &Model) -> DeviceAttention {
         let host = std::env::var("SILICEO_DEVICE_ATTENTION").is_ok_and(|v| v == "host");
-        let alike = model.layer_kv().is_none_or(|layers| {
-            layers.iter().enumerate().all(|(il, l)| {
-                l.source == il
-                    && (l.kv_heads, l.head_dim) == (layers[0].kv_heads, layers[0].head_dim)
-            })
-        });
+        let alike = model
+            .layer_kv()
+            .is_none_or(|l| crate::model::layers_alike(&l));
         if cfg!(feature = "cuda-kernels") && !host && !model.offloaded_layers().is_empty() {
             if alike {
                 return DeviceAttention::Cuda;
@@ -844,47 +841,23 @@ impl<'m> GraftedContext<'m> {
     pub fn new(model: &'m Model, opts: &GraftOptions) -> Result<GraftedContext<'m>, EngineError> {
         model.check_graftable()?;
         let g = model.geometry();
-        let (kv_heads, d) = (g.n_head_kv as usize, g.head_dim_k as usize);
-        if kv_heads == 0 || !(g.n_head as usize).is_multiple_of(kv_heads) {
-            return Err(EngineError::Unsupported {
-                model: model.name().to_string(),
-                reason: format!("{} query heads over {kv_heads} KV heads", g.n_head),
-            });
-        }
         let layer_kv = model.layer_kv().ok_or_else(|| EngineError::Unsupported {
             model: model.name().to_string(),
             reason: "sliding windows this build does not know".into(),
         })?;
-        // A layout per distinct head size (one for most models).
-        let mut layouts: Vec<KvLayout> = Vec::new();
-        let mut layout_of = Vec::with_capacity(layer_kv.len());
-        for lk in &layer_kv {
-            if lk.kv_heads == 0 || !(g.n_head as usize).is_multiple_of(lk.kv_heads) {
-                return Err(EngineError::Unsupported {
-                    model: model.name().to_string(),
-                    reason: format!("{} query heads over {} KV heads", g.n_head, lk.kv_heads),
-                });
-            }
-            let mut l = opts.format.layout(lk.kv_heads, lk.head_dim)?;
-            l.block_tokens = opts.block_tokens;
-            l.check().map_err(|e| EngineError::InvalidOption {
-                field: "block_size",
-                reason: e.to_string(),
-            })?;
-            let at = match layouts.iter().position(|x| *x == l) {
-                Some(i) => i,
-                None => {
-                    layouts.push(l);
-                    layouts.len() - 1
-                }
-            };
-            layout_of.push(at);
+        if let Some(l) = layer_kv
+            .iter()
+            .find(|l| l.kv_heads == 0 || !(g.n_head as usize).is_multiple_of(l.kv_heads))
+        {
+            return Err(EngineError::Unsupported {
+                model: model.name().to_string(),
+                reason: format!("{} query heads over {} KV heads", g.n_head, l.kv_heads),
+            });
         }
-        // The model's own head size's: what the runtime plans with.
-        let mut layout = opts.format.layout(kv_heads, d)?;
-        layout.block_tokens = opts.block_tokens;
-        let per_layer =
-            layouts.len() > 1 || layer_kv.iter().enumerate().any(|(i, l)| l.source != i);
+        let (layouts, layout_of) = opts.format.layer_layouts(&layer_kv, opts.block_tokens)?;
+        // Layer 0's (every layer's, but for Gemma 4's).
+        let layout = layouts[0];
+        let per_layer = !crate::model::layers_alike(&layer_kv);
         if opts.n_batch == 0 {
             return Err(EngineError::InvalidOption {
                 field: "n_batch",

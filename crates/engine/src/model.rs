@@ -689,6 +689,15 @@ pub struct LayerKv {
     pub source: usize,
 }
 
+/// Whether `layers` ([`Model::layer_kv`]) are alike: one shape, each with
+/// KV of its own (what the device store and the planner's one-layer
+/// arithmetic take).
+pub fn layers_alike(layers: &[LayerKv]) -> bool {
+    layers.iter().enumerate().all(|(il, l)| {
+        l.source == il && (l.kv_heads, l.head_dim) == (layers[0].kv_heads, layers[0].head_dim)
+    })
+}
+
 /// llama.cpp's `set_swa_pattern(period)`: every layer windowed but the last
 /// of each period (a period of 0 windows them all).
 pub(crate) fn windows_by_period(layers: usize, period: usize, window: usize) -> Vec<usize> {

@@ -56,42 +56,36 @@ fn store_plan_layers(
     branch_blocks: u32,
     layers: Option<&[siliceo_engine::LayerKv]>,
 ) -> Result<(StoreInput, StorePlan), RuntimeError> {
-    let layout_of = |heads: usize, d: usize| {
-        let mut layout = format
-            .layout(heads, d)
-            .map_err(|e| RuntimeError::Start(e.to_string()))?;
-        layout.block_tokens = block_size as usize;
-        layout
-            .check()
-            .map_err(|e| RuntimeError::Start(format!("--block-size {block_size}: {e}")))?;
-        Ok::<_, RuntimeError>(layout)
-    };
-    let layout = layout_of(g.n_head_kv as usize, g.head_dim_k as usize)?;
+    let layout = format
+        .layout(g.n_head_kv as usize, g.head_dim_k as usize)
+        .map_err(|e| RuntimeError::Start(e.to_string()))?;
     let f16 = layout.full_precision();
     let (n, open_b, sealed_b, scratch_b) = match layers {
-        None => (
-            g.n_layer,
-            layout.tail_block_bytes() as u64,
-            layout.block_bytes() as u64,
-            0,
-        ),
+        None => {
+            let mut layout = layout;
+            layout.block_tokens = block_size as usize;
+            layout
+                .check()
+                .map_err(|e| RuntimeError::Start(format!("--block-size {block_size}: {e}")))?;
+            (
+                g.n_layer,
+                layout.tail_block_bytes() as u64,
+                layout.block_bytes() as u64,
+                0,
+            )
+        }
         Some(layers) => {
-            let (mut open, mut sealed, mut dims) = (0, 0, Vec::new());
+            let (layouts, of) = format
+                .layer_layouts(layers, block_size as usize)
+                .map_err(|e| RuntimeError::Start(format!("--block-size {block_size}: {e}")))?;
+            let (mut open, mut sealed) = (0, 0);
             for (il, l) in layers.iter().enumerate() {
-                if l.source != il {
-                    continue;
-                }
-                let lay = layout_of(l.kv_heads, l.head_dim)?;
-                open += lay.tail_block_bytes() as u64;
-                sealed += lay.block_bytes() as u64;
-                if !dims.contains(&(l.kv_heads, l.head_dim)) {
-                    dims.push((l.kv_heads, l.head_dim));
+                if l.source == il {
+                    open += layouts[of[il]].tail_block_bytes() as u64;
+                    sealed += layouts[of[il]].block_bytes() as u64;
                 }
             }
-            let scratch = dims
-                .iter()
-                .map(|&(h, d)| layout_of(h, d).map(|l| l.tail_block_bytes() as u64))
-                .sum::<Result<u64, _>>()?;
+            let scratch = layouts.iter().map(|l| l.tail_block_bytes() as u64).sum();
             (1, open, sealed, scratch)
         }
     };
@@ -344,14 +338,9 @@ impl<'m> Engine<'m> {
                 kernel_threads,
             } => {
                 // Per layer where the layers' KV differ (Gemma 4's).
-                let g = model.geometry();
-                let layer_kv = model.layer_kv().filter(|l| {
-                    l.iter().enumerate().any(|(il, k)| {
-                        k.source != il
-                            || k.head_dim != g.head_dim_k as usize
-                            || k.kv_heads != g.n_head_kv as usize
-                    })
-                });
+                let layer_kv = model
+                    .layer_kv()
+                    .filter(|l| !siliceo_engine::layers_alike(l));
                 let (input, plan) =
                     our_store_plan(cfg, &model.geometry(), format, *size, layer_kv.as_deref())?;
                 let ctx = GraftedContext::new(
