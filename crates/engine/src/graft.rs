@@ -233,6 +233,8 @@ struct State {
     staging: Vec<u8>,
     /// Each layer's query heads, KV heads and head size.
     geom: Vec<(usize, usize, usize)>,
+    /// Tail blocks of a layer's own (the scratch's ids follow them).
+    own_tail: usize,
     params: AttnParams,
     step: GraftStep,
     /// Batch tokens of the decode in flight.
@@ -472,12 +474,22 @@ impl State {
                 .map_err(|e| format!("layer {il}: {e}"))?;
         }
         let copy = self.copy_tensors;
-        // (A layer reading another's KV gets that layer's rows of this step,
-        // which llama.cpp's cache holds: they go to the scratch again.)
+        // A layer reading another's KV needs that layer's rows of this step
+        // only where they went to the scratch (which the layers after it
+        // took over): llama.cpp's cache holds them, and they go there again.
+        let own_tail = self.own_tail;
+        let kv = source == il
+            || self
+                .step
+                .writes
+                .iter()
+                .any(|&(b, _)| b as usize >= own_tail);
         unsafe {
             gather(q, n, nh, d, &mut self.q, &mut self.staging, copy)?;
-            gather(k, n, kvh, d, &mut self.k, &mut self.staging, copy)?;
-            gather(v, n, kvh, d, &mut self.v, &mut self.staging, copy)?;
+            if kv {
+                gather(k, n, kvh, d, &mut self.k, &mut self.staging, copy)?;
+                gather(v, n, kvh, d, &mut self.v, &mut self.staging, copy)?;
+            }
         }
         // The scratch is this layer's while it is computed.
         let sc = self.scratch_of[source];
@@ -587,10 +599,14 @@ impl State {
         let source = self.sources[il];
         let pages = host_layer(&mut self.layers, source);
         let row = kvh * d;
-        // A layer reading another's KV writes only the step's rows again
-        // (the same values: the scratch's rows are gone since), never
-        // copies or seals (done).
+        // A layer reading another's KV writes only the step's scratch rows
+        // again (the same values; the scratch held them only while that
+        // layer ran), never copies or seals (done).
+        let own = source == il;
         for (i, &(block, r)) in self.step.writes.iter().enumerate() {
+            if !own && (block as usize) < self.own_tail {
+                continue;
+            }
             pages.write_token(
                 block,
                 usize::from(r),
@@ -598,7 +614,7 @@ impl State {
                 &self.v[i * row..(i + 1) * row],
             );
         }
-        if source == il {
+        if own {
             for c in &self.step.copies {
                 pages.copy_tail_rows(c.src, c.dst, c.rows.clone());
             }
@@ -946,6 +962,7 @@ impl<'m> GraftedContext<'m> {
                 .iter()
                 .map(|l| (g.n_head as usize, l.kv_heads, l.head_dim))
                 .collect(),
+            own_tail: opts.tail_blocks,
             params: AttnParams {
                 threads: opts.kernel_threads.unwrap_or(threads as usize).max(1),
                 // On llama.cpp's own (idle, spinning) OpenMP threads, which
