@@ -219,6 +219,14 @@ impl Model {
         self.inner.meta_val_str(key).ok()
     }
 
+    /// The architecture's metadata value `{arch}.{key}`, parsed.
+    fn arch_meta<T: std::str::FromStr>(&self, key: &str) -> Option<T> {
+        self.meta(&format!("{}.{key}", self.architecture))?
+            .trim()
+            .parse()
+            .ok()
+    }
+
     /// The model's default chat template (Jinja source), if it has one.
     pub fn chat_template(&self) -> Option<String> {
         self.inner
@@ -423,18 +431,11 @@ impl Model {
             "gemma4" => None,
             _ => return None,
         };
-        let key = format!("{arch}.attention.sliding_window_pattern");
         // Listed per layer (read from the file: llama.cpp's metadata
-        // strings leave arrays out), or a period.
-        let flags = match (&self.window_flags, self.meta(&key)) {
-            (Some(f), _) => Some(f.clone()),
-            (None, Some(v)) => {
-                let p: usize = v.trim().parse().ok()?;
-                return Some(windows_by_period(layers, p, window));
-            }
-            (None, None) => None,
-        };
-        match flags {
+        // strings leave arrays out), or a period in the file, or the
+        // architecture's.
+        let key = "attention.sliding_window_pattern";
+        match &self.window_flags {
             Some(f) if f.len() >= layers => Some(
                 f[..layers]
                     .iter()
@@ -442,7 +443,13 @@ impl Model {
                     .collect(),
             ),
             Some(_) => None,
-            None => period.map(|p| windows_by_period(layers, p, window)),
+            None => {
+                let p = match self.meta(&format!("{arch}.{key}")) {
+                    Some(v) => v.trim().parse().ok()?,
+                    None => period?,
+                };
+                Some(windows_by_period(layers, p, window))
+            }
         }
     }
 
@@ -457,14 +464,10 @@ impl Model {
         let g = self.geometry;
         let layers = g.n_layer as usize;
         let windows = self.attention_windows()?;
-        let arch = &self.architecture;
-        let meta_u = |key: &str| {
-            self.meta(&format!("{arch}.{key}"))
-                .and_then(|v| v.trim().parse::<usize>().ok())
-        };
         let full = g.head_dim_k as usize;
-        let swa = meta_u("attention.key_length_swa").unwrap_or(full);
-        let shared = meta_u("attention.shared_kv_layers")
+        let swa = self.arch_meta("attention.key_length_swa").unwrap_or(full);
+        let shared = self
+            .arch_meta::<usize>("attention.shared_kv_layers")
             .unwrap_or(0)
             .min(layers);
         let own = layers - shared;
@@ -529,10 +532,7 @@ impl Model {
         // Gemma 4's and Gemma 3n's: checked before the windows, which those
         // have too, so the refusal names what the store lacks first.
         let arch = &self.architecture;
-        let meta_u = |key: &str| {
-            self.meta(&format!("{arch}.{key}"))
-                .and_then(|v| v.trim().parse::<u32>().ok())
-        };
+        let meta_u = |key: &str| self.arch_meta::<u32>(key);
         // Gemma 4's are served (`Model::layer_kv`, tested on a synthetic
         // `gemma4-mini`); others' (Gemma 3n's) are not tried.
         let per_layer_ok = arch == "gemma4";
@@ -580,10 +580,7 @@ impl Model {
         ) {
             return refuse("attention sinks in an architecture not tested with them".into());
         }
-        let meta_f = |key: &str| {
-            self.meta(&format!("{arch}.{key}"))
-                .and_then(|v| v.trim().parse::<f64>().ok())
-        };
+        let meta_f = |key: &str| self.arch_meta::<f64>(key);
         if meta_f("attention.kv_lora_rank").is_some_and(|r| r > 0.0) {
             return refuse("multi-head latent attention (MLA)".into());
         }
