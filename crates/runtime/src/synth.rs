@@ -79,6 +79,12 @@ pub enum Like {
     /// [`GEMMA4_SHARED_KV`] layers read the KV of earlier ones, as Gemma 4's
     /// do. No per-layer embeddings (E2B's and E4B's), no experts.
     Gemma4Mini,
+    /// `gemma4-mini` with its global layers shaped like its windowed ones
+    /// (2 KV heads of 64), which no Gemma 4 is: every layer then shares one
+    /// scratch set, so the layers between a sharing layer and its source
+    /// overwrite the source's scratch rows of the step. A test of the
+    /// sharing layers' rewrite of those rows.
+    Gemma4Alike,
 }
 
 /// `gemma4-mini`'s windowed layers (`true`) and global ones: layer 3 is the
@@ -92,6 +98,19 @@ const GEMMA4_SWA_HEAD: u32 = 64;
 /// `n_head_kv`): listed per layer, as a Gemma 4 with fewer global KV heads
 /// lists them.
 const GEMMA4_GLOBAL_KV_HEADS: u32 = 1;
+
+/// A Gemma 4 geometry's layer shape: (head size, KV heads). Windowed
+/// layers have heads of [`GEMMA4_SWA_HEAD`] and `n_head_kv` of them; global
+/// ones heads of `head_dim` and [`GEMMA4_GLOBAL_KV_HEADS`], unless their
+/// heads are the windowed layers' size (`gemma4-alike`): then the windowed
+/// layers' shape.
+fn gemma4_shape(g: &Geometry, windowed: bool) -> (u32, u32) {
+    if windowed || g.head_dim == GEMMA4_SWA_HEAD {
+        (GEMMA4_SWA_HEAD, g.n_head_kv)
+    } else {
+        (g.head_dim, GEMMA4_GLOBAL_KV_HEADS)
+    }
+}
 
 /// Weight types: llama.cpp's Q4_K_M mix, or Q8_0 throughout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,9 +135,10 @@ impl std::str::FromStr for Like {
             "exaone4-mini" => Ok(Like::Exaone4Mini),
             "cohere2-mini" => Ok(Like::Cohere2Mini),
             "gemma4-mini" => Ok(Like::Gemma4Mini),
+            "gemma4-alike" => Ok(Like::Gemma4Alike),
             _ => Err(format!(
                 "`{s}`: one of qwen2.5-7b, llama-3-8b, qwen2.5-1.5b, gpt-oss-20b, gpt-oss-mini, \
-                 olmo3-mini, exaone4-mini, cohere2-mini, gemma4-mini"
+                 olmo3-mini, exaone4-mini, cohere2-mini, gemma4-mini, gemma4-alike"
             )),
         }
     }
@@ -328,6 +348,11 @@ impl Like {
                 experts: None,
                 window: 32,
             },
+            Like::Gemma4Alike => Geometry {
+                name: "gemma4-alike",
+                head_dim: GEMMA4_SWA_HEAD,
+                ..Like::Gemma4Mini.geometry()
+            },
             Like::Qwen25_1_5b => Geometry {
                 arch: "qwen2",
                 name: "qwen2.5-1.5b",
@@ -460,16 +485,8 @@ fn gemma4_tensors(
     for l in 0..g.n_layer {
         let b = |s: &str| format!("blk.{l}.{s}");
         let rich = if more_bits(l, g.n_layer) { more } else { base };
-        let hd = if GEMMA4_PATTERN[l as usize % GEMMA4_PATTERN.len()] {
-            u64::from(GEMMA4_SWA_HEAD)
-        } else {
-            global
-        };
-        let kv_heads = if hd == global {
-            GEMMA4_GLOBAL_KV_HEADS
-        } else {
-            g.n_head_kv
-        };
+        let (hd, kv_heads) = gemma4_shape(g, GEMMA4_PATTERN[l as usize % GEMMA4_PATTERN.len()]);
+        let hd = u64::from(hd);
         let (q, kv) = (u64::from(g.n_head) * hd, u64::from(kv_heads) * hd);
         add(b("attn_norm.weight"), &[e], F32);
         add(b("attn_q.weight"), &[e, q], base);
@@ -647,7 +664,7 @@ pub fn synth_model(a: &SynthOptions) -> Result<()> {
     let Some(like) = a.like else {
         return invalid(
             "--like is needed (qwen2.5-7b, llama-3-8b, qwen2.5-1.5b, gpt-oss-20b, \
-             gpt-oss-mini, olmo3-mini, exaone4-mini, cohere2-mini or gemma4-mini), or --vocab-only",
+             gpt-oss-mini, olmo3-mini, exaone4-mini, cohere2-mini, gemma4-mini or gemma4-alike), or --vocab-only",
         );
     };
     let mut g = like.geometry();
@@ -709,13 +726,7 @@ pub fn synth_model(a: &SynthOptions) -> Result<()> {
         );
         let kv_heads: Vec<i32> = pattern
             .iter()
-            .map(|&windowed| {
-                if windowed {
-                    g.n_head_kv as i32
-                } else {
-                    GEMMA4_GLOBAL_KV_HEADS as i32
-                }
-            })
+            .map(|&windowed| gemma4_shape(&g, windowed).1 as i32)
             .collect();
         w.i32s(&k("attention.head_count_kv"), &kv_heads);
         w.u32(&k("attention.key_length_swa"), GEMMA4_SWA_HEAD);

@@ -148,8 +148,9 @@ struct SynthArgs {
     /// llama-3-8b, qwen2.5-1.5b, gpt-oss-20b, gpt-oss-mini (gpt-oss's
     /// architecture at test size), olmo3-mini, exaone4-mini,
     /// cohere2-mini (OLMo 3's, EXAONE 4's and Command R7B's, for tests of
-    /// sliding windows) or gemma4-mini (Gemma 4's: heads of two sizes, KV
-    /// shared across layers).
+    /// sliding windows), gemma4-mini (Gemma 4's: heads of two sizes, KV
+    /// shared across layers) or gemma4-alike (gemma4-mini with heads of one
+    /// size, for a test).
     #[arg(long)]
     like: Option<synth::Like>,
     /// Weight quantization: q4_k_m (llama.cpp's Q4_K_M mix) or q8_0.

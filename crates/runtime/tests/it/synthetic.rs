@@ -70,6 +70,21 @@ fn gemma4_mini() -> &'static Model {
     MODEL.get_or_init(|| synthetic(Like::Gemma4Mini))
 }
 
+/// `gemma4-mini` with layers of one shape (for the scratch they share; see
+/// `deterministic.rs`): llama.cpp's logits through our store too, with one
+/// layout for every layer.
+#[test]
+fn gemma4_with_layers_of_one_shape_is_llama_cpps() {
+    let model = synthetic(Like::Gemma4Alike);
+    let kv = model.layer_kv().unwrap();
+    assert!(kv.iter().all(|l| (l.kv_heads, l.head_dim) == (2, 64)));
+    assert_eq!(
+        kv.iter().map(|l| l.source).collect::<Vec<_>>(),
+        [0, 1, 2, 3, 2, 3]
+    );
+    assert_like_llama_cpp(&model, &[32, 32, 32, 0, 32, 0]);
+}
+
 /// A prompt of more than 80 tokens: it crosses the 32-token windows.
 fn prompt(model: &Model) -> Vec<TokenId> {
     let text = "The lighthouse keeper counted the ships that passed each night. ".repeat(8);
