@@ -322,7 +322,7 @@ fn capacity(path: &Path, model: &Model) -> Result<()> {
         let mut plan = None;
         loop {
             match siliceo_runtime::store_plan(
-                &g,
+                &g.alike_layers(),
                 &format,
                 StoreSize::Budget(BUDGET),
                 64,

@@ -58,10 +58,83 @@ impl ModelGeometry {
                 .expect("V row not a whole number of blocks")
     }
 
+    /// Each layer's KV where the layers are alike: `n_head_kv` heads of
+    /// `head_dim_k`, each layer its own ([`layer_kv`] reads a model whose
+    /// layers differ).
+    pub fn alike_layers(&self) -> Vec<LayerKv> {
+        (0..self.n_layer as usize)
+            .map(|il| LayerKv {
+                head_dim: self.head_dim_k as usize,
+                kv_heads: self.n_head_kv as usize,
+                source: il,
+            })
+            .collect()
+    }
+
     /// Query heads that share one KV head.
     pub fn gqa_group(&self) -> u32 {
         self.n_head / self.n_head_kv.max(1)
     }
+}
+
+/// One layer's KV as llama.cpp keeps it ([`layer_kv`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct LayerKv {
+    /// Its K and V heads' size.
+    pub head_dim: usize,
+    /// Its KV heads (a model may list them per layer).
+    pub kv_heads: usize,
+    /// The layer whose KV it attends over (itself, unless it keeps none).
+    pub source: usize,
+}
+
+/// Each layer's KV as llama.cpp reads a model's metadata: `windowed` flags
+/// each layer with a sliding window; its heads' size is `head_dim.1` if
+/// windowed (Gemma 4's `attention.key_length_swa`), else `head_dim.0`; its
+/// KV heads `kv_heads(layer)` (`attention.head_count_kv` may list them per
+/// layer); and the last `shared` layers (`attention.shared_kv_layers`)
+/// keep no KV but attend over the last windowed or global layer with KV of
+/// its own: layer `n − shared − 2` if windowed, else `n − shared − 1`
+/// (llama.cpp's `reuse` callback in `llama-model.cpp`).
+pub fn layer_kv(
+    windowed: &[bool],
+    head_dim: (usize, usize),
+    kv_heads: impl Fn(usize) -> usize,
+    shared: usize,
+) -> Vec<LayerKv> {
+    let own = windowed.len() - shared.min(windowed.len());
+    windowed
+        .iter()
+        .enumerate()
+        .map(|(il, &w)| LayerKv {
+            head_dim: if w { head_dim.1 } else { head_dim.0 },
+            kv_heads: kv_heads(il),
+            source: if il < own {
+                il
+            } else {
+                own.saturating_sub(if w { 2 } else { 1 })
+            },
+        })
+        .collect()
+}
+
+/// Whether `layers` ([`layer_kv`]) are alike: one shape, each with KV of its
+/// own (what the device store and the planner's one-layer arithmetic take).
+pub fn layers_alike(layers: &[LayerKv]) -> bool {
+    layers.iter().enumerate().all(|(il, l)| {
+        l.source == il && (l.kv_heads, l.head_dim) == (layers[0].kv_heads, layers[0].head_dim)
+    })
+}
+
+/// Elements of K (or V: the heads are one size) per token over the layers
+/// that keep KV of their own.
+pub fn kv_elems_per_token(layers: &[LayerKv]) -> u64 {
+    layers
+        .iter()
+        .enumerate()
+        .filter(|&(il, l)| l.source == il)
+        .map(|(_, l)| (l.kv_heads * l.head_dim) as u64)
+        .sum()
 }
 
 /// The repeating layers llama.cpp puts on the GPU for `--gpu-layers`
@@ -88,6 +161,38 @@ mod tests {
             n_vocab: 128_256,
             n_ctx_train: 8192,
         }
+    }
+
+    /// A layout of Gemma 4's kind (35 layers, a global layer every fifth,
+    /// the last 20 reading others' KV; heads of 256 windowed, 512 global, one
+    /// KV head): the sharing layers read layer 13 (windowed) or 14 (global).
+    #[test]
+    fn shared_layers_read_the_last_own_layer_of_their_kind() {
+        let windowed: Vec<bool> = (0..35).map(|il| il % 5 != 4).collect();
+        let layers = layer_kv(&windowed, (512, 256), |_| 1, 20);
+        assert_eq!(layers.len(), 35);
+        for (il, l) in layers.iter().enumerate() {
+            let want = match il {
+                0..15 => il,
+                _ if windowed[il] => 13,
+                _ => 14,
+            };
+            assert_eq!(l.source, want, "layer {il}");
+            assert_eq!(l.head_dim, if windowed[il] { 256 } else { 512 });
+        }
+        assert!(!layers_alike(&layers));
+        // 12 windowed layers of 256 and 3 global of 512 keep KV.
+        assert_eq!(kv_elems_per_token(&layers), 12 * 256 + 3 * 512);
+        let plain = layer_kv(&[false, true, false], (64, 64), |_| 2, 0);
+        assert!(layers_alike(&plain));
+        assert_eq!(kv_elems_per_token(&plain), 3 * 128);
+        // KV heads listed per layer make layers unlike.
+        assert!(!layers_alike(&layer_kv(
+            &[false; 3],
+            (64, 64),
+            |il| il + 1,
+            0
+        )));
     }
 
     #[test]

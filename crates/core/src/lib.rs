@@ -143,7 +143,9 @@ impl std::fmt::Debug for TlsIdentity {
             .finish_non_exhaustive()
     }
 }
-pub use geometry::{ModelGeometry, offloaded_layers};
+pub use geometry::{
+    LayerKv, ModelGeometry, kv_elems_per_token, layer_kv, layers_alike, offloaded_layers,
+};
 pub use ids::{RequestId, SeqId, TokenId};
 pub use kv_type::KvType;
 pub use sampler::Sampler;

@@ -172,7 +172,7 @@ impl DeviceAttention {
         let host = std::env::var("SILICEO_DEVICE_ATTENTION").is_ok_and(|v| v == "host");
         let alike = model
             .layer_kv()
-            .is_none_or(|l| crate::model::layers_alike(&l));
+            .is_none_or(|l| siliceo_core::layers_alike(&l));
         if cfg!(feature = "cuda-kernels") && !host && !model.offloaded_layers().is_empty() {
             if alike {
                 return DeviceAttention::Cuda;
@@ -873,7 +873,7 @@ impl<'m> GraftedContext<'m> {
         let (layouts, layout_of) = opts.format.layer_layouts(&layer_kv, opts.block_tokens)?;
         // Layer 0's (every layer's, but for Gemma 4's).
         let layout = layouts[0];
-        let per_layer = !crate::model::layers_alike(&layer_kv);
+        let per_layer = !siliceo_core::layers_alike(&layer_kv);
         if opts.n_batch == 0 {
             return Err(EngineError::InvalidOption {
                 field: "n_batch",

@@ -63,7 +63,8 @@ pub use graft::{
     BlockPlacer, DeviceAttention, GraftOptions, GraftQuery, GraftStep, GraftedContext,
     MAX_SEQS_PER_STEP, RowCopy, SavedBlocks, StoreBlock,
 };
-pub use model::{ChatMessage, LayerKv, Model, ModelOptions, layers_alike};
+pub use model::{ChatMessage, Model, ModelOptions};
+pub use siliceo_core::{LayerKv, layers_alike};
 
 /// Whether this build serves llama.cpp's offloaded layers with siliceo's
 /// CUDA kernels and a store in device memory (feature `cuda-kernels`).

@@ -460,38 +460,27 @@ impl Model {
     /// `attention.shared_kv_layers` layers of Gemma 4, which read the last
     /// windowed or global layer with KV of its own (llama.cpp's `reuse`
     /// in `llama-model.cpp`). `None` where the windows are not known.
-    pub fn layer_kv(&self) -> Option<Vec<LayerKv>> {
+    pub fn layer_kv(&self) -> Option<Vec<siliceo_core::LayerKv>> {
         let g = self.geometry;
-        let layers = g.n_layer as usize;
         let windows = self.attention_windows()?;
         let full = g.head_dim_k as usize;
         let swa = self.arch_meta("attention.key_length_swa").unwrap_or(full);
         let shared = self
             .arch_meta::<usize>("attention.shared_kv_layers")
-            .unwrap_or(0)
-            .min(layers);
-        let own = layers - shared;
-        Some(
-            (0..layers)
-                .map(|il| {
-                    let windowed = windows[il] > 0;
-                    let source = if il < own {
-                        il
-                    } else {
-                        own.saturating_sub(if windowed { 2 } else { 1 })
-                    };
-                    LayerKv {
-                        head_dim: if windowed { swa } else { full },
-                        kv_heads: self
-                            .kv_heads
-                            .as_ref()
-                            .and_then(|h| h.get(il))
-                            .map_or(g.n_head_kv as usize, |&h| h as usize),
-                        source,
-                    }
-                })
-                .collect(),
-        )
+            .unwrap_or(0);
+        let windowed: Vec<bool> = windows.iter().map(|&w| w > 0).collect();
+        let kv_heads = |il: usize| {
+            self.kv_heads
+                .as_ref()
+                .and_then(|h| h.get(il))
+                .map_or(g.n_head_kv as usize, |&h| h as usize)
+        };
+        Some(siliceo_core::layer_kv(
+            &windowed,
+            (full, swa),
+            kv_heads,
+            shared,
+        ))
     }
 
     /// Whether the model's attention has sinks (gpt-oss: a learned logit
@@ -673,26 +662,6 @@ unsafe fn gguf_u32s(
         }
         out
     }
-}
-
-/// One layer's KV ([`Model::layer_kv`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LayerKv {
-    /// Its K and V heads' size.
-    pub head_dim: usize,
-    /// Its KV heads (a model may list them per layer).
-    pub kv_heads: usize,
-    /// The layer whose KV it attends over (itself, unless it keeps none).
-    pub source: usize,
-}
-
-/// Whether `layers` ([`Model::layer_kv`]) are alike: one shape, each with
-/// KV of its own (what the device store and the planner's one-layer
-/// arithmetic take).
-pub fn layers_alike(layers: &[LayerKv]) -> bool {
-    layers.iter().enumerate().all(|(il, l)| {
-        l.source == il && (l.kv_heads, l.head_dim) == (layers[0].kv_heads, layers[0].head_dim)
-    })
 }
 
 /// llama.cpp's `set_swa_pattern(period)`: every layer windowed but the last

@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 
-use siliceo_core::ModelGeometry;
+use siliceo_core::{LayerKv, ModelGeometry, layer_kv};
 
 /// Why a GGUF header could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -43,8 +43,9 @@ pub enum GgufError {
     },
 }
 
-/// A metadata value (arrays keep their length and their integer or string
-/// elements; float and nested arrays only their length).
+/// A metadata value (arrays keep their length and their integer, boolean
+/// (as 0 and 1) or string elements; float and nested arrays only their
+/// length).
 #[derive(Debug, Clone, PartialEq)]
 pub enum MetaValue {
     /// Any integer type, widened.
@@ -59,7 +60,8 @@ pub enum MetaValue {
     Array {
         /// Element count.
         len: u64,
-        /// Integer elements (empty for other element types).
+        /// Integer or boolean (0, 1) elements (empty for other element
+        /// types).
         ints: Vec<i128>,
         /// String elements (empty for other element types): a vocabulary's
         /// tokens and merges.
@@ -216,6 +218,7 @@ impl<'a> Reader<'a> {
         for _ in 0..len {
             match self.value(elem)? {
                 MetaValue::Int(v) => ints.push(v),
+                MetaValue::Bool(b) => ints.push(i128::from(b)),
                 MetaValue::Str(s) => strs.push(s),
                 _ => {}
             }
@@ -475,7 +478,8 @@ impl GgufHeader {
         }
     }
 
-    /// An integer array's elements (`tokenizer.ggml.token_type`).
+    /// An integer or boolean array's elements (`tokenizer.ggml.token_type`;
+    /// booleans as 0 and 1).
     pub fn ints(&self, key: &str) -> Option<&[i128]> {
         match self.meta.get(key)? {
             MetaValue::Array { ints, len, .. } if ints.len() as u64 == *len => Some(ints),
@@ -536,6 +540,41 @@ impl GgufHeader {
             n_vocab: n_vocab.unwrap_or(0),
             n_ctx_train: get("context_length").unwrap_or(0),
         })
+    }
+}
+
+impl GgufHeader {
+    /// Each layer's KV as llama.cpp keeps it ([`siliceo_core::layer_kv`]):
+    /// heads of `attention.key_length_swa` in the layers
+    /// `attention.sliding_window_pattern` lists as windowed, KV heads from
+    /// `attention.head_count_kv` (one per layer or one for all), and the last
+    /// `attention.shared_kv_layers` layers reading others' KV (Gemma 4's).
+    /// Which layers are windowed matters only where their heads differ or
+    /// layers share KV: then the file must list them.
+    pub fn layer_kv(&self) -> Result<Vec<LayerKv>, GgufError> {
+        let g = self.geometry()?;
+        let arch = self.str("general.architecture").unwrap_or_default();
+        let key = |k: &str| format!("{arch}.{k}");
+        let size = |k: &str| self.int(&key(k)).and_then(|v| usize::try_from(v).ok());
+        let n = g.n_layer as usize;
+        let full = g.head_dim_k as usize;
+        let swa = size("attention.key_length_swa").unwrap_or(full);
+        let shared = size("attention.shared_kv_layers").unwrap_or(0);
+        let pattern = key("attention.sliding_window_pattern");
+        let windowed: Vec<bool> = match self.ints(&pattern).filter(|f| f.len() >= n) {
+            Some(flags) => flags[..n].iter().map(|&f| f != 0).collect(),
+            None if swa == full && shared == 0 => vec![false; n],
+            None => return Err(GgufError::Missing(format!("{pattern} (a flag per layer)"))),
+        };
+        let listed = self
+            .ints(&key("attention.head_count_kv"))
+            .filter(|h| h.len() >= n);
+        let kv_heads = |il: usize| {
+            listed
+                .and_then(|h| usize::try_from(h[il]).ok())
+                .unwrap_or(g.n_head_kv as usize)
+        };
+        Ok(layer_kv(&windowed, (full, swa), kv_heads, shared))
     }
 }
 
@@ -676,6 +715,62 @@ mod tests {
         );
         // 512 × 4 + (512 × 256 / 256) × 144
         assert_eq!(h.weight_bytes().unwrap(), 2048 + 512 * 144);
+    }
+
+    /// Layers of two shapes, KV heads listed per layer and shared KV, read
+    /// from a header: the sharing layers read the last own layer of their
+    /// kind; the windowed layers must be listed where that decides a shape.
+    #[test]
+    fn reads_each_layers_kv() {
+        let header = |pattern: bool, shared: u32| {
+            let mut w = GgufWriter::default();
+            w.str("general.architecture", "gemma4");
+            for (k, v) in [
+                ("block_count", 6u32),
+                ("attention.head_count", 4),
+                ("embedding_length", 256),
+                ("attention.key_length", 128),
+                ("attention.key_length_swa", 64),
+                ("attention.shared_kv_layers", shared),
+            ] {
+                w.u32(&format!("gemma4.{k}"), v);
+            }
+            w.i32s("gemma4.attention.head_count_kv", &[2, 2, 2, 1, 2, 1]);
+            if pattern {
+                let flags = [true, true, true, false, true, false];
+                w.bools("gemma4.attention.sliding_window_pattern", &flags);
+            }
+            GgufHeader::parse(&w.header()).unwrap()
+        };
+        let h = header(true, 2);
+        assert_eq!(
+            h.ints("gemma4.attention.sliding_window_pattern").unwrap(),
+            [1, 1, 1, 0, 1, 0]
+        );
+        let layers = h.layer_kv().unwrap();
+        let shapes: Vec<_> = layers
+            .iter()
+            .map(|l| (l.kv_heads, l.head_dim, l.source))
+            .collect();
+        let (w, g) = ((2, 64), (1, 128));
+        assert_eq!(
+            shapes,
+            [
+                (w.0, w.1, 0),
+                (w.0, w.1, 1),
+                (w.0, w.1, 2),
+                (g.0, g.1, 3),
+                (w.0, w.1, 2),
+                (g.0, g.1, 3)
+            ]
+        );
+        assert_eq!(siliceo_core::kv_elems_per_token(&layers), 3 * 128 + 128);
+        assert!(h.geometry().unwrap().k_elems_per_token() > 6 * 128);
+        assert_eq!(header(true, 0).layer_kv().unwrap()[4].source, 4);
+        match header(false, 2).layer_kv() {
+            Err(GgufError::Missing(k)) => assert!(k.contains("sliding_window_pattern"), "{k}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -18,7 +18,7 @@
 //! own KV for the same tokens, so its per-token bytes join the target's.
 
 use serde::Serialize;
-use siliceo_core::{KvType, ModelGeometry};
+use siliceo_core::{KvType, LayerKv, ModelGeometry};
 
 /// A KV element format: one of llama.cpp's types or one of ours.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -113,6 +113,10 @@ pub struct PlanInput {
     pub sequences: u32,
     /// A draft model sharing the budget: its geometry, weights and K/V formats.
     pub draft: Option<DraftInput>,
+    /// Each layer's KV where the layers differ (Gemma 4's: heads of two
+    /// sizes, layers without KV of their own; K and V heads one size);
+    /// empty: `geometry`'s layers, alike.
+    pub layers: Vec<LayerKv>,
 }
 
 /// A draft model that shares the budget.
@@ -157,6 +161,7 @@ impl PlanInput {
             compute_reserve_bytes: 256 << 20,
             sequences: 1,
             draft: None,
+            layers: Vec::new(),
         }
     }
 }
@@ -296,21 +301,50 @@ impl Plan {
     }
 }
 
-fn per_token(g: &ModelGeometry, k: KvFormat, v: KvFormat) -> Result<(f64, f64), PlanError> {
-    let heads = f64::from(g.n_head_kv) * f64::from(g.n_layer);
-    let kb = k
-        .row_bytes(u64::from(g.head_dim_k))
-        .ok_or(PlanError::FormatDoesNotFit {
-            format: k.name(),
-            dim: g.head_dim_k,
-        })?;
-    let vb = v
-        .row_bytes(u64::from(g.head_dim_v))
-        .ok_or(PlanError::FormatDoesNotFit {
-            format: v.name(),
-            dim: g.head_dim_v,
-        })?;
-    Ok((kb * heads, vb * heads))
+fn per_token(
+    g: &ModelGeometry,
+    layers: &[LayerKv],
+    k: KvFormat,
+    v: KvFormat,
+) -> Result<PerToken, PlanError> {
+    // (KV heads, K head size, V head size) of each layer keeping KV, or of
+    // all layers at once where they are alike.
+    let rows: Vec<(u64, u32, u32)> = if layers.is_empty() {
+        vec![(
+            u64::from(g.n_head_kv) * u64::from(g.n_layer),
+            g.head_dim_k,
+            g.head_dim_v,
+        )]
+    } else {
+        layers
+            .iter()
+            .enumerate()
+            .filter(|&(il, l)| l.source == il)
+            .map(|(_, l)| (l.kv_heads as u64, l.head_dim as u32, l.head_dim as u32))
+            .collect()
+    };
+    let mut t = PerToken::default();
+    for (heads, dk, dv) in rows {
+        let bytes = |f: KvFormat, dim: u32| {
+            f.row_bytes(u64::from(dim))
+                .ok_or(PlanError::FormatDoesNotFit {
+                    format: f.name(),
+                    dim,
+                })
+        };
+        t.k += bytes(k, dk)? * heads as f64;
+        t.v += bytes(v, dv)? * heads as f64;
+        t.elems += (heads * u64::from(dk + dv)) as f64;
+    }
+    Ok(t)
+}
+
+/// Bytes of K and of V per token, and elements of both.
+#[derive(Default)]
+struct PerToken {
+    k: f64,
+    v: f64,
+    elems: f64,
 }
 
 /// Plans `input`, or says why it cannot fit.
@@ -328,13 +362,15 @@ pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
         });
     }
     let g = &input.geometry;
-    let (kpt, vpt) = per_token(g, input.k, input.v)?;
+    let target = per_token(g, &input.layers, input.k, input.v)?;
+    let (kpt, vpt) = (target.k, target.v);
     let f16 = KvFormat::Llama(KvType::F16);
-    let (tk, tv) = per_token(g, f16, f16)?;
+    let tail = per_token(g, &input.layers, f16, f16)?;
+    let (tk, tv) = (tail.k, tail.v);
     let draft_bpt = match &input.draft {
         Some(d) => {
-            let (dk, dv) = per_token(&d.geometry, d.k, d.v)?;
-            dk + dv
+            let t = per_token(&d.geometry, &[], d.k, d.v)?;
+            t.k + t.v
         }
         None => 0.0,
     };
@@ -368,8 +404,6 @@ pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
     }
     let one_tail = (f64::from(tail_tokens) * (tail_bpt + draft_bpt)).ceil() as u64;
     let blocks_one = (kv.saturating_sub(one_tail) as f64 / block_bytes).floor() as u64;
-    let elems = f64::from(g.head_dim_k) + f64::from(g.head_dim_v);
-    let row = f64::from(g.n_head_kv) * f64::from(g.n_layer);
     Ok(Plan {
         k_bytes_per_token: kpt,
         v_bytes_per_token: vpt,
@@ -377,7 +411,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
         v_bytes_per_block: vpt * bs,
         draft_bytes_per_token: draft_bpt,
         tail_bytes_per_token: tail_bpt,
-        bits_per_element: (kpt + vpt) * 8.0 / (elems * row),
+        bits_per_element: (kpt + vpt) * 8.0 / target.elems,
         usable_bytes: usable,
         weight_bytes: weights,
         compute_reserve_bytes: input.compute_reserve_bytes,
@@ -786,6 +820,32 @@ mod tests {
         let err = plan(&input).unwrap_err();
         assert!(matches!(err, PlanError::WeightsDoNotFit { .. }), "{err}");
         assert!(err.to_string().contains("do not fit"));
+    }
+
+    /// Layers of two shapes, two of them without KV (`gemma4-mini`'s): the
+    /// bytes per token are those of the four layers keeping KV, a third of
+    /// what the geometry's widest layer times six would say.
+    #[test]
+    fn layers_that_differ_count_each_layers_kv() {
+        let windowed = [true, true, true, false, true, false];
+        let layers = siliceo_core::layer_kv(&windowed, (128, 64), |il| [2, 2, 2, 1, 2, 1][il], 2);
+        let alike = PlanInput::new(geom(6, 2, 128), GIB, 2 * GIB);
+        let per_layer = PlanInput {
+            layers,
+            k: KvFormat::Kv8,
+            v: KvFormat::Kv8,
+            ..alike.clone()
+        };
+        let (a, p) = (plan(&alike).unwrap(), plan(&per_layer).unwrap());
+        // f16: 6 layers × 2 heads × 128 × 2 B.
+        assert_eq!(a.k_bytes_per_token, 3072.0);
+        // f16 tail: 3 layers × 2 heads × 64 + 1 × 128, × 2 B.
+        assert_eq!(p.tail_bytes_per_token, 2.0 * 1024.0);
+        let kv8 = |dim: u64| KvFormat::Kv8.row_bytes(dim).unwrap();
+        assert_eq!(p.k_bytes_per_token, 6.0 * kv8(64) + kv8(128));
+        assert_eq!(p.k_bytes_per_token, p.v_bytes_per_token);
+        let bits = (kv8(64) * 6.0 + kv8(128)) * 8.0 / 512.0;
+        assert_eq!(p.bits_per_element, bits);
     }
 
     #[test]

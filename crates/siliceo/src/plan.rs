@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, Result, bail};
 use clap::Args;
-use siliceo_core::ModelGeometry;
+use siliceo_core::{LayerKv, ModelGeometry, layers_alike};
 use siliceo_kv_paging::gguf::GgufHeader;
 use siliceo_kv_paging::planner::{DraftInput, KvFormat, Plan, PlanInput, parse_bytes, plan};
 
@@ -139,19 +139,25 @@ fn parse_geometry(spec: &str) -> Result<(ModelGeometry, u64)> {
     Ok((g, weights))
 }
 
-fn model_source(
-    path: &Option<PathBuf>,
-    geometry: &Option<String>,
-) -> Result<Option<(ModelGeometry, u64, String)>> {
+/// A model's geometry, weight bytes, name and each layer's KV (from its
+/// file, or alike layers from `--geometry`).
+type Source = (ModelGeometry, u64, String, Vec<LayerKv>);
+
+fn model_source(path: &Option<PathBuf>, geometry: &Option<String>) -> Result<Option<Source>> {
     match (path, geometry) {
         (Some(p), _) => {
             let h = read_header(p)?;
             let name = h.str("general.name").unwrap_or("model").to_owned();
-            Ok(Some((h.geometry()?, h.weight_bytes()?, name)))
+            Ok(Some((
+                h.geometry()?,
+                h.weight_bytes()?,
+                name,
+                h.layer_kv()?,
+            )))
         }
         (None, Some(spec)) => {
             let (g, w) = parse_geometry(spec)?;
-            Ok(Some((g, w, "geometry".to_owned())))
+            Ok(Some((g, w, "geometry".to_owned(), g.alike_layers())))
         }
         (None, None) => Ok(None),
     }
@@ -173,10 +179,10 @@ pub fn cmd_plan(a: PlanArgs) -> Result<()> {
     } else {
         a.model.clone()
     };
-    let (geometry, weights, name) =
+    let (geometry, weights, name, layers) =
         model_source(&source, &a.geometry)?.context("give --model or --geometry")?;
     if let Some(kv) = &a.kv {
-        return plan_store_cmd(&a, kv, &geometry, &name);
+        return plan_store_cmd(&a, kv, &geometry, &layers, &name);
     }
     let budget = a.budget.as_deref().context("--budget is required")?;
     let draft = model_source(&a.draft_model, &a.draft_geometry)?;
@@ -190,12 +196,17 @@ pub fn cmd_plan(a: PlanArgs) -> Result<()> {
         safety_margin: a.margin,
         compute_reserve_bytes: parse_bytes(&a.reserve)?,
         sequences: a.sequences,
-        draft: draft.as_ref().map(|(g, w, _)| DraftInput {
+        draft: draft.as_ref().map(|(g, w, _, _)| DraftInput {
             geometry: *g,
             weight_bytes: *w,
             k,
             v,
         }),
+        layers: if layers_alike(&layers) {
+            Vec::new()
+        } else {
+            layers.clone()
+        },
         ..PlanInput::new(geometry, weights, parse_bytes(budget)?)
     };
     let p: Plan = plan(&input)?;
@@ -209,6 +220,9 @@ pub fn cmd_plan(a: PlanArgs) -> Result<()> {
         let mut out = serde_json::to_value(&p)?;
         out["model"] = serde_json::json!(name);
         out["geometry"] = serde_json::to_value(geometry)?;
+        if !layers_alike(&layers) {
+            out["layers"] = serde_json::to_value(&layers)?;
+        }
         out["budget_bytes"] = serde_json::json!(input.budget_bytes);
         out["kv_k"] = serde_json::json!(k.name());
         out["kv_v"] = serde_json::json!(v.name());
@@ -221,10 +235,7 @@ pub fn cmd_plan(a: PlanArgs) -> Result<()> {
         return Ok(());
     }
     let g = geometry;
-    println!(
-        "model              {name}: {} layers, {} KV heads × head dim {}/{}",
-        g.n_layer, g.n_head_kv, g.head_dim_k, g.head_dim_v
-    );
+    println!("model              {name}: {}", describe(&g, &layers));
     println!(
         "budget             {} less {:.1} % margin = {} usable",
         gib(input.budget_bytes as f64),
@@ -293,8 +304,52 @@ pub fn cmd_plan(a: PlanArgs) -> Result<()> {
     Ok(())
 }
 
+/// The model's layers as the plans count them: alike, or each kind of layer
+/// keeping KV and the layers keeping none.
+fn describe(g: &ModelGeometry, layers: &[LayerKv]) -> String {
+    if layers_alike(layers) {
+        return format!(
+            "{} layers, {} KV heads × head dim {}/{}",
+            g.n_layer, g.n_head_kv, g.head_dim_k, g.head_dim_v
+        );
+    }
+    // (KV heads, head size) → layers keeping KV of that shape.
+    let mut kinds: Vec<((usize, usize), usize)> = Vec::new();
+    let mut own = 0;
+    let owners = layers.iter().enumerate().filter(|&(il, l)| l.source == il);
+    for l in owners.map(|(_, l)| l) {
+        own += 1;
+        match kinds
+            .iter_mut()
+            .find(|(k, _)| *k == (l.kv_heads, l.head_dim))
+        {
+            Some((_, n)) => *n += 1,
+            None => kinds.push(((l.kv_heads, l.head_dim), 1)),
+        }
+    }
+    let kinds: Vec<String> = kinds
+        .iter()
+        .map(|((h, d), n)| format!("{n} × {h} KV heads × head dim {d}"))
+        .collect();
+    format!(
+        "{} layers; KV in {own}: {}{}",
+        layers.len(),
+        kinds.join(", "),
+        match layers.len() - own {
+            0 => String::new(),
+            shared => format!("; {shared} read other layers' KV"),
+        }
+    )
+}
+
 /// `plan --kv`: our KV store as `serve` sizes it for the same flags.
-fn plan_store_cmd(a: &PlanArgs, kv: &str, g: &ModelGeometry, name: &str) -> Result<()> {
+fn plan_store_cmd(
+    a: &PlanArgs,
+    kv: &str,
+    g: &ModelGeometry,
+    layers: &[LayerKv],
+    name: &str,
+) -> Result<()> {
     let format =
         siliceo_engine::KvFormat::parse(kv).map_err(|e| anyhow::anyhow!("--kv {kv}: {e}"))?;
     let size = match &a.kv_budget {
@@ -305,8 +360,9 @@ fn plan_store_cmd(a: &PlanArgs, kv: &str, g: &ModelGeometry, name: &str) -> Resu
     let batch = a.batch_tokens.unwrap_or(512).max(1);
     let spec = crate::serve::speculative_config(None, a.spec_max_draft, a.spec_tree_width);
     let branch_blocks = spec.tree_branch_blocks(a.block_size, max_running);
+    let alike = layers_alike(layers);
     let (input, p) = siliceo_runtime::store_plan(
-        g,
+        layers,
         &format,
         size,
         a.block_size,
@@ -315,16 +371,21 @@ fn plan_store_cmd(a: &PlanArgs, kv: &str, g: &ModelGeometry, name: &str) -> Resu
         branch_blocks,
     )
     .map_err(|e| anyhow::anyhow!("{e}"))?;
-    // The layers llama.cpp offloads, and where the store then lives.
+    // The layers llama.cpp offloads, and where the store then lives (in
+    // host memory where the layers differ: their attention stays there).
     let split = a.gpu_layers.map(|n| {
-        let layers = siliceo_core::offloaded_layers(g.n_layer as usize, n as usize);
-        (p.split(g.n_layer, layers.len() as u32), layers)
+        let offloaded = siliceo_core::offloaded_layers(g.n_layer as usize, n as usize);
+        let on_device = if alike { offloaded.len() as u32 } else { 0 };
+        (p.split(input.layers, on_device), offloaded)
     });
     if a.json {
         let mut out = serde_json::to_value(p)?;
         out["model"] = serde_json::json!(name);
         out["format"] = serde_json::json!(format.name());
         out["input"] = serde_json::to_value(input)?;
+        if !alike {
+            out["layers"] = serde_json::to_value(layers)?;
+        }
         if let Some((split, _)) = &split {
             out["gpu_layers"] = serde_json::json!(a.gpu_layers);
             out["split"] = serde_json::to_value(split)?;
@@ -333,10 +394,7 @@ fn plan_store_cmd(a: &PlanArgs, kv: &str, g: &ModelGeometry, name: &str) -> Resu
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
-    println!(
-        "model              {name}: {} layers, {} KV heads × head dim {}",
-        g.n_layer, g.n_head_kv, g.head_dim_k
-    );
+    println!("model              {name}: {}", describe(g, layers));
     println!("format             {}", format.name());
     println!(
         "sealed blocks      {} × {} = {}",
@@ -345,7 +403,7 @@ fn plan_store_cmd(a: &PlanArgs, kv: &str, g: &ModelGeometry, name: &str) -> Resu
         gib((u64::from(p.sealed_blocks) * p.sealed_block_bytes) as f64)
     );
     println!(
-        "open blocks        {} (tails, partial blocks, copies for {max_running} running){} × {} + {} scratch of one layer = {}",
+        "open blocks        {} (tails, partial blocks, copies for {max_running} running){} × {} + {} scratch {} = {}",
         p.open_blocks,
         if p.branch_blocks > 0 {
             format!(" + {} token-tree branch", p.branch_blocks)
@@ -354,6 +412,11 @@ fn plan_store_cmd(a: &PlanArgs, kv: &str, g: &ModelGeometry, name: &str) -> Resu
         },
         gib(p.open_block_bytes as f64),
         p.scratch_blocks,
+        if alike {
+            "of one layer"
+        } else {
+            "per layer shape"
+        },
         gib(
             (u64::from(p.open_blocks + p.branch_blocks) * p.open_block_bytes + p.scratch_bytes)
                 as f64
@@ -365,12 +428,14 @@ fn plan_store_cmd(a: &PlanArgs, kv: &str, g: &ModelGeometry, name: &str) -> Resu
             "on the GPU         layers {}..{} ({} of {}), each with its own scratch: {} in device memory, {} in host memory ({} B in all){}",
             layers.start,
             layers.end,
-            split.device_layers,
+            layers.len(),
             g.n_layer,
             gib(split.device_bytes as f64),
             gib(split.host_bytes as f64),
             split.total(),
-            if siliceo_engine::DEVICE_KERNELS {
+            if !alike {
+                "; layers of several shapes or without KV of their own keep their attention and store in host memory in this build"
+            } else if siliceo_engine::DEVICE_KERNELS {
                 ""
             } else {
                 "; as a build with the CUDA kernels places it (`cargo xtask build --cuda`): this one keeps every layer's store in host memory"

@@ -379,9 +379,29 @@ fn serve_answers_grpc_and_exits_cleanly_on_sigterm() {
 
 #[test]
 fn the_store_serve_allocates_is_what_plan_says() {
+    // Gemma 4's layers (two shapes, two layers without KV), from the header
+    // for the plan and from llama.cpp's loaded model for serve.
+    let dir = std::env::temp_dir().join(format!("siliceo-plan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let gemma4 = dir.join("gemma4-mini.gguf");
+    let gemma4 = gemma4.to_str().unwrap();
+    let out = siliceo(&[
+        "synth-model",
+        "--like",
+        "gemma4-mini",
+        "--quant",
+        "q8_0",
+        "--out",
+        gemma4,
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
     // Flags for both, then serve's own (token trees need a drafter).
     let none: &[&str] = &[];
     for (flags, serve_only) in [
+        (
+            &["-m", gemma4, "--kv", "k5v4", "--context", "4096"][..],
+            none,
+        ),
         (
             &["--kv", "kv8", "--context", "4096", "--max-running", "4"][..],
             none,
@@ -419,6 +439,15 @@ fn the_store_serve_allocates_is_what_plan_says() {
         if flags.contains(&"--spec-tree-width") {
             assert!(plan["branch_blocks"].as_u64().unwrap() > 0, "{plan}");
         }
+        if flags.contains(&gemma4) {
+            let sources: Vec<u64> = plan["layers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|l| l["source"].as_u64().unwrap())
+                .collect();
+            assert_eq!(sources, [0, 1, 2, 3, 2, 3], "{plan}");
+        }
         let mut serve_args = vec!["--listen", "127.0.0.1:0"];
         serve_args.extend_from_slice(flags);
         serve_args.extend_from_slice(serve_only);
@@ -448,6 +477,7 @@ fn the_store_serve_allocates_is_what_plan_says() {
         let _ = child.kill();
         let _ = child.wait();
     }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `plan --kv … --gpu-layers N`: the offloaded layers (llama.cpp's last

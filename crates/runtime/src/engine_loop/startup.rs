@@ -20,13 +20,20 @@ use super::{Engine, MaskStats};
 use crate::kv_events::KvEventHub;
 use crate::{Command, KvBackend, RuntimeConfig, RuntimeError, RuntimeInfo};
 
-/// The store a configuration of ours asks for, for a model of geometry `g`:
-/// the planner's input and the block counts and bytes [`plan_store`] gives —
-/// what the store then allocates (checked at start-up), and what
-/// `siliceo plan --kv` prints. `branch_blocks` are the open blocks token
-/// trees need ([`crate::SpeculativeConfig::tree_branch_blocks`]; 0 without).
+/// The store a configuration of ours asks for, for a model whose layers
+/// keep `layers` ([`siliceo_core::ModelGeometry::alike_layers`], or each
+/// layer's where they differ: [`Model::layer_kv`],
+/// `GgufHeader::layer_kv`): the planner's input and the block counts and
+/// bytes [`plan_store`] gives — what the store then allocates (checked at
+/// start-up), and what `siliceo plan --kv` prints. `branch_blocks` are the
+/// open blocks token trees need
+/// ([`crate::SpeculativeConfig::tree_branch_blocks`]; 0 without).
+///
+/// Layers alike are planned as they are; layers that differ (Gemma 4's) as
+/// one "layer" whose blocks are all the layers' that keep KV of their own,
+/// each in its head size, with a scratch set per head size.
 pub fn store_plan(
-    g: &siliceo_core::ModelGeometry,
+    layers: &[siliceo_core::LayerKv],
     format: &KvFormat,
     size: StoreSize,
     block_size: u32,
@@ -34,60 +41,38 @@ pub fn store_plan(
     max_batch_tokens: u32,
     branch_blocks: u32,
 ) -> Result<(StoreInput, StorePlan), RuntimeError> {
-    store_plan_layers(
-        g,
-        format,
-        size,
-        (block_size, max_running, max_batch_tokens),
-        branch_blocks,
-        None,
-    )
-}
-
-/// [`store_plan`] for a model whose layers' KV differ (`layers`: each
-/// layer's, [`Model::layer_kv`]; Gemma 4's): the input counts one "layer"
-/// whose blocks are all the layers' that keep KV of their own, each in its
-/// head size, and a scratch set per head size.
-fn store_plan_layers(
-    g: &siliceo_core::ModelGeometry,
-    format: &KvFormat,
-    size: StoreSize,
-    (block_size, max_running, max_batch_tokens): (u32, u32, u32),
-    branch_blocks: u32,
-    layers: Option<&[siliceo_engine::LayerKv]>,
-) -> Result<(StoreInput, StorePlan), RuntimeError> {
+    let first = layers
+        .first()
+        .ok_or_else(|| RuntimeError::Start("a model without layers".into()))?;
     let layout = format
-        .layout(g.n_head_kv as usize, g.head_dim_k as usize)
+        .layout(first.kv_heads, first.head_dim)
         .map_err(|e| RuntimeError::Start(e.to_string()))?;
     let f16 = layout.full_precision();
-    let (n, open_b, sealed_b, scratch_b) = match layers {
-        None => {
-            let mut layout = layout;
-            layout.block_tokens = block_size as usize;
-            layout
-                .check()
-                .map_err(|e| RuntimeError::Start(format!("--block-size {block_size}: {e}")))?;
-            (
-                g.n_layer,
-                layout.tail_block_bytes() as u64,
-                layout.block_bytes() as u64,
-                0,
-            )
-        }
-        Some(layers) => {
-            let (layouts, of) = format
-                .layer_layouts(layers, block_size as usize)
-                .map_err(|e| RuntimeError::Start(format!("--block-size {block_size}: {e}")))?;
-            let (mut open, mut sealed) = (0, 0);
-            for (il, l) in layers.iter().enumerate() {
-                if l.source == il {
-                    open += layouts[of[il]].tail_block_bytes() as u64;
-                    sealed += layouts[of[il]].block_bytes() as u64;
-                }
+    let (n, open_b, sealed_b, scratch_b) = if siliceo_engine::layers_alike(layers) {
+        let mut layout = layout;
+        layout.block_tokens = block_size as usize;
+        layout
+            .check()
+            .map_err(|e| RuntimeError::Start(format!("--block-size {block_size}: {e}")))?;
+        (
+            layers.len() as u32,
+            layout.tail_block_bytes() as u64,
+            layout.block_bytes() as u64,
+            0,
+        )
+    } else {
+        let (layouts, of) = format
+            .layer_layouts(layers, block_size as usize)
+            .map_err(|e| RuntimeError::Start(format!("--block-size {block_size}: {e}")))?;
+        let (mut open, mut sealed) = (0, 0);
+        for (il, l) in layers.iter().enumerate() {
+            if l.source == il {
+                open += layouts[of[il]].tail_block_bytes() as u64;
+                sealed += layouts[of[il]].block_bytes() as u64;
             }
-            let scratch = layouts.iter().map(|l| l.tail_block_bytes() as u64).sum();
-            (1, open, sealed, scratch)
         }
+        let scratch = layouts.iter().map(|l| l.tail_block_bytes() as u64).sum();
+        (1, open, sealed, scratch)
     };
     let input = StoreInput {
         layers: n,
@@ -122,10 +107,9 @@ fn step_limits(cfg: &RuntimeConfig) -> (u32, u32, u32) {
 /// (sized by `size`, else the context).
 fn our_store_plan(
     cfg: &RuntimeConfig,
-    g: &siliceo_core::ModelGeometry,
+    layers: &[siliceo_engine::LayerKv],
     format: &KvFormat,
     size: Option<StoreSize>,
-    layers: Option<&[siliceo_engine::LayerKv]>,
 ) -> Result<(StoreInput, StorePlan), RuntimeError> {
     let (bs, max_running, max_batch_tokens) = step_limits(cfg);
     let size = size.unwrap_or(StoreSize::Tokens(u64::from(cfg.context.n_ctx)));
@@ -133,13 +117,14 @@ fn our_store_plan(
         .speculative
         .as_ref()
         .map_or(0, |s| s.tree_branch_blocks(bs, max_running));
-    store_plan_layers(
-        g,
+    store_plan(
+        layers,
         format,
         size,
-        (bs, max_running, max_batch_tokens),
+        bs,
+        max_running,
+        max_batch_tokens,
         branch,
-        layers,
     )
 }
 
@@ -181,17 +166,37 @@ fn check_offload(cfg: &RuntimeConfig) -> Result<(), RuntimeError> {
             .filter_map(|t| t.bytes())
             .sum::<u64>();
     }
-    // llama.cpp's own cache sits with its layers; our store too where this
-    // build serves offloaded layers with the CUDA kernels (each such layer's
-    // pools and its own scratch), else in host memory.
+    // llama.cpp's own cache sits with its layers (counted as the layers'
+    // average: Gemma 4's last layers keep none, and its windowed layers'
+    // cache is smaller, so this errs high); our store too where this build
+    // serves offloaded layers with the CUDA kernels (each such layer's pools
+    // and its own scratch; a store whose layers differ stays in host
+    // memory), else in host memory.
+    let layer_kv = header.layer_kv().map_err(|e| fail(e.to_string()))?;
     let (kv_per_layer, store_per_layer) = match &cfg.kv {
-        KvBackend::Llama => (
-            g.kv_bytes_per_token(cfg.context.type_k, cfg.context.type_v) as f64
-                / f64::from(g.n_layer.max(1)),
-            0,
-        ),
-        KvBackend::Ours { format, size, .. } if siliceo_engine::DEVICE_KERNELS => {
-            let (_, plan) = our_store_plan(cfg, &g, format, *size, None)?;
+        KvBackend::Llama => {
+            let (k, v) = (cfg.context.type_k, cfg.context.type_v);
+            let mut bytes = 0u64;
+            for (il, l) in layer_kv.iter().enumerate() {
+                let row = (l.kv_heads * l.head_dim) as u64;
+                if l.source == il {
+                    bytes += k
+                        .row_bytes(row)
+                        .zip(v.row_bytes(row))
+                        .map(|(k, v)| k + v)
+                        .ok_or_else(|| {
+                            fail(format!(
+                                "layer {il}: a row of {row} is not whole blocks of {k:?}/{v:?}"
+                            ))
+                        })?;
+                }
+            }
+            (bytes as f64 / f64::from(g.n_layer.max(1)), 0)
+        }
+        KvBackend::Ours { format, size, .. }
+            if siliceo_engine::DEVICE_KERNELS && siliceo_engine::layers_alike(&layer_kv) =>
+        {
+            let (_, plan) = our_store_plan(cfg, &layer_kv, format, *size)?;
             (0.0, plan.split(g.n_layer, 1).device_bytes)
         }
         KvBackend::Ours { .. } => (0.0, 0),
@@ -340,9 +345,8 @@ impl<'m> Engine<'m> {
                 // Per layer where the layers' KV differ (Gemma 4's).
                 let layer_kv = model
                     .layer_kv()
-                    .filter(|l| !siliceo_engine::layers_alike(l));
-                let (input, plan) =
-                    our_store_plan(cfg, &model.geometry(), format, *size, layer_kv.as_deref())?;
+                    .unwrap_or_else(|| model.geometry().alike_layers());
+                let (input, plan) = our_store_plan(cfg, &layer_kv, format, *size)?;
                 let ctx = GraftedContext::new(
                     model,
                     &GraftOptions {
