@@ -165,26 +165,44 @@ impl DeviceAttention {
     /// its offloaded layers where this build has them, else the host.
     /// `SILICEO_DEVICE_ATTENTION=host` keeps every layer's attention on the
     /// host (a fallback, and the baseline the device path is measured
-    /// against). A model whose layers differ (Gemma 4's: heads of several
-    /// shapes, layers without KV) keeps its attention on the host: the
-    /// device store takes layers alike only.
+    /// against). Offloaded layers whose heads the kernels lack (Gemma 4's
+    /// global heads of 512) stay on the host too, with a warning
+    /// (`graft_device::device_owners`).
     pub fn for_model(model: &Model) -> DeviceAttention {
         let host = std::env::var("SILICEO_DEVICE_ATTENTION").is_ok_and(|v| v == "host");
-        let alike = model
-            .layer_kv()
-            .is_none_or(|l| siliceo_core::layers_alike(&l));
         if cfg!(feature = "cuda-kernels") && !host && !model.offloaded_layers().is_empty() {
-            if alike {
-                return DeviceAttention::Cuda;
-            }
-            tracing::warn!(
-                model = model.name(),
-                "its layers differ in shape or share KV: attention stays on the host \
-                 (the device store takes layers alike only)"
-            );
+            return DeviceAttention::Cuda;
         }
         DeviceAttention::Host
     }
+}
+
+/// The layers keeping KV whose store a build with the CUDA kernels keeps in
+/// device memory when llama.cpp offloads the layers `offloaded`: each whose
+/// shape (in `format`, blocks of `block_tokens`) the kernels take; Gemma
+/// 4's global heads of 512 stay on the host, and a layer keeping no KV
+/// follows its source. What `siliceo plan` and the start-up checks count.
+pub fn device_store_layers(
+    layers: &[siliceo_core::LayerKv],
+    format: &KvFormat,
+    block_tokens: usize,
+    n_heads: usize,
+    offloaded: std::ops::Range<usize>,
+) -> Result<Vec<usize>, EngineError> {
+    let (layouts, layout_of) = format.layer_layouts(layers, block_tokens)?;
+    let sources: Vec<usize> = layers.iter().map(|l| l.source).collect();
+    let shapes = crate::graft_device::Shapes {
+        layouts: &layouts,
+        layout_of: &layout_of,
+        sources: &sources,
+    };
+    let offloaded: Vec<usize> = offloaded.collect();
+    Ok(crate::graft_device::device_owners(
+        &DeviceAttention::Cuda,
+        &offloaded,
+        shapes,
+        n_heads,
+    ))
 }
 
 /// Saved rows of some blocks of every layer (swap-out), in the order asked.
@@ -834,6 +852,8 @@ pub struct GraftedContext<'m> {
     n_ids: usize,
     /// Scratch tail blocks ([`GraftOptions::scratch_blocks`]).
     n_scratch: usize,
+    /// Each layer's layout (its shape's), on the host or the device.
+    layer_layouts: Vec<KvLayout>,
     /// (sealed, tail) blocks per layer.
     capacity: (usize, usize),
 }
@@ -873,7 +893,6 @@ impl<'m> GraftedContext<'m> {
         let (layouts, layout_of) = opts.format.layer_layouts(&layer_kv, opts.block_tokens)?;
         // Layer 0's (every layer's, but for Gemma 4's).
         let layout = layouts[0];
-        let per_layer = !siliceo_core::layers_alike(&layer_kv);
         if opts.n_batch == 0 {
             return Err(EngineError::InvalidOption {
                 field: "n_batch",
@@ -888,11 +907,25 @@ impl<'m> GraftedContext<'m> {
             .max(64)
             .clamp(1, (MAX_SEQS_PER_STEP as u32).min(opts.n_batch));
         let n_layer = g.n_layer as usize;
-        let on_device: Vec<usize> = match &opts.device {
+        let candidates: Vec<usize> = match &opts.device {
             DeviceAttention::Host => Vec::new(),
             DeviceAttention::Cuda => model.offloaded_layers().collect(),
             DeviceAttention::Emulated(layers) => layers.clone(),
         };
+        let sources: Vec<usize> = layer_kv.iter().map(|l| l.source).collect();
+        let shapes = crate::graft_device::Shapes {
+            layouts: &layouts,
+            layout_of: &layout_of,
+            sources: &sources,
+        };
+        // The layers keeping KV whose store is on the device (a layer
+        // keeping none follows its source).
+        let on_device = crate::graft_device::device_owners(
+            &opts.device,
+            &candidates,
+            shapes,
+            g.n_head as usize,
+        );
         let windows = match &opts.windows {
             Some(w) if w.len() == n_layer => w.clone(),
             Some(w) => {
@@ -908,22 +941,13 @@ impl<'m> GraftedContext<'m> {
                     reason: "sliding windows this build does not know".into(),
                 })?,
         };
-        if per_layer && !on_device.is_empty() {
-            return Err(EngineError::InvalidOption {
-                field: "device",
-                reason: "layers with heads of their own size or without KV of their own \
-                         (Gemma 4's) are served on the host only in this build"
-                    .into(),
-            });
-        }
         let device = if on_device.is_empty() {
             None
         } else {
             let pools = (opts.sealed_blocks, opts.tail_blocks + opts.scratch_blocks);
             let dev = crate::graft_device::device_store(
                 &opts.device,
-                layout,
-                n_layer,
+                shapes,
                 &on_device,
                 pools,
                 g.n_head as usize,
@@ -955,7 +979,7 @@ impl<'m> GraftedContext<'m> {
                 .map(|l| SharedTail::new(l, opts.scratch_blocks))
                 .collect(),
             scratch_of: layout_of.clone(),
-            sources: layer_kv.iter().map(|l| l.source).collect(),
+            sources: sources.clone(),
             copy_tensors: opts.copy_tensors,
             staging: Vec::new(),
             geom: layer_kv
@@ -1023,6 +1047,7 @@ impl<'m> GraftedContext<'m> {
             n_ids: n_ids as usize,
             n_scratch: opts.scratch_blocks,
             capacity: (opts.sealed_blocks, opts.tail_blocks),
+            layer_layouts: layout_of.iter().map(|&i| layouts[i]).collect(),
         })
     }
 
@@ -1108,7 +1133,9 @@ impl<'m> GraftedContext<'m> {
             if self.state.sources[il] != il {
                 continue;
             }
-            let l = pages.as_ref().map_or(self.layout, |p| *p.layout());
+            let l = pages
+                .as_ref()
+                .map_or(self.layer_layouts[il], |p| *p.layout());
             sum.0 += l.block_bytes();
             sum.1 += l.tail_block_bytes();
         }
@@ -1145,7 +1172,7 @@ impl<'m> GraftedContext<'m> {
             .as_ref()
             .ok_or_else(|| EngineError::Graft(format!("no layer {il}")))?;
         let (s, mut t) = dev.pools(il).map_err(EngineError::Graft)?;
-        t.truncate(self.capacity.1 * self.layout.tail_block_bytes());
+        t.truncate(self.capacity.1 * self.layer_layouts[il].tail_block_bytes());
         Ok((s, t))
     }
 

@@ -65,14 +65,31 @@ pub(crate) trait DeviceLayers {
     fn pools(&self, il: usize) -> Result<(Vec<u8>, Vec<u8>), String>;
 }
 
+/// The store's shapes: a layout per distinct layer shape, each layer's
+/// shape, and the layer whose KV each layer reads (itself, but for Gemma 4's
+/// last layers).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Shapes<'a> {
+    pub(crate) layouts: &'a [KvLayout],
+    pub(crate) layout_of: &'a [usize],
+    pub(crate) sources: &'a [usize],
+}
+
 /// Device pools for some layers, on backend `B`.
 #[cfg(any(feature = "cuda-kernels", feature = "cuda-emu"))]
 pub(crate) struct DeviceStore<B: Backend> {
     kernels: Kernels<B>,
-    /// By layer index; `None` for layers on the host.
+    /// By layer index; `None` for layers on the host and layers keeping no
+    /// KV of their own.
     layers: Vec<Option<DeviceKv<B>>>,
-    /// The decode in flight's tables, uploaded at its first device layer.
-    step: Option<DeviceStep<B>>,
+    /// The layer whose store each layer attends over.
+    sources: Vec<usize>,
+    /// Each layer's shape (an index into `steps`).
+    shape_of: Vec<usize>,
+    /// The decode in flight's tables for each shape (its kernels, partitions
+    /// and query buffer follow the heads' size and count), uploaded at the
+    /// step's first device layer of that shape.
+    steps: Vec<Option<DeviceStep<B>>>,
     /// llama.cpp's tensors for these layers are host memory (the emulator);
     /// else they must be in the device's own buffers (CUDA0).
     host_tensors: bool,
@@ -82,21 +99,23 @@ pub(crate) struct DeviceStore<B: Backend> {
 
 #[cfg(any(feature = "cuda-kernels", feature = "cuda-emu"))]
 impl<B: Backend> DeviceStore<B> {
-    /// Pools of `sealed` and `tail` blocks for each layer in `on_device`.
+    /// Pools of `sealed` and `tail` blocks for each layer in `on_device`
+    /// (layers keeping KV of their own), each in its shape.
     pub(crate) fn new(
         kernels: Kernels<B>,
-        layout: KvLayout,
-        n_layer: usize,
+        shapes: Shapes<'_>,
         on_device: &[usize],
         (sealed, tail): (usize, usize),
         n_heads: usize,
         host_tensors: bool,
     ) -> Result<DeviceStore<B>, String> {
+        let n_layer = shapes.sources.len();
         let mut layers: Vec<Option<DeviceKv<B>>> = (0..n_layer).map(|_| None).collect();
         for &il in on_device {
             let slot = layers
                 .get_mut(il)
                 .ok_or_else(|| format!("device layer {il} beyond the model's {n_layer}"))?;
+            let layout = shapes.layouts[shapes.layout_of[il]];
             *slot = Some(
                 kernels
                     .alloc(layout, sealed, tail)
@@ -105,8 +124,14 @@ impl<B: Backend> DeviceStore<B> {
         }
         let tuning = StepTuning::from_env().map_err(|e| e.to_string())?;
         // What the kernels refuse (head sizes, query heads per KV head,
-        // codecs) is refused now, not at the first decode.
-        if let Some(kv) = layers.iter().flatten().next() {
+        // codecs) is refused now, not at the first decode: one layer of
+        // each shape.
+        let mut probed = vec![false; shapes.layouts.len()];
+        for (il, kv) in layers.iter().enumerate() {
+            let Some(kv) = kv else { continue };
+            if std::mem::replace(&mut probed[shapes.layout_of[il]], true) {
+                continue;
+            }
             let one = siliceo_kernels_turing::SeqKv {
                 sealed: Vec::new(),
                 tail: vec![0],
@@ -118,12 +143,14 @@ impl<B: Backend> DeviceStore<B> {
             }];
             kernels
                 .graft_step(kv, n_heads, &[(0, 0)], Vec::new(), Vec::new(), &run)
-                .map_err(|e| format!("the device kernels cannot serve this model: {e}"))?;
+                .map_err(|e| format!("the device kernels cannot serve layer {il}: {e}"))?;
         }
         Ok(DeviceStore {
             kernels,
             layers,
-            step: None,
+            sources: shapes.sources.to_vec(),
+            shape_of: shapes.layout_of.to_vec(),
+            steps: (0..shapes.layouts.len()).map(|_| None).collect(),
             host_tensors,
             tuning,
         })
@@ -190,7 +217,7 @@ impl<B: Backend> DeviceStore<B> {
 #[cfg(any(feature = "cuda-kernels", feature = "cuda-emu"))]
 impl<B: Backend> DeviceLayers for DeviceStore<B> {
     fn end_step(&mut self) {
-        self.step = None;
+        self.steps.iter_mut().for_each(|s| *s = None);
     }
 
     unsafe fn layer(
@@ -207,7 +234,13 @@ impl<B: Backend> DeviceLayers for DeviceStore<B> {
         sinks: Option<&sys::ggml_tensor>,
     ) -> Result<(), String> {
         let err = |e: siliceo_kernels_turing::KernelError| format!("layer {il} on the device: {e}");
-        if self.step.is_none() {
+        // A layer keeping no KV attends over its source's pools, and writes
+        // and seals the step's rows there again: the same values from the
+        // same llama.cpp cache, so the pools do not change (each device
+        // layer has its own scratch, which no other layer takes over).
+        let source = self.sources.get(il).copied().unwrap_or(il);
+        let shape = self.shape_of.get(il).copied().unwrap_or(0);
+        if self.steps[shape].is_none() {
             let runs: Vec<QueryRun<'_>> = step
                 .queries
                 .iter()
@@ -221,8 +254,8 @@ impl<B: Backend> DeviceLayers for DeviceStore<B> {
                 .iter()
                 .map(|c| (c.src, c.dst, c.rows.clone()))
                 .collect();
-            let kv = self.kv(il)?;
-            self.step = Some(
+            let kv = self.kv(source)?;
+            self.steps[shape] = Some(
                 self.kernels
                     .graft_step_with(
                         kv,
@@ -263,8 +296,8 @@ impl<B: Backend> DeviceLayers for DeviceStore<B> {
                 })
             }
         };
-        let dev_step = self.step.as_ref().expect("uploaded above");
-        let kv = self.layers[il].as_mut().expect("checked by kv()");
+        let dev_step = self.steps[shape].as_ref().expect("uploaded above");
+        let kv = self.layers[source].as_mut().expect("checked by kv()");
         self.kernels
             .graft_layer(kv, dev_step, qr, kr, vr, scale, window, sinks, span)
             .map_err(err)
@@ -331,11 +364,49 @@ impl<B: Backend> DeviceLayers for DeviceStore<B> {
     }
 }
 
+/// The layers of `candidates` (llama.cpp's offloaded layers, or those a
+/// test names) whose store and attention go to the device: each that keeps
+/// KV of its own and whose shape the CUDA kernels take
+/// ([`siliceo_kernels_turing::device::check_attention`]). The others stay
+/// on the host (with a warning per shape); a layer keeping no KV goes where
+/// its source's store is, listed or not.
+pub(crate) fn device_owners(
+    choice: &crate::graft::DeviceAttention,
+    candidates: &[usize],
+    shapes: Shapes<'_>,
+    n_heads: usize,
+) -> Vec<usize> {
+    let mut warned = vec![false; shapes.layouts.len()];
+    let mut owners = Vec::new();
+    for &il in candidates {
+        if shapes.sources.get(il) != Some(&il) {
+            continue;
+        }
+        let shape = shapes.layout_of[il];
+        if *choice == crate::graft::DeviceAttention::Host {
+            continue;
+        }
+        match siliceo_kernels_turing::shapes::check_attention(&shapes.layouts[shape], n_heads) {
+            Ok(_) => owners.push(il),
+            Err(why) => {
+                if !std::mem::replace(&mut warned[shape], true) {
+                    tracing::warn!(
+                        layer = il,
+                        head_dim = shapes.layouts[shape].head_dim,
+                        kv_heads = shapes.layouts[shape].kv_heads,
+                        "{why}: the offloaded layers of this shape keep their attention on the host"
+                    );
+                }
+            }
+        }
+    }
+    owners
+}
+
 /// The device store for `choice` over the layers `on_device`.
 pub(crate) fn device_store(
     choice: &crate::graft::DeviceAttention,
-    layout: KvLayout,
-    n_layer: usize,
+    shapes: Shapes<'_>,
     on_device: &[usize],
     pools: (usize, usize),
     n_heads: usize,
@@ -349,12 +420,12 @@ pub(crate) fn device_store(
                 let k = siliceo_kernels_turing::cuda::CudaKernels::new(0).map_err(|e| {
                     format!("{e} (build the kernels with `cargo xtask kernels`, or serve the offloaded layers' attention on the host)")
                 })?;
-                let store = DeviceStore::new(k, layout, n_layer, on_device, pools, n_heads, false)?;
+                let store = DeviceStore::new(k, shapes, on_device, pools, n_heads, false)?;
                 Ok(Box::new(store))
             }
             #[cfg(not(feature = "cuda-kernels"))]
             {
-                let _ = (layout, n_layer, on_device, pools, n_heads);
+                let _ = (shapes, on_device, pools, n_heads);
                 Err("this build has no CUDA kernels (the engine's `cuda-kernels` feature)".into())
             }
         }
@@ -362,12 +433,12 @@ pub(crate) fn device_store(
             #[cfg(feature = "cuda-emu")]
             {
                 let k = siliceo_kernels_turing::emu::EmuKernels::emulated();
-                let store = DeviceStore::new(k, layout, n_layer, on_device, pools, n_heads, true)?;
+                let store = DeviceStore::new(k, shapes, on_device, pools, n_heads, true)?;
                 Ok(Box::new(store))
             }
             #[cfg(not(feature = "cuda-emu"))]
             {
-                let _ = (layout, n_layer, on_device, pools, n_heads);
+                let _ = (shapes, on_device, pools, n_heads);
                 Err("this build has no CUDA emulator (the engine's `cuda-emu` feature)".into())
             }
         }

@@ -61,7 +61,7 @@ pub use format::KvFormat;
 pub use generate::{Generation, generate};
 pub use graft::{
     BlockPlacer, DeviceAttention, GraftOptions, GraftQuery, GraftStep, GraftedContext,
-    MAX_SEQS_PER_STEP, RowCopy, SavedBlocks, StoreBlock,
+    MAX_SEQS_PER_STEP, RowCopy, SavedBlocks, StoreBlock, device_store_layers,
 };
 pub use model::{ChatMessage, Model, ModelOptions};
 pub use siliceo_core::{LayerKv, layers_alike};

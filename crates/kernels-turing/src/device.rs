@@ -44,14 +44,13 @@ use std::time::Instant;
 
 use crate::KernelError;
 use crate::attention::{AttnParams, SeqQuery, paged_attention};
-use crate::codec::Codec;
 use crate::hadamard::hadamard;
+use crate::shapes::codec_names;
+pub use crate::shapes::{MAX_GROUP, check_attention};
 use crate::store::{AppendStep, BlockPools, KvLayout, KvStore, SeqKv};
 
 /// Warps per CTA in the decode kernel (`WARPS` in the .cu file).
 const WARPS: usize = 4;
-/// Query heads per KV head the kernels handle at most (the largest `GT`).
-pub const MAX_GROUP: usize = 8;
 /// Most tokens in one decode partition (the kernel keeps its scores in shared memory).
 pub const MAX_PARTITION_TOKENS: usize = 1024;
 /// CTAs a decode call aims for when the caller leaves the partition size to
@@ -199,9 +198,11 @@ impl<B: Backend> DeviceKv<B> {
         &self.layout
     }
 
-    /// Bytes of the sealed and tail pools.
+    /// Bytes of the sealed and tail pools (their blocks: an empty pool,
+    /// f16's sealed one, takes none, though the backends allocate a byte).
     pub fn bytes(&self) -> usize {
-        B::buf_len(&self.sealed) + B::buf_len(&self.tail)
+        let (sealed, tail) = self.pools.capacity();
+        sealed * self.layout.block_bytes() + tail * self.layout.tail_block_bytes()
     }
 
     /// The block bookkeeping (which blocks are free).
@@ -243,24 +244,6 @@ pub(crate) fn bytes_f32(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect()
-}
-
-pub(crate) fn codec_names(layout: &KvLayout) -> Result<(&'static str, i32, i32), KernelError> {
-    let name = match (layout.k, layout.v) {
-        (Codec::F16, Codec::F16) => "f16_f16",
-        (Codec::Kv8 { .. }, Codec::Kv8 { .. }) => "kv8_kv8",
-        (Codec::K5, Codec::V4 { .. }) => "k5_v4",
-        (k, v) => {
-            return Err(KernelError::Layout(format!(
-                "the CUDA kernels have no {k:?}/{v:?} variant"
-            )));
-        }
-    };
-    let group = |c: Codec| match c {
-        Codec::Kv8 { group } | Codec::V4 { group } => group as i32,
-        _ => 0,
-    };
-    Ok((name, group(layout.k), group(layout.v)))
 }
 
 impl<B: Backend> Kernels<B> {
@@ -504,34 +487,13 @@ impl<B: Backend> Kernels<B> {
         })
     }
 
-    /// What the attention kernels take: head dimensions 64, 128 and 256, up
-    /// to [`MAX_GROUP`] query heads per KV head, the layout's codecs in
-    /// groups of a multiple of 8 channels. Returns the codecs' kernel name
-    /// and groups.
+    /// [`check_attention`] (the kernels' name for the layout's codecs).
     pub(crate) fn check_attention(
         &self,
         l: &KvLayout,
         n_heads: usize,
     ) -> Result<(&'static str, i32, i32), KernelError> {
-        let d = l.head_dim;
-        if d != 64 && d != 128 && d != 256 {
-            return Err(KernelError::Layout(format!(
-                "the CUDA kernels are built for head dimensions 64, 128 and 256, not {d}"
-            )));
-        }
-        if n_heads == 0 || !n_heads.is_multiple_of(l.kv_heads) || n_heads / l.kv_heads > MAX_GROUP {
-            return Err(KernelError::Shape(format!(
-                "{n_heads} query heads over {} KV heads (at most {MAX_GROUP} per KV head on CUDA)",
-                l.kv_heads
-            )));
-        }
-        let (name, kg, vg) = codec_names(l)?;
-        if kg % 8 != 0 || vg % 8 != 0 {
-            return Err(KernelError::Layout(format!(
-                "the CUDA kernels read groups of a multiple of 8 channels, not {kg}/{vg}"
-            )));
-        }
-        Ok((name, kg, vg))
+        check_attention(l, n_heads)
     }
 
     /// Writes `n` new tokens' K and V (`n × kv_heads × head_dim` f32 each)

@@ -63,6 +63,7 @@ pub mod graft;
 pub mod hadamard;
 pub mod membw;
 mod pool;
+pub mod shapes;
 mod simd;
 pub mod store;
 

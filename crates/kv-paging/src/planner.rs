@@ -507,6 +507,17 @@ pub struct StoreSplit {
     pub host_bytes: u64,
 }
 
+/// One layer keeping KV, for [`StorePlan::split_layers`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerBlocks {
+    /// Bytes of one of its open blocks.
+    pub open_block_bytes: u64,
+    /// Bytes of one of its sealed blocks.
+    pub sealed_block_bytes: u64,
+    /// Its store is in device memory.
+    pub on_device: bool,
+}
+
 impl StoreSplit {
     /// Both memories together.
     pub fn total(&self) -> u64 {
@@ -530,6 +541,34 @@ impl StorePlan {
             device_bytes: u64::from(d) * (per_layer + self.scratch_bytes),
             host_bytes: u64::from(n_layer - d) * per_layer + self.scratch_bytes,
         }
+    }
+
+    /// The plan of a store whose layers differ (one [`StoreInput`] "layer"
+    /// standing for all, a scratch set per shape): `layers` are those
+    /// keeping KV of their own, each with its block bytes and where its
+    /// store is. A layer on the device holds its pools and a scratch of its
+    /// own there; the others' pools and the shared scratch sets stay in
+    /// host memory.
+    pub fn split_layers(&self, layers: &[LayerBlocks]) -> StoreSplit {
+        let (open, sealed) = (
+            u64::from(self.open_blocks + self.branch_blocks),
+            u64::from(self.sealed_blocks),
+        );
+        let mut split = StoreSplit {
+            device_layers: 0,
+            device_bytes: 0,
+            host_bytes: self.scratch_bytes,
+        };
+        for l in layers {
+            let pools = open * l.open_block_bytes + sealed * l.sealed_block_bytes;
+            if l.on_device {
+                split.device_layers += 1;
+                split.device_bytes += pools + u64::from(self.scratch_blocks) * l.open_block_bytes;
+            } else {
+                split.host_bytes += pools;
+            }
+        }
+        split
     }
 
     /// KV bytes per token of context: a sealed block's (an open block's for a
@@ -1077,5 +1116,70 @@ mod tests {
             }),
             Err(PlanError::NoRoomForKv { .. })
         ));
+    }
+
+    /// Layers listed one by one split as the one-layer arithmetic splits
+    /// alike layers; layers of two shapes put each layer's pools (and, on
+    /// the device, a scratch of its own) where it is.
+    #[test]
+    fn layers_split_one_by_one() {
+        let input = StoreInput {
+            layers: 30,
+            open_block_bytes: 3 * 2 * 64 * 64 * 2,
+            sealed_block_bytes: 3 * 2 * (64 * 64 + 64 * 2 * 2),
+            scratch_block_bytes: 0,
+            block_size: 64,
+            tail_tokens: 0,
+            seals: true,
+            max_running: 4,
+            max_batch_tokens: 256,
+            branch_blocks: 2,
+            size: StoreSize::Tokens(4096),
+        };
+        let p = plan_store(&input).unwrap();
+        let one = |on_device| LayerBlocks {
+            open_block_bytes: input.open_block_bytes,
+            sealed_block_bytes: input.sealed_block_bytes,
+            on_device,
+        };
+        for d in [0, 1, 11, 30] {
+            let layers: Vec<_> = (0..30).map(|il| one(il >= 30 - d)).collect();
+            assert_eq!(
+                p.split_layers(&layers),
+                p.split(30, d as u32),
+                "{d} on the device"
+            );
+        }
+        // Two shapes (one layer of each keeping KV), a scratch set each.
+        let (small, big) = ((100, 60), (200, 120));
+        let two = plan_store(&StoreInput {
+            layers: 1,
+            open_block_bytes: small.0 + big.0,
+            sealed_block_bytes: small.1 + big.1,
+            scratch_block_bytes: small.0 + big.0,
+            ..input
+        })
+        .unwrap();
+        let at = |(o, s): (u64, u64), on_device| LayerBlocks {
+            open_block_bytes: o,
+            sealed_block_bytes: s,
+            on_device,
+        };
+        let split = two.split_layers(&[at(small, false), at(big, true)]);
+        let (open, sealed, scratch) = (
+            u64::from(two.open_blocks + two.branch_blocks),
+            u64::from(two.sealed_blocks),
+            u64::from(two.scratch_blocks),
+        );
+        assert_eq!(split.device_layers, 1);
+        assert_eq!(
+            split.device_bytes,
+            (open + scratch) * big.0 + sealed * big.1
+        );
+        assert_eq!(
+            split.host_bytes,
+            open * small.0 + sealed * small.1 + scratch * (small.0 + big.0)
+        );
+        assert_eq!(split.total(), two.bytes + scratch * big.0);
     }
 }

@@ -371,13 +371,24 @@ fn plan_store_cmd(
         branch_blocks,
     )
     .map_err(|e| anyhow::anyhow!("{e}"))?;
-    // The layers llama.cpp offloads, and where the store then lives (in
-    // host memory where the layers differ: their attention stays there).
-    let split = a.gpu_layers.map(|n| {
-        let offloaded = siliceo_core::offloaded_layers(g.n_layer as usize, n as usize);
-        let on_device = if alike { offloaded.len() as u32 } else { 0 };
-        (p.split(input.layers, on_device), offloaded)
-    });
+    // The layers llama.cpp offloads, and where the store then lives (each
+    // offloaded layer's whose heads the CUDA kernels take).
+    let split = match a.gpu_layers {
+        None => None,
+        Some(n) => {
+            let offloaded = siliceo_core::offloaded_layers(g.n_layer as usize, n as usize);
+            let on_device = siliceo_engine::device_store_layers(
+                layers,
+                &format,
+                a.block_size as usize,
+                g.n_head as usize,
+                offloaded.clone(),
+            )?;
+            let split =
+                siliceo_runtime::store_split(&p, layers, &format, a.block_size, &on_device)?;
+            Some((split, offloaded))
+        }
+    };
     if a.json {
         let mut out = serde_json::to_value(p)?;
         out["model"] = serde_json::json!(name);
@@ -425,17 +436,16 @@ fn plan_store_cmd(
     println!("store              {} ({} B)", gib(p.bytes as f64), p.bytes);
     if let Some((split, layers)) = split {
         println!(
-            "on the GPU         layers {}..{} ({} of {}), each with its own scratch: {} in device memory, {} in host memory ({} B in all){}",
+            "on the GPU         layers {}..{} ({} of {}; the store of {}), each with its own scratch: {} in device memory, {} in host memory ({} B in all){}",
             layers.start,
             layers.end,
             layers.len(),
             g.n_layer,
+            split.device_layers,
             gib(split.device_bytes as f64),
             gib(split.host_bytes as f64),
             split.total(),
-            if !alike {
-                "; layers of several shapes or without KV of their own keep their attention and store in host memory in this build"
-            } else if siliceo_engine::DEVICE_KERNELS {
+            if siliceo_engine::DEVICE_KERNELS {
                 ""
             } else {
                 "; as a build with the CUDA kernels places it (`cargo xtask build --cuda`): this one keeps every layer's store in host memory"

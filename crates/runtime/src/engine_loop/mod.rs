@@ -40,8 +40,8 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::{Event, Usage};
 
-pub use startup::store_plan;
 pub(crate) use startup::{Started, run};
+pub use startup::{store_plan, store_split};
 
 use constrained::{Constrained, MaskStats};
 use kv::{Kv, Saved};

@@ -9,7 +9,9 @@ use siliceo_core::SeqId;
 use siliceo_engine::{
     Batch, Context, ContextOptions, DeviceAttention, GraftOptions, GraftedContext, KvFormat, Model,
 };
-use siliceo_kv_paging::planner::{StoreInput, StorePlan, StoreSize, plan_store};
+use siliceo_kv_paging::planner::{
+    LayerBlocks, StoreInput, StorePlan, StoreSize, StoreSplit, plan_store,
+};
 use siliceo_kv_paging::{CacheKeys, KvConfig, Sealing};
 use siliceo_scheduler::Scheduler;
 
@@ -91,6 +93,34 @@ pub fn store_plan(
     Ok((input, plan))
 }
 
+/// Where `plan`'s bytes live with the store of the layers `on_device`
+/// (keeping KV of their own) in device memory: each such layer's pools and
+/// a scratch of its own there, the rest in host memory. Layers alike split
+/// by the one-layer arithmetic, layers that differ one by one.
+pub fn store_split(
+    plan: &StorePlan,
+    layers: &[siliceo_core::LayerKv],
+    format: &KvFormat,
+    block_size: u32,
+    on_device: &[usize],
+) -> Result<StoreSplit, RuntimeError> {
+    if siliceo_engine::layers_alike(layers) {
+        return Ok(plan.split(layers.len() as u32, on_device.len() as u32));
+    }
+    let (layouts, of) = format
+        .layer_layouts(layers, block_size as usize)
+        .map_err(|e| RuntimeError::Start(e.to_string()))?;
+    let blocks: Vec<LayerBlocks> = (0..layers.len())
+        .filter(|&il| layers[il].source == il)
+        .map(|il| LayerBlocks {
+            open_block_bytes: layouts[of[il]].tail_block_bytes() as u64,
+            sealed_block_bytes: layouts[of[il]].block_bytes() as u64,
+            on_device: on_device.contains(&il),
+        })
+        .collect();
+    Ok(plan.split_layers(&blocks))
+}
+
 /// Block size, most running sequences and most tokens per step, as the
 /// engine clamps a configuration's (llama.cpp allows 256 sequence ids;
 /// holders take some on its own cache).
@@ -170,8 +200,9 @@ fn check_offload(cfg: &RuntimeConfig) -> Result<(), RuntimeError> {
     // average: Gemma 4's last layers keep none, and its windowed layers'
     // cache is smaller, so this errs high); our store too where this build
     // serves offloaded layers with the CUDA kernels (each such layer's pools
-    // and its own scratch; a store whose layers differ stays in host
-    // memory), else in host memory.
+    // and its own scratch, shared evenly over the offloaded layers; layers
+    // whose heads the kernels lack stay in host memory), else in host
+    // memory.
     let layer_kv = header.layer_kv().map_err(|e| fail(e.to_string()))?;
     let (kv_per_layer, store_per_layer) = match &cfg.kv {
         KvBackend::Llama => {
@@ -193,11 +224,22 @@ fn check_offload(cfg: &RuntimeConfig) -> Result<(), RuntimeError> {
             }
             (bytes as f64 / f64::from(g.n_layer.max(1)), 0)
         }
-        KvBackend::Ours { format, size, .. }
-            if siliceo_engine::DEVICE_KERNELS && siliceo_engine::layers_alike(&layer_kv) =>
-        {
+        KvBackend::Ours { format, size, .. } if siliceo_engine::DEVICE_KERNELS => {
             let (_, plan) = our_store_plan(cfg, &layer_kv, format, *size)?;
-            (0.0, plan.split(g.n_layer, 1).device_bytes)
+            let offloaded =
+                siliceo_core::offloaded_layers(g.n_layer as usize, cfg.model.gpu_layers as usize);
+            let n = offloaded.len().max(1) as u64;
+            let on_device = siliceo_engine::device_store_layers(
+                &layer_kv,
+                format,
+                cfg.block_size.max(1) as usize,
+                g.n_head as usize,
+                offloaded,
+            )
+            .map_err(|e| fail(e.to_string()))?;
+            let split = store_split(&plan, &layer_kv, format, cfg.block_size.max(1), &on_device)?;
+            // The offloaded layers' share, evenly.
+            (0.0, split.device_bytes.div_ceil(n))
         }
         KvBackend::Ours { .. } => (0.0, 0),
     };
@@ -370,7 +412,10 @@ impl<'m> Engine<'m> {
                 .map_err(start)?;
                 // Each layer on the device has its own scratch blocks.
                 let device_layers = ctx.device_layers() as u32;
-                let split = plan.split(input.layers, device_layers);
+                let on_device: Vec<usize> = (0..layer_kv.len())
+                    .filter(|&il| ctx.kv_source(il) == il && ctx.layer(il).is_none())
+                    .collect();
+                let split = store_split(&plan, &layer_kv, format, bs, &on_device)?;
                 let (host, device) = (ctx.host_store_bytes(), ctx.device_store_bytes());
                 if (host as u64, device as u64) != (split.host_bytes, split.device_bytes) {
                     return Err(RuntimeError::Start(format!(
