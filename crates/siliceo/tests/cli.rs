@@ -521,9 +521,48 @@ fn plan_splits_the_store_between_host_and_gpu_layers() {
     let out = siliceo(&["plan", "--kv", "kv8", "--gpu-layers", "11"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let table = text(&out.stdout);
-    assert!(table.contains("layers 20..30 (10 of 30)"), "{table}");
+    assert!(
+        table.contains("layers 20..30 (10 of 30; the store of 10)"),
+        "{table}"
+    );
     let out = siliceo(&["plan", "--gpu-layers", "11", "--budget", "8GiB"]);
     assert!(!out.status.success(), "--gpu-layers needs --kv");
+    // Gemma 4's layers: the offloaded ones keeping KV hold their store on
+    // the device (layers 4 and 5 read layers 2 and 3's).
+    let dir = std::env::temp_dir().join(format!("siliceo-split-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let gemma4 = dir.join("gemma4-mini.gguf");
+    let gemma4 = gemma4.to_str().unwrap();
+    let out = siliceo(&[
+        "synth-model",
+        "--like",
+        "gemma4-mini",
+        "--quant",
+        "q8_0",
+        "--out",
+        gemma4,
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    for (gpu_layers, owners) in [(3u64, 0u64), (4, 1), (7, 4)] {
+        let out = siliceo(&[
+            "plan",
+            "--json",
+            "-m",
+            gemma4,
+            "--kv",
+            "kv8",
+            "--gpu-layers",
+            &gpu_layers.to_string(),
+        ]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let p: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let s = &p["split"];
+        assert_eq!(s["device_layers"].as_u64().unwrap(), owners, "{p}");
+        // Each device layer's own scratch comes on top of the plan.
+        let total = s["device_bytes"].as_u64().unwrap() + s["host_bytes"].as_u64().unwrap();
+        assert_eq!(total > p["bytes"].as_u64().unwrap(), owners > 0, "{p}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
