@@ -6,7 +6,7 @@ use crossbeam_channel::Sender;
 use siliceo_chat::{ChatEnd, Message, Tool};
 use siliceo_core::{FinishReason, Priority, RequestId, SamplingParams, TokenId};
 use siliceo_engine::{ContextOptions, KvFormat, ModelOptions};
-use siliceo_kv_paging::planner::{StorePlan, StoreSize};
+use siliceo_kv_paging::planner::{StorePlan, StoreSize, StoreSplit};
 use siliceo_scheduler::{Rejected, SchedulerConfig};
 
 use crate::Command;
@@ -48,6 +48,11 @@ pub struct RuntimeConfig {
     /// block position, so this bounds how many different cached prefixes can
     /// share a position; a block that finds no holder is dropped from the cache.
     pub prefix_holders: u32,
+    /// Where our store's offloaded layers run their attention (`None`: what
+    /// the build and the model give, `DeviceAttention::for_model`). Tests
+    /// name `DeviceAttention::Emulated` (feature `cuda-emu`) to serve some
+    /// layers' store and attention on the CUDA emulator.
+    pub device_attention: Option<siliceo_engine::DeviceAttention>,
 }
 
 /// Where a runtime keeps KV.
@@ -105,6 +110,7 @@ impl RuntimeConfig {
             prefix_holders: 16,
             speculative: None,
             constraint_overlap: true,
+            device_attention: None,
         }
     }
 }
@@ -453,6 +459,9 @@ pub struct RuntimeInfo {
     pub kv_format: String,
     /// Our store's pools and bytes (`None` on llama.cpp's cache).
     pub store: Option<StorePlan>,
+    /// Where our store's bytes live: the layers whose store is in device
+    /// memory, and the bytes in each memory (`None` on llama.cpp's cache).
+    pub store_split: Option<StoreSplit>,
     /// Tokens per KV block.
     pub block_size: u32,
     /// KV blocks the scheduler manages (open and sealed).

@@ -351,7 +351,7 @@ impl<'m> Engine<'m> {
         let start = |e: siliceo_engine::EngineError| RuntimeError::Start(e.to_string());
         let (bs, max_running, max_batch_tokens) = step_limits(cfg);
         let n_batch = cfg.context.n_batch.max(1);
-        let (kv, kv_config, max_seq_len, kv_format, store) = match &cfg.kv {
+        let (kv, kv_config, max_seq_len, kv_format, store, store_split) = match &cfg.kv {
             KvBackend::Llama => {
                 let n_holders = if cfg.prefix_caching {
                     cfg.prefix_holders.min(256 - max_running)
@@ -377,7 +377,7 @@ impl<'m> Engine<'m> {
                     ctx,
                     holders: Holders::new(max_running, n_holders),
                 });
-                (kv, kv_config, n_ctx as usize, format, None)
+                (kv, kv_config, n_ctx as usize, format, None, None)
             }
             KvBackend::Ours {
                 format,
@@ -402,7 +402,10 @@ impl<'m> Engine<'m> {
                         threads: cfg.context.n_threads,
                         kernel_threads: *kernel_threads,
                         copy_tensors: false,
-                        device: DeviceAttention::for_model(model),
+                        device: cfg
+                            .device_attention
+                            .clone()
+                            .unwrap_or_else(|| DeviceAttention::for_model(model)),
                         tap_layer: None,
                         llama_attention: false,
                         q4_1_kernel: true,
@@ -449,6 +452,7 @@ impl<'m> Engine<'m> {
                     plan.tokens as usize,
                     format.name(),
                     Some(plan),
+                    Some(split),
                 )
             }
         };
@@ -487,6 +491,7 @@ impl<'m> Engine<'m> {
             },
             kv_format: kv_format.clone(),
             store,
+            store_split,
             block_size: bs,
             kv_blocks: sched.kv().capacity().total() as u32,
             max_running_seqs: max_running,

@@ -10,6 +10,8 @@ use siliceo_runtime::{
 };
 
 mod constrained;
+#[cfg(feature = "cuda-emu")]
+mod emulated;
 mod prompt_logprobs;
 mod synthetic;
 
