@@ -132,3 +132,53 @@ fn device_layers_serve_through_the_runtime_on_the_emulator() {
     assert!(stats.preemptions > 0, "the test must actually preempt");
     assert_clean(&rt);
 }
+
+/// Gemma 4's architecture (`gemma4-mini`: layers of two shapes, the last
+/// two reading layers 2 and 3's KV) with every layer on the emulated
+/// device: the runtime starts with four layers' pools there, in their
+/// shapes, and serves in KV8 in 96-token steps, alone and together, with
+/// llama.cpp's greedy output up to a near tie.
+#[test]
+fn gemma4_device_layers_serve_through_the_runtime_on_the_emulator() {
+    let dir = std::env::temp_dir().join(format!("siliceo-emu-gemma4-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("gemma4-mini.gguf");
+    siliceo_runtime::synth::synth_model(&siliceo_runtime::synth::SynthOptions {
+        like: Some(siliceo_runtime::synth::Like::Gemma4Mini),
+        quant: siliceo_runtime::synth::Quant::Q8_0,
+        tokenizer: model_path(),
+        out: path.clone(),
+        layers: None,
+        seed: 7,
+        vocab_only: false,
+    })
+    .unwrap();
+    let n = 16;
+    let prompts = long_prompts();
+    let refs: Vec<&str> = prompts.iter().skip(2).take(2).map(String::as_str).collect();
+    let expected = super::alone_on(&path, &refs, n);
+    let mut cfg = RuntimeConfig::new(&path);
+    cfg.device_attention = Some(DeviceAttention::Emulated((0..6).collect()));
+    cfg.scheduler.max_batch_tokens = 96;
+    cfg.context.n_batch = 96;
+    let rt = Runtime::start(cfg).unwrap();
+    assert_eq!(rt.info().store_split.unwrap().device_layers, 4);
+    for p in 0..2 {
+        let (_, tokens, _) = rt
+            .submit(request(refs[p], n, Priority::Normal))
+            .unwrap()
+            .blocking_collect();
+        assert_same_or_near_tie(&tokens, &expected[p], &format!("alone, {p}"));
+    }
+    let streams: Vec<_> = refs
+        .iter()
+        .map(|p| rt.submit(request(p, n, Priority::Normal)).unwrap())
+        .collect();
+    for (i, s) in streams.into_iter().enumerate() {
+        let (_, tokens, _) = s.blocking_collect();
+        assert_same_or_near_tie(&tokens, &expected[i], &format!("together, {i}"));
+    }
+    assert_clean(&rt);
+    drop(rt);
+    std::fs::remove_dir_all(&dir).ok();
+}
