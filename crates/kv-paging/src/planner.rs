@@ -1017,9 +1017,10 @@ mod tests {
         assert_eq!(KvFormat::V4.row_bytes(48), None);
     }
 
-    #[test]
-    fn a_store_of_our_formats_splits_open_and_sealed_pools() {
-        let input = StoreInput {
+    /// SmolLM2's store in KV8 (30 layers, 3 KV heads of 64): 4,096 tokens,
+    /// four sequences running.
+    fn smollm2_kv8() -> StoreInput {
+        StoreInput {
             layers: 30,
             open_block_bytes: 3 * 2 * 64 * 64 * 2,
             sealed_block_bytes: 3 * 2 * (64 * 64 + 64 * 2 * 2),
@@ -1031,7 +1032,12 @@ mod tests {
             max_batch_tokens: 256,
             branch_blocks: 0,
             size: StoreSize::Tokens(4096),
-        };
+        }
+    }
+
+    #[test]
+    fn a_store_of_our_formats_splits_open_and_sealed_pools() {
+        let input = smollm2_kv8();
         let p = plan_store(&input).unwrap();
         // Each running sequence: its partial block and a copy; the scratch
         // is one layer's.
@@ -1124,17 +1130,8 @@ mod tests {
     #[test]
     fn layers_split_one_by_one() {
         let input = StoreInput {
-            layers: 30,
-            open_block_bytes: 3 * 2 * 64 * 64 * 2,
-            sealed_block_bytes: 3 * 2 * (64 * 64 + 64 * 2 * 2),
-            scratch_block_bytes: 0,
-            block_size: 64,
-            tail_tokens: 0,
-            seals: true,
-            max_running: 4,
-            max_batch_tokens: 256,
             branch_blocks: 2,
-            size: StoreSize::Tokens(4096),
+            ..smollm2_kv8()
         };
         let p = plan_store(&input).unwrap();
         let one = |on_device| LayerBlocks {

@@ -377,14 +377,12 @@ fn serve_answers_grpc_and_exits_cleanly_on_sigterm() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-#[test]
-fn the_store_serve_allocates_is_what_plan_says() {
-    // Gemma 4's layers (two shapes, two layers without KV), from the header
-    // for the plan and from llama.cpp's loaded model for serve.
-    let dir = std::env::temp_dir().join(format!("siliceo-plan-{}", std::process::id()));
+/// `synth-model --like gemma4-mini` in a folder of its own (`tag`): the
+/// folder (to remove) and the model's path.
+fn gemma4_mini(tag: &str) -> (std::path::PathBuf, String) {
+    let dir = std::env::temp_dir().join(format!("siliceo-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let gemma4 = dir.join("gemma4-mini.gguf");
-    let gemma4 = gemma4.to_str().unwrap();
+    let path = dir.join("gemma4-mini.gguf").to_str().unwrap().to_string();
     let out = siliceo(&[
         "synth-model",
         "--like",
@@ -392,9 +390,18 @@ fn the_store_serve_allocates_is_what_plan_says() {
         "--quant",
         "q8_0",
         "--out",
-        gemma4,
+        &path,
     ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
+    (dir, path)
+}
+
+#[test]
+fn the_store_serve_allocates_is_what_plan_says() {
+    // Gemma 4's layers (two shapes, two layers without KV), from the header
+    // for the plan and from llama.cpp's loaded model for serve.
+    let (dir, gemma4) = gemma4_mini("plan");
+    let gemma4 = gemma4.as_str();
     // Flags for both, then serve's own (token trees need a drafter).
     let none: &[&str] = &[];
     for (flags, serve_only) in [
@@ -529,20 +536,8 @@ fn plan_splits_the_store_between_host_and_gpu_layers() {
     assert!(!out.status.success(), "--gpu-layers needs --kv");
     // Gemma 4's layers: the offloaded ones keeping KV hold their store on
     // the device (layers 4 and 5 read layers 2 and 3's).
-    let dir = std::env::temp_dir().join(format!("siliceo-split-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let gemma4 = dir.join("gemma4-mini.gguf");
-    let gemma4 = gemma4.to_str().unwrap();
-    let out = siliceo(&[
-        "synth-model",
-        "--like",
-        "gemma4-mini",
-        "--quant",
-        "q8_0",
-        "--out",
-        gemma4,
-    ]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    let (dir, gemma4) = gemma4_mini("split");
+    let gemma4 = gemma4.as_str();
     for (gpu_layers, owners) in [(3u64, 0u64), (4, 1), (7, 4)] {
         let out = siliceo(&[
             "plan",

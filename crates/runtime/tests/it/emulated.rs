@@ -8,7 +8,7 @@ use siliceo_runtime::{Runtime, RuntimeConfig, SpeculativeConfig};
 
 use super::{
     REPETITIVE, alone, assert_clean, assert_same_or_near_tie, long_prompts, model_path, request,
-    speculate_alone_and_together, usage_of,
+    speculate_alone_and_together, together, usage_of,
 };
 
 /// Layers 0, 1 and 29 of the model's 30 on the emulated device (a mixed
@@ -68,14 +68,7 @@ fn device_layers_serve_through_the_runtime_on_the_emulator() {
     assert_eq!(split.device_bytes, 3 * (per_layer + plan.scratch_bytes));
     assert_eq!(split.total(), plan.bytes + 3 * plan.scratch_bytes);
     assert!(plan.scratch_blocks > 0 && plan.sealed_blocks > 0);
-    let streams: Vec<_> = refs
-        .iter()
-        .map(|p| rt.submit(request(p, n, Priority::Normal)).unwrap())
-        .collect();
-    for (i, s) in streams.into_iter().enumerate() {
-        let (_, tokens, _) = s.blocking_collect();
-        assert_same_or_near_tie(&tokens, &expected[i], &format!("together, {i}"));
-    }
+    together(&rt, &refs, n, &expected);
     for (i, p) in refs.iter().enumerate() {
         let (_, tokens, done) = rt
             .submit(request(p, n, Priority::Normal))
@@ -170,14 +163,7 @@ fn gemma4_device_layers_serve_through_the_runtime_on_the_emulator() {
             .blocking_collect();
         assert_same_or_near_tie(&tokens, &expected[p], &format!("alone, {p}"));
     }
-    let streams: Vec<_> = refs
-        .iter()
-        .map(|p| rt.submit(request(p, n, Priority::Normal)).unwrap())
-        .collect();
-    for (i, s) in streams.into_iter().enumerate() {
-        let (_, tokens, _) = s.blocking_collect();
-        assert_same_or_near_tie(&tokens, &expected[i], &format!("together, {i}"));
-    }
+    together(&rt, &refs, n, &expected);
     assert_clean(&rt);
     drop(rt);
     std::fs::remove_dir_all(&dir).ok();

@@ -100,18 +100,30 @@ fn assert_clean(rt: &Runtime) {
     rt.check_kv().unwrap();
 }
 
+/// `prompts` submitted at once, greedy, each output llama.cpp's up to a
+/// near tie; their `Done` events.
+fn together(rt: &Runtime, prompts: &[&str], n: u32, expected: &[GreedyTrace]) -> Vec<Event> {
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| rt.submit(request(p, n, Priority::Normal)).unwrap())
+        .collect();
+    streams
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let (_, tokens, done) = s.blocking_collect();
+            assert_same_or_near_tie(&tokens, &expected[i], &format!("together, {i}"));
+            done
+        })
+        .collect()
+}
+
 #[test]
 fn eight_concurrent_requests_equal_their_solo_runs() {
     let n = 24;
     let expected = alone(&PROMPTS, n);
     let rt = Runtime::start(RuntimeConfig::new(model_path())).unwrap();
-    let streams: Vec<_> = PROMPTS
-        .iter()
-        .map(|p| rt.submit(request(p, n, Priority::Normal)).unwrap())
-        .collect();
-    for (i, s) in streams.into_iter().enumerate() {
-        let (_, tokens, done) = s.blocking_collect();
-        assert_same_or_near_tie(&tokens, &expected[i], &format!("prompt {i}"));
+    for done in together(&rt, &PROMPTS, n, &expected) {
         let Event::Done {
             finish_reason,
             usage,

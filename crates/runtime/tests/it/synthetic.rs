@@ -121,27 +121,36 @@ fn grafted_context<'m>(
     device: DeviceAttention,
     windows: Option<Vec<usize>>,
 ) -> GraftedContext<'m> {
-    GraftedContext::new(
-        model,
-        &GraftOptions {
-            format: KvFormat::parse(format).unwrap(),
-            block_tokens: 64,
-            sealed_blocks: 8,
-            tail_blocks: 8,
-            scratch_blocks: 0,
-            n_batch: 256,
-            max_seqs: 4,
-            threads: Some(2),
-            kernel_threads: None,
-            copy_tensors: false,
-            device,
-            tap_layer: Some(0),
-            llama_attention: false,
-            q4_1_kernel: true,
-            windows,
-        },
-    )
-    .unwrap()
+    GraftedContext::new(model, &options(format, device, (8, 8, 0), windows)).unwrap()
+}
+
+/// Grafting options for a store in `format` of `pools` (sealed, tail,
+/// scratch) blocks per layer of 64 tokens, some layers' attention on
+/// `device`, each layer's window from `windows` if given; layer 0's
+/// attention output tapped.
+fn options(
+    format: &str,
+    device: DeviceAttention,
+    (sealed_blocks, tail_blocks, scratch_blocks): (usize, usize, usize),
+    windows: Option<Vec<usize>>,
+) -> GraftOptions {
+    GraftOptions {
+        format: KvFormat::parse(format).unwrap(),
+        block_tokens: 64,
+        sealed_blocks,
+        tail_blocks,
+        scratch_blocks,
+        n_batch: 256,
+        max_seqs: 4,
+        threads: Some(2),
+        kernel_threads: None,
+        copy_tensors: false,
+        device,
+        tap_layer: Some(0),
+        llama_attention: false,
+        q4_1_kernel: true,
+        windows,
+    }
 }
 
 /// [`grafted_logits`] with some layers' attention on `device`; also layer
@@ -162,6 +171,16 @@ fn grafted_on(
         last = ctx.logits(ix).unwrap().to_vec();
     }
     (last, ctx.tapped().to_vec())
+}
+
+/// The largest difference between two equally long rows.
+#[cfg(feature = "cuda-emu")]
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 /// One decode of `piece` after the tokens `seq` holds; the batch index of
@@ -345,14 +364,7 @@ fn device_layers_with_sinks_on_the_emulator_match_the_host_store() {
             chunk,
             DeviceAttention::Emulated(vec![0, 1]),
         );
-        let worst = |a: &[f32], b: &[f32]| {
-            assert_eq!(a.len(), b.len());
-            a.iter()
-                .zip(b)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0.0, f32::max)
-        };
-        let (attn, logits) = (worst(&host_tap, &dev_tap), worst(&host, &dev));
+        let (attn, logits) = (max_abs_diff(&host_tap, &dev_tap), max_abs_diff(&host, &dev));
         eprintln!("chunks of {chunk}: layer 0 differs by {attn:.2e}, logits by {logits:.2e}");
         assert!(
             attn < 1e-4,
@@ -401,27 +413,13 @@ fn gemma4_device_layers_on_the_emulator_match_the_host_store() {
         // its own of.)
         assert_eq!(plan.scratch_blocks > 0, format == "kv8");
         let run = |device: DeviceAttention, chunk: usize| {
-            let mut ctx = GraftedContext::new(
-                model,
-                &GraftOptions {
-                    format: kv_format.clone(),
-                    block_tokens: 64,
-                    sealed_blocks: plan.sealed_blocks as usize,
-                    tail_blocks: (plan.open_blocks + plan.branch_blocks) as usize,
-                    scratch_blocks: plan.scratch_blocks as usize,
-                    n_batch: 256,
-                    max_seqs: 4,
-                    threads: Some(2),
-                    kernel_threads: None,
-                    copy_tensors: false,
-                    device,
-                    tap_layer: Some(0),
-                    llama_attention: false,
-                    q4_1_kernel: true,
-                    windows: None,
-                },
-            )
-            .unwrap();
+            let pools = (
+                plan.sealed_blocks as usize,
+                (plan.open_blocks + plan.branch_blocks) as usize,
+                plan.scratch_blocks as usize,
+            );
+            let mut ctx =
+                GraftedContext::new(model, &options(format, device, pools, None)).unwrap();
             let (sealed, tail) = ctx.capacity();
             let mut placer = BlockPlacer::new(ctx.layout(), sealed, tail);
             let mut seq = SeqKv::default();
@@ -455,21 +453,14 @@ fn gemma4_device_layers_on_the_emulator_match_the_host_store() {
                     (split.host_bytes as usize, split.device_bytes as usize),
                     "{what}"
                 );
-                let worst = |a: &[f32], b: &[f32]| {
-                    assert_eq!(a.len(), b.len());
-                    a.iter()
-                        .zip(b)
-                        .map(|(x, y)| (x - y).abs())
-                        .fold(0.0, f32::max)
-                };
                 // Layer 0's attention over the whole prompt (the last
                 // decode's, when it is whole).
                 let attn = if chunk == prompt.len() {
-                    worst(&host_tap, ctx.tapped())
+                    max_abs_diff(&host_tap, ctx.tapped())
                 } else {
                     0.0
                 };
-                let logits = worst(&host, &dev);
+                let logits = max_abs_diff(&host, &dev);
                 eprintln!("{what}: layer 0 differs by {attn:.2e}, logits by {logits:.2e}");
                 assert!(attn < 1e-4, "{what}: layer 0's attention differs by {attn}");
                 let bound = if format == "kv8" { 5e-2 } else { 1e-2 };
