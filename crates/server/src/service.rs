@@ -672,6 +672,8 @@ impl pb::inference_server::Inference for InferenceService {
             kv_format: i.kv_format.clone(),
             gpu_layers: i.gpu_layers,
             kv_store_bytes: i.store.map_or(0, |s| s.bytes),
+            kv_device_layers: i.store_split.map_or(0, |s| s.device_layers),
+            kv_device_bytes: i.store_split.map_or(0, |s| s.device_bytes),
             max_running_seqs: i.max_running_seqs,
             prefix_caching: i.prefix_caching,
             speculative: i

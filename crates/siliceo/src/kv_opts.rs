@@ -115,12 +115,7 @@ fn llama_types(f: &KvFlags<'_>, model: &Path) -> Result<(KvType, KvType)> {
 /// How the ready line and `generate`'s summary name the KV.
 pub fn describe(info: &siliceo_runtime::RuntimeInfo) -> String {
     let kv = match &info.store {
-        Some(s) => format!(
-            "ours {} ({:.0} MiB, {} tokens)",
-            info.kv_format,
-            s.bytes as f64 / (1u64 << 20) as f64,
-            s.tokens
-        ),
+        Some(s) => store_text(&info.kv_format, s, info.store_split.as_ref()),
         None => format!("llama.cpp {}", info.kv_format),
     };
     match info.sliding_window() {
@@ -129,5 +124,66 @@ pub fn describe(info: &siliceo_runtime::RuntimeInfo) -> String {
             info.geometry.n_layer
         ),
         None => kv,
+    }
+}
+
+/// Our store in a few words: its format, its bytes (and those in GPU
+/// memory, with the layers whose store is there) and its tokens.
+fn store_text(
+    format: &str,
+    plan: &siliceo_runtime::StorePlan,
+    split: Option<&siliceo_runtime::StoreSplit>,
+) -> String {
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    match split.filter(|s| s.device_layers > 0) {
+        Some(s) => format!(
+            "ours {format} ({:.0} MiB: {:.0} MiB in GPU memory for {} layers, {:.0} MiB in host memory; {} tokens)",
+            mib(s.total()),
+            mib(s.device_bytes),
+            s.device_layers,
+            mib(s.host_bytes),
+            plan.tokens
+        ),
+        None => format!(
+            "ours {format} ({:.0} MiB, {} tokens)",
+            mib(plan.bytes),
+            plan.tokens
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use siliceo_runtime::{StoreSize, StoreSplit};
+
+    #[test]
+    fn the_store_says_what_is_in_gpu_memory() {
+        let layers = siliceo_core::ModelGeometry {
+            n_layer: 30,
+            n_head: 9,
+            n_head_kv: 3,
+            head_dim_k: 64,
+            head_dim_v: 64,
+            n_embd: 576,
+            n_vocab: 49152,
+            n_ctx_train: 8192,
+        }
+        .alike_layers();
+        let format = siliceo_engine::KvFormat::parse("kv8").unwrap();
+        let (_, plan) =
+            siliceo_runtime::store_plan(&layers, &format, StoreSize::Tokens(4096), 64, 4, 256, 0)
+                .unwrap();
+        let host = super::store_text("kv8:kv8", &plan, Some(&plan.split(30, 0)));
+        assert_eq!(
+            host,
+            format!(
+                "ours kv8:kv8 ({:.0} MiB, 4096 tokens)",
+                plan.bytes as f64 / 1048576.0
+            )
+        );
+        let split: StoreSplit = plan.split(30, 10);
+        let gpu = super::store_text("kv8:kv8", &plan, Some(&split));
+        assert!(gpu.contains("in GPU memory for 10 layers"), "{gpu}");
+        assert!(gpu.ends_with("; 4096 tokens)"), "{gpu}");
     }
 }

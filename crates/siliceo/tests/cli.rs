@@ -475,6 +475,8 @@ fn the_store_serve_allocates_is_what_plan_says() {
         });
         assert_eq!(info.kv_backend, "ours", "{ready}");
         assert_eq!(info.kv_store_bytes, bytes, "{flags:?}: {ready}");
+        // No GPU here: every layer's store is in host memory.
+        assert_eq!((info.kv_device_layers, info.kv_device_bytes), (0, 0));
         assert_eq!(
             u64::from(info.context_tokens),
             plan["tokens"].as_u64().unwrap()
