@@ -103,17 +103,22 @@ def test_gemma3_sliding_windows_through_our_store():
 
 
 @pytest.mark.parametrize(
-    "like, ready",
+    "like, ready, tol",
     [
         # Attention sinks in both layers, a window in the first.
-        ("gpt-oss-mini", "sliding window 32 in 1 of 2 layers"),
+        ("gpt-oss-mini", "sliding window 32 in 1 of 2 layers", 3e-2),
         # Heads of 64 (windowed) and 128 (global), the last two layers
         # reading layers 2 and 3's KV.
-        ("gemma4-mini", "sliding window 32 in 4 of 6 layers"),
+        ("gemma4-mini", "sliding window 32 in 4 of 6 layers", 3e-2),
+        # AltUp, per-layer inputs, LAuReL; the last two layers reading
+        # layers 18 and 19's KV. Its activation sparsity magnifies the last
+        # bits of any attention: llama.cpp's own flash and plain attention
+        # differ by 5.5e-2 in its logits (the runtime's `synthetic.rs`).
+        ("gemma3n-mini", "sliding window 32 in 17 of 22 layers", 6e-2),
     ],
 )
-def test_synthetic_architectures_through_our_store(like, ready):
-    """gpt-oss and Gemma 4 at test size (`synth-model`: random weights,
+def test_synthetic_architectures_through_our_store(like, ready, tol):
+    """gpt-oss, Gemma 4 and Gemma 3n at test size (`synth-model`: random weights,
     SmolLM2's tokenizer, so their text is noise) served through our store:
     a greedy completion is the same alone and beside others, and the first
     token's log-probabilities agree with llama.cpp's cache."""
@@ -150,4 +155,4 @@ def test_synthetic_architectures_through_our_store(like, ready):
     shared = [t for t in want if t in got]
     assert len(shared) >= 3, (got, want)
     for t in shared:
-        assert math.isclose(got[t], want[t], abs_tol=3e-2), (t, got, want)
+        assert math.isclose(got[t], want[t], abs_tol=tol), (t, got, want)

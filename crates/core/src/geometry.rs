@@ -118,6 +118,26 @@ pub fn layer_kv(
         .collect()
 }
 
+/// llama.cpp's `set_swa_pattern(period)`: every layer windowed but the last
+/// of each period (a period of 0 windows them all).
+pub fn windowed_by_period(layers: usize, period: usize) -> Vec<bool> {
+    (0..layers)
+        .map(|il| period == 0 || il % period < period - 1)
+        .collect()
+}
+
+/// The last layers of a model of architecture `arch` that keep no KV but
+/// read earlier layers' ([`layer_kv`]'s `shared`), as llama.cpp counts them:
+/// Gemma 3n's file does not say (llama.cpp keeps KV in its first 20 layers,
+/// `n_layer_kv_from_start`); Gemma 4's says, in
+/// `attention.shared_kv_layers` (`listed`).
+pub fn shared_kv_layers(arch: &str, n_layer: usize, listed: Option<usize>) -> usize {
+    match arch {
+        "gemma3n" => n_layer.saturating_sub(20),
+        _ => listed.unwrap_or(0).min(n_layer),
+    }
+}
+
 /// Whether `layers` ([`layer_kv`]) are alike: one shape, each with KV of its
 /// own (what the device store and the planner's one-layer arithmetic take).
 pub fn layers_alike(layers: &[LayerKv]) -> bool {

@@ -145,6 +145,7 @@ impl std::fmt::Debug for TlsIdentity {
 }
 pub use geometry::{
     LayerKv, ModelGeometry, kv_elems_per_token, layer_kv, layers_alike, offloaded_layers,
+    shared_kv_layers, windowed_by_period,
 };
 pub use ids::{RequestId, SeqId, TokenId};
 pub use kv_type::KvType;

@@ -429,6 +429,9 @@ impl Model {
             // Gemma 4's GGUF lists its windowed layers (llama.cpp requires
             // the list): no period to fall back on.
             "gemma4" => None,
+            // Gemma 3n's: listed, or one global layer in five
+            // (`load_swa_pattern(ml, 5)` in llama.cpp's `gemma3n.cpp`).
+            "gemma3n" => Some(5),
             _ => return None,
         };
         // Listed per layer (read from the file: llama.cpp's metadata
@@ -465,9 +468,11 @@ impl Model {
         let windows = self.attention_windows()?;
         let full = g.head_dim_k as usize;
         let swa = self.arch_meta("attention.key_length_swa").unwrap_or(full);
-        let shared = self
-            .arch_meta::<usize>("attention.shared_kv_layers")
-            .unwrap_or(0);
+        let shared = siliceo_core::shared_kv_layers(
+            &self.architecture,
+            windows.len(),
+            self.arch_meta::<usize>("attention.shared_kv_layers"),
+        );
         let windowed: Vec<bool> = windows.iter().map(|&w| w > 0).collect();
         let kv_heads = |il: usize| {
             self.kv_heads
@@ -522,10 +527,15 @@ impl Model {
         // have too, so the refusal names what the store lacks first.
         let arch = &self.architecture;
         let meta_u = |key: &str| self.arch_meta::<u32>(key);
-        // Gemma 4's are served (`Model::layer_kv`, tested on a synthetic
-        // `gemma4-mini`); others' (Gemma 3n's) are not tried.
-        let per_layer_ok = arch == "gemma4";
-        if let Some(n) = meta_u("attention.shared_kv_layers").filter(|&n| n > 0 && !per_layer_ok) {
+        // Gemma 4's and Gemma 3n's are served (`Model::layer_kv`, tested on
+        // synthetic `gemma4-mini` and `gemma3n-mini`); others' are not tried.
+        let per_layer_ok = arch == "gemma4" || arch == "gemma3n";
+        let shared = siliceo_core::shared_kv_layers(
+            arch,
+            self.geometry.n_layer as usize,
+            meta_u("attention.shared_kv_layers").map(|n| n as usize),
+        );
+        if let Some(n) = Some(shared).filter(|&n| n > 0 && !per_layer_ok) {
             return refuse(format!(
                 "KV shared across layers (the last {n} layers attend over earlier layers' KV, \
                  as Gemma 4's and Gemma 3n's do)"
@@ -664,17 +674,12 @@ unsafe fn gguf_u32s(
     }
 }
 
-/// llama.cpp's `set_swa_pattern(period)`: every layer windowed but the last
-/// of each period (a period of 0 windows them all).
+/// [`siliceo_core::windowed_by_period`], each windowed layer's window
+/// `window` (0 for the others).
 pub(crate) fn windows_by_period(layers: usize, period: usize, window: usize) -> Vec<usize> {
-    (0..layers)
-        .map(|il| {
-            if period == 0 || il % period < period - 1 {
-                window
-            } else {
-                0
-            }
-        })
+    siliceo_core::windowed_by_period(layers, period)
+        .into_iter()
+        .map(|w| if w { window } else { 0 })
         .collect()
 }
 

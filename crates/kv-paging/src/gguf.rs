@@ -548,9 +548,11 @@ impl GgufHeader {
     /// heads of `attention.key_length_swa` in the layers
     /// `attention.sliding_window_pattern` lists as windowed, KV heads from
     /// `attention.head_count_kv` (one per layer or one for all), and the last
-    /// `attention.shared_kv_layers` layers reading others' KV (Gemma 4's).
+    /// `attention.shared_kv_layers` layers reading others' KV (Gemma 4's;
+    /// Gemma 3n's all but the first 20, [`siliceo_core::shared_kv_layers`]).
     /// Which layers are windowed matters only where their heads differ or
-    /// layers share KV: then the file must list them.
+    /// layers share KV: then the file must list them or give a period
+    /// (Gemma 3n's is 5 when it does not).
     pub fn layer_kv(&self) -> Result<Vec<LayerKv>, GgufError> {
         let g = self.geometry()?;
         let arch = self.str("general.architecture").unwrap_or_default();
@@ -559,12 +561,21 @@ impl GgufHeader {
         let n = g.n_layer as usize;
         let full = g.head_dim_k as usize;
         let swa = size("attention.key_length_swa").unwrap_or(full);
-        let shared = size("attention.shared_kv_layers").unwrap_or(0);
+        let shared = siliceo_core::shared_kv_layers(arch, n, size("attention.shared_kv_layers"));
         let pattern = key("attention.sliding_window_pattern");
+        // Listed per layer, or a period in the file, or Gemma 3n's default
+        // period (llama.cpp's `load_swa_pattern(ml, 5)`).
+        let period = match self.meta.get(&pattern) {
+            Some(MetaValue::Int(p)) => usize::try_from(*p).ok(),
+            _ => (arch == "gemma3n").then_some(5),
+        };
         let windowed: Vec<bool> = match self.ints(&pattern).filter(|f| f.len() >= n) {
             Some(flags) => flags[..n].iter().map(|&f| f != 0).collect(),
             None if swa == full && shared == 0 => vec![false; n],
-            None => return Err(GgufError::Missing(format!("{pattern} (a flag per layer)"))),
+            None => match period {
+                Some(p) => siliceo_core::windowed_by_period(n, p),
+                None => return Err(GgufError::Missing(format!("{pattern} (a flag per layer)"))),
+            },
         };
         let listed = self
             .ints(&key("attention.head_count_kv"))
@@ -771,6 +782,30 @@ mod tests {
             Err(GgufError::Missing(k)) => assert!(k.contains("sliding_window_pattern"), "{k}"),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// Gemma 3n's file says neither which layers share KV nor, here, which
+    /// are windowed: llama.cpp's fixed 20 layers with KV and its default
+    /// period of 5.
+    #[test]
+    fn reads_gemma3n_layers_as_llama_cpp_does() {
+        let mut w = GgufWriter::default();
+        w.str("general.architecture", "gemma3n");
+        for (k, v) in [
+            ("block_count", 25u32),
+            ("attention.head_count", 8),
+            ("attention.head_count_kv", 2),
+            ("embedding_length", 2048),
+            ("attention.key_length", 256),
+        ] {
+            w.u32(&format!("gemma3n.{k}"), v);
+        }
+        let layers = GgufHeader::parse(&w.header()).unwrap().layer_kv().unwrap();
+        let sources: Vec<usize> = layers.iter().map(|l| l.source).collect();
+        // Layers 20-23 windowed (they read layer 18), 24 global (layer 19).
+        let want: Vec<usize> = (0..20).chain([18, 18, 18, 18, 19]).collect();
+        assert_eq!(sources, want);
+        assert!(layers.iter().all(|l| (l.kv_heads, l.head_dim) == (2, 256)));
     }
 
     #[test]

@@ -85,7 +85,34 @@ pub enum Like {
     /// overwrite the source's scratch rows of the step. A test of the
     /// sharing layers' rewrite of those rows.
     Gemma4Alike,
+    /// Google's Gemma 3n architecture at test size: 22 layers, 256 wide, 4
+    /// query heads over 2 KV heads of 64, windowed layers (a 32-token
+    /// window) as listed in [`GEMMA3N_PATTERN`]; llama.cpp keeps KV in the
+    /// first 20 layers only (its `n_layer_kv_from_start`), so the last two
+    /// read layers 18 and 19's. AltUp over 4 streams, per-layer inputs of
+    /// 256 and LAuReL of rank 64 (llama.cpp's fixed sizes), their
+    /// coefficient and router weights 0.
+    Gemma3nMini,
 }
+
+/// `gemma3n-mini`'s windowed layers (`true`): one global layer in five, as
+/// Gemma 3n's, then a windowed and a global layer among the two that keep
+/// no KV.
+pub const GEMMA3N_PATTERN: [bool; 22] = {
+    let mut p = [true; 22];
+    let mut il = 4;
+    while il < 20 {
+        p[il] = false;
+        il += 5;
+    }
+    p[21] = false;
+    p
+};
+/// Gemma 3n's AltUp streams, per-layer input size and LAuReL rank: fixed
+/// in llama.cpp (`llama_hparams`), not read from the file.
+const GEMMA3N_ALTUP: u64 = 4;
+const GEMMA3N_PER_LAYER: u64 = 256;
+const GEMMA3N_LAUREL: u64 = 64;
 
 /// `gemma4-mini`'s windowed layers (`true`) and global ones: layer 3 is the
 /// last global layer with its own KV, layer 2 the last windowed one.
@@ -136,9 +163,10 @@ impl std::str::FromStr for Like {
             "cohere2-mini" => Ok(Like::Cohere2Mini),
             "gemma4-mini" => Ok(Like::Gemma4Mini),
             "gemma4-alike" => Ok(Like::Gemma4Alike),
+            "gemma3n-mini" => Ok(Like::Gemma3nMini),
             _ => Err(format!(
                 "`{s}`: one of qwen2.5-7b, llama-3-8b, qwen2.5-1.5b, gpt-oss-20b, gpt-oss-mini, \
-                 olmo3-mini, exaone4-mini, cohere2-mini, gemma4-mini, gemma4-alike"
+                 olmo3-mini, exaone4-mini, cohere2-mini, gemma4-mini, gemma4-alike, gemma3n-mini"
             )),
         }
     }
@@ -348,6 +376,13 @@ impl Like {
                 experts: None,
                 window: 32,
             },
+            Like::Gemma3nMini => Geometry {
+                arch: "gemma3n",
+                name: "gemma3n-mini",
+                n_layer: GEMMA3N_PATTERN.len() as u32,
+                head_dim: 64,
+                ..Like::Gemma4Mini.geometry()
+            },
             Like::Gemma4Alike => Geometry {
                 name: "gemma4-alike",
                 head_dim: GEMMA4_SWA_HEAD,
@@ -403,6 +438,10 @@ pub fn tensors(g: &Geometry, n_vocab: u32, quant: Quant) -> Vec<TensorSpec> {
     add("token_embd.weight".into(), &[e, v], base);
     if g.arch == "gemma4" {
         gemma4_tensors(g, (base, more), &mut add);
+        return t;
+    }
+    if g.arch == "gemma3n" {
+        gemma3n_tensors(g, v, (base, more), &mut add);
         return t;
     }
     add("output_norm.weight".into(), &[e], F32);
@@ -503,6 +542,64 @@ fn gemma4_tensors(
         add(b("ffn_up.weight"), &[e, ff], base);
         add(b("ffn_down.weight"), &[ff, e], rich);
         add(b("post_ffw_norm.weight"), &[e], F32);
+    }
+}
+
+/// Gemma 3n's tensors after the embedding (tied output): AltUp's
+/// projections, the per-layer input embedding (Q4_K whatever `quant`: it is
+/// the biggest tensor, 256 values per layer per token) and its projection;
+/// per layer, Gemma's attention (Q and K normalised, K and V in every
+/// layer, though the last ones are not read) and feed-forward with norms
+/// after each, the per-layer input's gate and projection, AltUp's router
+/// and coefficients, and LAuReL (its second matrix Q8_0: rows of 64).
+fn gemma3n_tensors(
+    g: &Geometry,
+    n_vocab: u64,
+    (base, more): (u32, u32),
+    add: &mut impl FnMut(String, &[u64], u32),
+) {
+    let (e, ff) = (u64::from(g.n_embd), u64::from(g.n_ff));
+    let hd = u64::from(g.head_dim());
+    let (q, kv) = (u64::from(g.n_head) * hd, u64::from(g.n_head_kv) * hd);
+    let (alt, ple) = (GEMMA3N_ALTUP, GEMMA3N_PER_LAYER);
+    let per_layer = ple * u64::from(g.n_layer);
+    add("output_norm.weight".into(), &[e], F32);
+    add("altup_proj.weight".into(), &[e, e, alt - 1], base);
+    add("altup_unembd_proj.weight".into(), &[e, e, alt - 1], base);
+    add(
+        "per_layer_token_embd.weight".into(),
+        &[per_layer, n_vocab],
+        Q4_K,
+    );
+    add("per_layer_model_proj.weight".into(), &[e, per_layer], base);
+    add("per_layer_proj_norm.weight".into(), &[ple], F32);
+    for l in 0..g.n_layer {
+        let b = |s: &str| format!("blk.{l}.{s}");
+        let rich = if more_bits(l, g.n_layer) { more } else { base };
+        add(b("attn_norm.weight"), &[e], F32);
+        add(b("attn_q.weight"), &[e, q], base);
+        add(b("attn_k.weight"), &[e, kv], base);
+        add(b("attn_v.weight"), &[e, kv], rich);
+        add(b("attn_output.weight"), &[q, e], base);
+        add(b("attn_q_norm.weight"), &[hd], F32);
+        add(b("attn_k_norm.weight"), &[hd], F32);
+        add(b("post_attention_norm.weight"), &[e], F32);
+        add(b("ffn_norm.weight"), &[e], F32);
+        add(b("ffn_gate.weight"), &[e, ff], base);
+        add(b("ffn_up.weight"), &[e, ff], base);
+        add(b("ffn_down.weight"), &[ff, e], rich);
+        add(b("post_ffw_norm.weight"), &[e], F32);
+        add(b("inp_gate.weight"), &[e, ple], base);
+        add(b("proj.weight"), &[ple, e], base);
+        add(b("post_norm.weight"), &[e], F32);
+        add(b("altup_correct_coef.weight"), &[alt, alt], F32);
+        add(b("altup_correct_scale.weight"), &[e], F32);
+        add(b("altup_predict_coef.weight"), &[alt, alt * alt], F32);
+        add(b("altup_router.weight"), &[e, alt], F32);
+        add(b("altup_router_norm.weight"), &[e], F32);
+        add(b("laurel_l.weight"), &[e, GEMMA3N_LAUREL], base);
+        add(b("laurel_r.weight"), &[GEMMA3N_LAUREL, e], Q8_0);
+        add(b("laurel_post_norm.weight"), &[e], F32);
     }
 }
 
@@ -664,7 +761,7 @@ pub fn synth_model(a: &SynthOptions) -> Result<()> {
     let Some(like) = a.like else {
         return invalid(
             "--like is needed (qwen2.5-7b, llama-3-8b, qwen2.5-1.5b, gpt-oss-20b, \
-             gpt-oss-mini, olmo3-mini, exaone4-mini, cohere2-mini, gemma4-mini or gemma4-alike), or --vocab-only",
+             gpt-oss-mini, olmo3-mini, exaone4-mini, cohere2-mini, gemma4-mini, gemma4-alike or gemma3n-mini), or --vocab-only",
         );
     };
     let mut g = like.geometry();
@@ -735,6 +832,18 @@ pub fn synth_model(a: &SynthOptions) -> Result<()> {
         w.f32(&k("rope.freq_base_swa"), 1e4);
         w.u32(&k("embedding_length_per_layer_input"), 0);
     }
+    if arch == "gemma3n" {
+        let flags: Vec<bool> = (0..g.n_layer as usize)
+            .map(|l| GEMMA3N_PATTERN[l % GEMMA3N_PATTERN.len()])
+            .collect();
+        w.bools(&k("attention.sliding_window_pattern"), &flags);
+        w.f32(&k("rope.freq_base_swa"), 1e4);
+        w.f32(&k("final_logit_softcapping"), 30.0);
+        w.u32(
+            &k("embedding_length_per_layer_input"),
+            GEMMA3N_PER_LAYER as u32,
+        );
+    }
     if arch == "cohere2" {
         // A layer norm, and logits scaled (Command R7B's 0.25).
         w.f32(&k("attention.layer_norm_epsilon"), g.rms_eps);
@@ -781,11 +890,23 @@ pub fn synth_model(a: &SynthOptions) -> Result<()> {
             // Norm weights 1, biases 0.
             let qk_norm =
                 name.ends_with("attn_q_norm.weight") || name.ends_with("attn_k_norm.weight");
+            // AltUp's router and coefficients at 0: each stream predicts
+            // itself and takes the layer's correction whole (random mixing
+            // weights would compound over the layers).
+            let altup_mix = [
+                "altup_router.",
+                "altup_predict_coef.",
+                "altup_correct_coef.",
+            ]
+            .iter()
+            .any(|t| name.contains(t));
             (
                 if name.ends_with(".bias") {
                     &zeros
-                } else if arch == "gemma4" && qk_norm {
+                } else if matches!(arch, "gemma4" | "gemma3n") && qk_norm {
                     &quarters
+                } else if arch == "gemma3n" && altup_mix {
+                    &zeros
                 } else {
                     &ones
                 },
