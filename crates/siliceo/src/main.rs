@@ -149,8 +149,9 @@ struct SynthArgs {
     /// architecture at test size), olmo3-mini, exaone4-mini,
     /// cohere2-mini (OLMo 3's, EXAONE 4's and Command R7B's, for tests of
     /// sliding windows), gemma4-mini (Gemma 4's: heads of two sizes, KV
-    /// shared across layers) or gemma4-alike (gemma4-mini with heads of one
-    /// size, for a test).
+    /// shared across layers), gemma4-alike (gemma4-mini with heads of one
+    /// size, for a test) or gemma3n-mini (Gemma 3n's: AltUp, per-layer
+    /// inputs, KV in the first 20 layers only).
     #[arg(long)]
     like: Option<synth::Like>,
     /// Weight quantization: q4_k_m (llama.cpp's Q4_K_M mix) or q8_0.
