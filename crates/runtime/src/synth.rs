@@ -536,12 +536,7 @@ fn gemma4_tensors(
         }
         add(b("attn_q_norm.weight"), &[hd], F32);
         add(b("attn_output.weight"), &[q, e], base);
-        add(b("post_attention_norm.weight"), &[e], F32);
-        add(b("ffn_norm.weight"), &[e], F32);
-        add(b("ffn_gate.weight"), &[e, ff], base);
-        add(b("ffn_up.weight"), &[e, ff], base);
-        add(b("ffn_down.weight"), &[ff, e], rich);
-        add(b("post_ffw_norm.weight"), &[e], F32);
+        gemma_feed_forward(&b, (e, ff), (base, rich), add);
     }
 }
 
@@ -583,12 +578,7 @@ fn gemma3n_tensors(
         add(b("attn_output.weight"), &[q, e], base);
         add(b("attn_q_norm.weight"), &[hd], F32);
         add(b("attn_k_norm.weight"), &[hd], F32);
-        add(b("post_attention_norm.weight"), &[e], F32);
-        add(b("ffn_norm.weight"), &[e], F32);
-        add(b("ffn_gate.weight"), &[e, ff], base);
-        add(b("ffn_up.weight"), &[e, ff], base);
-        add(b("ffn_down.weight"), &[ff, e], rich);
-        add(b("post_ffw_norm.weight"), &[e], F32);
+        gemma_feed_forward(&b, (e, ff), (base, rich), add);
         add(b("inp_gate.weight"), &[e, ple], base);
         add(b("proj.weight"), &[ple, e], base);
         add(b("post_norm.weight"), &[e], F32);
@@ -601,6 +591,22 @@ fn gemma3n_tensors(
         add(b("laurel_r.weight"), &[GEMMA3N_LAUREL, e], Q8_0);
         add(b("laurel_post_norm.weight"), &[e], F32);
     }
+}
+
+/// A Gemma layer's norm after attention and its feed-forward between two
+/// norms (`b` names the layer's tensors).
+fn gemma_feed_forward(
+    b: &impl Fn(&str) -> String,
+    (e, ff): (u64, u64),
+    (base, rich): (u32, u32),
+    add: &mut impl FnMut(String, &[u64], u32),
+) {
+    add(b("post_attention_norm.weight"), &[e], F32);
+    add(b("ffn_norm.weight"), &[e], F32);
+    add(b("ffn_gate.weight"), &[e, ff], base);
+    add(b("ffn_up.weight"), &[e, ff], base);
+    add(b("ffn_down.weight"), &[ff, e], rich);
+    add(b("post_ffw_norm.weight"), &[e], F32);
 }
 
 /// splitmix64: fast, seedable, good enough for noise.

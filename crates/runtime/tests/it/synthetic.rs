@@ -121,15 +121,7 @@ fn gemma3n_shared_kv_and_windows_are_llama_cpps() {
         ours <= spread,
         "ours differ by {ours}, llama.cpp's own paths by {spread}"
     );
-    for format in ["kv8", "k5v4"] {
-        let whole = grafted_logits(model, format, &prompt, prompt.len());
-        for chunk in [1, 13] {
-            assert!(
-                grafted_logits(model, format, &prompt, chunk) == whole,
-                "{format}: chunks of {chunk} changed the logits"
-            );
-        }
-    }
+    assert_chunk_invariant(model, &prompt);
     let ctx = grafted_context(model, "f16", DeviceAttention::Host, None);
     assert!((0..20).all(|il| ctx.layer(il).is_some()));
     assert!(ctx.layer(20).is_none() && ctx.layer(21).is_none());
@@ -227,6 +219,20 @@ fn grafted_on(
         last = ctx.logits(ix).unwrap().to_vec();
     }
     (last, ctx.tapped().to_vec())
+}
+
+/// In kv8 and k5v4, the logits after `prompt` whatever its cut (whole, in
+/// chunks of 1 and 13: blocks sealed within a step or across steps).
+fn assert_chunk_invariant(model: &Model, prompt: &[TokenId]) {
+    for format in ["kv8", "k5v4"] {
+        let whole = grafted_logits(model, format, prompt, prompt.len());
+        for chunk in [1, 13] {
+            assert!(
+                grafted_logits(model, format, prompt, chunk) == whole,
+                "{format}: chunks of {chunk} changed the logits"
+            );
+        }
+    }
 }
 
 /// llama.cpp's own logits after `prompt` (its cache, its attention).
@@ -363,15 +369,7 @@ fn gemma4_heads_of_two_sizes_and_shared_kv_are_llama_cpps() {
     assert_eq!(sources, [0, 1, 2, 3, 2, 3]);
     assert_like_llama_cpp(model, &[32, 32, 32, 0, 32, 0]);
     let prompt = prompt(model);
-    for format in ["kv8", "k5v4"] {
-        let whole = grafted_logits(model, format, &prompt, prompt.len());
-        for chunk in [1, 13] {
-            assert!(
-                grafted_logits(model, format, &prompt, chunk) == whole,
-                "{format}: chunks of {chunk} changed the logits"
-            );
-        }
-    }
+    assert_chunk_invariant(model, &prompt);
     let ctx = grafted_context(model, "f16", DeviceAttention::Host, None);
     assert!((0..4).all(|il| ctx.layer(il).is_some()));
     assert!(ctx.layer(4).is_none() && ctx.layer(5).is_none());
