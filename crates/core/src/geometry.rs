@@ -95,7 +95,7 @@ pub struct LayerKv {
 /// layer); and the last `shared` layers (`attention.shared_kv_layers`)
 /// keep no KV but attend over the last windowed or global layer with KV of
 /// its own: layer `n − shared − 2` if windowed, else `n − shared − 1`
-/// (llama.cpp's `reuse` callback in `llama-model.cpp`).
+/// (llama.cpp's `reuse` callback in `llama-model.cpp`), and take its shape.
 pub fn layer_kv(
     windowed: &[bool],
     head_dim: (usize, usize),
@@ -103,7 +103,7 @@ pub fn layer_kv(
     shared: usize,
 ) -> Vec<LayerKv> {
     let own = windowed.len() - shared.min(windowed.len());
-    windowed
+    let mut layers: Vec<LayerKv> = windowed
         .iter()
         .enumerate()
         .map(|(il, &w)| LayerKv {
@@ -115,7 +115,15 @@ pub fn layer_kv(
                 own.saturating_sub(if w { 2 } else { 1 })
             },
         })
-        .collect()
+        .collect();
+    // A layer keeping no KV attends over its source's: its shape, whatever
+    // the file lists for it.
+    for il in own..layers.len() {
+        let src = layers[layers[il].source];
+        layers[il].head_dim = src.head_dim;
+        layers[il].kv_heads = src.kv_heads;
+    }
+    layers
 }
 
 /// llama.cpp's `set_swa_pattern(period)`: every layer windowed but the last
