@@ -253,6 +253,9 @@ struct State {
     geom: Vec<(usize, usize, usize)>,
     /// Tail blocks of a layer's own (the scratch's ids follow them).
     own_tail: usize,
+    /// Whether the decode in flight writes rows to the scratch (set once
+    /// per decode; the layers reading another's KV need K/V only then).
+    step_writes_scratch: bool,
     params: AttnParams,
     step: GraftStep,
     /// Batch tokens of the decode in flight.
@@ -495,13 +498,7 @@ impl State {
         // A layer reading another's KV needs that layer's rows of this step
         // only where they went to the scratch (which the layers after it
         // took over): llama.cpp's cache holds them, and they go there again.
-        let own_tail = self.own_tail;
-        let kv = source == il
-            || self
-                .step
-                .writes
-                .iter()
-                .any(|&(b, _)| b as usize >= own_tail);
+        let kv = source == il || self.step_writes_scratch;
         unsafe {
             gather(q, n, nh, d, &mut self.q, &mut self.staging, copy)?;
             if kv {
@@ -987,6 +984,7 @@ impl<'m> GraftedContext<'m> {
                 .map(|l| (g.n_head as usize, l.kv_heads, l.head_dim))
                 .collect(),
             own_tail: opts.tail_blocks,
+            step_writes_scratch: false,
             params: AttnParams {
                 threads: opts.kernel_threads.unwrap_or(threads as usize).max(1),
                 // On llama.cpp's own (idle, spinning) OpenMP threads, which
@@ -1328,6 +1326,8 @@ impl<'m> GraftedContext<'m> {
             }
         }
         self.raw.batch.n_tokens = batch.len() as i32;
+        let own_tail = self.state.own_tail;
+        self.state.step_writes_scratch = step.writes.iter().any(|&(b, _)| b as usize >= own_tail);
         self.state.step = step;
         self.state.n_tokens = batch.len();
         self.state.layers_done = 0;
