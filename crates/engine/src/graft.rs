@@ -229,10 +229,37 @@ pub enum StoreBlock {
     Tail(u32),
 }
 
+/// Where a layer's KV lives.
+enum LayerStore {
+    /// In host memory, read and written by the CPU kernel.
+    Host(KvPages),
+    /// In device memory ([`State::device`]).
+    Device,
+    /// Nowhere: the layer keeps no KV and attends over another layer's
+    /// ([`State::sources`]).
+    Borrowed,
+}
+
+impl LayerStore {
+    fn host(&self) -> Option<&KvPages> {
+        match self {
+            LayerStore::Host(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    fn host_mut(&mut self) -> Option<&mut KvPages> {
+        match self {
+            LayerStore::Host(p) => Some(p),
+            _ => None,
+        }
+    }
+}
+
 /// What the callback works on (boxed: llama.cpp holds a pointer to it).
 struct State {
-    /// Each layer's store on the host; `None` where it lives on the device.
-    layers: Vec<Option<KvPages>>,
+    /// Each layer's store.
+    layers: Vec<LayerStore>,
     /// The layers whose store lives on the device.
     device: Option<Box<dyn DeviceLayers>>,
     /// The scratch blocks, lent to the layer being computed: one set per
@@ -464,7 +491,7 @@ impl State {
                 ));
             }
         }
-        if self.layers[source].is_none() {
+        if matches!(self.layers[source], LayerStore::Device) {
             let dev = self
                 .device
                 .as_mut()
@@ -563,7 +590,7 @@ impl State {
     /// inputs are still computed, and `on_layer` writes the whole output.
     fn switch_off_llama_attention(&mut self, t: &sys::ggml_tensor, il: usize) {
         let source = self.sources.get(il).copied().unwrap_or(il);
-        if self.llama_attention || !matches!(self.layers.get(source), Some(Some(_))) {
+        if self.llama_attention || !matches!(self.layers.get(source), Some(LayerStore::Host(_))) {
             return;
         }
         // SAFETY: a node's sources live as long as the graph; nothing reads
@@ -668,8 +695,8 @@ impl State {
 }
 
 /// Layer `il`'s host store (a layer on the device has none).
-fn host_layer(layers: &mut [Option<KvPages>], il: usize) -> &mut KvPages {
-    layers[il].as_mut().expect("a host layer")
+fn host_layer(layers: &mut [LayerStore], il: usize) -> &mut KvPages {
+    layers[il].host_mut().expect("a host layer")
 }
 
 /// Copies within a pool of `tail` blocks of `t` rows.
@@ -957,10 +984,14 @@ impl<'m> GraftedContext<'m> {
         };
         let layers = (0..n_layer)
             .map(|il| {
-                if on_device.contains(&il) || layer_kv[il].source != il {
-                    return Ok(None);
+                if layer_kv[il].source != il {
+                    return Ok(LayerStore::Borrowed);
                 }
-                KvPages::new(layouts[layout_of[il]], opts.sealed_blocks, opts.tail_blocks).map(Some)
+                if on_device.contains(&il) {
+                    return Ok(LayerStore::Device);
+                }
+                KvPages::new(layouts[layout_of[il]], opts.sealed_blocks, opts.tail_blocks)
+                    .map(LayerStore::Host)
             })
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| EngineError::InvalidOption {
@@ -1085,7 +1116,7 @@ impl<'m> GraftedContext<'m> {
         self.state
             .layers
             .iter()
-            .flatten()
+            .filter_map(LayerStore::host)
             .map(KvPages::byte_len)
             .sum::<usize>()
             + self
@@ -1118,8 +1149,10 @@ impl<'m> GraftedContext<'m> {
 
     /// Layers whose store and attention are on the device.
     pub fn device_layers(&self) -> usize {
-        (0..self.state.layers.len())
-            .filter(|&il| self.state.layers[il].is_none() && self.state.sources[il] == il)
+        self.state
+            .layers
+            .iter()
+            .filter(|l| matches!(l, LayerStore::Device))
             .count()
     }
 
@@ -1127,13 +1160,12 @@ impl<'m> GraftedContext<'m> {
     /// of their own, each in its layout.
     pub fn block_bytes(&self) -> (usize, usize) {
         let mut sum = (0, 0);
-        for (il, pages) in self.state.layers.iter().enumerate() {
-            if self.state.sources[il] != il {
-                continue;
-            }
-            let l = pages
-                .as_ref()
-                .map_or(self.layer_layouts[il], |p| *p.layout());
+        for (il, store) in self.state.layers.iter().enumerate() {
+            let l = match store {
+                LayerStore::Host(p) => *p.layout(),
+                LayerStore::Device => self.layer_layouts[il],
+                LayerStore::Borrowed => continue,
+            };
             sum.0 += l.block_bytes();
             sum.1 += l.tail_block_bytes();
         }
@@ -1149,7 +1181,7 @@ impl<'m> GraftedContext<'m> {
     /// One host layer's store, to read a sequence back (tests, quality
     /// checks); `None` for a layer on the device.
     pub fn layer(&self, il: usize) -> Option<&KvPages> {
-        self.state.layers.get(il)?.as_ref()
+        self.state.layers.get(il)?.host()
     }
 
     /// One layer's pools as bytes (sealed, tail: the scratch not included),
@@ -1347,8 +1379,8 @@ impl<'m> GraftedContext<'m> {
         if error.is_some() {
             // A layer that panicked still holds the scratch.
             let state = &mut *self.state;
-            for (il, pages) in state.layers.iter_mut().enumerate() {
-                if let Some(pages) = pages
+            for (il, store) in state.layers.iter_mut().enumerate() {
+                if let LayerStore::Host(pages) = store
                     && pages.shared_blocks() > 0
                 {
                     pages.swap_shared(&mut state.scratch[state.scratch_of[il]]);
@@ -1398,7 +1430,12 @@ impl<'m> GraftedContext<'m> {
     pub fn copy_rows(&mut self, copies: &[RowCopy]) -> Result<(), EngineError> {
         let (_, tail) = self.capacity();
         check_copies(copies, tail, self.layout.block_tokens)?;
-        for pages in self.state.layers.iter_mut().flatten() {
+        for pages in self
+            .state
+            .layers
+            .iter_mut()
+            .filter_map(LayerStore::host_mut)
+        {
             for c in copies {
                 pages.copy_tail_rows(c.src, c.dst, c.rows.clone());
             }
@@ -1412,19 +1449,16 @@ impl<'m> GraftedContext<'m> {
     /// Copies `blocks` of every layer into host memory (a swapped-out sequence).
     pub fn save_blocks(&self, blocks: &[StoreBlock]) -> Result<SavedBlocks, EngineError> {
         let mut bytes = Vec::new();
-        for (il, pages) in self.state.layers.iter().enumerate() {
-            if self.state.sources[il] != il {
-                continue;
-            }
-            let Some(pages) = pages else {
-                let dev = self
-                    .state
-                    .device
-                    .as_ref()
-                    .expect("a layer not on the host is on the device");
-                dev.save(il, blocks, &mut bytes)
-                    .map_err(EngineError::Graft)?;
-                continue;
+        for (il, store) in self.state.layers.iter().enumerate() {
+            let pages = match store {
+                LayerStore::Host(pages) => pages,
+                LayerStore::Device => {
+                    let dev = self.state.device.as_ref().expect("a device store");
+                    dev.save(il, blocks, &mut bytes)
+                        .map_err(EngineError::Graft)?;
+                    continue;
+                }
+                LayerStore::Borrowed => continue,
             };
             for &b in blocks {
                 bytes.extend_from_slice(match b {
@@ -1461,19 +1495,17 @@ impl<'m> GraftedContext<'m> {
         }
         let mut at = 0;
         let state = &mut *self.state;
-        for (il, pages) in state.layers.iter_mut().enumerate() {
-            if state.sources[il] != il {
-                continue;
-            }
-            let Some(pages) = pages else {
-                let dev = state
-                    .device
-                    .as_mut()
-                    .expect("a layer not on the host is on the device");
-                at += dev
-                    .restore(il, blocks, &saved.bytes[at..])
-                    .map_err(EngineError::Graft)?;
-                continue;
+        for (il, store) in state.layers.iter_mut().enumerate() {
+            let pages = match store {
+                LayerStore::Host(pages) => pages,
+                LayerStore::Device => {
+                    let dev = state.device.as_mut().expect("a device store");
+                    at += dev
+                        .restore(il, blocks, &saved.bytes[at..])
+                        .map_err(EngineError::Graft)?;
+                    continue;
+                }
+                LayerStore::Borrowed => continue,
             };
             for &b in blocks {
                 let dst = match b {
