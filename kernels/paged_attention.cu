@@ -7,10 +7,11 @@
 // Hadamard-rotated when the layout rotates K) from the host.
 //
 // Kernels (extern "C", names stable; the Rust loader in cuda.rs uses them):
-//   siliceo_attn_decode_<k>_<v>_d<D>_g<GT>  (D = 64, 128, 256) one query token per sequence;
+//   siliceo_attn_decode_<k>_<v>_d<D>_g<GT>  (D = 64, 128, 256, 512) one query token per sequence;
 //       grid (kv_heads, sequences, partitions), 128 threads; each CTA serves
 //       the G ≤ GT query heads of one KV head over one partition of the
-//       context (GT = 1, 2, 4, 8: G rounded up to a power of two). With one
+//       context (GT = 1, 2, 4, 8, or up to 4 for D = 512: G rounded up to a
+//       power of two). With one
 //       partition it writes the output, else partial (max, sum, acc) rows.
 //   siliceo_attn_reduce               merges the partitions of each head.
 //   siliceo_kv_append                 writes new K/V rows (f32) into tail
@@ -194,9 +195,10 @@ struct Partition {
 // KV head; every loop over heads is unrolled so per-head values stay in
 // registers.
 //
-// A token's row is read by LPT = D/8 lanes, eight channels each (one 16-byte
-// load for F16); a warp covers TPW = 32/LPT tokens per load and keeps U such
-// loads in flight before using them. Scores go to shared memory, then the
+// A token's row is read by LPT = D/8 lanes (at most 32), eight channels each
+// (one 16-byte load for F16); heads of 512 take NC = 2 such reads per lane, of
+// channels c0 and c0 + 256 (LPT = 32). A warp covers TPW = 32/LPT tokens per
+// load and keeps U such loads in flight before using them. Scores go to shared memory, then the
 // softmax over the partition (a warp per head), then V the same way as K,
 // summed over a warp's token groups by shuffles and over warps in shared
 // memory.
@@ -210,7 +212,9 @@ template <int D, int KC, int VC, int GT, int U>
 __device__ void attn_decode(float* out, float* part_m, float* part_l, float* part_acc, const float* q,
                             Tables tb, int H, int KVH, int T, int kg, int vg, int part_tokens, int P,
                             const int* tokens, int window, const float* sinks) {
-    constexpr int LPT = D / 8, TPW = 32 / LPT, STEP = WARPS * TPW * U;
+    constexpr int NC = D > 256 ? D / 256 : 1, CH = D / NC;  // channel chunks per lane, each CH wide
+    constexpr int LPT = CH / 8, TPW = 32 / LPT, STEP = WARPS * TPW * U;
+    static_assert(LPT <= 32 && CH * NC == D, "heads of 64, 128, 256 or 512");
     DYNAMIC_SHARED(float, smem);
     float* qs = smem;
     float* sc = qs + GT * D;
@@ -236,18 +240,23 @@ __device__ void attn_decode(float* out, float* part_m, float* part_l, float* par
         qs[i] = i < G * D ? q[(tok * H + kh * G) * D + i] : 0.f;
     __syncthreads();
 
-    float qr[GT][8];
+    float qr[GT][8 * NC];
 #pragma unroll
     for (int g = 0; g < GT; g++)
 #pragma unroll
-        for (int i = 0; i < 8; i++) qr[g][i] = qs[g * D + c0 + i];
+        for (int h = 0; h < NC; h++)
+#pragma unroll
+            for (int i = 0; i < 8; i++) qr[g][h * 8 + i] = qs[g * D + h * CH + c0 + i];
 
     // Scores. The loop bound is the same for every lane of a warp (the
     // shuffles need all 32); lanes past the end load nothing.
     for (int base = 0; base < n; base += STEP) {
-        float k[U][8];
+        float k[U][8 * NC];
 #pragma unroll
-        for (int u = 0; u < U; u++) pt.row<D, KC, VC, false>(base + (u * WARPS + warp) * TPW + sub, c0, k[u]);
+        for (int u = 0; u < U; u++)
+#pragma unroll
+            for (int h = 0; h < NC; h++)
+                pt.row<D, KC, VC, false>(base + (u * WARPS + warp) * TPW + sub, h * CH + c0, k[u] + h * 8);
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int j = base + (u * WARPS + warp) * TPW + sub;
@@ -255,7 +264,7 @@ __device__ void attn_decode(float* out, float* part_m, float* part_l, float* par
             for (int g = 0; g < GT; g++) {
                 float x = 0.f;
 #pragma unroll
-                for (int i = 0; i < 8; i++) x += qr[g][i] * k[u][i];
+                for (int i = 0; i < 8 * NC; i++) x += qr[g][i] * k[u][i];
 #pragma unroll
                 for (int o = LPT / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
                 if (lane % LPT == 0 && j < n) sc[g * part_tokens + j] = x;
@@ -284,15 +293,18 @@ __device__ void attn_decode(float* out, float* part_m, float* part_l, float* par
     __syncthreads();
 
     // V: the same token mapping as K; acc holds this lane's eight channels.
-    float acc[GT][8];
+    float acc[GT][8 * NC];
 #pragma unroll
     for (int g = 0; g < GT; g++)
 #pragma unroll
-        for (int i = 0; i < 8; i++) acc[g][i] = 0.f;
+        for (int i = 0; i < 8 * NC; i++) acc[g][i] = 0.f;
     for (int base = 0; base < n; base += STEP) {
-        float v[U][8];
+        float v[U][8 * NC];
 #pragma unroll
-        for (int u = 0; u < U; u++) pt.row<D, KC, VC, true>(base + (u * WARPS + warp) * TPW + sub, c0, v[u]);
+        for (int u = 0; u < U; u++)
+#pragma unroll
+            for (int h = 0; h < NC; h++)
+                pt.row<D, KC, VC, true>(base + (u * WARPS + warp) * TPW + sub, h * CH + c0, v[u] + h * 8);
 #pragma unroll
         for (int u = 0; u < U; u++) {
             const int j = base + (u * WARPS + warp) * TPW + sub;
@@ -301,7 +313,7 @@ __device__ void attn_decode(float* out, float* part_m, float* part_l, float* par
                 for (int g = 0; g < GT; g++) {
                     const float w = sc[g * part_tokens + j];
 #pragma unroll
-                    for (int i = 0; i < 8; i++) acc[g][i] += w * v[u][i];
+                    for (int i = 0; i < 8 * NC; i++) acc[g][i] += w * v[u][i];
                 }
             }
         }
@@ -311,14 +323,16 @@ __device__ void attn_decode(float* out, float* part_m, float* part_l, float* par
 #pragma unroll
     for (int g = 0; g < GT; g++)
 #pragma unroll
-        for (int i = 0; i < 8; i++)
+        for (int i = 0; i < 8 * NC; i++)
 #pragma unroll
             for (int o = LPT; o < 32; o <<= 1) acc[g][i] += __shfl_xor_sync(0xffffffffu, acc[g][i], o);
     if (sub == 0) {
 #pragma unroll
         for (int g = 0; g < GT; g++)
 #pragma unroll
-            for (int i = 0; i < 8; i++) red[(warp * GT + g) * D + c0 + i] = acc[g][i];
+            for (int h = 0; h < NC; h++)
+#pragma unroll
+                for (int i = 0; i < 8; i++) red[(warp * GT + g) * D + h * CH + c0 + i] = acc[g][h * 8 + i];
     }
     __syncthreads();
     for (int x = threadIdx.x; x < G * D; x += THREADS) {
@@ -381,6 +395,17 @@ DECODE_GROUPS(kv8_kv8, KV8, KV8, 256)
 DECODE_GROUPS(k5_v4, K5, V4, 64)
 DECODE_GROUPS(k5_v4, K5, V4, 128)
 DECODE_GROUPS(k5_v4, K5, V4, 256)
+// Heads of 512 (Gemma 4's global layers): up to four query heads per KV
+// head, what 64 KiB of shared memory holds (qs, scores and the warps' sums
+// of eight heads of 512 alone are 80 KiB), with U = 2 (two 8-channel reads
+// per lane and load).
+#define DECODE_512(NAME, KC, VC)              \
+    DECODE_U(NAME, KC, VC, 512, 1, 2, )       \
+    DECODE_U(NAME, KC, VC, 512, 2, 2, )       \
+    DECODE_U(NAME, KC, VC, 512, 4, 2, )
+DECODE_512(f16_f16, F16, F16)
+DECODE_512(kv8_kv8, KV8, KV8)
+DECODE_512(k5_v4, K5, V4)
 
 // Prefill attention: one CTA serves R query rows of one KV head — consecutive
 // (token, query head) pairs of one query run, the run's tokens in order and
@@ -409,7 +434,7 @@ DECODE_GROUPS(k5_v4, K5, V4, 256)
 template <int D>
 struct PrefillTile {
     static constexpr int R = D <= 128 ? 32 : 16;  // query rows per CTA
-    static constexpr int KT = 4096 / D;           // keys per tile: 64, 32, 16
+    static constexpr int KT = 4096 / D;           // keys per tile: 64, 32, 16, 8
     static constexpr int RP = D + 4;              // a padded row in shared memory
     static constexpr int RM = R / 16, KM = KT / 8;
     static constexpr int CG = D / 8, RO = R / (THREADS / CG);
@@ -592,7 +617,8 @@ __device__ void attn_prefill(float* out, float* part_m, float* part_l, float* pa
 #define PREFILL_DIMS(NAME, KC, VC) \
     PREFILL(NAME, KC, VC, 64)      \
     PREFILL(NAME, KC, VC, 128)     \
-    PREFILL(NAME, KC, VC, 256)
+    PREFILL(NAME, KC, VC, 256)     \
+    PREFILL(NAME, KC, VC, 512)
 
 PREFILL_DIMS(f16_f16, F16, F16)
 PREFILL_DIMS(kv8_kv8, KV8, KV8)

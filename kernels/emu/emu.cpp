@@ -355,6 +355,12 @@ const Entry ENTRIES[] = {
     DECODE_KERNELS(k5_v4, 64),
     DECODE_KERNELS(k5_v4, 128),
     DECODE_KERNELS(k5_v4, 256),
+#define DECODE_KERNELS_512(fmt)                                                                           \
+    KERNEL(siliceo_attn_decode_##fmt##_d512_g1), KERNEL(siliceo_attn_decode_##fmt##_d512_g2), \
+        KERNEL(siliceo_attn_decode_##fmt##_d512_g4)
+    DECODE_KERNELS_512(f16_f16),
+    DECODE_KERNELS_512(kv8_kv8),
+    DECODE_KERNELS_512(k5_v4),
 #define LOAD_KERNELS(g)                                                                           \
     KERNEL(siliceo_attn_decode_f16_f16_d128_g##g##_u1), KERNEL(siliceo_attn_decode_f16_f16_d128_g##g##_u2), \
         KERNEL(siliceo_attn_decode_f16_f16_d128_g##g##_u4), KERNEL(siliceo_attn_decode_f16_f16_d128_g##g##_u8)
@@ -364,7 +370,7 @@ const Entry ENTRIES[] = {
     LOAD_KERNELS(8),
 #define PREFILL_KERNELS(fmt) \
     KERNEL(siliceo_attn_prefill_##fmt##_d64), KERNEL(siliceo_attn_prefill_##fmt##_d128), \
-        KERNEL(siliceo_attn_prefill_##fmt##_d256)
+        KERNEL(siliceo_attn_prefill_##fmt##_d256), KERNEL(siliceo_attn_prefill_##fmt##_d512)
     PREFILL_KERNELS(f16_f16),
     PREFILL_KERNELS(kv8_kv8),
     PREFILL_KERNELS(k5_v4),

@@ -165,9 +165,10 @@ impl DeviceAttention {
     /// its offloaded layers where this build has them, else the host.
     /// `SILICEO_DEVICE_ATTENTION=host` keeps every layer's attention on the
     /// host (a fallback, and the baseline the device path is measured
-    /// against). Offloaded layers whose heads the kernels lack (Gemma 4's
-    /// global heads of 512) stay on the host too, with a warning
-    /// (`graft_device::device_owners`).
+    /// against). Offloaded layers whose shape the kernels lack (heads
+    /// other than 64, 128, 256 or 512, or more query heads per KV head
+    /// than [`siliceo_kernels_turing::shapes::max_group`]) stay on the host
+    /// too, with a warning (`graft_device::device_owners`).
     pub fn for_model(model: &Model) -> DeviceAttention {
         let host = std::env::var("SILICEO_DEVICE_ATTENTION").is_ok_and(|v| v == "host");
         if cfg!(feature = "cuda-kernels") && !host && !model.offloaded_layers().is_empty() {
@@ -179,9 +180,9 @@ impl DeviceAttention {
 
 /// The layers keeping KV whose store a build with the CUDA kernels keeps in
 /// device memory when llama.cpp offloads the layers `offloaded`: each whose
-/// shape (in `format`, blocks of `block_tokens`) the kernels take; Gemma
-/// 4's global heads of 512 stay on the host, and a layer keeping no KV
-/// follows its source. What `siliceo plan` and the start-up checks count.
+/// shape (in `format`, blocks of `block_tokens`) the kernels take (the
+/// others stay on the host), and a layer keeping no KV follows its
+/// source. What `siliceo plan` and the start-up checks count.
 pub fn device_store_layers(
     layers: &[siliceo_core::LayerKv],
     format: &KvFormat,

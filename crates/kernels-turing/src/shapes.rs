@@ -9,24 +9,32 @@ use crate::store::KvLayout;
 /// Query heads per KV head the kernels handle at most (the largest `GT`).
 pub const MAX_GROUP: usize = 8;
 
-/// What the attention kernels take: head dimensions 64, 128 and 256, up
-/// to [`MAX_GROUP`] query heads per KV head, the layout's codecs in groups
-/// of a multiple of 8 channels. Returns the codecs' kernel name and groups.
-/// (Layers the kernels do not take stay on the host: Gemma 4's global
-/// heads of 512.)
+/// Query heads per KV head the kernels handle at most with heads of
+/// `head_dim`: [`MAX_GROUP`], but 4 for heads of 512 (the decode kernel's
+/// shared memory: eight heads of 512 would need 80 KiB).
+pub fn max_group(head_dim: usize) -> usize {
+    if head_dim > 256 { 4 } else { MAX_GROUP }
+}
+
+/// What the attention kernels take: head dimensions 64, 128, 256 and 512
+/// (Gemma 4's global layers), up to [`max_group`] query heads per KV head,
+/// the layout's codecs in groups of a multiple of 8 channels. Returns the
+/// codecs' kernel name and groups. (Layers the kernels do not take stay on
+/// the host.)
 pub fn check_attention(
     l: &KvLayout,
     n_heads: usize,
 ) -> Result<(&'static str, i32, i32), KernelError> {
     let d = l.head_dim;
-    if d != 64 && d != 128 && d != 256 {
+    if d != 64 && d != 128 && d != 256 && d != 512 {
         return Err(KernelError::Layout(format!(
-            "the CUDA kernels are built for head dimensions 64, 128 and 256, not {d}"
+            "the CUDA kernels are built for head dimensions 64, 128, 256 and 512, not {d}"
         )));
     }
-    if n_heads == 0 || !n_heads.is_multiple_of(l.kv_heads) || n_heads / l.kv_heads > MAX_GROUP {
+    let most = max_group(d);
+    if n_heads == 0 || !n_heads.is_multiple_of(l.kv_heads) || n_heads / l.kv_heads > most {
         return Err(KernelError::Shape(format!(
-            "{n_heads} query heads over {} KV heads (at most {MAX_GROUP} per KV head on CUDA)",
+            "{n_heads} query heads over {} KV heads (at most {most} per KV head on CUDA with heads of {d})",
             l.kv_heads
         )));
     }
@@ -56,4 +64,22 @@ pub(crate) fn codec_names(layout: &KvLayout) -> Result<(&'static str, i32, i32),
         _ => 0,
     };
     Ok((name, group(layout.k), group(layout.v)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heads_of_512_take_up_to_four_query_heads_per_kv_head() {
+        let layout = |d| KvLayout::preset("kv8", 2, d).unwrap();
+        assert!(check_attention(&layout(512), 8).is_ok());
+        assert!(check_attention(&layout(512), 6).is_ok());
+        let e = check_attention(&layout(512), 16).unwrap_err().to_string();
+        assert!(e.contains("at most 4"), "{e}");
+        assert!(check_attention(&layout(256), 16).is_ok());
+        assert!(check_attention(&layout(128), 18).is_err());
+        let e = check_attention(&layout(96), 4).unwrap_err().to_string();
+        assert!(e.contains("64, 128, 256 and 512"), "{e}");
+    }
 }

@@ -92,12 +92,12 @@ fn decode_difference<B: Backend>(k: &Kernels<B>, c: &Case) -> f32 {
     max_abs_diff(&got, &want)
 }
 
-/// Every format, head size 64, 128 and 256, rotation and a tail, the default
+/// Every format, head size 64, 128, 256 and 512, rotation and a tail, the default
 /// partition size (0), the longest partition shared memory allows, or several,
 /// sequences of 1 token to several partitions.
 fn decode_matches_exact_attention<B: Backend>(k: &Kernels<B>, lens: &'static [usize]) {
     for fmt in ["f16", "kv8", "k5v4"] {
-        for d in [64, 128, 256] {
+        for d in [64, 128, 256, 512] {
             for (rotate_k, tail_tokens, partition) in [
                 (false, 0, 0),
                 (true, 100, 256),
@@ -248,7 +248,7 @@ fn device_store_matches_the_cpu_store<B: Backend>(k: &Kernels<B>) {
 /// codec's bound of what was appended.
 fn append_and_seal_quantize_within_the_codec_bounds<B: Backend>(k: &Kernels<B>) {
     for fmt in ["f16", "kv8", "k5v4"] {
-        for d in [64, 128] {
+        for d in [64, 128, 512] {
             let (heads, t) = (2, 64);
             let layout = KvLayout::preset(fmt, heads, d).unwrap();
             let mut dev = k.alloc(layout, 2, 2).unwrap();
@@ -629,19 +629,24 @@ fn graft_layer_matches_the_cpu_pages<B: Backend>(k: &Kernels<B>) {
 /// tokens as one query run, served by the decode kernel a token at a time,
 /// by the prefill kernel in one partition, and by it in partitions of 48
 /// tokens (not a multiple of its key tiles; the reduction merges them).
-/// Every format, heads of 64, 128 and 256, one to eight query heads per KV
+/// Every format, heads of 64, 128, 256 and 512, one to eight query heads per KV
 /// head (7: tiles end mid-token), K rotated or not. The two kernels agree to
-/// 2e-5 and each is within 2e-3 of exact attention over the stored K/V.
+/// 2e-5 (4e-5 with heads of 512) and each is within 2e-3 of exact attention
+/// over the stored K/V.
 fn prefill_matches_decode_and_exact_attention<B: Backend>(k: &Kernels<B>) {
     use siliceo_kernels_turing::KvPages;
     use siliceo_kernels_turing::graft::{DeviceRows, DeviceSpan, QueryRun, StepTuning};
     let b = k.backend();
-    let cases: [(&str, usize, usize, usize, bool, usize, usize); 5] = [
+    let cases: [(&str, usize, usize, usize, bool, usize, usize); 8] = [
         ("f16", 64, 2, 6, false, 130, 24),
         ("kv8", 128, 2, 14, true, 70, 13),
         ("k5v4", 128, 1, 8, false, 70, 12),
         ("kv8", 256, 1, 2, false, 64, 9),
         ("k5v4", 64, 4, 4, true, 100, 40),
+        // Heads of 512 (Gemma 4's global layers): up to four per KV head.
+        ("f16", 512, 2, 8, false, 100, 20),
+        ("kv8", 512, 1, 3, true, 70, 12),
+        ("k5v4", 512, 2, 4, false, 64, 9),
     ];
     for (fmt, d, kv_heads, heads, rotate_k, ctx, chunk) in cases {
         let what = format!("{fmt} d={d} {heads}/{kv_heads} heads rotate={rotate_k}");
@@ -777,9 +782,12 @@ fn prefill_matches_decode_and_exact_attention<B: Backend>(k: &Kernels<B>) {
                 for (tuning, got) in &outputs {
                     let worst = max_abs_diff(got, &want);
                     assert!(worst < 2e-3, "{what} {tuning:?}: {worst} from exact");
+                    // f32 sums in other orders: their rounding grows with
+                    // the dot products' length (2.7e-5 apart at heads of 512).
                     let apart = max_abs_diff(got, &outputs[0].1);
+                    let bound = 2e-5 * (d as f32 / 256.0).max(1.0);
                     assert!(
-                        apart < 2e-5,
+                        apart < bound,
                         "{what} {tuning:?}: {apart} from the decode kernel"
                     );
                 }
@@ -988,7 +996,7 @@ mod emulated {
         let k = EmuKernels::emulated();
         let (kv_heads, heads, len) = (2, 8, 1000);
         for fmt in ["f16", "kv8", "k5v4"] {
-            for d in [64, 128, 256] {
+            for d in [64, 128, 256, 512] {
                 let layout = KvLayout::preset(fmt, kv_heads, d).unwrap();
                 let mut store = KvStore::new(layout, 16, 1).unwrap();
                 let mut seq = SeqKv::default();

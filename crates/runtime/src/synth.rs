@@ -85,6 +85,9 @@ pub enum Like {
     /// overwrite the source's scratch rows of the step. A test of the
     /// sharing layers' rewrite of those rows.
     Gemma4Alike,
+    /// `gemma4-mini` with global heads of 512, Gemma 4's size (4 query heads
+    /// over its one KV head): for tests of the CUDA kernels' heads of 512.
+    Gemma4Wide,
     /// Google's Gemma 3n architecture at test size: 22 layers, 256 wide, 4
     /// query heads over 2 KV heads of 64, windowed layers (a 32-token
     /// window) as listed in [`GEMMA3N_PATTERN`]; llama.cpp keeps KV in the
@@ -163,10 +166,11 @@ impl std::str::FromStr for Like {
             "cohere2-mini" => Ok(Like::Cohere2Mini),
             "gemma4-mini" => Ok(Like::Gemma4Mini),
             "gemma4-alike" => Ok(Like::Gemma4Alike),
+            "gemma4-wide" => Ok(Like::Gemma4Wide),
             "gemma3n-mini" => Ok(Like::Gemma3nMini),
             _ => Err(format!(
                 "`{s}`: one of qwen2.5-7b, llama-3-8b, qwen2.5-1.5b, gpt-oss-20b, gpt-oss-mini, \
-                 olmo3-mini, exaone4-mini, cohere2-mini, gemma4-mini, gemma4-alike, gemma3n-mini"
+                 olmo3-mini, exaone4-mini, cohere2-mini, gemma4-mini, gemma4-alike, gemma4-wide, gemma3n-mini"
             )),
         }
     }
@@ -386,6 +390,11 @@ impl Like {
             Like::Gemma4Alike => Geometry {
                 name: "gemma4-alike",
                 head_dim: GEMMA4_SWA_HEAD,
+                ..Like::Gemma4Mini.geometry()
+            },
+            Like::Gemma4Wide => Geometry {
+                name: "gemma4-wide",
+                head_dim: 512,
                 ..Like::Gemma4Mini.geometry()
             },
             Like::Qwen25_1_5b => Geometry {
@@ -767,7 +776,7 @@ pub fn synth_model(a: &SynthOptions) -> Result<()> {
     let Some(like) = a.like else {
         return invalid(
             "--like is needed (qwen2.5-7b, llama-3-8b, qwen2.5-1.5b, gpt-oss-20b, \
-             gpt-oss-mini, olmo3-mini, exaone4-mini, cohere2-mini, gemma4-mini, gemma4-alike or gemma3n-mini), or --vocab-only",
+             gpt-oss-mini, olmo3-mini, exaone4-mini, cohere2-mini, gemma4-mini, gemma4-alike, gemma4-wide or gemma3n-mini), or --vocab-only",
         );
     };
     let mut g = like.geometry();

@@ -150,7 +150,8 @@ struct SynthArgs {
     /// cohere2-mini (OLMo 3's, EXAONE 4's and Command R7B's, for tests of
     /// sliding windows), gemma4-mini (Gemma 4's: heads of two sizes, KV
     /// shared across layers), gemma4-alike (gemma4-mini with heads of one
-    /// size, for a test) or gemma3n-mini (Gemma 3n's: AltUp, per-layer
+    /// size, for a test), gemma4-wide (gemma4-mini with global heads of 512,
+    /// Gemma 4's size) or gemma3n-mini (Gemma 3n's: AltUp, per-layer
     /// inputs, KV in the first 20 layers only).
     #[arg(long)]
     like: Option<synth::Like>,
