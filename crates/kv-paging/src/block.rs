@@ -7,6 +7,12 @@ use siliceo_core::TokenId;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BlockId(pub u32);
 
+impl BlockId {
+    /// No block: a table entry whose block a sliding window has released
+    /// ([`crate::Window`]). Out of range of every pool.
+    pub const NONE: BlockId = BlockId(u32::MAX);
+}
+
 /// Content address of a full block: a hash chained on the parent block's hash,
 /// so equal hashes mean equal *prefixes*, not just equal blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -17,7 +17,8 @@
 //!   copy-on-write of a shared partial block, sealing of blocks that leave
 //!   the full-precision tail ([`Sealing`], [`BlockSeal`]), forks, speculative
 //!   lookahead reservations that are never cached, truncation, freeing tail
-//!   first.
+//!   first; for layers with a sliding window ([`Window`]), the release of
+//!   blocks the window has passed, which stay cached until evicted.
 //! - [`planner`]: how many blocks, how much context and how many sequences fit
 //!   a memory budget, from a model's geometry (read from a GGUF header by
 //!   [`gguf`]) and the KV formats.
@@ -64,6 +65,6 @@ mod pool;
 pub use block::{BlockHash, BlockId, CacheKeys};
 pub use manager::{
     BlockCopy, BlockCount, BlockOp, BlockSeal, CacheStats, KvCacheManager, KvConfig, KvEvent,
-    NotEnoughBlocks, Sealing, SeqHandle,
+    NotEnoughBlocks, Sealing, SeqHandle, Window,
 };
 pub use pool::BlockPool;

@@ -14,6 +14,14 @@
 //! never gets an open block (its rows live in the caller's scratch for that
 //! step), and a sealed block's open source is released only at
 //! [`KvCacheManager::finish_step`], after the step that read it.
+//!
+//! **Sliding window** (optional, [`KvConfig::window`]): for layers whose
+//! queries see only their last [`Window::tokens`] positions, a sequence's
+//! table releases the blocks its window has passed as its tokens are
+//! committed; their entries become [`BlockId::NONE`] (always a leading run of
+//! the table). A released block that is registered stays cached until
+//! allocation needs it, so a prefix is matched when the blocks its window
+//! covers are cached, whether or not the blocks before them still are.
 
 use std::collections::HashMap;
 
@@ -36,6 +44,21 @@ pub struct Sealing {
     pub tail_tokens: u32,
 }
 
+/// The sliding window of a [`KvCacheManager`] that serves windowed layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    /// Positions a query sees, its own included (llama.cpp's `n_swa`: a
+    /// query at `p` reads keys at `p - tokens + 1 ..= p`).
+    pub tokens: u32,
+    /// Tokens kept past the window: a truncation by up to this many tokens
+    /// never reaches a released block.
+    pub margin: u32,
+    /// The most tokens one sequence appends before its blocks are committed
+    /// (a prefill chunk plus a speculative draft): what bounds a sequence's
+    /// blocks in [`KvCacheManager::blocks_for_sequence`].
+    pub max_append: u32,
+}
+
 /// Sizes of a [`KvCacheManager`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvConfig {
@@ -50,6 +73,8 @@ pub struct KvConfig {
     /// Whether a sequence's partial last block is cached too (its caller can
     /// share a block's first rows and copy them on write).
     pub cache_partial: bool,
+    /// A sliding window whose passed blocks are released, if any.
+    pub window: Option<Window>,
 }
 
 impl Default for KvConfig {
@@ -60,6 +85,7 @@ impl Default for KvConfig {
             prefix_caching: true,
             sealing: None,
             cache_partial: false,
+            window: None,
         }
     }
 }
@@ -71,6 +97,18 @@ impl KvConfig {
         match self.sealing {
             None => 0,
             Some(s) => len.saturating_sub(s.tail_tokens as usize) / self.block_size as usize,
+        }
+    }
+
+    /// Leading blocks a sequence of `len` committed tokens has released: every
+    /// block that ends at least `window + margin` tokens before the end (0
+    /// without a window).
+    pub fn released_at(&self, len: usize) -> usize {
+        match self.window {
+            None => 0,
+            Some(w) => {
+                len.saturating_sub((w.tokens + w.margin) as usize) / self.block_size as usize
+            }
         }
     }
 
@@ -216,8 +254,10 @@ struct SeqState {
     root: BlockHash,
     /// Sealed blocks first, then open ones; covers tokens plus `reserved`.
     blocks: Vec<BlockId>,
-    /// Leading sealed entries of `blocks`.
+    /// Leading sealed entries of `blocks` (released ones included).
     sealed: usize,
+    /// Leading entries released by the window ([`BlockId::NONE`]).
+    released: usize,
     tokens: Vec<TokenId>,
     /// Content hashes of the leading full blocks that are committed.
     hashes: Vec<BlockHash>,
@@ -255,16 +295,21 @@ pub struct KvCacheManager {
 /// sealed forms, then a shared run of a partial block.
 #[derive(Debug, Default)]
 struct PrefixPlan {
-    /// Per matched full block: the block to take, whether it must be sealed
-    /// (only its open form is cached), and its content hash.
-    full: Vec<(BlockId, bool, BlockHash)>,
+    /// Leading full blocks behind the window: none taken, their hashes in
+    /// `hashes`.
+    released: usize,
+    /// Content hashes of every matched full block, released ones included.
+    hashes: Vec<BlockHash>,
+    /// Per matched full block after the released ones: the block to take,
+    /// whether it must be sealed (only its open form is cached).
+    full: Vec<(BlockId, bool)>,
     /// A block whose first rows continue the prompt, and how many.
     partial: Option<(BlockId, usize)>,
 }
 
 impl PrefixPlan {
     fn tokens(&self, bs: usize) -> usize {
-        self.full.len() * bs + self.partial.map_or(0, |p| p.1)
+        self.hashes.len() * bs + self.partial.map_or(0, |p| p.1)
     }
 }
 
@@ -374,9 +419,9 @@ impl KvCacheManager {
         }
     }
 
-    /// Whether `id` is a sealed block (else open).
+    /// Whether `id` is a sealed block (else open, or [`BlockId::NONE`]).
     pub fn is_sealed_block(&self, id: BlockId) -> bool {
-        self.config.sealing.is_some() && self.pool.class_of(id) == SEALED
+        self.config.sealing.is_some() && id != BlockId::NONE && self.pool.class_of(id) == SEALED
     }
 
     fn bs(&self) -> usize {
@@ -409,6 +454,7 @@ impl KvCacheManager {
                 root: keys.root_hash(),
                 blocks: Vec::new(),
                 sealed: 0,
+                released: 0,
                 tokens: Vec::new(),
                 hashes: Vec::new(),
                 offered: 0,
@@ -429,6 +475,8 @@ impl KvCacheManager {
     /// bytes it would have seen had the prefix been computed here: blocks the
     /// prefix's length seals come sealed (sealed now when only their open form
     /// is cached); blocks in its open tail must have their open form cached.
+    /// With a window, only the blocks a sequence of the prefix's length still
+    /// holds ([`KvConfig::released_at`]) must be cached.
     fn plan_prefix(&self, root: BlockHash, prompt: &[TokenId]) -> PrefixPlan {
         let mut plan = PrefixPlan::default();
         if !self.config.prefix_caching || prompt.len() < 2 {
@@ -437,7 +485,10 @@ impl KvCacheManager {
         let bs = self.bs();
         let max = prompt.len() - 1;
         let sealing = self.config.sealing.is_some();
-        // Per full block: (open form, sealed form, hash).
+        let windowed = self.config.window.is_some();
+        // Per full block: (open form, sealed form, hash). Without a window the
+        // first block cached in neither form ends the search; with one, a
+        // later window may still be whole.
         let mut found: Vec<(Option<BlockId>, Option<BlockId>, BlockHash)> = Vec::new();
         let mut parent = root;
         for chunk in prompt[..max].chunks_exact(bs) {
@@ -446,7 +497,7 @@ impl KvCacheManager {
             let sealed = sealing
                 .then(|| self.pool.lookup(parent, sealed_form(h), chunk))
                 .flatten();
-            if open.is_none() && sealed.is_none() {
+            if open.is_none() && sealed.is_none() && !windowed {
                 break;
             }
             found.push((open, sealed, h));
@@ -458,26 +509,33 @@ impl KvCacheManager {
             let rest = &prompt[n_full * bs..max.min((n_full + 1) * bs)];
             partial = self.pool.longest_shared(parent, rest);
         }
-        // Blocks in the open tail of the prefix's length need their open form;
-        // where one lacks it the prefix ends there (a shorter prefix seals
-        // fewer blocks, so look again).
+        // A block the prefix's sequence holds must be cached, in its open form
+        // when it lies in the open tail; where one is not the prefix ends there
+        // (a shorter prefix seals and releases fewer blocks, so look again).
         loop {
             let len = n_full * bs + partial.map_or(0, |p: (BlockId, usize)| p.1);
             let s = self.config.sealed_at(len);
-            match (s..n_full).find(|&k| found[k].0.is_none()) {
+            let r = self.config.released_at(len).min(n_full);
+            let missing = |k: usize| {
+                let (open, sealed, _) = found[k];
+                open.is_none() && (k >= s || sealed.is_none())
+            };
+            match (r..n_full).find(|&k| missing(k)) {
                 Some(k) => {
                     n_full = k;
                     partial = None;
                 }
                 None => {
-                    for (k, &(open, sealed, h)) in found[..n_full].iter().enumerate() {
+                    plan.released = r;
+                    plan.hashes = found[..n_full].iter().map(|e| e.2).collect();
+                    for (k, &(open, sealed, _)) in found.iter().enumerate().take(n_full).skip(r) {
                         let entry = if k < s {
                             match sealed {
-                                Some(b) => (b, false, h),
-                                None => (open.expect("one form is cached"), true, h),
+                                Some(b) => (b, false),
+                                None => (open.expect("one form is cached"), true),
                             }
                         } else {
-                            (open.expect("checked above"), false, h)
+                            (open.expect("checked above"), false)
                         };
                         plan.full.push(entry);
                     }
@@ -495,13 +553,15 @@ impl KvCacheManager {
     }
 
     /// Blocks of each class an append of `n` tokens to a sequence of `len`
-    /// tokens, `blocks_now` table entries and `sealed_now` sealed ones takes,
-    /// plus one open block when its partial last block must be copied first.
+    /// tokens, `blocks_now` table entries, `sealed_now` sealed ones and
+    /// `released` released ones takes, plus one open block when its partial
+    /// last block must be copied first.
     fn append_need(
         &self,
         len: usize,
         blocks_now: usize,
         sealed_now: usize,
+        released: usize,
         copy: bool,
         n: usize,
     ) -> BlockCount {
@@ -514,7 +574,8 @@ impl KvCacheManager {
         BlockCount {
             // Blocks sealed by this very append never get an open block.
             open: new_blocks.saturating_sub(blocks_now.max(new_sealed)) + usize::from(copy),
-            sealed: new_sealed - sealed_now,
+            // A released entry is passed over by its seal.
+            sealed: new_sealed.saturating_sub(sealed_now.max(released)),
         }
     }
 
@@ -543,7 +604,7 @@ impl KvCacheManager {
         let plan = self.plan_prefix(keys.root_hash(), prompt);
         let c = plan.tokens(bs);
         let mut need = BlockCount::default();
-        for &(b, seal, _) in &plan.full {
+        for &(b, seal) in &plan.full {
             // Taking a cached block nobody references costs a free block.
             if self.pool.ref_count(b) == 0 {
                 need = need.add(self.class_count(b));
@@ -563,6 +624,7 @@ impl KvCacheManager {
             c,
             blocks_now,
             self.config.sealed_at(c),
+            plan.released,
             copy,
             prompt.len() + lookahead - c,
         ))
@@ -571,13 +633,29 @@ impl KvCacheManager {
     /// Blocks of each class a sequence takes on its way to `tokens` tokens,
     /// appended in one go at its last step (the most of each class, which
     /// need not be at the end: a seal trades an open block for a sealed one).
+    /// With a window, appended at most [`Window::max_append`] tokens at a
+    /// time: a step holds the blocks from the window before its first token
+    /// to its last, however long the sequence.
     pub fn blocks_for_sequence(&self, tokens: usize) -> BlockCount {
-        let last = self.append_need(0, 0, 0, false, tokens);
-        let before = self.append_need(0, 0, 0, false, tokens.saturating_sub(1));
-        BlockCount {
+        let last = self.append_need(0, 0, 0, 0, false, tokens);
+        let before = self.append_need(0, 0, 0, 0, false, tokens.saturating_sub(1));
+        let mut need = BlockCount {
             open: last.open.max(before.open),
             sealed: last.sealed.max(before.sealed),
+        };
+        if let Some(w) = self.config.window {
+            let bound = self.window_blocks(w);
+            need.open = need.open.min(bound);
+            need.sealed = need.sealed.min(bound);
         }
+        need
+    }
+
+    /// The most entries a windowed sequence holds at once: from the block the
+    /// window (and margin) before a step's first token falls in to the one
+    /// its last appended token does.
+    fn window_blocks(&self, w: Window) -> usize {
+        (w.tokens + w.margin + w.max_append) as usize / self.bs() + 2
     }
 
     /// Gives an empty sequence the cached blocks that start `prompt`; returns
@@ -593,30 +671,39 @@ impl KvCacheManager {
         let bs = self.bs();
         let mut plan = self.plan_prefix(root, prompt);
         // Take every block first, so sealing cannot evict one of them.
-        for &(b, _, _) in &plan.full {
+        for &(b, _) in &plan.full {
             self.pool.retain(b);
         }
         if let Some((b, _)) = plan.partial {
             self.pool.retain(b);
         }
         let mut ops = Vec::new();
-        let mut blocks = Vec::with_capacity(plan.full.len() + 1);
-        for (k, &(b, seal, _)) in plan.full.iter().enumerate() {
+        let mut blocks = vec![BlockId::NONE; plan.released];
+        for (j, &(b, seal)) in plan.full.iter().enumerate() {
+            let k = plan.released + j;
             if !seal {
                 blocks.push(b);
                 continue;
             }
             let Some(dst) = self.pool.allocate_in(SEALED) else {
                 // Admission counted these; should the pool still be short, the
-                // prefix ends before this block.
-                for &(b, _, _) in &plan.full[k..] {
+                // prefix ends before this block (and no block is released:
+                // the shorter prefix's window may reach further back).
+                for &(b, _) in &plan.full {
                     self.pool.release(b);
                 }
                 if let Some((b, _)) = plan.partial.take() {
                     self.pool.release(b);
                 }
-                plan.full.truncate(k);
-                break;
+                for op in ops.drain(..) {
+                    if let BlockOp::Seal(seal) = op {
+                        self.pool.release(seal.dst);
+                        self.deferred.pop();
+                    }
+                }
+                let shorter = k * bs + 1;
+                self.miss_tokens += (prompt.len() - shorter) as u64;
+                return self.match_prefix(h, &prompt[..shorter]);
             };
             ops.push(BlockOp::Seal(BlockSeal {
                 index: k,
@@ -639,7 +726,8 @@ impl KvCacheManager {
         let s = self.seqs.get_mut(&h).expect("unknown sequence handle");
         s.blocks = blocks;
         s.sealed = sealed;
-        s.hashes = plan.full.iter().map(|e| e.2).collect();
+        s.released = plan.released;
+        s.hashes = plan.hashes;
         // Blocks taken from the cache are registered; fresh seals are not yet.
         s.offered = ops
             .iter()
@@ -659,7 +747,14 @@ impl KvCacheManager {
     pub fn blocks_needed_to_append(&self, h: SeqHandle, n: usize) -> BlockCount {
         let s = self.seq(h);
         let copy = n > 0 && self.partial_needs_copy(s);
-        self.append_need(s.tokens.len(), s.blocks.len(), s.sealed, copy, n)
+        self.append_need(
+            s.tokens.len(),
+            s.blocks.len(),
+            s.sealed,
+            s.released,
+            copy,
+            n,
+        )
     }
 
     fn spare_of(&self, s: &SeqState) -> BlockCount {
@@ -783,7 +878,7 @@ impl KvCacheManager {
         for i in blocks_before..want {
             let b = if i < new_sealed {
                 // Filled and sealed by this append: the seal below sets it.
-                BlockId(u32::MAX)
+                BlockId::NONE
             } else {
                 self.take(h, OPEN).expect("counted")
             };
@@ -797,6 +892,11 @@ impl KvCacheManager {
         };
         for i in first..new_sealed {
             let s = self.seq(h);
+            if i < s.released {
+                // Released before its seal (a tail longer than the window).
+                self.seqs.get_mut(&h).expect("seq").sealed = i + 1;
+                continue;
+            }
             let cached = if hashes.is_empty() {
                 None
             } else {
@@ -853,10 +953,56 @@ impl KvCacheManager {
     /// (a no-op with prefix caching off). A block whose hash another block
     /// already caches stays private; the chain of hashes still continues past
     /// it.
+    ///
+    /// With a window, then releases the blocks the window has passed at
+    /// `upto` tokens ([`KvConfig::released_at`]): the step that computed them
+    /// has run, and no later query reads them.
     pub fn commit(&mut self, h: SeqHandle, upto: usize) {
-        if !self.config.prefix_caching {
+        if self.config.prefix_caching {
+            self.offer(h, upto);
+        }
+        if self.config.window.is_some() {
+            self.slide(h, upto);
+        }
+    }
+
+    /// Releases `h`'s blocks behind the window at `upto` tokens.
+    fn slide(&mut self, h: SeqHandle, upto: usize) {
+        let s = self.seqs.get_mut(&h).expect("unknown sequence handle");
+        let upto = upto.min(s.tokens.len());
+        let mut to = self.config.released_at(upto).min(s.blocks.len());
+        // A seal planned by tokens past `upto` has yet to write its block.
+        let sealed = self.config.sealed_at(upto);
+        if s.sealed > sealed {
+            to = to.min(sealed);
+        }
+        if to <= s.released {
             return;
         }
+        let gone: Vec<BlockId> = s.blocks[s.released..to]
+            .iter_mut()
+            .map(|b| std::mem::replace(b, BlockId::NONE))
+            .collect();
+        s.released = to;
+        self.release_table(&gone);
+    }
+
+    /// Releases a run of table entries in the order their cached prefixes
+    /// should be evicted: without a window tail first (a prefix's head is
+    /// of use without its tail), with one head first (a prefix is matched by
+    /// the blocks at its end, the window before it).
+    fn release_table(&mut self, ids: &[BlockId]) {
+        if self.config.window.is_some() {
+            for &b in ids {
+                self.pool.release(b);
+            }
+        } else {
+            self.pool.release_chain(ids);
+        }
+    }
+
+    /// [`commit`](Self::commit)'s registration.
+    fn offer(&mut self, h: SeqHandle, upto: usize) {
         let bs = self.bs();
         let sealing = self.config.sealing.is_some();
         let s = self.seqs.get_mut(&h).expect("unknown sequence handle");
@@ -870,6 +1016,11 @@ impl KvCacheManager {
         }
         while s.offered < full {
             let i = s.offered;
+            if i < s.released {
+                // Released before it was offered: nothing to register.
+                s.offered += 1;
+                continue;
+            }
             // A block sealed by tokens past `upto` (planned, not computed) is
             // not quantized yet: neither form may be offered.
             if i < s.sealed && self.config.seal_len(i) > upto {
@@ -896,7 +1047,7 @@ impl KvCacheManager {
         let k = upto % bs;
         if self.config.cache_partial && k > 0 && upto / bs < s.blocks.len() {
             let b = s.blocks[full];
-            if self.pool.registered_len(b) < k {
+            if b != BlockId::NONE && self.pool.registered_len(b) < k {
                 let parent = if full == 0 {
                     s.root
                 } else {
@@ -986,6 +1137,10 @@ impl KvCacheManager {
             s.sealed,
             "truncation below a seal"
         );
+        debug_assert!(
+            s.released == 0 || self.window_reach(len) >= s.released,
+            "truncation into released blocks"
+        );
         let keep_blocks = len.div_ceil(bs);
         let s = self.seqs.get_mut(&h).expect("unknown sequence handle");
         let tail: Vec<BlockId> = s.blocks.drain(keep_blocks..).collect();
@@ -1004,7 +1159,7 @@ impl KvCacheManager {
         state.spare.clear();
         let used = self.blocks_for(state.tokens.len());
         state.blocks.truncate(used);
-        for &b in &state.blocks {
+        for &b in &state.blocks[state.released..] {
             self.pool.retain(b);
         }
         let nh = SeqHandle(self.next_handle);
@@ -1013,11 +1168,11 @@ impl KvCacheManager {
         nh
     }
 
-    /// Ends a sequence: its blocks go back tail first; its registered blocks
-    /// stay cached until evicted.
+    /// Ends a sequence: its blocks go back tail first (head first with a
+    /// window); its registered blocks stay cached until evicted.
     pub fn free(&mut self, h: SeqHandle) {
         if let Some(s) = self.seqs.remove(&h) {
-            self.pool.release_chain(&s.blocks);
+            self.release_table(&s.blocks[s.released..]);
             for b in s.spare {
                 self.pool.release(b);
             }
@@ -1045,7 +1200,21 @@ impl KvCacheManager {
         &self.seq(h).blocks
     }
 
-    /// Leading sealed blocks of `h`'s table.
+    /// Leading entries of `h`'s table its window has released
+    /// ([`BlockId::NONE`]); 0 without a window.
+    pub fn released_blocks(&self, h: SeqHandle) -> usize {
+        self.seq(h).released
+    }
+
+    /// The first block a query at position `len` or later still reads: the
+    /// block holding position `len - window` (0 without a window).
+    fn window_reach(&self, len: usize) -> usize {
+        self.config
+            .window
+            .map_or(0, |w| len.saturating_sub(w.tokens as usize) / self.bs())
+    }
+
+    /// Leading sealed blocks of `h`'s table (released ones included).
     pub fn sealed_blocks(&self, h: SeqHandle) -> usize {
         self.seq(h).sealed
     }
@@ -1110,12 +1279,27 @@ impl KvCacheManager {
                     self.config.sealed_at(s.tokens.len())
                 ));
             }
+            if s.released > 0 && self.window_reach(s.tokens.len()) < s.released {
+                return Err(format!(
+                    "{h:?}: {} blocks released at {} tokens, which read from block {}",
+                    s.released,
+                    s.tokens.len(),
+                    self.window_reach(s.tokens.len())
+                ));
+            }
             for (i, b) in s.blocks.iter().enumerate() {
-                if self.is_sealed_block(*b) != (i < s.sealed) {
+                if (*b == BlockId::NONE) != (i < s.released) {
+                    return Err(format!(
+                        "{h:?}: entry {i} is {}released, {} leading entries are",
+                        if *b == BlockId::NONE { "" } else { "not " },
+                        s.released
+                    ));
+                }
+                if *b != BlockId::NONE && self.is_sealed_block(*b) != (i < s.sealed) {
                     return Err(format!("{h:?}: block {i} ({}) of the wrong class", b.0));
                 }
             }
-            for b in s.blocks.iter().chain(&s.spare) {
+            for b in s.blocks[s.released..].iter().chain(&s.spare) {
                 refs[b.0 as usize] += 1;
             }
         }

@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use proptest::prelude::*;
 use siliceo_core::TokenId;
 use siliceo_kv_paging::{
-    BlockCount, BlockHash, BlockOp, CacheKeys, KvCacheManager, KvConfig, KvEvent, NotEnoughBlocks,
-    Sealing, SeqHandle,
+    BlockCount, BlockHash, BlockId, BlockOp, CacheKeys, KvCacheManager, KvConfig, KvEvent,
+    NotEnoughBlocks, Sealing, SeqHandle, Window,
 };
 
 /// What a subscriber to the cache's events knows: content → (parent, tokens).
@@ -116,6 +116,32 @@ struct Shape {
     bs: u32,
     sealing: Option<Sealing>,
     partial: bool,
+    window: Option<Window>,
+}
+
+/// Checks what a window promises of `h` after its tokens are committed: the
+/// blocks it has passed are released, and it holds no more than a window's
+/// worth (plus its margin, a step's appends and its lookahead slots).
+fn check_window(kv: &KvCacheManager, h: SeqHandle) -> Result<(), TestCaseError> {
+    let cfg = kv.config();
+    let Some(w) = cfg.window else {
+        prop_assert_eq!(kv.released_blocks(h), 0);
+        return Ok(());
+    };
+    let len = kv.num_tokens(h);
+    let released = kv.released_blocks(h);
+    // At least what the length releases (more after a truncation; how far
+    // back a query still reads is `check`'s to verify).
+    prop_assert!(
+        released >= cfg.released_at(len),
+        "{released} released at {len}"
+    );
+    let table = kv.block_table(h);
+    prop_assert!(table[..released].iter().all(|&b| b == BlockId::NONE));
+    let held = table.len() - released;
+    let bound = (w.tokens + w.margin + w.max_append) as usize / cfg.block_size as usize + 2;
+    prop_assert!(held <= bound, "{held} blocks held, at most {bound}");
+    Ok(())
 }
 
 fn run(ops: Vec<Op>, shape: Shape) -> Result<(), TestCaseError> {
@@ -125,6 +151,7 @@ fn run(ops: Vec<Op>, shape: Shape) -> Result<(), TestCaseError> {
         prefix_caching: true,
         sealing: shape.sealing,
         cache_partial: shape.partial,
+        window: shape.window,
     };
     let total = shape.open as usize + shape.sealing.map_or(0, |s| s.blocks as usize);
     let bs = shape.bs as usize;
@@ -163,6 +190,7 @@ fn run(ops: Vec<Op>, shape: Shape) -> Result<(), TestCaseError> {
                 match kv.append(h, &prompt[cached..]) {
                     Ok(_) => {
                         prop_assert_eq!(kv.tokens(h), &prompt[..]);
+                        check_window(&kv, h)?;
                         live.push(h);
                     }
                     Err(NotEnoughBlocks { needed, free }) => {
@@ -179,10 +207,14 @@ fn run(ops: Vec<Op>, shape: Shape) -> Result<(), TestCaseError> {
                 counter += n as u32;
                 let free_before = kv.pool().num_free();
                 let sealed_before = kv.sealed_blocks(h);
+                let released_before = kv.released_blocks(h);
                 let table_before = kv.block_table(h).len();
                 match kv.append(h, &new) {
                     Ok(ops) => {
                         prop_assert_eq!(kv.num_tokens(h), before + n);
+                        // Entries the window released before their seal are
+                        // passed over.
+                        let first_seal = sealed_before.max(released_before);
                         let mut seals = 0;
                         for op in &ops {
                             match *op {
@@ -195,8 +227,14 @@ fn run(ops: Vec<Op>, shape: Shape) -> Result<(), TestCaseError> {
                                     prop_assert!(c.tokens > 0 && c.tokens < bs);
                                 }
                                 BlockOp::Seal(s) => {
-                                    prop_assert_eq!(s.index, sealed_before + seals);
-                                    prop_assert_eq!(kv.block_table(h)[s.index], s.dst);
+                                    prop_assert_eq!(s.index, first_seal + seals);
+                                    // Sealed, or released by the commit after it.
+                                    let now = kv.block_table(h)[s.index];
+                                    prop_assert!(
+                                        now == s.dst
+                                            || (now == BlockId::NONE
+                                                && s.index < kv.released_blocks(h))
+                                    );
                                     prop_assert!(s.at_len > before && s.at_len <= before + n);
                                     // A block new to the table has no open source.
                                     let filled_here = s.index >= table_before;
@@ -205,7 +243,9 @@ fn run(ops: Vec<Op>, shape: Shape) -> Result<(), TestCaseError> {
                                 }
                             }
                         }
-                        prop_assert_eq!(kv.sealed_blocks(h), sealed_before + seals);
+                        prop_assert_eq!(kv.sealed_blocks(h), cfg.sealed_at(before + n));
+                        prop_assert_eq!(kv.sealed_blocks(h).saturating_sub(first_seal), seals);
+                        check_window(&kv, h)?;
                     }
                     Err(e) => {
                         prop_assert_eq!(kv.num_tokens(h), before);
@@ -233,6 +273,13 @@ fn run(ops: Vec<Op>, shape: Shape) -> Result<(), TestCaseError> {
                     0
                 } else {
                     cfg.seal_len(sealed - 1)
+                };
+                // Nor into the blocks the window released.
+                let floor = match cfg.window {
+                    Some(w) if kv.released_blocks(h) > 0 => {
+                        floor.max(kv.released_blocks(h) * bs + w.tokens as usize)
+                    }
+                    _ => floor,
                 };
                 let want = keep.max(floor).min(kv.num_tokens(h));
                 kv.truncate(h, want);
@@ -267,6 +314,15 @@ const PLAIN: Shape = Shape {
     bs: 4,
     sealing: None,
     partial: false,
+    window: None,
+};
+
+/// A window of 9 positions (two blocks and a bit) with a margin of 3, the
+/// harness's appends at most 40 tokens at once.
+const WINDOW: Window = Window {
+    tokens: 9,
+    margin: 3,
+    max_append: 40,
 };
 
 proptest! {
@@ -300,6 +356,27 @@ proptest! {
     #[test]
     fn sealed_tight(ops in prop::collection::vec(op(), 1..60)) {
         run(ops, Shape { open: 4, sealing: Some(Sealing { blocks: 5, tail_tokens: 3 }), partial: true, ..PLAIN })?;
+    }
+
+    #[test]
+    fn windowed(ops in prop::collection::vec(op(), 1..80)) {
+        run(ops, Shape { window: Some(WINDOW), ..PLAIN })?;
+    }
+
+    #[test]
+    fn windowed_tight_with_partial_blocks(ops in prop::collection::vec(op(), 1..60)) {
+        run(ops, Shape { open: 8, partial: true, window: Some(WINDOW), ..PLAIN })?;
+    }
+
+    #[test]
+    fn windowed_and_sealed(ops in prop::collection::vec(op(), 1..80)) {
+        run(ops, Shape { open: 12, sealing: Some(Sealing { blocks: 16, tail_tokens: 6 }), partial: true, window: Some(WINDOW), ..PLAIN })?;
+    }
+
+    #[test]
+    fn windowed_behind_a_longer_tail(ops in prop::collection::vec(op(), 1..80)) {
+        // Blocks leave the window before their seal: passed over, never sealed.
+        run(ops, Shape { open: 12, sealing: Some(Sealing { blocks: 8, tail_tokens: 17 }), partial: true, window: Some(WINDOW), ..PLAIN })?;
     }
 }
 
@@ -493,6 +570,7 @@ fn a_warm_prefix_sees_the_forms_a_cold_one_did() {
             tail_tokens: 3,
         }),
         cache_partial: true,
+        window: None,
     };
     let mut kv = KvCacheManager::new(cfg);
     let keys = CacheKeys::new("m", "k5v4+tail3");
@@ -562,6 +640,7 @@ fn a_prefix_without_its_open_tail_ends_before_it() {
             tail_tokens: 4,
         }),
         cache_partial: false,
+        window: None,
     };
     let mut kv = KvCacheManager::new(cfg);
     let keys = CacheKeys::new("m", "f");
@@ -592,4 +671,127 @@ fn a_prefix_without_its_open_tail_ends_before_it() {
     assert_eq!(&kv.block_table(b)[..2], &table_a[..2]);
     assert!(!kv.is_sealed_block(kv.block_table(b)[2]));
     kv.check().unwrap();
+}
+
+fn windowed_manager(num_blocks: u32, window: u32, max_append: u32) -> KvCacheManager {
+    KvCacheManager::new(KvConfig {
+        num_blocks,
+        block_size: 4,
+        window: Some(Window {
+            tokens: window,
+            margin: 0,
+            max_append,
+        }),
+        ..KvConfig::default()
+    })
+}
+
+#[test]
+fn a_window_releases_its_passed_blocks_head_first_and_matches_without_them() {
+    // Blocks of 4, a window of 8: at 24 tokens blocks 0-3 are behind it.
+    let mut kv = windowed_manager(8, 8, 24);
+    let keys = CacheKeys::new("m", "f16");
+    let a = kv.new_sequence(&keys);
+    kv.append(a, &toks(0..24)).unwrap();
+    let table = kv.block_table(a).to_vec();
+    assert_eq!(kv.released_blocks(a), 4);
+    assert_eq!(&table[..4], &[BlockId::NONE; 4]);
+    assert_eq!(kv.pool().num_used(), 2);
+    kv.check().unwrap();
+    // Released blocks stay cached, oldest first in line for eviction.
+    assert_eq!(kv.pool().num_cached_unreferenced(), 4);
+    kv.free(a);
+    assert_eq!(kv.pool().num_cached_unreferenced(), 6);
+    // B takes 4 blocks: the 2 never used, then A's blocks 0 and 1.
+    kv.set_eviction_log(true);
+    let b = kv.new_sequence(&keys);
+    kv.append_pending(b, &toks(100..116)).unwrap();
+    assert_eq!(kv.take_evicted().len(), 2);
+    // A's prompt and one more token: its window (blocks 4 and 5) is cached,
+    // so all 24 tokens are served although its head is gone.
+    let mut prompt = toks(0..24);
+    prompt.push(TokenId(7));
+    let c = kv.new_sequence(&keys);
+    assert_eq!(kv.peek_prefix(keys.root_hash(), &prompt), 24);
+    let (n, ops) = kv.match_prefix(c, &prompt);
+    assert_eq!((n, ops.len()), (24, 0));
+    assert_eq!(kv.released_blocks(c), 4);
+    assert_eq!(&kv.block_table(c)[..4], &[BlockId::NONE; 4]);
+    assert_eq!(&kv.block_table(c)[4..], &table[4..]);
+    kv.check().unwrap();
+    // The same pool without a window evicts A's tail first and serves its
+    // head: 16 tokens.
+    let mut plain = manager(8, 4);
+    let a = plain.new_sequence(&keys);
+    plain.append(a, &toks(0..24)).unwrap();
+    plain.free(a);
+    let b = plain.new_sequence(&keys);
+    plain.append_pending(b, &toks(100..116)).unwrap();
+    assert_eq!(plain.peek_prefix(keys.root_hash(), &prompt), 16);
+}
+
+#[test]
+fn a_window_whose_end_was_evicted_matches_the_longest_whole_window() {
+    let mut kv = windowed_manager(8, 8, 24);
+    let keys = CacheKeys::new("m", "f16");
+    let a = kv.new_sequence(&keys);
+    kv.append_pending(a, &toks(0..24)).unwrap();
+    let table = kv.block_table(a).to_vec();
+    kv.commit(a, 24);
+    assert_eq!(kv.released_blocks(a), 4);
+    kv.free(a);
+    let mut prompt = toks(0..24);
+    prompt.push(TokenId(7));
+    // Without the last block: at 20 tokens the window needs blocks 3 and 4,
+    // both cached (block 3 released by A, not evicted).
+    assert!(kv.uncache(table[5]));
+    let c = kv.new_sequence(&keys);
+    assert_eq!(kv.match_prefix(c, &prompt).0, 20);
+    assert_eq!(
+        kv.block_table(c),
+        &[
+            BlockId::NONE,
+            BlockId::NONE,
+            BlockId::NONE,
+            table[3],
+            table[4]
+        ]
+    );
+    kv.check().unwrap();
+    kv.free(c);
+    // Without block 3 too: 20 and 16 lack it; at 12 the window is blocks 1
+    // and 2.
+    assert!(kv.uncache(table[3]));
+    let d = kv.new_sequence(&keys);
+    assert_eq!(kv.match_prefix(d, &prompt).0, 12);
+    assert_eq!(kv.block_table(d), &[BlockId::NONE, table[1], table[2]]);
+    kv.check().unwrap();
+}
+
+#[test]
+fn a_windowed_sequence_longer_than_the_pool_runs_in_its_window() {
+    // 6 blocks of 4 tokens (24 tokens) hold a sequence of 200 appended 8 at a
+    // time: a window of 8 plus a step's 8 needs at most 6 blocks.
+    let mut kv = windowed_manager(6, 8, 8);
+    let keys = CacheKeys::new("m", "f16");
+    let need = kv.blocks_for_sequence(200);
+    assert_eq!(need.open, 6);
+    assert!(need.fits(kv.capacity()));
+    let a = kv.new_sequence(&keys);
+    for at in (0..200).step_by(8) {
+        let n = kv.blocks_needed_to_append(a, 8);
+        assert!(n.fits(kv.free_blocks()), "at {at}: {n:?}");
+        kv.append(a, &toks(at..at + 8)).unwrap();
+        kv.finish_step();
+        kv.check().unwrap();
+    }
+    assert_eq!(kv.num_tokens(a), 200);
+    assert_eq!(kv.released_blocks(a), 48);
+    assert_eq!(kv.block_table(a).len(), 50);
+    // Without a window the same pool stops at 24 tokens.
+    let mut plain = manager(6, 4);
+    let b = plain.new_sequence(&keys);
+    plain.append(b, &toks(0..24)).unwrap();
+    assert!(plain.append(b, &toks(24..32)).is_err());
+    assert!(!plain.blocks_for_sequence(200).fits(plain.capacity()));
 }

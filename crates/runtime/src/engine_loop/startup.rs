@@ -371,6 +371,7 @@ impl<'m> Engine<'m> {
                     prefix_caching: n_holders > 0,
                     sealing: None,
                     cache_partial: false,
+                    window: None,
                 };
                 let format = format!("{}/{}", cfg.context.type_k, cfg.context.type_v);
                 let kv = Kv::Llama(LlamaKv {
@@ -444,6 +445,7 @@ impl<'m> Engine<'m> {
                         tail_tokens: input.tail_tokens,
                     }),
                     cache_partial: cfg.prefix_caching,
+                    window: None,
                 };
                 let kv = Kv::Graft(GraftKv::new(ctx, plan, &kv_config));
                 (

@@ -486,11 +486,13 @@ fn kv_shapes() -> impl Strategy<Value = KvConfig> {
         prefix_caching: true,
         sealing: None,
         cache_partial: false,
+        window: None,
     };
     prop::sample::select(vec![
         base,
         KvConfig {
             cache_partial: true,
+            window: None,
             ..base
         },
         KvConfig {
@@ -500,6 +502,7 @@ fn kv_shapes() -> impl Strategy<Value = KvConfig> {
                 tail_tokens: 0,
             }),
             cache_partial: true,
+            window: None,
             ..base
         },
         KvConfig {
@@ -509,6 +512,7 @@ fn kv_shapes() -> impl Strategy<Value = KvConfig> {
                 tail_tokens: 20,
             }),
             cache_partial: true,
+            window: None,
             ..base
         },
     ])
@@ -687,6 +691,7 @@ fn an_idle_scheduler_holds_no_block_once_its_last_step_is_done() {
                 tail_tokens: 0,
             }),
             cache_partial: true,
+            window: None,
             ..KvConfig::default()
         },
     );
