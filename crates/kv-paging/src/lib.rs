@@ -58,13 +58,15 @@
 
 pub mod block;
 pub mod gguf;
+mod groups;
 mod manager;
 pub mod planner;
 mod pool;
 
 pub use block::{BlockHash, BlockId, CacheKeys};
+pub use groups::KvGroups;
 pub use manager::{
     BlockCopy, BlockCount, BlockOp, BlockSeal, CacheStats, KvCacheManager, KvConfig, KvEvent,
-    NotEnoughBlocks, Sealing, SeqHandle, Window,
+    NotEnoughBlocks, Sealing, SeqHandle, Window, WindowedGroup,
 };
 pub use pool::BlockPool;

@@ -59,6 +59,18 @@ pub struct Window {
     pub max_append: u32,
 }
 
+/// The windowed group of a [`crate::KvGroups`]: the blocks of the layers
+/// with a sliding window, apart from the global layers' blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowedGroup {
+    /// Open blocks.
+    pub num_blocks: u32,
+    /// Sealed blocks (with [`KvConfig::sealing`]; its tail applies).
+    pub sealed_blocks: u32,
+    /// The window.
+    pub window: Window,
+}
+
 /// Sizes of a [`KvCacheManager`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvConfig {
@@ -75,6 +87,9 @@ pub struct KvConfig {
     pub cache_partial: bool,
     /// A sliding window whose passed blocks are released, if any.
     pub window: Option<Window>,
+    /// A second group of blocks for windowed layers, kept by
+    /// [`crate::KvGroups`] (a [`KvCacheManager`] is one group and ignores it).
+    pub windowed: Option<WindowedGroup>,
 }
 
 impl Default for KvConfig {
@@ -86,6 +101,7 @@ impl Default for KvConfig {
             sealing: None,
             cache_partial: false,
             window: None,
+            windowed: None,
         }
     }
 }
@@ -119,30 +135,66 @@ impl KvConfig {
     }
 }
 
-/// Blocks of each class.
+/// Blocks of each class, in the global group and (with
+/// [`KvConfig::windowed`]) the windowed one.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BlockCount {
     /// Open (full-precision) blocks.
     pub open: usize,
     /// Sealed blocks.
     pub sealed: usize,
+    /// Open blocks of the windowed group ([`crate::KvGroups`]).
+    pub windowed_open: usize,
+    /// Sealed blocks of the windowed group.
+    pub windowed_sealed: usize,
 }
 
 impl BlockCount {
     /// Whether every class of `self` fits in `free`.
     pub fn fits(&self, free: BlockCount) -> bool {
-        self.open <= free.open && self.sealed <= free.sealed
+        self.open <= free.open
+            && self.sealed <= free.sealed
+            && self.windowed_open <= free.windowed_open
+            && self.windowed_sealed <= free.windowed_sealed
     }
 
-    /// Both classes together.
+    /// Every class together.
     pub fn total(&self) -> usize {
-        self.open + self.sealed
+        self.open + self.sealed + self.windowed_open + self.windowed_sealed
     }
 
+    /// Class by class, what `self` lacks of `want` (0 where it has enough).
+    pub fn short_of(self, want: BlockCount) -> BlockCount {
+        BlockCount {
+            open: want.open.saturating_sub(self.open),
+            sealed: want.sealed.saturating_sub(self.sealed),
+            windowed_open: want.windowed_open.saturating_sub(self.windowed_open),
+            windowed_sealed: want.windowed_sealed.saturating_sub(self.windowed_sealed),
+        }
+    }
+
+    /// A windowed group's count (kept by its manager as open and sealed) in
+    /// the windowed fields.
+    pub fn as_windowed(self) -> BlockCount {
+        BlockCount {
+            open: 0,
+            sealed: 0,
+            windowed_open: self.open,
+            windowed_sealed: self.sealed,
+        }
+    }
+}
+
+impl std::ops::Add for BlockCount {
+    type Output = BlockCount;
+
+    /// Class by class, the sum.
     fn add(self, o: BlockCount) -> BlockCount {
         BlockCount {
             open: self.open + o.open,
             sealed: self.sealed + o.sealed,
+            windowed_open: self.windowed_open + o.windowed_open,
+            windowed_sealed: self.windowed_sealed + o.windowed_sealed,
         }
     }
 }
@@ -172,6 +224,8 @@ pub struct BlockCopy {
     pub dst: BlockId,
     /// Token slots to copy.
     pub tokens: usize,
+    /// Whether the blocks are the windowed group's ([`crate::KvGroups`]).
+    pub windowed: bool,
 }
 
 /// Block `index` of a sequence is sealed: from length `at_len` on it is read
@@ -190,6 +244,8 @@ pub struct BlockSeal {
     /// Whether the caller must quantize the rows into `dst`; false when `dst`
     /// is a cached block already holding them.
     pub encode: bool,
+    /// Whether the blocks are the windowed group's ([`crate::KvGroups`]).
+    pub windowed: bool,
 }
 
 /// Work for the block store that a table change implies.
@@ -247,6 +303,10 @@ pub struct CacheStats {
     pub shared_blocks: usize,
     /// Referenced sealed blocks (a subset of `used_blocks`).
     pub used_sealed_blocks: usize,
+    /// The windowed group's free blocks ([`crate::KvGroups`]; 0 without one).
+    pub windowed_free_blocks: usize,
+    /// The windowed group's referenced blocks.
+    pub windowed_used_blocks: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -268,6 +328,9 @@ struct SeqState {
     reserved: usize,
     /// Blocks held for this sequence's coming appends ([`KvCacheManager::reserve`]).
     spare: Vec<BlockId>,
+    /// With a window: the length through which [`KvCacheManager::reserve`]
+    /// promised room (spares topped up as the window releases blocks).
+    reserve_until: usize,
 }
 
 /// Block tables of all sequences over one [`BlockPool`].
@@ -408,6 +471,7 @@ impl KvCacheManager {
             } else {
                 0
             },
+            ..BlockCount::default()
         }
     }
 
@@ -416,6 +480,7 @@ impl KvCacheManager {
         BlockCount {
             open: self.config.num_blocks as usize,
             sealed: self.config.sealing.map_or(0, |s| s.blocks as usize),
+            ..BlockCount::default()
         }
     }
 
@@ -438,9 +503,15 @@ impl KvCacheManager {
 
     fn class_count(&self, id: BlockId) -> BlockCount {
         if self.is_sealed_block(id) {
-            BlockCount { open: 0, sealed: 1 }
+            BlockCount {
+                sealed: 1,
+                ..BlockCount::default()
+            }
         } else {
-            BlockCount { open: 1, sealed: 0 }
+            BlockCount {
+                open: 1,
+                ..BlockCount::default()
+            }
         }
     }
 
@@ -460,6 +531,7 @@ impl KvCacheManager {
                 offered: 0,
                 reserved: 0,
                 spare: Vec::new(),
+                reserve_until: 0,
             },
         );
         h
@@ -468,6 +540,21 @@ impl KvCacheManager {
     /// Sequences alive.
     pub fn num_sequences(&self) -> usize {
         self.seqs.len()
+    }
+
+    /// The handles of the sequences alive.
+    pub(crate) fn handles(&self) -> impl Iterator<Item = SeqHandle> + '_ {
+        self.seqs.keys().copied()
+    }
+
+    /// Whether `h` is alive.
+    pub(crate) fn has(&self, h: SeqHandle) -> bool {
+        self.seqs.contains_key(&h)
+    }
+
+    /// The hash `h`'s first block chains on.
+    pub(crate) fn root_of(&self, h: SeqHandle) -> BlockHash {
+        self.seq(h).root
     }
 
     /// What the cache holds of `prompt`'s start (at most all but its last
@@ -576,6 +663,7 @@ impl KvCacheManager {
             open: new_blocks.saturating_sub(blocks_now.max(new_sealed)) + usize::from(copy),
             // A released entry is passed over by its seal.
             sealed: new_sealed.saturating_sub(sealed_now.max(released)),
+            ..BlockCount::default()
         }
     }
 
@@ -600,14 +688,27 @@ impl KvCacheManager {
         prompt: &[TokenId],
         lookahead: usize,
     ) -> BlockCount {
+        self.blocks_needed_within(keys, prompt, lookahead, prompt.len())
+    }
+
+    /// [`blocks_needed_for_prompt`](Self::blocks_needed_for_prompt) with the
+    /// cached prefix looked up within the first `limit` prompt tokens (all
+    /// but the last of them served at most).
+    pub(crate) fn blocks_needed_within(
+        &self,
+        keys: &CacheKeys,
+        prompt: &[TokenId],
+        lookahead: usize,
+        limit: usize,
+    ) -> BlockCount {
         let bs = self.bs();
-        let plan = self.plan_prefix(keys.root_hash(), prompt);
+        let plan = self.plan_prefix(keys.root_hash(), &prompt[..limit.min(prompt.len())]);
         let c = plan.tokens(bs);
         let mut need = BlockCount::default();
         for &(b, seal) in &plan.full {
             // Taking a cached block nobody references costs a free block.
             if self.pool.ref_count(b) == 0 {
-                need = need.add(self.class_count(b));
+                need = need + self.class_count(b);
             }
             if seal {
                 need.sealed += 1;
@@ -620,14 +721,23 @@ impl KvCacheManager {
         }
         let blocks_now = self.blocks_for(c);
         let copy = plan.partial.is_some();
-        need.add(self.append_need(
+        let mut rest = self.append_need(
             c,
             blocks_now,
             self.config.sealed_at(c),
             plan.released,
             copy,
             prompt.len() + lookahead - c,
-        ))
+        );
+        if let Some(w) = self.config.window {
+            // What `reserve` holds: a window's worth besides the blocks taken.
+            let room = self
+                .window_blocks(w)
+                .saturating_sub(blocks_now - plan.released);
+            rest.open = rest.open.min(room);
+            rest.sealed = rest.sealed.min(room);
+        }
+        need + rest
     }
 
     /// Blocks of each class a sequence takes on its way to `tokens` tokens,
@@ -642,6 +752,7 @@ impl KvCacheManager {
         let mut need = BlockCount {
             open: last.open.max(before.open),
             sealed: last.sealed.max(before.sealed),
+            ..BlockCount::default()
         };
         if let Some(w) = self.config.window {
             let bound = self.window_blocks(w);
@@ -663,6 +774,23 @@ impl KvCacheManager {
     /// and the seals to make before its first step (blocks whose sealed form
     /// was not cached). The caller computes the rest and appends it.
     pub fn match_prefix(&mut self, h: SeqHandle, prompt: &[TokenId]) -> (usize, Vec<BlockOp>) {
+        let (n, ops) = self.match_uncounted(h, prompt);
+        self.count_lookup(n, prompt.len() - n);
+        (n, ops)
+    }
+
+    /// Counts prompt tokens served from the cache and not.
+    pub(crate) fn count_lookup(&mut self, hit: usize, miss: usize) {
+        self.hit_tokens += hit as u64;
+        self.miss_tokens += miss as u64;
+    }
+
+    /// [`match_prefix`](Self::match_prefix) without the hit and miss counts.
+    pub(crate) fn match_uncounted(
+        &mut self,
+        h: SeqHandle,
+        prompt: &[TokenId],
+    ) -> (usize, Vec<BlockOp>) {
         let root = self.seq(h).root;
         assert!(
             self.seq(h).tokens.is_empty(),
@@ -701,9 +829,7 @@ impl KvCacheManager {
                         self.deferred.pop();
                     }
                 }
-                let shorter = k * bs + 1;
-                self.miss_tokens += (prompt.len() - shorter) as u64;
-                return self.match_prefix(h, &prompt[..shorter]);
+                return self.match_uncounted(h, &prompt[..k * bs + 1]);
             };
             ops.push(BlockOp::Seal(BlockSeal {
                 index: k,
@@ -711,6 +837,7 @@ impl KvCacheManager {
                 dst,
                 at_len: self.config.seal_len(k),
                 encode: true,
+                windowed: self.config.window.is_some(),
             }));
             // The open source is read while sealing, in the coming step.
             self.deferred.push(b);
@@ -720,8 +847,6 @@ impl KvCacheManager {
             blocks.push(b);
         }
         let n = plan.tokens(bs);
-        self.hit_tokens += n as u64;
-        self.miss_tokens += (prompt.len() - n) as u64;
         let sealed = self.config.sealed_at(n);
         let s = self.seqs.get_mut(&h).expect("unknown sequence handle");
         s.blocks = blocks;
@@ -760,7 +885,7 @@ impl KvCacheManager {
     fn spare_of(&self, s: &SeqState) -> BlockCount {
         s.spare
             .iter()
-            .fold(BlockCount::default(), |c, &b| c.add(self.class_count(b)))
+            .fold(BlockCount::default(), |c, &b| c + self.class_count(b))
     }
 
     /// Takes a block of `class` from `h`'s spares, else from the pool.
@@ -781,34 +906,117 @@ impl KvCacheManager {
     /// Sets aside the blocks that appending `n` more tokens to `h` will take,
     /// so later planning cannot take them (an admitted prompt's reservation).
     /// Spares left when the sequence ends are released.
+    ///
+    /// With a window, a sequence never holds more than a window's worth
+    /// ([`blocks_for_sequence`](Self::blocks_for_sequence)), so that is the
+    /// most set aside; as commits release the blocks the window passes,
+    /// spares are taken again up to it, until the `n` tokens are appended or
+    /// [`release_spare`](Self::release_spare) ends the reservation.
     pub fn reserve(&mut self, h: SeqHandle, n: usize) -> Result<(), NotEnoughBlocks> {
-        let need = self.blocks_needed_to_append(h, n);
-        let have = self.spare_of(self.seq(h));
-        let want = BlockCount {
-            open: need.open.saturating_sub(have.open),
-            sealed: need.sealed.saturating_sub(have.sealed),
-        };
-        let free = self.free_blocks();
-        if !want.fits(free) {
-            return Err(NotEnoughBlocks {
-                needed: want.total(),
-                free: free.total(),
-            });
+        if let Some(e) = self.reserve_shortage(h, n) {
+            return Err(e);
         }
+        self.top_up(h, n);
+        if self.config.window.is_some() {
+            let s = self.seqs.get_mut(&h).expect("unknown sequence handle");
+            s.reserve_until = s.tokens.len() + n;
+        }
+        Ok(())
+    }
+
+    /// Takes spares for `h` up to what appending `n` tokens needs (within a
+    /// window's worth), as far as the pool has them.
+    fn top_up(&mut self, h: SeqHandle, n: usize) {
+        let need = self.reserve_need(h, n);
+        let want = self.spare_of(self.seq(h)).short_of(need);
         let mut got = Vec::with_capacity(want.total());
-        got.extend((0..want.open).map(|_| self.pool.allocate_in(OPEN).expect("counted")));
-        got.extend((0..want.sealed).map(|_| self.pool.allocate_in(SEALED).expect("counted")));
+        got.extend((0..want.open).map_while(|_| self.pool.allocate_in(OPEN)));
+        if self.config.sealing.is_some() {
+            got.extend((0..want.sealed).map_while(|_| self.pool.allocate_in(SEALED)));
+        }
         self.seqs
             .get_mut(&h)
             .expect("unknown sequence handle")
             .spare
             .extend(got);
-        Ok(())
+    }
+
+    /// Blocks of each class a reservation for `n` more tokens of `h` holds:
+    /// what appending them takes, with a window at most what `h` may hold
+    /// besides its table's blocks.
+    fn reserve_need(&self, h: SeqHandle, n: usize) -> BlockCount {
+        let mut need = self.blocks_needed_to_append(h, n);
+        if let Some(w) = self.config.window {
+            let s = self.seq(h);
+            let room = self
+                .window_blocks(w)
+                .saturating_sub(s.blocks.len() - s.released);
+            need.open = need.open.min(room);
+            need.sealed = need.sealed.min(room);
+        }
+        need
+    }
+
+    /// What [`reserve`](Self::reserve) of `n` tokens lacks, if anything.
+    pub(crate) fn reserve_shortage(&self, h: SeqHandle, n: usize) -> Option<NotEnoughBlocks> {
+        self.short(h, self.reserve_need(h, n))
+    }
+
+    /// What appending `n` tokens to `h` lacks, if anything: the check
+    /// [`append_pending`](Self::append_pending) makes before changing
+    /// anything.
+    pub(crate) fn append_shortage(&self, h: SeqHandle, n: usize) -> Option<NotEnoughBlocks> {
+        self.short(h, self.blocks_needed_to_append(h, n))
+    }
+
+    /// What `need` lacks beyond `h`'s spares and the free blocks.
+    fn short(&self, h: SeqHandle, need: BlockCount) -> Option<NotEnoughBlocks> {
+        let short = self.spare_of(self.seq(h)).short_of(need);
+        let free = self.free_blocks();
+        (!short.fits(free)).then_some(NotEnoughBlocks {
+            needed: short.total(),
+            free: free.total(),
+        })
+    }
+
+    /// What [`reserve_lookahead`](Self::reserve_lookahead) of `n` slots lacks.
+    pub(crate) fn lookahead_shortage(&self, h: SeqHandle, n: usize) -> Option<NotEnoughBlocks> {
+        let s = self.seq(h);
+        let need = self
+            .blocks_for(s.tokens.len() + n)
+            .saturating_sub(s.blocks.len());
+        let free = self.pool.num_free_in(OPEN);
+        (need > free).then_some(NotEnoughBlocks { needed: need, free })
+    }
+
+    /// Empties `h` (a match undone): its blocks go back, its tokens are gone.
+    pub(crate) fn clear(&mut self, h: SeqHandle) {
+        let s = self.seqs.get_mut(&h).expect("unknown sequence handle");
+        let blocks = std::mem::take(&mut s.blocks);
+        let released = std::mem::take(&mut s.released);
+        s.sealed = 0;
+        s.tokens.clear();
+        s.hashes.clear();
+        s.offered = 0;
+        s.reserved = 0;
+        s.reserve_until = 0;
+        self.release_table(&blocks[released..]);
+    }
+
+    /// Blocks of each class only `h` references (what freeing it gives back).
+    pub fn exclusive_blocks(&self, h: SeqHandle) -> BlockCount {
+        let s = self.seq(h);
+        s.blocks[s.released..]
+            .iter()
+            .filter(|&&b| self.pool.ref_count(b) == 1)
+            .fold(BlockCount::default(), |c, &b| c + self.class_count(b))
     }
 
     /// Gives `h`'s spare blocks back.
     pub fn release_spare(&mut self, h: SeqHandle) {
-        let spare = std::mem::take(&mut self.seqs.get_mut(&h).expect("unknown sequence").spare);
+        let s = self.seqs.get_mut(&h).expect("unknown sequence");
+        s.reserve_until = 0;
+        let spare = std::mem::take(&mut s.spare);
         for b in spare {
             self.pool.release(b);
         }
@@ -837,18 +1045,8 @@ impl KvCacheManager {
         h: SeqHandle,
         new: &[TokenId],
     ) -> Result<Vec<BlockOp>, NotEnoughBlocks> {
-        let need = self.blocks_needed_to_append(h, new.len());
-        let spare = self.spare_of(self.seq(h));
-        let free = self.free_blocks();
-        let short = BlockCount {
-            open: need.open.saturating_sub(spare.open),
-            sealed: need.sealed.saturating_sub(spare.sealed),
-        };
-        if !short.fits(free) {
-            return Err(NotEnoughBlocks {
-                needed: short.total(),
-                free: free.total(),
-            });
+        if let Some(e) = self.append_shortage(h, new.len()) {
+            return Err(e);
         }
         if new.is_empty() {
             return Ok(Vec::new());
@@ -864,6 +1062,7 @@ impl KvCacheManager {
                 src: last,
                 dst: fresh,
                 tokens: s.tokens.len() % bs,
+                windowed: self.config.window.is_some(),
             }));
             s.blocks[idx] = fresh;
             // Its rows are read by the coming step: released after it.
@@ -921,6 +1120,7 @@ impl KvCacheManager {
                 dst,
                 at_len: self.config.seal_len(i),
                 encode,
+                windowed: self.config.window.is_some(),
             }));
             let s = self.seqs.get_mut(&h).expect("seq");
             s.blocks[i] = dst;
@@ -984,7 +1184,14 @@ impl KvCacheManager {
             .map(|b| std::mem::replace(b, BlockId::NONE))
             .collect();
         s.released = to;
+        let left = s.reserve_until.saturating_sub(s.tokens.len());
         self.release_table(&gone);
+        if left > 0 {
+            // The released blocks went back to the pool, at its recently
+            // used end: take as many from its other end for what the
+            // reservation has yet to append.
+            self.top_up(h, left);
+        }
     }
 
     /// Releases a run of table entries in the order their cached prefixes
@@ -1085,15 +1292,13 @@ impl KvCacheManager {
     /// The slots must not reach a seal ([`tokens_until_seal`](Self::tokens_until_seal)).
     pub fn reserve_lookahead(&mut self, h: SeqHandle, n: usize) -> Result<(), NotEnoughBlocks> {
         debug_assert!(n <= self.tokens_until_seal(h));
-        let s = self.seq(h);
-        let want = self.blocks_for(s.tokens.len() + n);
-        let need = want.saturating_sub(s.blocks.len());
-        if need > self.pool.num_free_in(OPEN) {
-            return Err(NotEnoughBlocks {
-                needed: need,
-                free: self.pool.num_free_in(OPEN),
-            });
+        if let Some(e) = self.lookahead_shortage(h, n) {
+            return Err(e);
         }
+        let s = self.seq(h);
+        let need = self
+            .blocks_for(s.tokens.len() + n)
+            .saturating_sub(s.blocks.len());
         for _ in 0..need {
             let b = self.take(h, OPEN).expect("counted");
             self.seqs.get_mut(&h).expect("seq").blocks.push(b);
@@ -1157,6 +1362,7 @@ impl KvCacheManager {
         let mut state = self.seq(h).clone();
         state.reserved = 0;
         state.spare.clear();
+        state.reserve_until = 0;
         let used = self.blocks_for(state.tokens.len());
         state.blocks.truncate(used);
         for &b in &state.blocks[state.released..] {
@@ -1252,6 +1458,8 @@ impl KvCacheManager {
             cached_unreferenced_blocks: self.pool.num_cached_unreferenced(),
             shared_blocks: shared,
             used_sealed_blocks: used_sealed,
+            windowed_free_blocks: 0,
+            windowed_used_blocks: 0,
         }
     }
 

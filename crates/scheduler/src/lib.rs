@@ -24,8 +24,9 @@
 //!   later and, with the runtime keeping its sampler, produces the same tokens.
 //! - **Cancellation and deadlines** free a request's blocks in the same step.
 //!
-//! The scheduler owns a [`KvCacheManager`]; the runtime maps its block
-//! decisions onto real KV memory (llama.cpp sequences today). Time is passed in
+//! The scheduler owns a [`KvGroups`] (one [`KvCacheManager`], or two when the
+//! windowed layers keep blocks of their own); the runtime maps its block
+//! decisions onto real KV memory (our paged store, or llama.cpp's cells). Time is passed in
 //! (`now_ms`), so the scheduler does no I/O and is deterministic under test.
 //!
 //! ```
@@ -53,4 +54,4 @@ pub use scheduler::{
     SchedulerConfig, SchedulerStats, Step, StepItem,
 };
 pub use siliceo_core::Priority;
-pub use siliceo_kv_paging::KvCacheManager;
+pub use siliceo_kv_paging::{KvCacheManager, KvGroups};

@@ -1,9 +1,7 @@
 use std::collections::HashMap;
 
 use siliceo_core::{Priority, RequestId, TokenId};
-use siliceo_kv_paging::{
-    BlockCount, BlockId, BlockOp, CacheKeys, KvCacheManager, KvConfig, SeqHandle,
-};
+use siliceo_kv_paging::{BlockCount, BlockId, BlockOp, CacheKeys, KvConfig, KvGroups, SeqHandle};
 
 /// Limits and policy knobs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -238,7 +236,7 @@ pub struct StepItem {
     /// Slots reserved after a decode token for drafted (speculative) tokens,
     /// counted in this step's token budget and blocks; see
     /// [`Scheduler::set_draft_len`] and [`Scheduler::on_tokens`]. They never
-    /// reach a seal ([`KvCacheManager::tokens_until_seal`]).
+    /// reach a seal ([`KvGroups::tokens_until_seal`]).
     pub draft_slots: usize,
     /// Block work this item's table changes imply, in order: copies of shared
     /// partial blocks and seals ([`BlockOp`]), to do before its tokens are
@@ -318,7 +316,7 @@ struct Entry {
 #[derive(Debug)]
 pub struct Scheduler {
     cfg: SchedulerConfig,
-    kv: KvCacheManager,
+    kv: KvGroups,
     entries: HashMap<RequestId, Entry>,
     running: Vec<RequestId>,
     counter: u64,
@@ -337,7 +335,7 @@ fn class(p: Priority) -> u64 {
 impl Scheduler {
     /// A scheduler over a fresh KV cache.
     pub fn new(cfg: SchedulerConfig, kv: KvConfig) -> Self {
-        let mut manager = KvCacheManager::new(kv);
+        let mut manager = KvGroups::new(kv);
         manager.set_eviction_log(kv.prefix_caching);
         manager.set_kv_events(kv.prefix_caching);
         Scheduler {
@@ -352,12 +350,12 @@ impl Scheduler {
     }
 
     /// The KV bookkeeping (block tables, cache counters).
-    pub fn kv(&self) -> &KvCacheManager {
+    pub fn kv(&self) -> &KvGroups {
         &self.kv
     }
 
     /// The prefix cache's changes since the last call (see
-    /// [`KvCacheManager::take_kv_events`]); on whenever prefix caching is.
+    /// [`KvGroups::take_kv_events`]); on whenever prefix caching is.
     /// The caller drains them after every step.
     pub fn take_kv_events(&mut self) -> Vec<siliceo_kv_paging::KvEvent> {
         self.kv.take_kv_events()
@@ -582,23 +580,14 @@ impl Scheduler {
     /// Blocks that preempting every running request of a class below `class_`
     /// would free (blocks shared with other sequences stay taken).
     fn reclaimable_below(&self, class_: u64) -> BlockCount {
-        let mut n = BlockCount::default();
-        for b in self
-            .running
+        self.running
             .iter()
             .map(|id| &self.entries[id])
             .filter(|e| !e.admitted_now && class(e.req.priority) > class_)
             .filter_map(|e| e.handle)
-            .flat_map(|h| self.kv.block_table(h))
-            .filter(|b| self.kv.pool().ref_count(**b) == 1)
-        {
-            if self.kv.is_sealed_block(*b) {
-                n.sealed += 1;
-            } else {
-                n.open += 1;
-            }
-        }
-        n
+            .fold(BlockCount::default(), |n, h| {
+                n + self.kv.exclusive_blocks(h)
+            })
     }
 
     fn preempt(&mut self, id: &RequestId, step: &mut Step, budget: &mut usize) {
@@ -882,10 +871,7 @@ impl Scheduler {
             // for an admission that still fails would just throw work away.
             let my_class = class(e.req.priority);
             let r = self.reclaimable_below(my_class);
-            let could = BlockCount {
-                open: free.open + r.open,
-                sealed: free.sealed + r.sealed,
-            };
+            let could = free + r;
             if !needed.fits(could) {
                 return false;
             }

@@ -6,7 +6,7 @@ use proptest::prelude::*;
 use siliceo_core::TokenId;
 use siliceo_kv_paging::{
     BlockCount, BlockHash, BlockId, BlockOp, CacheKeys, KvCacheManager, KvConfig, KvEvent,
-    NotEnoughBlocks, Sealing, SeqHandle, Window,
+    KvGroups, NotEnoughBlocks, Sealing, SeqHandle, Window, WindowedGroup,
 };
 
 /// What a subscriber to the cache's events knows: content → (parent, tokens).
@@ -19,7 +19,7 @@ type Announced = HashMap<BlockHash, (Option<BlockHash>, Vec<TokenId>)>;
 /// only in its sealed form is announced too, though a prompt that ends
 /// within the open tail after it cannot use it there.
 fn follow_events(
-    kv: &mut KvCacheManager,
+    kv: &mut KvGroups,
     seen: &mut Announced,
     roots: &[BlockHash],
 ) -> Result<(), TestCaseError> {
@@ -42,7 +42,9 @@ fn follow_events(
         // One form per content: every cached full block is announced.
         prop_assert_eq!(kv.pool().num_cached_full(), seen.len());
     }
-    if kv.config().sealing.is_some() {
+    // Nor with a windowed group: events follow the global group, and a
+    // prefix whose windowed blocks were evicted is announced but not served.
+    if kv.config().sealing.is_some() || kv.windowed().is_some() {
         return Ok(());
     }
     for h in seen.keys() {
@@ -76,6 +78,7 @@ enum Op {
     Start {
         prompt: Vec<u32>,
         salt: bool,
+        chunked: bool,
     },
     Extend {
         seq: usize,
@@ -99,7 +102,7 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        3 => (prop::collection::vec(0u32..3, 1..40), any::<bool>()).prop_map(|(p, salt)| Op::Start { prompt: p, salt }),
+        3 => (prop::collection::vec(0u32..3, 1..40), any::<bool>(), any::<bool>()).prop_map(|(p, salt, chunked)| Op::Start { prompt: p, salt, chunked }),
         3 => (any::<usize>(), 1usize..12).prop_map(|(seq, n)| Op::Extend { seq, n }),
         1 => any::<usize>().prop_map(|seq| Op::Fork { seq }),
         1 => (any::<usize>(), 1usize..10).prop_map(|(seq, n)| Op::Reserve { seq, n }),
@@ -117,11 +120,22 @@ struct Shape {
     sealing: Option<Sealing>,
     partial: bool,
     window: Option<Window>,
+    windowed: Option<WindowedGroup>,
 }
 
-/// Checks what a window promises of `h` after its tokens are committed: the
-/// blocks it has passed are released, and it holds no more than a window's
-/// worth (plus its margin, a step's appends and its lookahead slots).
+/// Checks what a window promises of `h` after its tokens are committed, in
+/// each group: the blocks it has passed are released, and it holds no more
+/// than a window's worth (plus its margin, a step's appends and its
+/// lookahead slots).
+fn check_windows(kv: &KvGroups, h: SeqHandle) -> Result<(), TestCaseError> {
+    check_window(kv.global(), h)?;
+    if let Some(w) = kv.windowed() {
+        prop_assert!(w.config().window.is_some());
+        check_window(w, h)?;
+    }
+    Ok(())
+}
+
 fn check_window(kv: &KvCacheManager, h: SeqHandle) -> Result<(), TestCaseError> {
     let cfg = kv.config();
     let Some(w) = cfg.window else {
@@ -144,6 +158,15 @@ fn check_window(kv: &KvCacheManager, h: SeqHandle) -> Result<(), TestCaseError> 
     Ok(())
 }
 
+/// The group whose blocks an op names (a lone windowed manager is the
+/// global group).
+fn group(kv: &KvGroups, windowed: bool) -> &KvCacheManager {
+    match (windowed, kv.windowed()) {
+        (true, Some(w)) => w,
+        _ => kv.global(),
+    }
+}
+
 fn run(ops: Vec<Op>, shape: Shape) -> Result<(), TestCaseError> {
     let cfg = KvConfig {
         num_blocks: shape.open,
@@ -152,10 +175,15 @@ fn run(ops: Vec<Op>, shape: Shape) -> Result<(), TestCaseError> {
         sealing: shape.sealing,
         cache_partial: shape.partial,
         window: shape.window,
+        windowed: shape.windowed,
     };
     let total = shape.open as usize + shape.sealing.map_or(0, |s| s.blocks as usize);
+    let windowed_total = shape.windowed.map_or(0, |g| {
+        g.num_blocks as usize + shape.sealing.map_or(0, |_| g.sealed_blocks as usize)
+    });
     let bs = shape.bs as usize;
-    let mut kv = KvCacheManager::new(cfg);
+    let mut kv = KvGroups::new(cfg);
+
     kv.set_kv_events(true);
     let mut announced = Announced::new();
     let keys = CacheKeys::new("m", "f16");
@@ -165,7 +193,11 @@ fn run(ops: Vec<Op>, shape: Shape) -> Result<(), TestCaseError> {
     let mut counter = 0u32;
     for op in ops {
         match op {
-            Op::Start { prompt, salt } => {
+            Op::Start {
+                prompt,
+                salt,
+                chunked,
+            } => {
                 let prompt: Vec<TokenId> = prompt.into_iter().map(TokenId).collect();
                 let k = if salt { &salted } else { &keys };
                 let need = kv.blocks_needed_for_prompt(k, &prompt, 0);
@@ -187,16 +219,53 @@ fn run(ops: Vec<Op>, shape: Shape) -> Result<(), TestCaseError> {
                     };
                     prop_assert!(seal.at_len <= cached && seal.encode && seal.src.is_some());
                 }
-                match kv.append(h, &prompt[cached..]) {
-                    Ok(_) => {
-                        prop_assert_eq!(kv.tokens(h), &prompt[..]);
-                        check_window(&kv, h)?;
-                        live.push(h);
-                    }
-                    Err(NotEnoughBlocks { needed, free }) => {
-                        prop_assert!(!fits, "{need:?} fitted, yet the append ran short");
-                        prop_assert!(needed > 0 && free <= total);
+                // Half the time as a scheduler does it: room for the whole
+                // prompt set aside, then steps of at most 8 tokens, each of
+                // which the reservation must cover.
+                if chunked {
+                    if kv.reserve(h, prompt.len() - cached).is_err() {
+                        prop_assert!(!fits, "{need:?} fitted, yet the reservation failed");
                         kv.free(h);
+                    } else {
+                        let mut short = false;
+                        for chunk in prompt[cached..].chunks(8) {
+                            let r = kv.append(h, chunk);
+                            // With sealing a chunk can need an open block the
+                            // reservation did not count: one a single append
+                            // would have filled and sealed at once (the
+                            // scheduler preempts then).
+                            prop_assert!(
+                                r.is_ok() || shape.sealing.is_some(),
+                                "a reserved prompt ran short: {r:?}"
+                            );
+                            kv.finish_step();
+                            kv.check().map_err(TestCaseError::fail)?;
+                            if r.is_err() {
+                                short = true;
+                                break;
+                            }
+                        }
+                        if short {
+                            kv.free(h);
+                        } else {
+                            kv.release_spare(h);
+                            prop_assert_eq!(kv.tokens(h), &prompt[..]);
+                            check_windows(&kv, h)?;
+                            live.push(h);
+                        }
+                    }
+                } else {
+                    match kv.append(h, &prompt[cached..]) {
+                        Ok(_) => {
+                            prop_assert_eq!(kv.tokens(h), &prompt[..]);
+                            check_windows(&kv, h)?;
+                            live.push(h);
+                        }
+                        Err(NotEnoughBlocks { needed, free }) => {
+                            prop_assert!(!fits, "{need:?} fitted, yet the append ran short");
+                            prop_assert!(needed > 0 && free <= total.max(windowed_total));
+                            kv.free(h);
+                        }
                     }
                 }
             }
@@ -207,45 +276,63 @@ fn run(ops: Vec<Op>, shape: Shape) -> Result<(), TestCaseError> {
                 counter += n as u32;
                 let free_before = kv.pool().num_free();
                 let sealed_before = kv.sealed_blocks(h);
-                let released_before = kv.released_blocks(h);
-                let table_before = kv.block_table(h).len();
+                // Per group (global, windowed): released entries and table length.
+                let before_of = |kv: &KvGroups, w: bool| {
+                    let m = group(kv, w);
+                    (m.released_blocks(h), m.block_table(h).len())
+                };
+                let groups_before = [before_of(&kv, false), before_of(&kv, true)];
                 match kv.append(h, &new) {
                     Ok(ops) => {
                         prop_assert_eq!(kv.num_tokens(h), before + n);
-                        // Entries the window released before their seal are
-                        // passed over.
-                        let first_seal = sealed_before.max(released_before);
-                        let mut seals = 0;
+                        let mut seals = [0, 0];
                         for op in &ops {
                             match *op {
                                 BlockOp::Copy(c) => {
                                     // The copy is in the table, or sealed away by this append.
                                     let sealed_away = ops.iter().any(
-                                        |o| matches!(o, BlockOp::Seal(s) if s.src == Some(c.dst)),
+                                        |o| matches!(o, BlockOp::Seal(s) if s.src == Some(c.dst) && s.windowed == c.windowed),
                                     );
-                                    prop_assert!(kv.block_table(h).contains(&c.dst) || sealed_away);
+                                    let m = group(&kv, c.windowed);
+                                    prop_assert!(m.block_table(h).contains(&c.dst) || sealed_away);
                                     prop_assert!(c.tokens > 0 && c.tokens < bs);
                                 }
                                 BlockOp::Seal(s) => {
-                                    prop_assert_eq!(s.index, first_seal + seals);
+                                    let g = usize::from(s.windowed && kv.windowed().is_some());
+                                    let (released_before, table_before) = groups_before[g];
+                                    let m = group(&kv, s.windowed);
+                                    // Entries the window released before their
+                                    // seal are passed over.
+                                    let first_seal = sealed_before.max(released_before);
+                                    prop_assert_eq!(s.index, first_seal + seals[g]);
                                     // Sealed, or released by the commit after it.
-                                    let now = kv.block_table(h)[s.index];
+                                    let now = m.block_table(h)[s.index];
                                     prop_assert!(
                                         now == s.dst
                                             || (now == BlockId::NONE
-                                                && s.index < kv.released_blocks(h))
+                                                && s.index < m.released_blocks(h))
                                     );
                                     prop_assert!(s.at_len > before && s.at_len <= before + n);
                                     // A block new to the table has no open source.
                                     let filled_here = s.index >= table_before;
                                     prop_assert_eq!(s.src.is_none(), filled_here);
-                                    seals += 1;
+                                    seals[g] += 1;
                                 }
                             }
                         }
                         prop_assert_eq!(kv.sealed_blocks(h), cfg.sealed_at(before + n));
-                        prop_assert_eq!(kv.sealed_blocks(h).saturating_sub(first_seal), seals);
-                        check_window(&kv, h)?;
+                        for g in 0..2 {
+                            let first_seal = sealed_before.max(groups_before[g].0);
+                            if g == 1 && kv.windowed().is_none() {
+                                prop_assert_eq!(seals[1], 0);
+                                continue;
+                            }
+                            prop_assert_eq!(
+                                kv.sealed_blocks(h).saturating_sub(first_seal),
+                                seals[g]
+                            );
+                        }
+                        check_windows(&kv, h)?;
                     }
                     Err(e) => {
                         prop_assert_eq!(kv.num_tokens(h), before);
@@ -274,13 +361,15 @@ fn run(ops: Vec<Op>, shape: Shape) -> Result<(), TestCaseError> {
                 } else {
                     cfg.seal_len(sealed - 1)
                 };
-                // Nor into the blocks the window released.
-                let floor = match cfg.window {
-                    Some(w) if kv.released_blocks(h) > 0 => {
-                        floor.max(kv.released_blocks(h) * bs + w.tokens as usize)
+                // Nor into the blocks a window released.
+                let mut floor = floor;
+                for m in [Some(kv.global()), kv.windowed()].into_iter().flatten() {
+                    if let Some(w) = m.config().window
+                        && m.released_blocks(h) > 0
+                    {
+                        floor = floor.max(m.released_blocks(h) * bs + w.tokens as usize);
                     }
-                    _ => floor,
-                };
+                }
                 let want = keep.max(floor).min(kv.num_tokens(h));
                 kv.truncate(h, want);
                 prop_assert_eq!(kv.num_tokens(h), want);
@@ -298,6 +387,10 @@ fn run(ops: Vec<Op>, shape: Shape) -> Result<(), TestCaseError> {
         follow_events(&mut kv, &mut announced, &roots)?;
         let s = kv.stats();
         prop_assert_eq!(s.free_blocks + s.used_blocks, total);
+        prop_assert_eq!(
+            s.windowed_free_blocks + s.windowed_used_blocks,
+            windowed_total
+        );
     }
     for h in live.drain(..) {
         kv.free(h);
@@ -306,6 +399,10 @@ fn run(ops: Vec<Op>, shape: Shape) -> Result<(), TestCaseError> {
     // Everything is free again; cached blocks may remain, unreferenced.
     prop_assert_eq!(kv.pool().num_free(), total);
     prop_assert_eq!(kv.pool().num_used(), 0);
+    if let Some(w) = kv.windowed() {
+        prop_assert_eq!(w.pool().num_free(), windowed_total);
+        prop_assert_eq!(w.pool().num_used(), 0);
+    }
     Ok(())
 }
 
@@ -315,6 +412,7 @@ const PLAIN: Shape = Shape {
     sealing: None,
     partial: false,
     window: None,
+    windowed: None,
 };
 
 /// A window of 9 positions (two blocks and a bit) with a margin of 3, the
@@ -371,6 +469,26 @@ proptest! {
     #[test]
     fn windowed_and_sealed(ops in prop::collection::vec(op(), 1..80)) {
         run(ops, Shape { open: 12, sealing: Some(Sealing { blocks: 16, tail_tokens: 6 }), partial: true, window: Some(WINDOW), ..PLAIN })?;
+    }
+
+    #[test]
+    fn two_groups(ops in prop::collection::vec(op(), 1..80)) {
+        run(ops, Shape { windowed: Some(WindowedGroup { num_blocks: 10, sealed_blocks: 0, window: WINDOW }), ..PLAIN })?;
+    }
+
+    #[test]
+    fn two_groups_tight_with_partial_blocks(ops in prop::collection::vec(op(), 1..60)) {
+        run(ops, Shape { open: 10, partial: true, windowed: Some(WindowedGroup { num_blocks: 6, sealed_blocks: 0, window: WINDOW }), ..PLAIN })?;
+    }
+
+    #[test]
+    fn two_groups_sealed(ops in prop::collection::vec(op(), 1..80)) {
+        run(ops, Shape { open: 12, sealing: Some(Sealing { blocks: 16, tail_tokens: 6 }), partial: true, windowed: Some(WindowedGroup { num_blocks: 8, sealed_blocks: 4, window: WINDOW }), ..PLAIN })?;
+    }
+
+    #[test]
+    fn two_groups_sealed_tight(ops in prop::collection::vec(op(), 1..60)) {
+        run(ops, Shape { open: 5, sealing: Some(Sealing { blocks: 6, tail_tokens: 3 }), partial: true, windowed: Some(WindowedGroup { num_blocks: 4, sealed_blocks: 2, window: WINDOW }), ..PLAIN })?;
     }
 
     #[test]
@@ -502,7 +620,10 @@ fn admission_counts_cached_blocks_without_taking_them() {
     let a = kv.new_sequence(&keys);
     kv.append(a, &toks(0..12)).unwrap();
     // While A holds its blocks, a request sharing 8 tokens needs only 1 more block.
-    let open = |n| BlockCount { open: n, sealed: 0 };
+    let open = |n| BlockCount {
+        open: n,
+        ..BlockCount::default()
+    };
     assert_eq!(kv.blocks_needed_for_prompt(&keys, &toks(0..12), 0), open(1));
     assert_eq!(
         kv.blocks_needed_for_prompt(&keys, &toks(50..62), 0),
@@ -571,6 +692,7 @@ fn a_warm_prefix_sees_the_forms_a_cold_one_did() {
         }),
         cache_partial: true,
         window: None,
+        windowed: None,
     };
     let mut kv = KvCacheManager::new(cfg);
     let keys = CacheKeys::new("m", "k5v4+tail3");
@@ -641,6 +763,7 @@ fn a_prefix_without_its_open_tail_ends_before_it() {
         }),
         cache_partial: false,
         window: None,
+        windowed: None,
     };
     let mut kv = KvCacheManager::new(cfg);
     let keys = CacheKeys::new("m", "f");
@@ -778,13 +901,17 @@ fn a_windowed_sequence_longer_than_the_pool_runs_in_its_window() {
     assert_eq!(need.open, 6);
     assert!(need.fits(kv.capacity()));
     let a = kv.new_sequence(&keys);
+    // A reservation for all 200 holds a window's worth, taken again as the
+    // window moves on.
+    kv.reserve(a, 200).unwrap();
+    assert_eq!(kv.pool().num_used(), 6);
     for at in (0..200).step_by(8) {
-        let n = kv.blocks_needed_to_append(a, 8);
-        assert!(n.fits(kv.free_blocks()), "at {at}: {n:?}");
         kv.append(a, &toks(at..at + 8)).unwrap();
         kv.finish_step();
         kv.check().unwrap();
+        assert!(kv.pool().num_used() <= 6);
     }
+    kv.release_spare(a);
     assert_eq!(kv.num_tokens(a), 200);
     assert_eq!(kv.released_blocks(a), 48);
     assert_eq!(kv.block_table(a).len(), 50);
@@ -794,4 +921,76 @@ fn a_windowed_sequence_longer_than_the_pool_runs_in_its_window() {
     plain.append(b, &toks(0..24)).unwrap();
     assert!(plain.append(b, &toks(24..32)).is_err());
     assert!(!plain.blocks_for_sequence(200).fits(plain.capacity()));
+}
+
+#[test]
+fn two_groups_serve_a_prefix_only_while_both_hold_what_it_reads() {
+    // Blocks of 4; the windowed layers see 8 positions. The global group
+    // has room for everything here, the windowed one for 6 blocks.
+    let mut kv = KvGroups::new(KvConfig {
+        num_blocks: 20,
+        block_size: 4,
+        windowed: Some(WindowedGroup {
+            num_blocks: 6,
+            sealed_blocks: 0,
+            window: Window {
+                tokens: 8,
+                margin: 0,
+                max_append: 16,
+            },
+        }),
+        ..KvConfig::default()
+    });
+    let keys = CacheKeys::new("m", "f16");
+    let a = kv.new_sequence(&keys);
+    kv.append(a, &toks(0..24)).unwrap();
+    let global_a = kv.block_table(a).to_vec();
+    let window_a = kv.window_table(a).unwrap().to_vec();
+    assert_eq!(global_a.len(), 6);
+    assert_eq!(&window_a[..4], &[BlockId::NONE; 4]);
+    assert_eq!(kv.released_blocks(a), 4);
+    kv.free(a);
+    // B's 16 tokens take 4 windowed blocks at once: A's oldest four go.
+    let b = kv.new_sequence(&keys);
+    kv.append(b, &toks(100..116)).unwrap();
+    kv.check().unwrap();
+    let mut prompt = toks(0..24);
+    prompt.push(TokenId(7));
+    // Taking A's cached blocks costs free ones: 6 global and 2 windowed, and
+    // the last token a block in each.
+    let need = kv.blocks_needed_for_prompt(&keys, &prompt, 0);
+    assert_eq!(
+        need,
+        BlockCount {
+            open: 7,
+            windowed_open: 3,
+            ..BlockCount::default()
+        }
+    );
+    let c = kv.new_sequence(&keys);
+    assert_eq!(kv.match_prefix(c, &prompt), (24, Vec::new()));
+    assert_eq!(kv.block_table(c), &global_a[..]);
+    assert_eq!(kv.window_table(c).unwrap(), &window_a[..]);
+    kv.check().unwrap();
+    kv.free(c);
+    kv.free(b);
+    // D takes 4 more: the least recently released are B's first two and
+    // then A's window. The global group still holds all of A, the windowed
+    // group none of the blocks any prefix of it reads.
+    let d = kv.new_sequence(&keys);
+    kv.append(d, &toks(200..216)).unwrap();
+    assert_eq!(kv.global().peek_prefix(keys.root_hash(), &prompt), 24);
+    assert_eq!(kv.peek_prefix(keys.root_hash(), &prompt), 0);
+    let e = kv.new_sequence(&keys);
+    assert_eq!(kv.match_prefix(e, &prompt).0, 0);
+    // Recomputed in steps of at most 16 tokens, it fits again.
+    kv.free(d);
+    assert!(kv.append(e, &prompt).is_err());
+    kv.append(e, &prompt[..16]).unwrap();
+    kv.append(e, &prompt[16..]).unwrap();
+    assert_eq!(kv.window_table(e).unwrap().len(), 7);
+    assert_eq!(kv.released_blocks(e), 4);
+    kv.check().unwrap();
+    let s = kv.stats();
+    assert_eq!(s.windowed_free_blocks + s.windowed_used_blocks, 6);
 }

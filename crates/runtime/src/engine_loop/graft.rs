@@ -25,7 +25,7 @@
 use std::ops::Range;
 
 use siliceo_engine::{GraftQuery, GraftStep, RowCopy, SeqKv, StoreBlock};
-use siliceo_kv_paging::{BlockId, BlockOp, BlockSeal, KvCacheManager};
+use siliceo_kv_paging::{BlockId, BlockOp, BlockSeal, KvGroups};
 use siliceo_scheduler::StepItem;
 
 use super::kv::GraftKv;
@@ -142,7 +142,7 @@ impl GraftKv<'_> {
     /// Fills `g` for the runs of a step.
     pub(super) fn build_step(
         &self,
-        kv: &KvCacheManager,
+        kv: &KvGroups,
         items: &[StepItem],
         runs: &[Run],
         g: &mut GraftStep,

@@ -372,6 +372,7 @@ impl<'m> Engine<'m> {
                     sealing: None,
                     cache_partial: false,
                     window: None,
+                    windowed: None,
                 };
                 let format = format!("{}/{}", cfg.context.type_k, cfg.context.type_v);
                 let kv = Kv::Llama(LlamaKv {
@@ -446,6 +447,7 @@ impl<'m> Engine<'m> {
                     }),
                     cache_partial: cfg.prefix_caching,
                     window: None,
+                    windowed: None,
                 };
                 let kv = Kv::Graft(GraftKv::new(ctx, plan, &kv_config));
                 (

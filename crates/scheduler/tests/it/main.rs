@@ -487,12 +487,14 @@ fn kv_shapes() -> impl Strategy<Value = KvConfig> {
         sealing: None,
         cache_partial: false,
         window: None,
+        windowed: None,
     };
     prop::sample::select(vec![
         base,
         KvConfig {
             cache_partial: true,
             window: None,
+            windowed: None,
             ..base
         },
         KvConfig {
@@ -503,6 +505,7 @@ fn kv_shapes() -> impl Strategy<Value = KvConfig> {
             }),
             cache_partial: true,
             window: None,
+            windowed: None,
             ..base
         },
         KvConfig {
@@ -513,6 +516,7 @@ fn kv_shapes() -> impl Strategy<Value = KvConfig> {
             }),
             cache_partial: true,
             window: None,
+            windowed: None,
             ..base
         },
     ])
@@ -692,6 +696,7 @@ fn an_idle_scheduler_holds_no_block_once_its_last_step_is_done() {
             }),
             cache_partial: true,
             window: None,
+            windowed: None,
             ..KvConfig::default()
         },
     );
