@@ -755,9 +755,13 @@ impl KvCacheManager {
             ..BlockCount::default()
         };
         if let Some(w) = self.config.window {
-            let bound = self.window_blocks(w);
-            need.open = need.open.min(bound);
-            need.sealed = need.sealed.min(bound);
+            need.open = need.open.min(self.window_blocks(w));
+            // Sealed entries held: those older than the tail, not yet
+            // released.
+            let tail = self.config.sealing.map_or(0, |s| s.tail_tokens);
+            let sealed =
+                (w.tokens + w.margin + w.max_append).saturating_sub(tail) as usize / self.bs() + 2;
+            need.sealed = need.sealed.min(sealed);
         }
         need
     }

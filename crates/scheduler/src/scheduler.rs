@@ -604,7 +604,10 @@ impl Scheduler {
         }
         let e = self.entries.get_mut(id).expect("running entry");
         let held = e.computed;
-        let swap = held >= self.cfg.recompute_below_tokens
+        // A windowed group's sequence is recomputed: restoring saved KV
+        // would append all of it in one go, more than a window's worth.
+        let swap = self.kv.windowed().is_none()
+            && held >= self.cfg.recompute_below_tokens
             && self.swapped_tokens + held <= self.cfg.swap_budget_tokens;
         let mode = if swap {
             PreemptMode::Swap

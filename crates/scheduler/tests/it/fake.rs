@@ -46,6 +46,8 @@ pub struct FakeEngine {
     /// What each block's KV holds, as computed (the engine's cells): a prefix
     /// hit must land on blocks whose KV really was computed.
     blocks: HashMap<BlockId, Vec<TokenId>>,
+    /// The same for the windowed group's blocks, when there is one.
+    windowed_blocks: HashMap<BlockId, Vec<TokenId>>,
     pub preemptions: Vec<Preempted>,
     /// Drafted tokens proposed and accepted (speculative items).
     pub drafted: usize,
@@ -63,6 +65,26 @@ impl FakeEngine {
         self.swapped.remove(id);
     }
 
+    /// The cells of a group.
+    fn cells(&mut self, windowed: bool) -> &mut HashMap<BlockId, Vec<TokenId>> {
+        if windowed {
+            &mut self.windowed_blocks
+        } else {
+            &mut self.blocks
+        }
+    }
+
+    /// Writes rows `from..kv.len()` into `table`'s blocks of a group (sealed
+    /// ones hold their whole block).
+    fn write(&mut self, windowed: bool, table: &[BlockId], kv: &[TokenId], from: usize, bs: usize) {
+        for i in from / bs..kv.len().div_ceil(bs) {
+            let end = kv.len().min((i + 1) * bs);
+            assert_ne!(table[i], BlockId::NONE, "a write into a released block");
+            self.cells(windowed)
+                .insert(table[i], kv[i * bs..end].to_vec());
+        }
+    }
+
     /// Runs one planned step the way a real engine must, asserting positions.
     pub fn apply(&mut self, s: &mut Scheduler, step: &Step) {
         for f in &step.finished {
@@ -72,6 +94,24 @@ impl FakeEngine {
             self.blocks.remove(b);
         }
         let bs = s.kv().config().block_size as usize;
+        // The groups, and the windowed layers' window.
+        let window = s
+            .kv()
+            .windowed()
+            .and_then(|w| w.config().window)
+            .map(|w| w.tokens as usize);
+        let groups: &[bool] = if window.is_some() {
+            &[false, true]
+        } else {
+            &[false]
+        };
+        let table_of = |s: &Scheduler, h, windowed: bool| -> Vec<BlockId> {
+            if windowed {
+                s.kv().window_table(h).expect("a windowed group").to_vec()
+            } else {
+                s.kv().block_table(h).to_vec()
+            }
+        };
         for p in &step.preempted {
             let kv = self
                 .kv
@@ -107,15 +147,14 @@ impl FakeEngine {
                 self.kv.insert(item.id.clone(), kv);
                 continue;
             }
-            let kv = self.kv.entry(item.id.clone()).or_default();
-            let fresh = kv.is_empty();
+            let fresh = self.kv.entry(item.id.clone()).or_default().is_empty();
             let seq_tokens = s.kv().tokens(item.handle);
             // Block work first, as a real store does it: copies, then seals of
             // cached forms must find their rows already there.
             for op in &item.ops {
                 match *op {
                     BlockOp::Copy(c) => {
-                        let rows = self.blocks.get(&c.src).unwrap_or_else(|| {
+                        let rows = self.cells(c.windowed).get(&c.src).cloned().unwrap_or_else(|| {
                             panic!(
                                 "{}: copy {c:?} of a block never written (item at {}, kind {:?}, table {:?})",
                                 item.id,
@@ -126,12 +165,12 @@ impl FakeEngine {
                         });
                         assert!(rows.len() >= c.tokens, "copy of rows never written");
                         let rows = rows[..c.tokens].to_vec();
-                        self.blocks.insert(c.dst, rows);
+                        self.cells(c.windowed).insert(c.dst, rows);
                     }
                     BlockOp::Seal(seal) if !seal.encode => {
                         let want = &seq_tokens[seal.index * bs..(seal.index + 1) * bs];
                         assert_eq!(
-                            self.blocks.get(&seal.dst).map(Vec::as_slice),
+                            self.cells(seal.windowed).get(&seal.dst).map(Vec::as_slice),
                             Some(want),
                             "{}: a cached sealed block that does not hold block {}",
                             item.id,
@@ -145,26 +184,39 @@ impl FakeEngine {
                 && fresh
                 && item.start_pos > 0
             {
-                // Prefix served from the cache: its blocks must hold its rows.
+                // Prefix served from the cache: its blocks must hold its rows
+                // (in the windowed group, those its window has not passed).
                 assert!(cached_tokens == 0 || cached_tokens == item.start_pos);
                 let want = &seq_tokens[..item.start_pos];
-                let table = s.kv().block_table(item.handle);
-                for (i, chunk) in want.chunks(bs).enumerate() {
-                    // A block this step seals is read from its open source.
-                    let src = item.ops.iter().find_map(|op| match op {
-                        BlockOp::Seal(seal) if seal.index == i => seal.src,
-                        _ => None,
-                    });
-                    let b = src.unwrap_or(table[i]);
-                    let have = self.blocks.get(&b).map(Vec::as_slice);
-                    assert!(
-                        have.is_some_and(|h| h.starts_with(chunk)),
-                        "{}: prefix hit on block {b:?} holding {have:?}, not {chunk:?}",
-                        item.id,
-                    );
+                for &windowed in groups {
+                    let table = table_of(s, item.handle, windowed);
+                    for (i, chunk) in want.chunks(bs).enumerate() {
+                        if table[i] == BlockId::NONE {
+                            assert!(windowed, "{}: a global table with a hole", item.id);
+                            continue;
+                        }
+                        // A block this step seals is read from its open source.
+                        let src = item.ops.iter().find_map(|op| match op {
+                            BlockOp::Seal(seal) if seal.index == i && seal.windowed == windowed => {
+                                seal.src
+                            }
+                            _ => None,
+                        });
+                        let b = src.unwrap_or(table[i]);
+                        let have = self.cells(windowed).get(&b).map(Vec::as_slice);
+                        assert!(
+                            have.is_some_and(|h| h.starts_with(chunk)),
+                            "{}: prefix hit on block {b:?} (windowed {windowed}) holding {have:?}, not {chunk:?}",
+                            item.id,
+                        );
+                    }
                 }
-                kv.extend_from_slice(want);
+                self.kv
+                    .get_mut(&item.id)
+                    .expect("entry above")
+                    .extend_from_slice(want);
             }
+            let kv = self.kv.get_mut(&item.id).expect("entry above");
             assert_eq!(
                 item.start_pos,
                 kv.len(),
@@ -174,22 +226,42 @@ impl FakeEngine {
                 kv.len()
             );
             kv.extend_from_slice(&item.tokens);
+            let kv = kv.clone();
             // The step writes rows from `start_pos` on, into the blocks the
-            // table has for them now (sealed ones hold the whole block), and
+            // tables have for them now (sealed ones hold the whole block), and
             // quantizes what it seals.
-            let table = s.kv().block_table(item.handle);
-            for i in item.start_pos / bs..kv.len().div_ceil(bs) {
-                let end = kv.len().min((i + 1) * bs);
-                self.blocks.insert(table[i], kv[i * bs..end].to_vec());
+            for &windowed in groups {
+                let table = table_of(s, item.handle, windowed);
+                self.write(windowed, &table, &kv, item.start_pos, bs);
             }
             for op in &item.ops {
                 if let BlockOp::Seal(seal) = op
                     && seal.encode
                 {
                     let rows = kv[seal.index * bs..(seal.index + 1) * bs].to_vec();
-                    self.blocks.insert(seal.dst, rows);
+                    self.cells(seal.windowed).insert(seal.dst, rows);
                 }
             }
+            // The windowed layers' first query reads the window before it:
+            // those blocks are in the table, holding those rows.
+            if let Some(w) = window
+                && !item.tokens.is_empty()
+            {
+                let p = item.start_pos;
+                let table = table_of(s, item.handle, true);
+                for i in (p + 1).saturating_sub(w) / bs..=p / bs {
+                    let end = kv.len().min((i + 1) * bs);
+                    let have = self.windowed_blocks.get(&table[i]).map(Vec::as_slice);
+                    assert!(
+                        table[i] != BlockId::NONE
+                            && have.is_some_and(|h| h.starts_with(&kv[i * bs..end])),
+                        "{}: the query at {p} reads windowed block {i} ({:?}) holding {have:?}",
+                        item.id,
+                        table[i]
+                    );
+                }
+            }
+            let kv = self.kv.get_mut(&item.id).expect("entry above");
             if item.wants_logits && item.draft_slots > 0 {
                 // Draft the true continuation for half the slots, then a wrong
                 // token; verify greedily like the runtime: keep the agreeing
@@ -218,10 +290,10 @@ impl FakeEngine {
                     }
                 };
                 // Drafted tokens' rows were written by the step too.
-                let table = s.kv().block_table(item.handle);
-                for i in item.start_pos / bs..kv.len().div_ceil(bs) {
-                    let end = kv.len().min((i + 1) * bs);
-                    self.blocks.insert(table[i], kv[i * bs..end].to_vec());
+                let kv = kv.clone();
+                for &windowed in groups {
+                    let table = table_of(s, item.handle, windowed);
+                    self.write(windowed, &table, &kv, item.start_pos, bs);
                 }
                 self.drafted += draft.len();
                 self.accepted += accepted.len();

@@ -5,7 +5,7 @@ mod fake;
 
 use proptest::prelude::*;
 use siliceo_core::{Priority, RequestId, TokenId};
-use siliceo_kv_paging::{BlockOp, CacheKeys, KvConfig, Sealing};
+use siliceo_kv_paging::{BlockOp, CacheKeys, KvConfig, Sealing, Window, WindowedGroup};
 use siliceo_scheduler::{
     FinishCause, ItemKind, PreemptMode, Rejected, Request, Scheduler, SchedulerConfig,
 };
@@ -477,8 +477,17 @@ proptest! {
     }
 }
 
+/// The windowed layers' window in [`kv_shapes`]: 24 positions, a step's
+/// appends at most the workload's 40-token budget plus 3 drafts.
+const WINDOW: Window = Window {
+    tokens: 24,
+    margin: 4,
+    max_append: 43,
+};
+
 /// KV configurations a workload must not care about: plain blocks, partial
-/// blocks cached, blocks sealed when full, sealed behind a 20-token tail.
+/// blocks cached, blocks sealed when full, sealed behind a 20-token tail, and
+/// the same with a group of blocks for windowed layers.
 fn kv_shapes() -> impl Strategy<Value = KvConfig> {
     let base = KvConfig {
         num_blocks: 10,
@@ -517,6 +526,31 @@ fn kv_shapes() -> impl Strategy<Value = KvConfig> {
             cache_partial: true,
             window: None,
             windowed: None,
+            ..base
+        },
+        // Windowed layers seeing 24 positions, in a group of their own
+        // smaller than the global one; plain, then sealed behind a tail.
+        KvConfig {
+            cache_partial: true,
+            windowed: Some(WindowedGroup {
+                num_blocks: 8,
+                sealed_blocks: 0,
+                window: WINDOW,
+            }),
+            ..base
+        },
+        KvConfig {
+            num_blocks: 12,
+            sealing: Some(Sealing {
+                blocks: 6,
+                tail_tokens: 20,
+            }),
+            cache_partial: true,
+            windowed: Some(WindowedGroup {
+                num_blocks: 7,
+                sealed_blocks: 5,
+                window: WINDOW,
+            }),
             ..base
         },
     ])
