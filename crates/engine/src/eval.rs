@@ -443,6 +443,7 @@ pub fn eval_kv(
                         llama_attention: false,
                         q4_1_kernel: true,
                         windows: None,
+                        windowed_blocks: None,
                     },
                 )?;
                 let placer = BlockPlacer::new(ctx.layout(), blocks, blocks);

@@ -77,15 +77,28 @@ pub struct GraftStep {
     pub seals: Vec<(u32, u32)>,
     /// Every batch token's attention, exactly once.
     pub queries: Vec<GraftQuery>,
+    /// The windowed layers' part, where they keep pools of their own
+    /// ([`GraftOptions::windowed_blocks`]): their writes, copies, seals and
+    /// query runs, over their blocks. A run's view may name
+    /// [`GraftStep::RELEASED`] for a block wholly before its first query's
+    /// window (which no query reads).
+    pub windowed: Option<Box<GraftStep>>,
 }
 
 impl GraftStep {
+    /// A block a windowed view names but no query reads (released by the
+    /// window).
+    pub const RELEASED: u32 = u32::MAX;
+
     /// Empties the step, keeping its allocations.
     pub fn clear(&mut self) {
         self.copies.clear();
         self.writes.clear();
         self.seals.clear();
         self.queries.clear();
+        if let Some(w) = self.windowed.as_mut() {
+            w.clear();
+        }
     }
 }
 
@@ -141,6 +154,13 @@ pub struct GraftOptions {
     /// (`None` in serving). For tests: a table llama.cpp's graph disagrees
     /// with must fail the decode.
     pub windows: Option<Vec<usize>>,
+    /// Sealed and tail blocks of each windowed layer's store, where the
+    /// layers with a sliding window keep pools of their own (smaller: a
+    /// sequence holds only a window's worth there), addressed by
+    /// [`GraftStep::windowed`]; `None`: every layer's store is sized alike
+    /// and one step addresses them all. The windowed layers must share one
+    /// window and stay on the host.
+    pub windowed_blocks: Option<(usize, usize)>,
 }
 
 /// Where grafted attention runs for the layers llama.cpp offloads to a GPU.
@@ -279,11 +299,17 @@ struct State {
     staging: Vec<u8>,
     /// Each layer's query heads, KV heads and head size.
     geom: Vec<(usize, usize, usize)>,
-    /// Tail blocks of a layer's own (the scratch's ids follow them).
-    own_tail: usize,
-    /// Whether the decode in flight writes rows to the scratch (set once
-    /// per decode; the layers reading another's KV need K/V only then).
-    step_writes_scratch: bool,
+    /// Each layer's group: 0, or 1 for a windowed layer keeping pools of
+    /// its own ([`GraftOptions::windowed_blocks`]), by the layer whose KV
+    /// it reads.
+    group: Vec<usize>,
+    /// Tail blocks of a layer's own per group (the scratch's ids follow
+    /// them).
+    own_tail: [usize; 2],
+    /// Whether the decode in flight writes rows to the scratch, per group
+    /// (set once per decode; the layers reading another's KV need K/V only
+    /// then).
+    step_writes_scratch: [bool; 2],
     params: AttnParams,
     step: GraftStep,
     /// Batch tokens of the decode in flight.
@@ -501,7 +527,7 @@ impl State {
             unsafe {
                 dev.layer(
                     il,
-                    &self.step,
+                    &self.step, // the device holds no windowed group
                     nh,
                     q,
                     k,
@@ -526,7 +552,7 @@ impl State {
         // A layer reading another's KV needs that layer's rows of this step
         // only where they went to the scratch (which the layers after it
         // took over): llama.cpp's cache holds them, and they go there again.
-        let kv = source == il || self.step_writes_scratch;
+        let kv = source == il || self.step_writes_scratch[self.group[il]];
         unsafe {
             gather(q, n, nh, d, &mut self.q, &mut self.staging, copy)?;
             if kv {
@@ -641,13 +667,22 @@ impl State {
         let ((nh, kvh, d), n) = (self.geom[il], self.n_tokens);
         let source = self.sources[il];
         let pages = host_layer(&mut self.layers, source);
+        let g = self.group[il];
+        let step = match g {
+            0 => &self.step,
+            _ => self
+                .step
+                .windowed
+                .as_deref()
+                .ok_or("a windowed layer without the step's windowed part")?,
+        };
         let row = kvh * d;
         // A layer reading another's KV writes only the step's scratch rows
         // again (the same values; the scratch held them only while that
         // layer ran), never copies or seals (done).
         let own = source == il;
-        for (i, &(block, r)) in self.step.writes.iter().enumerate() {
-            if !own && (block as usize) < self.own_tail {
+        for (i, &(block, r)) in step.writes.iter().enumerate() {
+            if !own && (block as usize) < self.own_tail[g] {
                 continue;
             }
             pages.write_token(
@@ -658,16 +693,15 @@ impl State {
             );
         }
         if own {
-            for c in &self.step.copies {
+            for c in &step.copies {
                 pages.copy_tail_rows(c.src, c.dst, c.rows.clone());
             }
-            for &(src, dst) in &self.step.seals {
+            for &(src, dst) in &step.seals {
                 pages.seal(src, dst);
             }
         }
         let qrow = nh * d;
-        let queries: Vec<SeqQuery<'_>> = self
-            .step
+        let queries: Vec<SeqQuery<'_>> = step
             .queries
             .iter()
             .map(|g| SeqQuery {
@@ -881,6 +915,8 @@ pub struct GraftedContext<'m> {
     layer_layouts: Vec<KvLayout>,
     /// (sealed, tail) blocks per layer.
     capacity: (usize, usize),
+    /// (sealed, tail) blocks per windowed layer keeping pools of its own.
+    windowed_capacity: Option<(usize, usize)>,
 }
 
 impl std::fmt::Debug for GraftedContext<'_> {
@@ -966,6 +1002,32 @@ impl<'m> GraftedContext<'m> {
                     reason: "sliding windows this build does not know".into(),
                 })?,
         };
+        // The windowed layers' own pools: every layer reading a windowed
+        // layer's KV is in group 1 (one window for all, on the host).
+        let group: Vec<usize> = (0..n_layer)
+            .map(|il| usize::from(opts.windowed_blocks.is_some() && windows[sources[il]] > 0))
+            .collect();
+        if opts.windowed_blocks.is_some() {
+            let bad = |reason: String| {
+                Err(EngineError::InvalidOption {
+                    field: "windowed_blocks",
+                    reason,
+                })
+            };
+            let mut ws: Vec<usize> = windows.iter().copied().filter(|&w| w > 0).collect();
+            ws.dedup();
+            if ws.is_empty() {
+                return bad("the model has no windowed layers".into());
+            }
+            if ws.len() > 1 {
+                return bad(format!(
+                    "its windowed layers have windows of {ws:?} tokens, not one"
+                ));
+            }
+            if (0..n_layer).any(|il| group[il] == 1 && on_device.contains(&sources[il])) {
+                return bad("windowed layers keep pools of their own only on the host".into());
+            }
+        }
         let device = if on_device.is_empty() {
             None
         } else {
@@ -991,8 +1053,11 @@ impl<'m> GraftedContext<'m> {
                 if on_device.contains(&il) {
                     return Ok(LayerStore::Device);
                 }
-                KvPages::new(layouts[layout_of[il]], opts.sealed_blocks, opts.tail_blocks)
-                    .map(LayerStore::Host)
+                let (sealed, tail) = match opts.windowed_blocks {
+                    Some(w) if group[il] == 1 => w,
+                    _ => (opts.sealed_blocks, opts.tail_blocks),
+                };
+                KvPages::new(layouts[layout_of[il]], sealed, tail).map(LayerStore::Host)
             })
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| EngineError::InvalidOption {
@@ -1015,8 +1080,9 @@ impl<'m> GraftedContext<'m> {
                 .iter()
                 .map(|l| (g.n_head as usize, l.kv_heads, l.head_dim))
                 .collect(),
-            own_tail: opts.tail_blocks,
-            step_writes_scratch: false,
+            group,
+            own_tail: [opts.tail_blocks, opts.windowed_blocks.map_or(0, |w| w.1)],
+            step_writes_scratch: [false; 2],
             params: AttnParams {
                 threads: opts.kernel_threads.unwrap_or(threads as usize).max(1),
                 // On llama.cpp's own (idle, spinning) OpenMP threads, which
@@ -1077,6 +1143,7 @@ impl<'m> GraftedContext<'m> {
             n_ids: n_ids as usize,
             n_scratch: opts.scratch_blocks,
             capacity: (opts.sealed_blocks, opts.tail_blocks),
+            windowed_capacity: opts.windowed_blocks,
             layer_layouts: layout_of.iter().map(|&i| layouts[i]).collect(),
         })
     }
@@ -1099,6 +1166,18 @@ impl<'m> GraftedContext<'m> {
     /// (sealed, tail) blocks per layer (the scratch not counted).
     pub fn capacity(&self) -> (usize, usize) {
         self.capacity
+    }
+
+    /// (sealed, tail) blocks per windowed layer where those keep pools of
+    /// their own ([`GraftOptions::windowed_blocks`]).
+    pub fn windowed_capacity(&self) -> Option<(usize, usize)> {
+        self.windowed_capacity
+    }
+
+    /// Whether layer `il`'s store is the windowed layers' own (its blocks
+    /// are [`GraftStep::windowed`]'s).
+    pub fn in_windowed_group(&self, il: usize) -> bool {
+        self.state.group.get(il) == Some(&1)
     }
 
     /// Scratch tail blocks (one set for all layers).
@@ -1160,8 +1239,17 @@ impl<'m> GraftedContext<'m> {
     /// Bytes of one (sealed, tail) block summed over the layers that keep KV
     /// of their own, each in its layout.
     pub fn block_bytes(&self) -> (usize, usize) {
-        let mut sum = (0, 0);
+        let (g, w) = self.block_bytes_by_group();
+        (g.0 + w.0, g.1 + w.1)
+    }
+
+    /// [`block_bytes`](Self::block_bytes) of the layers whose blocks are the
+    /// step's own, and of those whose blocks are its windowed part's
+    /// ([`GraftOptions::windowed_blocks`]; 0 without).
+    pub fn block_bytes_by_group(&self) -> ((usize, usize), (usize, usize)) {
+        let mut sums = [(0, 0); 2];
         for (il, store) in self.state.layers.iter().enumerate() {
+            let sum = &mut sums[self.state.group[il]];
             let l = match store {
                 LayerStore::Host(p) => *p.layout(),
                 LayerStore::Device => self.layer_layouts[il],
@@ -1170,7 +1258,7 @@ impl<'m> GraftedContext<'m> {
             sum.0 += l.block_bytes();
             sum.1 += l.tail_block_bytes();
         }
-        sum
+        (sums[0], sums[1])
     }
 
     /// The layer whose store layer `il` attends over (itself, but for
@@ -1234,8 +1322,42 @@ impl<'m> GraftedContext<'m> {
     }
 
     fn check_step(&self, batch: &Batch, step: &GraftStep) -> Result<(), EngineError> {
-        let bad = |why: String| Err(EngineError::Graft(why));
         let (sealed, own) = self.capacity();
+        self.check_part(batch, step, sealed, own, 0)?;
+        match (self.windowed_capacity, step.windowed.as_deref()) {
+            (None, None) => Ok(()),
+            (Some((sealed, own)), Some(w)) => {
+                let window = self
+                    .state
+                    .group
+                    .iter()
+                    .position(|&g| g == 1)
+                    .map_or(0, |il| self.state.windows[il]);
+                self.check_part(batch, w, sealed, own, window)
+                    .map_err(|e| EngineError::Graft(format!("windowed layers: {e}")))
+            }
+            (Some(_), None) => Err(EngineError::Graft(
+                "the windowed layers keep pools of their own: the step needs their part".into(),
+            )),
+            (None, Some(_)) => Err(EngineError::Graft(
+                "a windowed part for a store whose layers share their pools".into(),
+            )),
+        }
+    }
+
+    /// One group's part of a step against its pools: `sealed` sealed and
+    /// `own` tail blocks (the scratch after them). With a `window`, a view
+    /// may name [`GraftStep::RELEASED`] for blocks wholly before its first
+    /// query's window.
+    fn check_part(
+        &self,
+        batch: &Batch,
+        step: &GraftStep,
+        sealed: usize,
+        own: usize,
+        window: usize,
+    ) -> Result<(), EngineError> {
+        let bad = |why: String| Err(EngineError::Graft(why));
         let tail = own + self.scratch_blocks();
         if step.writes.len() != batch.len() {
             return bad(format!(
@@ -1265,8 +1387,28 @@ impl<'m> GraftedContext<'m> {
                 ));
             }
             next = q.tokens.end;
-            if q.kv.sealed.iter().any(|&b| b as usize >= sealed)
-                || q.kv.tail.iter().any(|&b| b as usize >= tail)
+            // Blocks before `unread` lie wholly before the first query's
+            // window.
+            let first = q.kv.len.saturating_sub(q.tokens.len());
+            let unread = if window == 0 {
+                0
+            } else {
+                (first + 1).saturating_sub(window) / t
+            };
+            let ok = |i: usize, b: u32, cap: usize| {
+                (b as usize) < cap || (b == GraftStep::RELEASED && i < unread)
+            };
+            let n_sealed = q.kv.sealed.len();
+            if q.kv
+                .sealed
+                .iter()
+                .enumerate()
+                .any(|(i, &b)| !ok(i, b, sealed))
+                || q.kv
+                    .tail
+                    .iter()
+                    .enumerate()
+                    .any(|(i, &b)| !ok(n_sealed + i, b, tail))
             {
                 return bad(format!(
                     "query run {:?} names blocks outside the store",
@@ -1360,7 +1502,14 @@ impl<'m> GraftedContext<'m> {
         }
         self.raw.batch.n_tokens = batch.len() as i32;
         let own_tail = self.state.own_tail;
-        self.state.step_writes_scratch = step.writes.iter().any(|&(b, _)| b as usize >= own_tail);
+        let scratch =
+            |part: &GraftStep, own: usize| part.writes.iter().any(|&(b, _)| b as usize >= own);
+        self.state.step_writes_scratch = [
+            scratch(&step, own_tail[0]),
+            step.windowed
+                .as_deref()
+                .is_some_and(|w| scratch(w, own_tail[1])),
+        ];
         self.state.step = step;
         self.state.n_tokens = batch.len();
         self.state.layers_done = 0;
@@ -1426,9 +1575,21 @@ impl<'m> GraftedContext<'m> {
         &self.state.tapped
     }
 
+    /// An error for what names blocks of every layer alike, where windowed
+    /// layers keep pools of their own.
+    fn one_group(&self, what: &str) -> Result<(), EngineError> {
+        match self.windowed_capacity {
+            None => Ok(()),
+            Some(_) => Err(EngineError::Graft(format!(
+                "{what} is not supported where windowed layers keep pools of their own"
+            ))),
+        }
+    }
+
     /// Copies tail rows in every layer, between decodes (a token tree's kept
     /// branch into its request's blocks), in order.
     pub fn copy_rows(&mut self, copies: &[RowCopy]) -> Result<(), EngineError> {
+        self.one_group("copies of rows between decodes")?;
         let (_, tail) = self.capacity();
         check_copies(copies, tail, self.layout.block_tokens)?;
         for pages in self
@@ -1449,6 +1610,7 @@ impl<'m> GraftedContext<'m> {
 
     /// Copies `blocks` of every layer into host memory (a swapped-out sequence).
     pub fn save_blocks(&self, blocks: &[StoreBlock]) -> Result<SavedBlocks, EngineError> {
+        self.one_group("saving blocks")?;
         let mut bytes = Vec::new();
         for (il, store) in self.state.layers.iter().enumerate() {
             let pages = match store {
@@ -1483,6 +1645,7 @@ impl<'m> GraftedContext<'m> {
         saved: &SavedBlocks,
         blocks: &[StoreBlock],
     ) -> Result<(), EngineError> {
+        self.one_group("restoring blocks")?;
         let kinds: Vec<bool> = blocks
             .iter()
             .map(|b| matches!(b, StoreBlock::Sealed(_)))

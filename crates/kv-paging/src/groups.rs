@@ -419,6 +419,7 @@ impl KvGroups {
             let ws = w.stats();
             s.windowed_free_blocks = ws.free_blocks;
             s.windowed_used_blocks = ws.used_blocks;
+            s.windowed_used_sealed_blocks = ws.used_sealed_blocks;
         }
         s
     }

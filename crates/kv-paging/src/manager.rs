@@ -307,6 +307,8 @@ pub struct CacheStats {
     pub windowed_free_blocks: usize,
     /// The windowed group's referenced blocks.
     pub windowed_used_blocks: usize,
+    /// The windowed group's referenced sealed blocks.
+    pub windowed_used_sealed_blocks: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -1464,6 +1466,7 @@ impl KvCacheManager {
             used_sealed_blocks: used_sealed,
             windowed_free_blocks: 0,
             windowed_used_blocks: 0,
+            windowed_used_sealed_blocks: 0,
         }
     }
 

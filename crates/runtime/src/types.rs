@@ -53,6 +53,13 @@ pub struct RuntimeConfig {
     /// name `DeviceAttention::Emulated` (feature `cuda-emu`) to serve some
     /// layers' store and attention on the CUDA emulator.
     pub device_attention: Option<siliceo_engine::DeviceAttention>,
+    /// Keep every block of the layers with a sliding window, as the global
+    /// layers do (llama.cpp's `--swa-full`). Off by default: with our store,
+    /// where the layers are alike in shape, the store is on the host and no
+    /// token trees are drafted, the windowed layers keep pools of their own
+    /// holding a window's worth per running sequence (and as much again for
+    /// cached prefixes), and release the blocks their window has passed.
+    pub swa_full: bool,
 }
 
 /// Where a runtime keeps KV.
@@ -111,6 +118,7 @@ impl RuntimeConfig {
             speculative: None,
             constraint_overlap: true,
             device_attention: None,
+            swa_full: false,
         }
     }
 }
@@ -475,6 +483,9 @@ pub struct RuntimeInfo {
     /// Each layer's sliding attention window in tokens (0 = the whole
     /// context; empty where the build does not know the model's windows).
     pub attention_windows: Vec<usize>,
+    /// The windowed layers' own pools, where they keep them
+    /// ([`RuntimeConfig::swa_full`] off).
+    pub windowed_pools: Option<crate::WindowedPools>,
 }
 
 impl RuntimeInfo {
@@ -515,6 +526,11 @@ pub struct RuntimeStats {
     pub kv_shared_blocks: usize,
     /// Referenced sealed (quantized) blocks, a part of `kv_used_blocks`.
     pub kv_used_sealed_blocks: usize,
+    /// The windowed layers' own blocks referenced ([`RuntimeInfo::windowed_pools`];
+    /// not in `kv_used_blocks`).
+    pub kv_windowed_used_blocks: usize,
+    /// The windowed layers' own blocks free (cached ones included).
+    pub kv_windowed_free_blocks: usize,
     /// Prompt tokens served from the prefix cache so far.
     pub prefix_hit_tokens: u64,
     /// Prompt tokens computed because the cache did not have them.

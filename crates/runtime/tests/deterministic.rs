@@ -130,15 +130,94 @@ fn usage_of(done: &Event) -> siliceo_runtime::Usage {
     }
 }
 
-/// Nothing running, no block held, and the store's books agree.
+/// Nothing running, no block held (in either group), and the store's books
+/// agree.
 fn assert_clean(rt: &Runtime) {
     let s = rt.stats().unwrap();
     assert_eq!(
-        (s.running, s.kv_used_blocks, s.seq_ids_in_use),
-        (0, 0, 0),
+        (
+            s.running,
+            s.kv_used_blocks,
+            s.kv_windowed_used_blocks,
+            s.seq_ids_in_use
+        ),
+        (0, 0, 0, 0),
         "{s:?}"
     );
     rt.check_kv().unwrap();
+}
+
+/// A request's tokens, their log-probabilities and its usage.
+fn with_logprobs(
+    stream: siliceo_runtime::RequestStream,
+) -> (
+    Vec<TokenId>,
+    Vec<siliceo_runtime::TokenLogprob>,
+    siliceo_runtime::Usage,
+) {
+    let (mut tokens, mut logprobs) = (Vec::new(), Vec::new());
+    let mut stream = stream;
+    while let Some(e) = stream.blocking_next() {
+        match e {
+            Event::Text {
+                tokens: t,
+                logprobs: l,
+                ..
+            } => {
+                tokens.extend(t);
+                logprobs.extend(l);
+            }
+            Event::Prompt { .. } => {}
+            done @ Event::Done { .. } => return (tokens, logprobs, usage_of(&done)),
+        }
+    }
+    panic!("a stream without Done");
+}
+
+/// Gemma 3's windowed layers keep pools of their own (the default): a
+/// sequence of over three windows, in pools of 22 blocks that cannot hold its 30,
+/// releases the blocks its window passed, and its log-probabilities are bit
+/// for bit those of the store keeping every block (`swa_full`, llama.cpp's
+/// `--swa-full`); the same prompt again is served from the cache (the
+/// global layers' blocks and the windowed layers' last window), exactly.
+#[test]
+fn gemma3_windowed_pools_release_blocks_and_keep_logprobs_exact() {
+    let long = ledgers().join("\n");
+    let request = || GenerateRequest {
+        logprobs: Some(4),
+        ..greedy(&long, 24)
+    };
+    let start = |swa_full: bool| {
+        let mut cfg = chunked(config_for(gemma()));
+        cfg.context.n_ctx = 4096;
+        cfg.scheduler.max_running_seqs = 1;
+        cfg.swa_full = swa_full;
+        Runtime::start(cfg).unwrap()
+    };
+    let full = start(true);
+    assert_eq!(full.info().windowed_pools, None);
+    let (want, want_lp, u) = with_logprobs(full.submit(request()).unwrap());
+    assert!(u.prompt_tokens > 3 * 512, "{u:?}");
+    assert_eq!(want_lp.len(), want.len());
+    drop(full);
+
+    let rt = start(false);
+    let pools = rt.info().windowed_pools.expect("windowed pools");
+    assert_eq!(pools.layers, (3, 15));
+    assert_eq!(pools.group.window.tokens, 512);
+    // (512 + 96) / 64 + 2 = 11 blocks per sequence, twice over.
+    assert_eq!(pools.group.num_blocks, 22);
+    let (tokens, lp, u) = with_logprobs(rt.submit(request()).unwrap());
+    assert_eq!(tokens, want, "windowed pools: other tokens");
+    assert_eq!(lp, want_lp, "windowed pools: other log-probabilities");
+    assert_eq!(u.cached_prompt_tokens, 0);
+    assert_clean(&rt);
+    // Again: all but the prompt's last token from the cache.
+    let (tokens, lp, u) = with_logprobs(rt.submit(request()).unwrap());
+    assert_eq!(u.cached_prompt_tokens, u.prompt_tokens - 1, "{u:?}");
+    assert_eq!(tokens, want, "after a prefix hit: other tokens");
+    assert_eq!(lp, want_lp, "after a prefix hit: other log-probabilities");
+    assert_clean(&rt);
 }
 
 fn gemma() -> PathBuf {
@@ -333,11 +412,18 @@ fn exact_through_batching_prefix_hits_preemption_and_trees(
     let gemma = || model.clone();
     let n = 48;
     let prompts = ledgers();
-    // Alone: a fresh runtime per prompt, nothing cached, nothing beside it.
+    // Alone: a fresh runtime per prompt, nothing cached, nothing beside it,
+    // every block of every layer kept (`swa_full`). The runs after it keep
+    // the windowed layers' blocks in pools of their own where the model's
+    // layers are alike (Gemma 3), and must not differ.
+    let full = || RuntimeConfig {
+        swa_full: true,
+        ..config_for(gemma())
+    };
     let alone: Vec<Vec<TokenId>> = prompts
         .iter()
         .map(|p| {
-            let rt = Runtime::start(config_for(gemma())).unwrap();
+            let rt = Runtime::start(full()).unwrap();
             let windows = &rt.info().attention_windows;
             assert_eq!(
                 windows.iter().filter(|&&w| w == windowed.1).count(),
@@ -357,6 +443,11 @@ fn exact_through_batching_prefix_hits_preemption_and_trees(
     // Together, chunked at other places (96-token steps), then again one at
     // a time after their prefixes are cached.
     let rt = Runtime::start(chunked(config_for(gemma()))).unwrap();
+    assert_eq!(
+        rt.info().windowed_pools.is_some(),
+        windowed.0 == 15,
+        "windowed pools for Gemma 3 (layers alike), none for the others"
+    );
     let batched = together(&rt, prompts.iter().map(|p| greedy(p, n)));
     for (i, tokens) in batched.iter().enumerate() {
         assert_eq!(tokens, &alone[i], "prompt {i}: batched output differs");
@@ -373,13 +464,18 @@ fn exact_through_batching_prefix_hits_preemption_and_trees(
     // A store of 1,536 tokens cannot hold the three at once: the third,
     // more urgent, comes once the first two hold the store, and one of them
     // is preempted and resumed, by swapping its blocks out and back
-    // (recompute_below 0) or by computing it again (usize::MAX).
+    // (recompute_below 0, every block kept: windowed pools are recomputed)
+    // or by computing it again (usize::MAX).
     let with_priority = |p: &str, priority| GenerateRequest {
         priority,
         ..greedy(p, n)
     };
     for recompute_below in [0usize, usize::MAX] {
-        let mut cfg = config_for(gemma());
+        let mut cfg = if recompute_below == 0 {
+            full()
+        } else {
+            config_for(gemma())
+        };
         cfg.context.n_ctx = 1536;
         cfg.prefix_caching = false;
         cfg.scheduler.recompute_below_tokens = recompute_below;

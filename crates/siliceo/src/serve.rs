@@ -124,6 +124,11 @@ pub struct ServeArgs {
     /// Turn prefix caching off.
     #[arg(long)]
     no_prefix_cache: bool,
+    /// Keep every block of the layers with a sliding window (Gemma 2/3,
+    /// gpt-oss), as llama.cpp's --swa-full does; by default they keep a
+    /// window's worth per sequence in pools of their own.
+    #[arg(long)]
+    swa_full: bool,
     /// Seconds in-flight streams get to finish on SIGINT/SIGTERM [default: 10].
     #[arg(long)]
     shutdown_grace_s: Option<u64>,
@@ -210,6 +215,7 @@ impl ServeArgs {
             batch_tokens: self.batch_tokens.or(file.batch_tokens),
             threads: self.threads.or(file.threads),
             no_prefix_cache: self.no_prefix_cache || file.no_prefix_cache,
+            swa_full: self.swa_full || file.swa_full,
             shutdown_grace_s: self.shutdown_grace_s.or(file.shutdown_grace_s),
             max_request_bytes: self.max_request_bytes.or(file.max_request_bytes),
             responses_store_mb: self.responses_store_mb.or(file.responses_store_mb),
@@ -354,6 +360,7 @@ fn configs(a: ServeArgs) -> Result<(RuntimeConfig, ServerConfig, Option<HttpConf
         bail!("--block-size must be at least 1");
     }
     rc.prefix_caching = !a.no_prefix_cache;
+    rc.swa_full = a.swa_full;
     if a.spec_ngram || a.draft_model.is_some() {
         rc.speculative = Some(speculative_config(
             a.draft_model.clone(),

@@ -75,6 +75,7 @@ fn context_on(
             llama_attention,
             q4_1_kernel,
             windows: None,
+            windowed_blocks: None,
         },
     )
     .unwrap();

@@ -81,6 +81,7 @@ fn grafted_on(
             llama_attention: false,
             q4_1_kernel: true,
             windows: None,
+            windowed_blocks: None,
         },
     )
     .unwrap();

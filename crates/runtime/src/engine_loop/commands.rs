@@ -127,9 +127,13 @@ impl Engine<'_> {
         let llama_cells = self.llama_cells();
         let kv_used_bytes = match &self.kv {
             super::kv::Kv::Graft(g) => {
-                let (sealed_b, open_b) = g.block_bytes();
+                let ((sealed_b, open_b), (w_sealed_b, w_open_b)) = g.block_bytes();
                 let open_used = (kv.used_blocks - kv.used_sealed_blocks) as u64;
-                open_used * open_b + kv.used_sealed_blocks as u64 * sealed_b
+                let w_open_used = (kv.windowed_used_blocks - kv.windowed_used_sealed_blocks) as u64;
+                open_used * open_b
+                    + kv.used_sealed_blocks as u64 * sealed_b
+                    + w_open_used * w_open_b
+                    + kv.windowed_used_sealed_blocks as u64 * w_sealed_b
             }
             super::kv::Kv::Llama(_) => 0,
         };
@@ -137,6 +141,8 @@ impl Engine<'_> {
             kv_used_bytes,
             kv_shared_blocks: kv.shared_blocks,
             kv_used_sealed_blocks: kv.used_sealed_blocks,
+            kv_windowed_used_blocks: kv.windowed_used_blocks,
+            kv_windowed_free_blocks: kv.windowed_free_blocks,
             waiting: s.waiting,
             running: s.running,
             kv_used_blocks: kv.used_blocks,

@@ -25,7 +25,7 @@
 use std::ops::Range;
 
 use siliceo_engine::{GraftQuery, GraftStep, RowCopy, SeqKv, StoreBlock};
-use siliceo_kv_paging::{BlockId, BlockOp, BlockSeal, KvGroups};
+use siliceo_kv_paging::{BlockId, BlockOp, BlockSeal, KvCacheManager, KvGroups};
 use siliceo_scheduler::StepItem;
 
 use super::kv::GraftKv;
@@ -55,7 +55,12 @@ pub(super) struct Branch {
 
 impl GraftKv<'_> {
     fn tail(&self, b: BlockId) -> Result<u32, RuntimeError> {
-        match self.store_block(b) {
+        self.tail_in(b, false)
+    }
+
+    /// The tail block behind `b` of a group.
+    fn tail_in(&self, b: BlockId, windowed: bool) -> Result<u32, RuntimeError> {
+        match self.store_block_in(b, windowed) {
             StoreBlock::Tail(i) => Ok(i),
             StoreBlock::Sealed(_) => Err(RuntimeError::Engine(format!(
                 "block {} is sealed where an open block was expected",
@@ -64,8 +69,9 @@ impl GraftKv<'_> {
         }
     }
 
-    fn sealed(&self, b: BlockId) -> Result<u32, RuntimeError> {
-        match self.store_block(b) {
+    /// The sealed block behind `b` of a group.
+    fn sealed_in(&self, b: BlockId, windowed: bool) -> Result<u32, RuntimeError> {
+        match self.store_block_in(b, windowed) {
             StoreBlock::Sealed(i) => Ok(i),
             StoreBlock::Tail(_) => Err(RuntimeError::Engine(format!(
                 "block {} is open where a sealed block was expected",
@@ -139,7 +145,8 @@ impl GraftKv<'_> {
             .map_err(|e| RuntimeError::Engine(e.to_string()))
     }
 
-    /// Fills `g` for the runs of a step.
+    /// Fills `g` for the runs of a step: the global group's part, and the
+    /// windowed group's where there is one.
     pub(super) fn build_step(
         &self,
         kv: &KvGroups,
@@ -147,10 +154,34 @@ impl GraftKv<'_> {
         runs: &[Run],
         g: &mut GraftStep,
     ) -> Result<(), RuntimeError> {
+        let mut windowed = g.windowed.take();
         g.clear();
+        self.build_part(kv.global(), false, items, runs, g)?;
+        if let Some(w) = kv.windowed() {
+            let part = windowed.get_or_insert_default();
+            part.clear();
+            self.build_part(w, true, items, runs, part)?;
+            g.windowed = windowed;
+        }
+        Ok(())
+    }
+
+    /// One group's part of a step, from its manager `kv` (`windowed`: the
+    /// windowed group's, whose views name [`GraftStep::RELEASED`] for the
+    /// blocks its window released).
+    fn build_part(
+        &self,
+        kv: &KvCacheManager,
+        windowed: bool,
+        items: &[StepItem],
+        runs: &[Run],
+        g: &mut GraftStep,
+    ) -> Result<(), RuntimeError> {
         let t = self.block_size;
         let cfg = kv.config();
-        let mut scratch = self.scratch.clone();
+        let mut scratch = self.scratch_of(windowed);
+        let tail_of = |b: BlockId| self.tail_in(b, windowed);
+        let sealed_of = |b: BlockId| self.sealed_in(b, windowed);
         for run in runs {
             let item = &items[run.item];
             let table = kv.block_table(item.handle);
@@ -158,15 +189,17 @@ impl GraftKv<'_> {
                 .ops
                 .iter()
                 .filter_map(|op| match op {
-                    BlockOp::Seal(s) => Some(*s),
-                    BlockOp::Copy(_) => None,
+                    BlockOp::Seal(s) if s.windowed == windowed => Some(*s),
+                    _ => None,
                 })
                 .collect();
             for op in &item.ops {
-                if let BlockOp::Copy(c) = op {
+                if let BlockOp::Copy(c) = op
+                    && c.windowed == windowed
+                {
                     g.copies.push(RowCopy {
-                        src: self.tail(c.src)?,
-                        dst: self.tail(c.dst)?,
+                        src: tail_of(c.src)?,
+                        dst: tail_of(c.dst)?,
                         rows: 0..c.tokens,
                     });
                 }
@@ -175,20 +208,21 @@ impl GraftKv<'_> {
             let mut open_of: Vec<(usize, u32)> = Vec::with_capacity(seals.len());
             for s in &seals {
                 let tail = match s.src {
-                    Some(b) => self.tail(b)?,
+                    Some(b) => tail_of(b)?,
                     None => scratch.next().ok_or_else(|| {
                         RuntimeError::Engine("the step's scratch blocks ran out".into())
                     })?,
                 };
                 open_of.push((s.index, tail));
                 if s.encode {
-                    g.seals.push((tail, self.sealed(s.dst)?));
+                    g.seals.push((tail, sealed_of(s.dst)?));
                 }
             }
             let open = |i: usize| -> Result<u32, RuntimeError> {
                 match open_of.iter().find(|(j, _)| *j == i) {
                     Some(&(_, b)) => Ok(b),
-                    None => self.tail(table[i]),
+                    None if table[i] == BlockId::NONE => Ok(GraftStep::RELEASED),
+                    None => tail_of(table[i]),
                 }
             };
             let start = item.start_pos;
@@ -213,8 +247,10 @@ impl GraftKv<'_> {
                     len: b,
                 };
                 for (i, &block) in table.iter().enumerate().take(b.div_ceil(t)) {
-                    if i < sealed_n {
-                        kv_view.sealed.push(self.sealed(block)?);
+                    if block == BlockId::NONE && i < sealed_n {
+                        kv_view.sealed.push(GraftStep::RELEASED);
+                    } else if i < sealed_n {
+                        kv_view.sealed.push(sealed_of(block)?);
                     } else {
                         kv_view.tail.push(open(i)?);
                     }
@@ -232,7 +268,13 @@ impl GraftKv<'_> {
                 });
                 a = b;
             }
-            // A token tree's later branches, after the decode token.
+            // A token tree's later branches, after the decode token (never
+            // with a windowed group: start-up turns trees off then).
+            if windowed && !run.branches.is_empty() {
+                return Err(RuntimeError::Engine(
+                    "token-tree branches with a windowed group of blocks".into(),
+                ));
+            }
             let pos = (start + item.tokens.len()).saturating_sub(1);
             for br in &run.branches {
                 let span = self.branch_span(pos, br.batch.len());
@@ -271,7 +313,7 @@ impl GraftKv<'_> {
                 };
                 for (i, &block) in table.iter().enumerate().take(span.start) {
                     if i < sealed_n {
-                        kv_view.sealed.push(self.sealed(block)?);
+                        kv_view.sealed.push(sealed_of(block)?);
                     } else {
                         kv_view.tail.push(open(i)?);
                     }

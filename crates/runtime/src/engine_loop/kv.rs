@@ -42,6 +42,9 @@ pub(crate) struct GraftKv<'m> {
     pub(crate) scratch: std::ops::Range<u32>,
     pub(crate) block_size: usize,
     pub(crate) config: KvConfig,
+    /// The windowed layers' own pools, where they keep them: their sealed
+    /// ids' base and their scratch blocks (after their open ones).
+    pub(crate) windowed: Option<(u32, std::ops::Range<u32>)>,
 }
 
 impl<'m> GraftKv<'m> {
@@ -55,21 +58,46 @@ impl<'m> GraftKv<'m> {
             branches,
             block_size: config.block_size as usize,
             config: *config,
+            windowed: config.windowed.map(|w| {
+                (
+                    w.num_blocks,
+                    w.num_blocks..w.num_blocks + plan.scratch_blocks,
+                )
+            }),
         }
     }
 
-    /// Bytes of one (sealed, open) block over all layers.
-    pub(crate) fn block_bytes(&self) -> (u64, u64) {
-        let (sealed, open) = self.ctx.block_bytes();
-        (sealed as u64, open as u64)
+    /// Bytes of one (sealed, open) block over the global group's layers,
+    /// and over the windowed group's (0 without one).
+    pub(crate) fn block_bytes(&self) -> ((u64, u64), (u64, u64)) {
+        let ((s, o), (ws, wo)) = self.ctx.block_bytes_by_group();
+        ((s as u64, o as u64), (ws as u64, wo as u64))
     }
 
-    /// The store block behind a kv-paging block id.
+    /// The store block behind a kv-paging block id of the global group.
     pub(crate) fn store_block(&self, b: BlockId) -> StoreBlock {
-        if self.config.sealing.is_some() && b.0 >= self.sealed_base {
-            StoreBlock::Sealed(b.0 - self.sealed_base)
+        self.store_block_in(b, false)
+    }
+
+    /// The store block behind a kv-paging block id of the global group or
+    /// (`windowed`) the windowed one.
+    pub(crate) fn store_block_in(&self, b: BlockId, windowed: bool) -> StoreBlock {
+        let base = match (windowed, &self.windowed) {
+            (true, Some((base, _))) => *base,
+            _ => self.sealed_base,
+        };
+        if self.config.sealing.is_some() && b.0 >= base {
+            StoreBlock::Sealed(b.0 - base)
         } else {
             StoreBlock::Tail(b.0)
+        }
+    }
+
+    /// A group's scratch blocks.
+    pub(crate) fn scratch_of(&self, windowed: bool) -> std::ops::Range<u32> {
+        match (windowed, &self.windowed) {
+            (true, Some((_, scratch))) => scratch.clone(),
+            _ => self.scratch.clone(),
         }
     }
 }

@@ -12,7 +12,7 @@ use siliceo_engine::{
 use siliceo_kv_paging::planner::{
     LayerBlocks, StoreInput, StorePlan, StoreSize, StoreSplit, plan_store,
 };
-use siliceo_kv_paging::{CacheKeys, KvConfig, Sealing};
+use siliceo_kv_paging::{CacheKeys, KvConfig, Sealing, Window, WindowedGroup};
 use siliceo_scheduler::Scheduler;
 
 use super::holders::Holders;
@@ -119,6 +119,78 @@ pub fn store_split(
         })
         .collect();
     Ok(plan.split_layers(&blocks))
+}
+
+/// The windowed layers' own pools ([`RuntimeConfig::swa_full`] off).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowedPools {
+    /// The windowed layers' window, and what kv-paging sizes by.
+    pub group: WindowedGroup,
+    /// Layers in the global group, and in the windowed one.
+    pub layers: (usize, usize),
+    /// Bytes of the windowed layers' pools (in host memory).
+    pub bytes: u64,
+}
+
+/// Whether and how the windowed layers of a model whose layers keep
+/// `layers` and see `windows` (0: the whole context) keep pools of their
+/// own: layers alike in shape, one window, some global layers, the store on
+/// the host, no token trees (`branch_blocks` 0). Per running sequence a
+/// window and a step's appends, twice over (the second half for cached
+/// prefixes' windows).
+#[allow(clippy::too_many_arguments)]
+pub fn windowed_pools(
+    layers: &[siliceo_core::LayerKv],
+    windows: &[usize],
+    format: &KvFormat,
+    block_size: u32,
+    max_running: u32,
+    max_batch_tokens: u32,
+    branch_blocks: u32,
+    on_host: bool,
+) -> Result<Option<WindowedPools>, RuntimeError> {
+    let n_windowed = windows.iter().filter(|&&w| w > 0).count();
+    let mut ws: Vec<usize> = windows.iter().copied().filter(|&w| w > 0).collect();
+    ws.dedup();
+    if !on_host
+        || branch_blocks > 0
+        || ws.len() != 1
+        || n_windowed == layers.len()
+        || windows.len() != layers.len()
+        || !siliceo_engine::layers_alike(layers)
+    {
+        return Ok(None);
+    }
+    let window = Window {
+        tokens: ws[0] as u32,
+        margin: 0,
+        max_append: max_batch_tokens,
+    };
+    let mut layout = format
+        .layout(layers[0].kv_heads, layers[0].head_dim)
+        .map_err(|e| RuntimeError::Start(e.to_string()))?;
+    layout.block_tokens = block_size as usize;
+    let per_seq = |tokens: u32| tokens as usize / block_size as usize + 2;
+    let open = per_seq(window.tokens + window.max_append);
+    let sealed = if layout.full_precision() {
+        0
+    } else {
+        per_seq((window.tokens + window.max_append).saturating_sub(layout.tail_tokens as u32))
+    };
+    let running = max_running.max(1) as usize;
+    let group = WindowedGroup {
+        num_blocks: (2 * running * open) as u32,
+        sealed_blocks: (2 * running * sealed) as u32,
+        window,
+    };
+    let bytes = n_windowed as u64
+        * (u64::from(group.num_blocks) * layout.tail_block_bytes() as u64
+            + u64::from(group.sealed_blocks) * layout.block_bytes() as u64);
+    Ok(Some(WindowedPools {
+        group,
+        layers: (layers.len() - n_windowed, n_windowed),
+        bytes,
+    }))
 }
 
 /// Block size, most running sequences and most tokens per step, as the
@@ -351,6 +423,7 @@ impl<'m> Engine<'m> {
         let start = |e: siliceo_engine::EngineError| RuntimeError::Start(e.to_string());
         let (bs, max_running, max_batch_tokens) = step_limits(cfg);
         let n_batch = cfg.context.n_batch.max(1);
+        let mut pools_kept = None;
         let (kv, kv_config, max_seq_len, kv_format, store, store_split) = match &cfg.kv {
             KvBackend::Llama => {
                 let n_holders = if cfg.prefix_caching {
@@ -390,7 +463,62 @@ impl<'m> Engine<'m> {
                 let layer_kv = model
                     .layer_kv()
                     .unwrap_or_else(|| model.geometry().alike_layers());
-                let (input, plan) = our_store_plan(cfg, &layer_kv, format, *size)?;
+                let device = cfg
+                    .device_attention
+                    .clone()
+                    .unwrap_or_else(|| DeviceAttention::for_model(model));
+                let on_host = device == DeviceAttention::Host
+                    || (device == DeviceAttention::Cuda && model.offloaded_layers().is_empty());
+                let branch = cfg
+                    .speculative
+                    .as_ref()
+                    .map_or(0, |s| s.tree_branch_blocks(bs, max_running));
+                let windowed = if cfg.swa_full {
+                    None
+                } else {
+                    windowed_pools(
+                        &layer_kv,
+                        &model.attention_windows().unwrap_or_default(),
+                        format,
+                        bs,
+                        max_running,
+                        max_batch_tokens,
+                        branch,
+                        on_host,
+                    )?
+                };
+                // With windowed pools, the global layers' store is planned
+                // as asked (a budget less the windowed pools' bytes).
+                let (global_layers, size) = match windowed {
+                    None => (&layer_kv[..], *size),
+                    Some(w) => {
+                        let size = match size {
+                            Some(StoreSize::Budget(b)) if *b <= w.bytes => {
+                                return Err(RuntimeError::Start(format!(
+                                    "KV store: a budget of {b} bytes leaves nothing for the \
+                                     global layers once the windowed layers' pools take {} \
+                                     (--swa-full plans all layers alike)",
+                                    w.bytes
+                                )));
+                            }
+                            Some(StoreSize::Budget(b)) => Some(StoreSize::Budget(b - w.bytes)),
+                            other => *other,
+                        };
+                        (&layer_kv[..w.layers.0], size)
+                    }
+                };
+                let (input, plan) = our_store_plan(cfg, global_layers, format, size)?;
+                pools_kept = windowed;
+                if let Some(w) = windowed {
+                    tracing::info!(
+                        window = w.group.window.tokens,
+                        windowed_layers = w.layers.1,
+                        open_blocks = w.group.num_blocks,
+                        sealed_blocks = w.group.sealed_blocks,
+                        bytes = w.bytes,
+                        "the windowed layers keep pools of their own (--swa-full keeps all blocks)"
+                    );
+                }
                 let ctx = GraftedContext::new(
                     model,
                     &GraftOptions {
@@ -404,14 +532,13 @@ impl<'m> Engine<'m> {
                         threads: cfg.context.n_threads,
                         kernel_threads: *kernel_threads,
                         copy_tensors: false,
-                        device: cfg
-                            .device_attention
-                            .clone()
-                            .unwrap_or_else(|| DeviceAttention::for_model(model)),
+                        device,
                         tap_layer: None,
                         llama_attention: false,
                         q4_1_kernel: true,
                         windows: None,
+                        windowed_blocks: windowed
+                            .map(|w| (w.group.sealed_blocks as usize, w.group.num_blocks as usize)),
                     },
                 )
                 .map_err(start)?;
@@ -420,7 +547,8 @@ impl<'m> Engine<'m> {
                 let on_device: Vec<usize> = (0..layer_kv.len())
                     .filter(|&il| ctx.kv_source(il) == il && ctx.layer(il).is_none())
                     .collect();
-                let split = store_split(&plan, &layer_kv, format, bs, &on_device)?;
+                let mut split = store_split(&plan, global_layers, format, bs, &on_device)?;
+                split.host_bytes += windowed.map_or(0, |w| w.bytes);
                 let (host, device) = (ctx.host_store_bytes(), ctx.device_store_bytes());
                 if (host as u64, device as u64) != (split.host_bytes, split.device_bytes) {
                     return Err(RuntimeError::Start(format!(
@@ -447,7 +575,7 @@ impl<'m> Engine<'m> {
                     }),
                     cache_partial: cfg.prefix_caching,
                     window: None,
-                    windowed: None,
+                    windowed: windowed.map(|w| w.group),
                 };
                 let kv = Kv::Graft(GraftKv::new(ctx, plan, &kv_config));
                 (
@@ -502,6 +630,7 @@ impl<'m> Engine<'m> {
             prefix_caching: kv_config.prefix_caching,
             speculative: cfg.speculative.clone(),
             attention_windows: model.attention_windows().unwrap_or_default(),
+            windowed_pools: pools_kept,
         };
         let engine = Engine {
             model,

@@ -204,6 +204,7 @@ fn options(
         llama_attention: false,
         q4_1_kernel: true,
         windows,
+        windowed_blocks: None,
     }
 }
 
