@@ -54,7 +54,9 @@ pub use types::{
     RuntimeError, RuntimeInfo, RuntimeStats, SchedulerLoad, SpeculativeConfig, TokenLogprob, Usage,
 };
 
-pub use engine_loop::{WindowedPools, store_plan, store_split, windowed_pools};
+pub use engine_loop::{
+    WindowedPools, plan_windowed_store, store_plan, store_split, windowed_pools,
+};
 pub use siliceo_chat::{
     CallParser, CallPiece, ChatEnd, ChatTemplate, HarmonyReader, Message, OutputRouter,
     ParsedOutput, Routed, Split, THINK_CLOSE, THINK_OPEN, ThinkSplitter, ThinkTags, Tool, ToolCall,

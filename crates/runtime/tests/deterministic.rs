@@ -175,7 +175,7 @@ fn with_logprobs(
 }
 
 /// Gemma 3's windowed layers keep pools of their own (the default): a
-/// sequence of over three windows, in pools of 22 blocks that cannot hold its 30,
+/// sequence of over three windows, in pools of 19 sealed blocks that cannot hold its 30,
 /// releases the blocks its window passed, and its log-probabilities are bit
 /// for bit those of the store keeping every block (`swa_full`, llama.cpp's
 /// `--swa-full`); the same prompt again is served from the cache (the
@@ -205,8 +205,10 @@ fn gemma3_windowed_pools_release_blocks_and_keep_logprobs_exact() {
     let pools = rt.info().windowed_pools.expect("windowed pools");
     assert_eq!(pools.layers, (3, 15));
     assert_eq!(pools.group.window.tokens, 512);
-    // (512 + 96) / 64 + 2 = 11 blocks per sequence, twice over.
-    assert_eq!(pools.group.num_blocks, 22);
+    // In KV8 (sealed as soon as full) a sequence holds at most
+    // (512 + 96) / 64 + 2 = 11 sealed blocks and 96 / 64 + 2 = 3 open ones;
+    // and a window (8) more sealed ones for cached prefixes.
+    assert_eq!((pools.group.num_blocks, pools.group.sealed_blocks), (3, 19));
     let (tokens, lp, u) = with_logprobs(rt.submit(request()).unwrap());
     assert_eq!(tokens, want, "windowed pools: other tokens");
     assert_eq!(lp, want_lp, "windowed pools: other log-probabilities");
@@ -442,7 +444,12 @@ fn exact_through_batching_prefix_hits_preemption_and_trees(
 
     // Together, chunked at other places (96-token steps), then again one at
     // a time after their prefixes are cached.
-    let rt = Runtime::start(chunked(config_for(gemma()))).unwrap();
+    // (Three running in 8,192 tokens: windowed pools take less than every
+    // block in each windowed layer would.)
+    let mut cfg = chunked(config_for(gemma()));
+    cfg.context.n_ctx = 8192;
+    cfg.scheduler.max_running_seqs = 3;
+    let rt = Runtime::start(cfg).unwrap();
     assert_eq!(
         rt.info().windowed_pools.is_some(),
         windowed.0 == 15,

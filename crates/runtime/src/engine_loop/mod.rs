@@ -41,7 +41,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::{Event, Usage};
 
 pub(crate) use startup::{Started, run};
-pub use startup::{WindowedPools, store_plan, store_split, windowed_pools};
+pub use startup::{WindowedPools, plan_windowed_store, store_plan, store_split, windowed_pools};
 
 use constrained::{Constrained, MaskStats};
 use kv::{Kv, Saved};

@@ -133,11 +133,11 @@ pub struct WindowedPools {
 }
 
 /// Whether and how the windowed layers of a model whose layers keep
-/// `layers` and see `windows` (0: the whole context) keep pools of their
-/// own: layers alike in shape, one window, some global layers, the store on
-/// the host, no token trees (`branch_blocks` 0). Per running sequence a
-/// window and a step's appends, twice over (the second half for cached
-/// prefixes' windows).
+/// `layers` and see `windows` (0: the whole context) can keep pools of
+/// their own: layers alike in shape, one window, some global layers, the
+/// store on the host, no token trees (`branch_blocks` 0). Per running
+/// sequence what it may hold at once (a window and a step's appends), and a
+/// window more for cached prefixes.
 #[allow(clippy::too_many_arguments)]
 pub fn windowed_pools(
     layers: &[siliceo_core::LayerKv],
@@ -170,17 +170,26 @@ pub fn windowed_pools(
         .layout(layers[0].kv_heads, layers[0].head_dim)
         .map_err(|e| RuntimeError::Start(e.to_string()))?;
     layout.block_tokens = block_size as usize;
-    let per_seq = |tokens: u32| tokens as usize / block_size as usize + 2;
-    let open = per_seq(window.tokens + window.max_append);
-    let sealed = if layout.full_precision() {
-        0
+    let bs = block_size as usize;
+    let held = |tokens: u32| tokens as usize / bs + 2;
+    let tail = layout.tail_tokens as u32;
+    let w = window.tokens;
+    let (open, sealed) = if layout.full_precision() {
+        (held(w + window.max_append) + (w as usize).div_ceil(bs), 0)
     } else {
-        per_seq((window.tokens + window.max_append).saturating_sub(layout.tail_tokens as u32))
+        // Open: the tail and a step's appends (the rest is sealed), at most
+        // the window's worth.
+        (
+            held(w + window.max_append).min(held(tail + window.max_append))
+                + (w.min(tail) as usize).div_ceil(bs),
+            held((w + window.max_append).saturating_sub(tail))
+                + (w.saturating_sub(tail) as usize).div_ceil(bs),
+        )
     };
     let running = max_running.max(1) as usize;
     let group = WindowedGroup {
-        num_blocks: (2 * running * open) as u32,
-        sealed_blocks: (2 * running * sealed) as u32,
+        num_blocks: (running * open) as u32,
+        sealed_blocks: (running * sealed) as u32,
         window,
     };
     let bytes = n_windowed as u64
@@ -191,6 +200,72 @@ pub fn windowed_pools(
         layers: (layers.len() - n_windowed, n_windowed),
         bytes,
     }))
+}
+
+/// The store of our format for a model whose layers keep `layers` and see
+/// `windows`: with the windowed layers in pools of their own
+/// ([`windowed_pools`]) where that holds more tokens in a budget, or the
+/// same tokens in fewer bytes, than keeping every block of every layer
+/// (`swa_full`, or what [`store_plan`] plans for all layers). The plan is
+/// the global layers' then (or all layers').
+#[allow(clippy::too_many_arguments)]
+pub fn plan_windowed_store(
+    layers: &[siliceo_core::LayerKv],
+    windows: &[usize],
+    format: &KvFormat,
+    size: StoreSize,
+    block_size: u32,
+    max_running: u32,
+    max_batch_tokens: u32,
+    branch_blocks: u32,
+    on_host: bool,
+    swa_full: bool,
+) -> Result<(StoreInput, StorePlan, Option<WindowedPools>), RuntimeError> {
+    let plan = |layers: &[siliceo_core::LayerKv], size| {
+        store_plan(
+            layers,
+            format,
+            size,
+            block_size,
+            max_running,
+            max_batch_tokens,
+            branch_blocks,
+        )
+    };
+    let (input, full) = plan(layers, size)?;
+    let candidate = if swa_full {
+        None
+    } else {
+        windowed_pools(
+            layers,
+            windows,
+            format,
+            block_size,
+            max_running,
+            max_batch_tokens,
+            branch_blocks,
+            on_host,
+        )?
+    };
+    let Some(w) = candidate else {
+        return Ok((input, full, None));
+    };
+    let global = &layers[..w.layers.0];
+    let better = match size {
+        StoreSize::Budget(b) if b > w.bytes => match plan(global, StoreSize::Budget(b - w.bytes)) {
+            Ok((gi, gp)) => (gp.tokens > full.tokens).then_some((gi, gp)),
+            Err(_) => None,
+        },
+        StoreSize::Budget(_) => None,
+        StoreSize::Tokens(_) => {
+            let (gi, gp) = plan(global, size)?;
+            (gp.bytes + w.bytes < full.bytes).then_some((gi, gp))
+        }
+    };
+    Ok(match better {
+        Some((gi, gp)) => (gi, gp, Some(w)),
+        None => (input, full, None),
+    })
 }
 
 /// Block size, most running sequences and most tokens per step, as the
@@ -473,41 +548,21 @@ impl<'m> Engine<'m> {
                     .speculative
                     .as_ref()
                     .map_or(0, |s| s.tree_branch_blocks(bs, max_running));
-                let windowed = if cfg.swa_full {
-                    None
-                } else {
-                    windowed_pools(
-                        &layer_kv,
-                        &model.attention_windows().unwrap_or_default(),
-                        format,
-                        bs,
-                        max_running,
-                        max_batch_tokens,
-                        branch,
-                        on_host,
-                    )?
-                };
-                // With windowed pools, the global layers' store is planned
-                // as asked (a budget less the windowed pools' bytes).
-                let (global_layers, size) = match windowed {
-                    None => (&layer_kv[..], *size),
-                    Some(w) => {
-                        let size = match size {
-                            Some(StoreSize::Budget(b)) if *b <= w.bytes => {
-                                return Err(RuntimeError::Start(format!(
-                                    "KV store: a budget of {b} bytes leaves nothing for the \
-                                     global layers once the windowed layers' pools take {} \
-                                     (--swa-full plans all layers alike)",
-                                    w.bytes
-                                )));
-                            }
-                            Some(StoreSize::Budget(b)) => Some(StoreSize::Budget(b - w.bytes)),
-                            other => *other,
-                        };
-                        (&layer_kv[..w.layers.0], size)
-                    }
-                };
-                let (input, plan) = our_store_plan(cfg, global_layers, format, size)?;
+                let (input, plan, windowed) = plan_windowed_store(
+                    &layer_kv,
+                    &model.attention_windows().unwrap_or_default(),
+                    format,
+                    size.unwrap_or(StoreSize::Tokens(u64::from(cfg.context.n_ctx))),
+                    bs,
+                    max_running,
+                    max_batch_tokens,
+                    branch,
+                    on_host,
+                    cfg.swa_full,
+                )?;
+                // The plan is the global layers' where the windowed ones
+                // keep pools of their own.
+                let global_layers = &layer_kv[..windowed.map_or(layer_kv.len(), |w| w.layers.0)];
                 pools_kept = windowed;
                 if let Some(w) = windowed {
                     tracing::info!(
