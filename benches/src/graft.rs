@@ -291,79 +291,120 @@ pub fn graft(b: &GraftBench) -> Result<()> {
     Ok(())
 }
 
-/// How many 2,048-token sequences a 256 MiB KV budget holds: llama.cpp's
-/// cache (its bytes per token) against our store (its planner, which is what
-/// it allocates), checked by running that many at once on our store.
+/// How many sequences of 2,048 and of 16,384 tokens a 256 MiB KV budget
+/// holds: llama.cpp's cache (its bytes per token) against our store (its
+/// planner, which is what it allocates), checked by running that many of
+/// 2,048 at once on our store. For a model with sliding windows, our store
+/// both keeping every block (`--swa-full`) and with the windowed layers in
+/// pools of their own (the default, where it holds more), and llama.cpp's
+/// windowed cache as llama-server sizes it by default (an estimate).
 fn capacity(path: &Path, model: &Model) -> Result<()> {
     const BUDGET: u64 = 256 << 20;
-    const SEQ: u64 = 2048;
     let g = model.geometry();
-    println!();
-    println!("KV budget of 256 MiB, sequences of 2,048 tokens:");
-    println!();
-    println!("| KV | bytes per token | sequences |");
-    println!("|---|---:|---:|");
-    for (k, v) in [
-        (KvType::F16, KvType::F16),
-        (KvType::Q8_0, KvType::Q8_0),
-        (KvType::Q5_1, KvType::Q4_0),
-    ] {
-        let per = g.kv_bytes_per_token(k, v);
-        println!(
-            "| llama.cpp {k}/{v} | {per} | {} |",
-            BUDGET / per.max(1) / SEQ
-        );
-    }
-    let mut checked = None;
-    for f in ["f16", "kv8", "k5v4", "k5v4+tail64"] {
-        let format = KvFormat::parse(f)?;
-        // Sized for as many running sequences as the budget then holds.
-        let mut running = 1u32;
-        let mut plan = None;
-        loop {
-            match siliceo_runtime::store_plan(
-                &g.alike_layers(),
-                &format,
-                StoreSize::Budget(BUDGET),
-                64,
-                running,
-                512,
-                0,
-            ) {
-                Ok((_, p)) if p.tokens / SEQ >= u64::from(running) => {
-                    plan = Some(p);
-                    running += 1;
-                }
-                _ => break,
+    let layers = g.alike_layers();
+    let windows = model.attention_windows().unwrap_or_default();
+    let n_windowed = windows.iter().filter(|&&w| w > 0).count() as u64;
+    let window = windows.iter().copied().max().unwrap_or(0) as u64;
+    for seq in [2048u64, 16384] {
+        println!();
+        println!("KV budget of 256 MiB, sequences of {seq} tokens:");
+        println!();
+        println!("| KV | bytes per token | sequences |");
+        println!("|---|---:|---:|");
+        for (k, v) in [
+            (KvType::F16, KvType::F16),
+            (KvType::Q8_0, KvType::Q8_0),
+            (KvType::Q5_1, KvType::Q4_0),
+        ] {
+            let per = g.kv_bytes_per_token(k, v);
+            println!(
+                "| llama.cpp {k}/{v} | {per} | {} |",
+                BUDGET / per.max(1) / seq
+            );
+            if n_windowed > 0 {
+                // llama-server's default (`--swa-full` off): a windowed
+                // layer keeps the window per sequence plus one batch of
+                // 512 cells (llama.cpp's `n_swa * n_seq_max + n_ubatch`).
+                let layer = per / u64::from(g.n_layer);
+                let n_global = u64::from(g.n_layer) - n_windowed;
+                let shared = n_windowed * 512 * layer;
+                let each = layer * (n_global * seq + n_windowed * window.min(seq));
+                println!(
+                    "| llama.cpp {k}/{v}, --swa-full off (estimate, not run) | | {} |",
+                    BUDGET.saturating_sub(shared) / each.max(1)
+                );
             }
         }
-        let Some(p) = plan else {
-            println!("| ours {} | | 0 |", format.name());
-            continue;
-        };
-        let seqs = running - 1;
-        println!(
-            "| ours {} | {:.0} | {seqs} |",
-            format.name(),
-            p.bytes_per_token(64)
-        );
-        if f == "kv8" {
-            checked = Some(verify_capacity(path, &format, seqs)?);
+        let mut checked = None;
+        for f in ["f16", "kv8", "k5v4", "k5v4+tail64"] {
+            let format = KvFormat::parse(f)?;
+            for swa_full in [true, false] {
+                if !swa_full && n_windowed == 0 {
+                    continue;
+                }
+                // Sized for as many running sequences as the budget then holds.
+                let mut running = 1u32;
+                let mut best = None;
+                loop {
+                    match siliceo_runtime::plan_windowed_store(
+                        &layers,
+                        &windows,
+                        &format,
+                        StoreSize::Budget(BUDGET),
+                        64,
+                        running,
+                        512,
+                        0,
+                        true,
+                        swa_full,
+                    ) {
+                        Ok((_, p, w)) if p.tokens / seq >= u64::from(running) => {
+                            best = Some((p, w));
+                            running += 1;
+                        }
+                        _ => break,
+                    }
+                }
+                let label = match (n_windowed, swa_full) {
+                    (0, _) => format.name(),
+                    (_, true) => format!("{} (every block: --swa-full)", format.name()),
+                    (_, false) => {
+                        format!("{} (windowed pools where they hold more)", format.name())
+                    }
+                };
+                let Some((p, w)) = best else {
+                    println!("| ours {label} | | 0 |");
+                    continue;
+                };
+                let seqs = running - 1;
+                let pools = match w {
+                    Some(w) => format!(
+                        " [{} layers of {} in pools of {}+{} blocks]",
+                        w.layers.1,
+                        w.group.window.tokens,
+                        w.group.num_blocks,
+                        w.group.sealed_blocks
+                    ),
+                    None => String::new(),
+                };
+                println!(
+                    "| ours {label}{pools} | {:.0} | {seqs} |",
+                    p.bytes_per_token(64)
+                );
+                if f == "kv8" && seq == 2048 && !swa_full == (n_windowed > 0) {
+                    checked = Some(verify_capacity(path, &format, seqs)?);
+                }
+            }
+        }
+        if let Some(line) = checked {
+            println!("\n{line}");
         }
     }
-    if let Some(line) = checked {
-        println!("\n{line}");
-    }
-    let windowed = model
-        .attention_windows()
-        .map_or(0, |w| w.iter().filter(|&&w| w > 0).count());
-    if windowed > 0 {
+    if n_windowed > 0 {
         println!(
-            "\n({windowed} of {} layers have a sliding window. Every row counts them at full \
-             length: our store keeps every block, as llama.cpp's full-size SWA cache (its \
-             library default, which the timings above ran with) does; llama-server's default \
-             (--swa-full off) keeps about the window plus a batch there, holding more \
-             sequences without prefix reuse past the window)",
+            "\n({n_windowed} of {} layers have a sliding window of {window}. The llama.cpp \
+             rows without a note keep every cell there, as its library default (the timings \
+             above) does; bytes per token of our windowed rows are the global layers'.)",
             g.n_layer
         );
     }

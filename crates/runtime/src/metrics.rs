@@ -249,6 +249,18 @@ impl Metrics {
                 s.kv_free_blocks as f64,
             ),
             (
+                "siliceo_kv_windowed_blocks_used",
+                "gauge",
+                "The windowed layers' own KV blocks referenced (0 without windowed pools).",
+                s.kv_windowed_used_blocks as f64,
+            ),
+            (
+                "siliceo_kv_windowed_blocks_free",
+                "gauge",
+                "The windowed layers' own KV blocks free (cached ones included).",
+                s.kv_windowed_free_blocks as f64,
+            ),
+            (
                 "siliceo_kv_blocks_cached",
                 "gauge",
                 "Unreferenced KV blocks holding a cached prefix.",

@@ -118,12 +118,21 @@ pub fn describe(info: &siliceo_runtime::RuntimeInfo) -> String {
         Some(s) => store_text(&info.kv_format, s, info.store_split.as_ref()),
         None => format!("llama.cpp {}", info.kv_format),
     };
-    match info.sliding_window() {
-        Some((w, n)) => format!(
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    match (info.sliding_window(), info.windowed_pools) {
+        (Some((w, n)), Some(p)) => format!(
+            "{kv} · sliding window {w} in {n} of {} layers, in pools of their own \
+             ({} open, {} sealed blocks, {:.0} MiB; --swa-full keeps every block)",
+            info.geometry.n_layer,
+            p.group.num_blocks,
+            p.group.sealed_blocks,
+            mib(p.bytes)
+        ),
+        (Some((w, n)), None) => format!(
             "{kv} · sliding window {w} in {n} of {} layers",
             info.geometry.n_layer
         ),
-        None => kv,
+        (None, _) => kv,
     }
 }
 

@@ -277,3 +277,126 @@ fn device_layers_with_windows_on_the_emulator_match_the_host_store() {
         );
     }
 }
+
+/// The windowed layers in pools of their own ([`GraftOptions::windowed_blocks`]):
+/// a ring of 12 blocks where the global layers keep all 20, the blocks a
+/// window has passed named [`GraftStep::RELEASED`]. The logits and greedy
+/// tokens are bit for bit those of one pool for all layers.
+#[test]
+fn gemma3_windowed_pools_in_a_ring_are_bit_equal_to_one_pool() {
+    let prompt = long_prompt();
+    let (chunk, n, t) = (128usize, 8usize, 64usize);
+    let (want_logits, want) = run("f16", &prompt, chunk, None, n);
+    let ring = (512 + chunk) / t + 2;
+    let mut opts = GraftOptions {
+        format: KvFormat::parse("f16").unwrap(),
+        block_tokens: t,
+        sealed_blocks: 0,
+        tail_blocks: 32,
+        scratch_blocks: 0,
+        n_batch: 512,
+        max_seqs: 4,
+        threads: Some(2),
+        kernel_threads: None,
+        copy_tensors: false,
+        device: DeviceAttention::Host,
+        tap_layer: None,
+        llama_attention: false,
+        q4_1_kernel: true,
+        windows: None,
+        windowed_blocks: Some((0, ring)),
+    };
+    let mut ctx = GraftedContext::new(gemma(), &opts).unwrap();
+    assert_eq!(ctx.windowed_capacity(), Some((0, ring)));
+    let windowed: Vec<bool> = (0..18).map(|il| ctx.in_windowed_group(il)).collect();
+    assert_eq!(windowed.iter().filter(|&&w| w).count(), 15);
+    // One step of `toks` at `pos`: global block i is tail i, windowed block
+    // i is tail i % ring, released once wholly before the first query's
+    // window.
+    let step = |pos: usize, n_tok: usize| {
+        let len = pos + n_tok;
+        let part = |ring: Option<usize>| {
+            let id = |i: usize| ring.map_or(i, |r| i % r) as u32;
+            let unread = ring.map_or(0, |_| (pos + 1).saturating_sub(512) / t);
+            GraftStep {
+                writes: (pos..len).map(|p| (id(p / t), (p % t) as u16)).collect(),
+                queries: vec![siliceo_engine::GraftQuery {
+                    tokens: 0..n_tok,
+                    kv: SeqKv {
+                        sealed: Vec::new(),
+                        tail: (0..len.div_ceil(t))
+                            .map(|i| {
+                                if i < unread {
+                                    GraftStep::RELEASED
+                                } else {
+                                    id(i)
+                                }
+                            })
+                            .collect(),
+                        len,
+                    },
+                }],
+                ..GraftStep::default()
+            }
+        };
+        let mut g = part(None);
+        g.windowed = Some(Box::new(part(Some(ring))));
+        g
+    };
+    let mut pos = 0;
+    let mut logits = Vec::new();
+    let mut out: Vec<TokenId> = Vec::new();
+    while out.len() < n {
+        let toks: Vec<TokenId> = if pos < prompt.len() {
+            prompt[pos..prompt.len().min(pos + chunk)].to_vec()
+        } else {
+            vec![*out.last().unwrap()]
+        };
+        let mut batch = Batch::new();
+        for (i, &tok) in toks.iter().enumerate() {
+            batch.push(tok, (pos + i) as u32, SeqId(0), i + 1 == toks.len());
+        }
+        ctx.decode(&batch, step(pos, toks.len())).unwrap();
+        pos += toks.len();
+        if pos >= prompt.len() {
+            let l = ctx.logits(toks.len() - 1).unwrap();
+            if logits.is_empty() {
+                logits = l.to_vec();
+            }
+            out.push(siliceo_core::sampler::argmax(l));
+        }
+    }
+    assert_eq!(logits, want_logits, "logits after the prompt");
+    assert_eq!(out, want, "greedy tokens");
+
+    // What a step must say: the windowed part, and released blocks only
+    // before the window.
+    let mut one = Batch::new();
+    one.push(prompt[0], pos as u32, SeqId(0), true);
+    let mut g = step(pos, 1);
+    g.windowed = None;
+    let e = ctx.decode(&one, g).unwrap_err().to_string();
+    assert!(e.contains("needs their part"), "{e}");
+    let mut g = step(pos, 1);
+    let w = g.windowed.as_mut().unwrap();
+    let inside = (pos + 1 - 512) / t + 1;
+    w.queries[0].kv.tail[inside] = GraftStep::RELEASED;
+    let e = ctx.decode(&one, g).unwrap_err().to_string();
+    assert!(
+        e.contains("windowed layers") && e.contains("outside the store"),
+        "{e}"
+    );
+    // Nothing names every layer's blocks alike any more.
+    let e = ctx
+        .copy_rows(&[siliceo_engine::RowCopy {
+            src: 0,
+            dst: 1,
+            rows: 0..1,
+        }])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("pools of their own"), "{e}");
+    // And a window table without windows is refused.
+    opts.windows = Some(vec![0; 18]);
+    assert!(GraftedContext::new(gemma(), &opts).is_err());
+}
