@@ -391,7 +391,7 @@ fn capacity(path: &Path, model: &Model) -> Result<()> {
                     "| ours {label}{pools} | {:.0} | {seqs} |",
                     p.bytes_per_token(64)
                 );
-                if f == "kv8" && seq == 2048 && !swa_full == (n_windowed > 0) {
+                if f == "kv8" && seq == 2048 && swa_full != (n_windowed > 0) {
                     checked = Some(verify_capacity(path, &format, seqs)?);
                 }
             }
