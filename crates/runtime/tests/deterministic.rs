@@ -220,6 +220,30 @@ fn gemma3_windowed_pools_release_blocks_and_keep_logprobs_exact() {
     assert_eq!(tokens, want, "after a prefix hit: other tokens");
     assert_eq!(lp, want_lp, "after a prefix hit: other log-probabilities");
     assert_clean(&rt);
+    drop(rt);
+
+    // With n-gram drafts (chains: lookahead slots in both groups, rejected
+    // ones given back): the same tokens.
+    let mut cfg = chunked(config_for(gemma()));
+    cfg.context.n_ctx = 4096;
+    cfg.scheduler.max_running_seqs = 1;
+    cfg.speculative = Some(SpeculativeConfig {
+        cost_switch_off: false,
+        ..Default::default()
+    });
+    let rt = Runtime::start(cfg).unwrap();
+    assert!(rt.info().windowed_pools.is_some());
+    let (_, tokens, done) = rt
+        .submit(GenerateRequest {
+            speculative: true,
+            ..greedy(&long, 24)
+        })
+        .unwrap()
+        .blocking_collect();
+    let u = usage_of(&done);
+    assert!(u.draft_tokens > 0, "{u:?}");
+    assert_eq!(tokens, want, "speculated: other tokens");
+    assert_clean(&rt);
 }
 
 fn gemma() -> PathBuf {
