@@ -71,6 +71,47 @@ pub struct WindowedGroup {
     pub window: Window,
 }
 
+impl WindowedGroup {
+    /// Pools in which `running` sequences never run short (each holding
+    /// what its window reaches across a step, the step's
+    /// [`Window::max_append`] tokens shared among them), plus `cached`
+    /// windows' worth for cached prefixes. `tail_tokens`: the sealing
+    /// tail, `None` without sealing (no sealed blocks).
+    pub fn for_running(
+        window: Window,
+        running: u32,
+        block_size: u32,
+        tail_tokens: Option<u32>,
+        cached: u32,
+    ) -> WindowedGroup {
+        let blocks = |tokens: u32| tokens.div_ceil(block_size);
+        let reach = window.tokens + window.margin;
+        let step = blocks(window.max_append);
+        let (open, sealed) = match tail_tokens {
+            // Across a step: the blocks its window reaches and the partial
+            // one, a new partial block, and a copy on write.
+            None => (
+                running * (blocks(reach) + 3) + step + cached * blocks(reach),
+                0,
+            ),
+            // Open: the tail (or the window, if shorter), the partial
+            // block, its seal sources held to the step's end, a new partial
+            // block and a copy. Sealed: the window past the tail.
+            Some(tail) => (
+                running * (blocks(tail.min(reach)) + 4) + step + cached * blocks(tail.min(reach)),
+                running * (blocks(reach.saturating_sub(tail)) + 2)
+                    + step
+                    + cached * blocks(reach.saturating_sub(tail)),
+            ),
+        };
+        WindowedGroup {
+            num_blocks: open,
+            sealed_blocks: sealed,
+            window,
+        }
+    }
+}
+
 /// Sizes of a [`KvCacheManager`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvConfig {
@@ -330,9 +371,6 @@ struct SeqState {
     reserved: usize,
     /// Blocks held for this sequence's coming appends ([`KvCacheManager::reserve`]).
     spare: Vec<BlockId>,
-    /// With a window: the length through which [`KvCacheManager::reserve`]
-    /// promised room (spares topped up as the window releases blocks).
-    reserve_until: usize,
 }
 
 /// Block tables of all sequences over one [`BlockPool`].
@@ -533,7 +571,6 @@ impl KvCacheManager {
                 offered: 0,
                 reserved: 0,
                 spare: Vec::new(),
-                reserve_until: 0,
             },
         );
         h
@@ -723,23 +760,21 @@ impl KvCacheManager {
         }
         let blocks_now = self.blocks_for(c);
         let copy = plan.partial.is_some();
-        let mut rest = self.append_need(
+        // With a window, what its first append takes (nothing is set aside
+        // for the rest: see `reserve`).
+        let rest = prompt.len() + lookahead - c;
+        let rest = match self.config.window {
+            Some(w) => rest.min(w.max_append as usize),
+            None => rest,
+        };
+        need + self.append_need(
             c,
             blocks_now,
             self.config.sealed_at(c),
             plan.released,
             copy,
-            prompt.len() + lookahead - c,
-        );
-        if let Some(w) = self.config.window {
-            // What `reserve` holds: a window's worth besides the blocks taken.
-            let room = self
-                .window_blocks(w)
-                .saturating_sub(blocks_now - plan.released);
-            rest.open = rest.open.min(room);
-            rest.sealed = rest.sealed.min(room);
-        }
-        need + rest
+            rest,
+        )
     }
 
     /// Blocks of each class a sequence takes on its way to `tokens` tokens,
@@ -913,54 +948,33 @@ impl KvCacheManager {
     /// so later planning cannot take them (an admitted prompt's reservation).
     /// Spares left when the sequence ends are released.
     ///
-    /// With a window, a sequence never holds more than a window's worth
-    /// ([`blocks_for_sequence`](Self::blocks_for_sequence)), so that is the
-    /// most set aside; as commits release the blocks the window passes,
-    /// spares are taken again up to it, until the `n` tokens are appended or
-    /// [`release_spare`](Self::release_spare) ends the reservation.
+    /// With a window nothing is set aside: the blocks a windowed sequence
+    /// holds come and go with its window, and a pool sized for its running
+    /// sequences (each a window's worth, and one step's appends among them
+    /// all) never runs short; a smaller one makes an append wait or preempt.
     pub fn reserve(&mut self, h: SeqHandle, n: usize) -> Result<(), NotEnoughBlocks> {
         if let Some(e) = self.reserve_shortage(h, n) {
             return Err(e);
         }
-        self.top_up(h, n);
-        if self.config.window.is_some() {
-            let s = self.seqs.get_mut(&h).expect("unknown sequence handle");
-            s.reserve_until = s.tokens.len() + n;
-        }
-        Ok(())
-    }
-
-    /// Takes spares for `h` up to what appending `n` tokens needs (within a
-    /// window's worth), as far as the pool has them.
-    fn top_up(&mut self, h: SeqHandle, n: usize) {
-        let need = self.reserve_need(h, n);
-        let want = self.spare_of(self.seq(h)).short_of(need);
+        let want = self.spare_of(self.seq(h)).short_of(self.reserve_need(h, n));
         let mut got = Vec::with_capacity(want.total());
-        got.extend((0..want.open).map_while(|_| self.pool.allocate_in(OPEN)));
-        if self.config.sealing.is_some() {
-            got.extend((0..want.sealed).map_while(|_| self.pool.allocate_in(SEALED)));
-        }
+        got.extend((0..want.open).map(|_| self.pool.allocate_in(OPEN).expect("counted")));
+        got.extend((0..want.sealed).map(|_| self.pool.allocate_in(SEALED).expect("counted")));
         self.seqs
             .get_mut(&h)
             .expect("unknown sequence handle")
             .spare
             .extend(got);
+        Ok(())
     }
 
     /// Blocks of each class a reservation for `n` more tokens of `h` holds:
-    /// what appending them takes, with a window at most what `h` may hold
-    /// besides its table's blocks.
+    /// what appending them takes (nothing with a window).
     fn reserve_need(&self, h: SeqHandle, n: usize) -> BlockCount {
-        let mut need = self.blocks_needed_to_append(h, n);
-        if let Some(w) = self.config.window {
-            let s = self.seq(h);
-            let room = self
-                .window_blocks(w)
-                .saturating_sub(s.blocks.len() - s.released);
-            need.open = need.open.min(room);
-            need.sealed = need.sealed.min(room);
+        if self.config.window.is_some() {
+            return BlockCount::default();
         }
-        need
+        self.blocks_needed_to_append(h, n)
     }
 
     /// What [`reserve`](Self::reserve) of `n` tokens lacks, if anything.
@@ -1005,7 +1019,6 @@ impl KvCacheManager {
         s.hashes.clear();
         s.offered = 0;
         s.reserved = 0;
-        s.reserve_until = 0;
         self.release_table(&blocks[released..]);
     }
 
@@ -1021,7 +1034,6 @@ impl KvCacheManager {
     /// Gives `h`'s spare blocks back.
     pub fn release_spare(&mut self, h: SeqHandle) {
         let s = self.seqs.get_mut(&h).expect("unknown sequence");
-        s.reserve_until = 0;
         let spare = std::mem::take(&mut s.spare);
         for b in spare {
             self.pool.release(b);
@@ -1190,14 +1202,7 @@ impl KvCacheManager {
             .map(|b| std::mem::replace(b, BlockId::NONE))
             .collect();
         s.released = to;
-        let left = s.reserve_until.saturating_sub(s.tokens.len());
         self.release_table(&gone);
-        if left > 0 {
-            // The released blocks went back to the pool, at its recently
-            // used end: take as many from its other end for what the
-            // reservation has yet to append.
-            self.top_up(h, left);
-        }
     }
 
     /// Releases a run of table entries in the order their cached prefixes
@@ -1368,7 +1373,6 @@ impl KvCacheManager {
         let mut state = self.seq(h).clone();
         state.reserved = 0;
         state.spare.clear();
-        state.reserve_until = 0;
         let used = self.blocks_for(state.tokens.len());
         state.blocks.truncate(used);
         for &b in &state.blocks[state.released..] {

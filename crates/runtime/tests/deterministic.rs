@@ -175,8 +175,8 @@ fn with_logprobs(
 }
 
 /// Gemma 3's windowed layers keep pools of their own (the default): a
-/// sequence of over three windows, in pools of 19 sealed blocks that cannot hold its 30,
-/// releases the blocks its window passed, and its log-probabilities are bit
+/// sequence of over three windows, in pools of 20 sealed blocks that
+/// cannot hold its 30, releases the blocks its window passed, and its log-probabilities are bit
 /// for bit those of the store keeping every block (`swa_full`, llama.cpp's
 /// `--swa-full`); the same prompt again is served from the cache (the
 /// global layers' blocks and the windowed layers' last window), exactly.
@@ -205,10 +205,10 @@ fn gemma3_windowed_pools_release_blocks_and_keep_logprobs_exact() {
     let pools = rt.info().windowed_pools.expect("windowed pools");
     assert_eq!(pools.layers, (3, 15));
     assert_eq!(pools.group.window.tokens, 512);
-    // In KV8 (sealed as soon as full) a sequence holds at most
-    // (512 + 96) / 64 + 2 = 11 sealed blocks and 96 / 64 + 2 = 3 open ones;
-    // and a window (8) more sealed ones for cached prefixes.
-    assert_eq!((pools.group.num_blocks, pools.group.sealed_blocks), (3, 19));
+    // In KV8 (sealed as soon as full): open, 4 for the sequence and a
+    // step's 2; sealed, its window's 8 + 2, a step's 2 and a cached
+    // window's 8 (`WindowedGroup::for_running`).
+    assert_eq!((pools.group.num_blocks, pools.group.sealed_blocks), (6, 20));
     let (tokens, lp, u) = with_logprobs(rt.submit(request()).unwrap());
     assert_eq!(tokens, want, "windowed pools: other tokens");
     assert_eq!(lp, want_lp, "windowed pools: other log-probabilities");

@@ -232,10 +232,14 @@ fn run(ops: Vec<Op>, shape: Shape) -> Result<(), TestCaseError> {
                             let r = kv.append(h, chunk);
                             // With sealing a chunk can need an open block the
                             // reservation did not count: one a single append
-                            // would have filled and sealed at once (the
-                            // scheduler preempts then).
+                            // would have filled and sealed at once; a window
+                            // sets nothing aside (its pool is sized for its
+                            // running sequences). The scheduler preempts then.
                             prop_assert!(
-                                r.is_ok() || shape.sealing.is_some(),
+                                r.is_ok()
+                                    || shape.sealing.is_some()
+                                    || shape.window.is_some()
+                                    || shape.windowed.is_some(),
                                 "a reserved prompt ran short: {r:?}"
                             );
                             kv.finish_step();
@@ -901,10 +905,10 @@ fn a_windowed_sequence_longer_than_the_pool_runs_in_its_window() {
     assert_eq!(need.open, 6);
     assert!(need.fits(kv.capacity()));
     let a = kv.new_sequence(&keys);
-    // A reservation for all 200 holds a window's worth, taken again as the
-    // window moves on.
+    // A reservation for all 200 sets nothing aside: the window's blocks
+    // come and go.
     kv.reserve(a, 200).unwrap();
-    assert_eq!(kv.pool().num_used(), 6);
+    assert_eq!(kv.pool().num_used(), 0);
     for at in (0..200).step_by(8) {
         kv.append(a, &toks(at..at + 8)).unwrap();
         kv.finish_step();
@@ -993,4 +997,120 @@ fn two_groups_serve_a_prefix_only_while_both_hold_what_it_reads() {
     kv.check().unwrap();
     let s = kv.stats();
     assert_eq!(s.windowed_free_blocks + s.windowed_used_blocks, 6);
+}
+
+/// A scheduler's steps over one windowed manager: up to `running`
+/// sequences, each step's `budget` tokens shared among them in chunks,
+/// commits before the next step's appends, prompts sharing prefixes.
+#[derive(Debug, Clone)]
+struct Workload {
+    /// Per step and slot: a prompt length to start when the slot is free
+    /// (0: none), and the slot's wish for this step's budget.
+    steps: Vec<Vec<(usize, usize)>>,
+}
+
+fn workload(running: usize) -> impl Strategy<Value = Workload> {
+    prop::collection::vec(
+        prop::collection::vec(
+            (prop_oneof![1 => Just(0usize), 3 => 10usize..80], 0usize..13),
+            running,
+        ),
+        1..80,
+    )
+    .prop_map(|steps| Workload { steps })
+}
+
+/// Runs `w` on a windowed manager sized by [`WindowedGroup::for_running`]
+/// (less `short` blocks; no cached windows): no append may run short.
+fn sized_pools_never_run_short(
+    w: Workload,
+    tail: Option<u32>,
+    short: u32,
+) -> Result<(), TestCaseError> {
+    let (running, budget, bs) = (3u32, 12u32, 4u32);
+    let window = Window {
+        tokens: 9,
+        margin: 0,
+        max_append: budget,
+    };
+    let g = WindowedGroup::for_running(window, running, bs, tail, 0);
+    let mut kv = KvCacheManager::new(KvConfig {
+        num_blocks: g.num_blocks - short,
+        block_size: bs,
+        prefix_caching: true,
+        sealing: tail.map(|t| Sealing {
+            blocks: g.sealed_blocks,
+            tail_tokens: t,
+        }),
+        cache_partial: true,
+        window: Some(window),
+        windowed: None,
+    });
+    let keys = CacheKeys::new("m", "f16");
+    // (handle, its whole prompt, tokens in)
+    let mut slots: Vec<Option<(SeqHandle, Vec<TokenId>, usize)>> = vec![None; running as usize];
+    let mut counter = 0u32;
+    for step in w.steps {
+        // The last step has run: commit, then its sources go.
+        for (h, _, _) in slots.iter().flatten() {
+            let n = kv.num_tokens(*h);
+            kv.commit(*h, n);
+        }
+        kv.finish_step();
+        let mut left = budget as usize;
+        for (slot, &(start, wish)) in slots.iter_mut().zip(&step) {
+            if let Some((h, p, at)) = slot.as_ref()
+                && *at == p.len()
+            {
+                kv.free(*h);
+                *slot = None;
+            }
+            if slot.is_none() && start > 0 {
+                // Prompts over a small alphabet share prefixes.
+                let p: Vec<TokenId> = (0..start)
+                    .map(|i| {
+                        TokenId(if i % 7 == 6 {
+                            100 + counter
+                        } else {
+                            (i % 3) as u32
+                        })
+                    })
+                    .collect();
+                counter += 1;
+                let h = kv.new_sequence(&keys);
+                let (cached, _) = kv.match_prefix(h, &p);
+                *slot = Some((h, p, cached));
+            }
+            let Some((h, p, at)) = slot.as_mut() else {
+                continue;
+            };
+            let n = wish.min(left).min(p.len() - *at);
+            if n == 0 {
+                continue;
+            }
+            let r = kv.append_pending(*h, &p[*at..*at + n]);
+            prop_assert!(r.is_ok(), "a sized pool ran short: {r:?} ({g:?})");
+            *at += n;
+            left -= n;
+        }
+        kv.check().map_err(TestCaseError::fail)?;
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    #[test]
+    fn windowed_pools_sized_for_their_sequences_never_run_short(w in workload(3)) {
+        sized_pools_never_run_short(w, None, 0)?;
+    }
+
+    #[test]
+    fn windowed_sealed_pools_sized_for_their_sequences_never_run_short(
+        w in workload(3),
+        tail in prop_oneof![Just(0u32), Just(3), Just(6), Just(17)],
+    ) {
+        sized_pools_never_run_short(w, Some(tail), 0)?;
+    }
 }

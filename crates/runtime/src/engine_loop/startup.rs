@@ -135,9 +135,10 @@ pub struct WindowedPools {
 /// Whether and how the windowed layers of a model whose layers keep
 /// `layers` and see `windows` (0: the whole context) can keep pools of
 /// their own: layers alike in shape, one window, some global layers, the
-/// store on the host, no token trees (`branch_blocks` 0). Per running
-/// sequence what it may hold at once (a window and a step's appends), and a
-/// window more for cached prefixes.
+/// store on the host, no token trees (`branch_blocks` 0). Sized by
+/// [`WindowedGroup::for_running`]: what the running sequences hold across a
+/// step (a window each, a step's appends among them), and cached windows
+/// for half as many.
 #[allow(clippy::too_many_arguments)]
 pub fn windowed_pools(
     layers: &[siliceo_core::LayerKv],
@@ -170,28 +171,14 @@ pub fn windowed_pools(
         .layout(layers[0].kv_heads, layers[0].head_dim)
         .map_err(|e| RuntimeError::Start(e.to_string()))?;
     layout.block_tokens = block_size as usize;
-    let bs = block_size as usize;
-    let held = |tokens: u32| tokens as usize / bs + 2;
-    let tail = layout.tail_tokens as u32;
-    let w = window.tokens;
-    let (open, sealed) = if layout.full_precision() {
-        (held(w + window.max_append) + (w as usize).div_ceil(bs), 0)
-    } else {
-        // Open: the tail and a step's appends (the rest is sealed), at most
-        // the window's worth.
-        (
-            held(w + window.max_append).min(held(tail + window.max_append))
-                + (w.min(tail) as usize).div_ceil(bs),
-            held((w + window.max_append).saturating_sub(tail))
-                + (w.saturating_sub(tail) as usize).div_ceil(bs),
-        )
-    };
-    let running = max_running.max(1) as usize;
-    let group = WindowedGroup {
-        num_blocks: (running * open) as u32,
-        sealed_blocks: (running * sealed) as u32,
+    // Room for every running sequence, and for half as many cached windows.
+    let group = WindowedGroup::for_running(
         window,
-    };
+        max_running.max(1),
+        block_size,
+        (!layout.full_precision()).then_some(layout.tail_tokens as u32),
+        max_running.max(1).div_ceil(2),
+    );
     let bytes = n_windowed as u64
         * (u64::from(group.num_blocks) * layout.tail_block_bytes() as u64
             + u64::from(group.sealed_blocks) * layout.block_bytes() as u64);
