@@ -244,6 +244,24 @@ fn gemma3_windowed_pools_release_blocks_and_keep_logprobs_exact() {
     assert!(u.draft_tokens > 0, "{u:?}");
     assert_eq!(tokens, want, "speculated: other tokens");
     assert_clean(&rt);
+
+    // Cancelled in the middle of its prefill (the stream dropped), another
+    // prompt sharing its start: nothing held once idle, in either group.
+    let other = format!("{}\nEntry 0:", ledgers()[1]);
+    let stream = rt.submit(greedy(&long, 24)).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while rt.stats().unwrap().kv_windowed_used_blocks == 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    drop(stream);
+    let (_, tokens, done) = rt.submit(greedy(&other, 4)).unwrap().blocking_collect();
+    usage_of(&done);
+    assert_eq!(tokens.len(), 4);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while rt.stats().unwrap().running > 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_clean(&rt);
 }
 
 fn gemma() -> PathBuf {
