@@ -706,7 +706,10 @@ impl Scheduler {
                 }
                 Err(_) => {
                     // Admissions hold their blocks in advance, so only a
-                    // sequence that ran before this step can run short here.
+                    // sequence that ran before this step can run short here
+                    // (or, with a windowed group, which sets nothing aside,
+                    // any sequence where its pool is smaller than its
+                    // running sequences need).
                     let victim = self.victim().expect("at least this request runs");
                     self.preempt(&victim, step, budget);
                     if &victim == id {
@@ -925,7 +928,9 @@ impl Scheduler {
         e.computed = cached;
         e.computed_before = cached;
         // Hold the blocks for the whole prompt (and the first generated token)
-        // now, so chunks admitted later in this step cannot take them.
+        // now, so chunks admitted later in this step cannot take them (in
+        // the global group: a windowed group's are sized per running
+        // sequence instead).
         let rest = e.tokens.len() - cached + 1;
         self.kv.reserve(handle, rest).expect("blocks checked above");
         let first = !e.admitted_once;
