@@ -472,7 +472,8 @@ pub struct RuntimeInfo {
     pub store_split: Option<StoreSplit>,
     /// Tokens per KV block.
     pub block_size: u32,
-    /// KV blocks the scheduler manages (open and sealed).
+    /// KV blocks the scheduler manages (open and sealed; with windowed
+    /// pools, the global layers', which hold the whole context).
     pub kv_blocks: u32,
     /// Most requests running at once.
     pub max_running_seqs: u32,

@@ -204,6 +204,10 @@ fn gemma3_windowed_pools_release_blocks_and_keep_logprobs_exact() {
     let rt = start(false);
     let pools = rt.info().windowed_pools.expect("windowed pools");
     assert_eq!(pools.layers, (3, 15));
+    // The blocks a gateway counts (`SchedulerLoad`) are the global layers',
+    // which hold the whole context: the store plan's.
+    let plan = rt.info().store.unwrap();
+    assert_eq!(rt.info().kv_blocks, plan.open_blocks + plan.sealed_blocks);
     assert_eq!(pools.group.window.tokens, 512);
     // In KV8 (sealed as soon as full): open, 4 for the sequence and a
     // step's 2; sealed, its window's 8 + 2, a step's 2 and a cached

@@ -667,7 +667,8 @@ impl<'m> Engine<'m> {
             store,
             store_split,
             block_size: bs,
-            kv_blocks: sched.kv().capacity().total() as u32,
+            // The global group's: the windowed layers' own are in `windowed_pools`.
+            kv_blocks: sched.kv().global().capacity().total() as u32,
             max_running_seqs: max_running,
             prefix_caching: kv_config.prefix_caching,
             speculative: cfg.speculative.clone(),
