@@ -917,6 +917,8 @@ pub struct GraftedContext<'m> {
     capacity: (usize, usize),
     /// (sealed, tail) blocks per windowed layer keeping pools of its own.
     windowed_capacity: Option<(usize, usize)>,
+    /// Those layers' window (0 without their own pools).
+    group_window: usize,
 }
 
 impl std::fmt::Debug for GraftedContext<'_> {
@@ -1007,6 +1009,7 @@ impl<'m> GraftedContext<'m> {
         let group: Vec<usize> = (0..n_layer)
             .map(|il| usize::from(opts.windowed_blocks.is_some() && windows[sources[il]] > 0))
             .collect();
+        let mut group_window = 0;
         if opts.windowed_blocks.is_some() {
             let bad = |reason: String| {
                 Err(EngineError::InvalidOption {
@@ -1027,6 +1030,7 @@ impl<'m> GraftedContext<'m> {
             if (0..n_layer).any(|il| group[il] == 1 && on_device.contains(&sources[il])) {
                 return bad("windowed layers keep pools of their own only on the host".into());
             }
+            group_window = ws[0];
         }
         let device = if on_device.is_empty() {
             None
@@ -1144,6 +1148,7 @@ impl<'m> GraftedContext<'m> {
             n_scratch: opts.scratch_blocks,
             capacity: (opts.sealed_blocks, opts.tail_blocks),
             windowed_capacity: opts.windowed_blocks,
+            group_window,
             layer_layouts: layout_of.iter().map(|&i| layouts[i]).collect(),
         })
     }
@@ -1326,16 +1331,9 @@ impl<'m> GraftedContext<'m> {
         self.check_part(batch, step, sealed, own, 0)?;
         match (self.windowed_capacity, step.windowed.as_deref()) {
             (None, None) => Ok(()),
-            (Some((sealed, own)), Some(w)) => {
-                let window = self
-                    .state
-                    .group
-                    .iter()
-                    .position(|&g| g == 1)
-                    .map_or(0, |il| self.state.windows[il]);
-                self.check_part(batch, w, sealed, own, window)
-                    .map_err(|e| EngineError::Graft(format!("windowed layers: {e}")))
-            }
+            (Some((sealed, own)), Some(w)) => self
+                .check_part(batch, w, sealed, own, self.group_window)
+                .map_err(|e| EngineError::Graft(format!("windowed layers: {e}"))),
             (Some(_), None) => Err(EngineError::Graft(
                 "the windowed layers keep pools of their own: the step needs their part".into(),
             )),

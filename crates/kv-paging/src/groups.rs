@@ -108,6 +108,14 @@ impl KvGroups {
         }
     }
 
+    /// Does `f` in the global group, then in the windowed one.
+    fn each(&mut self, mut f: impl FnMut(&mut KvCacheManager)) {
+        f(&mut self.global);
+        if let Some(w) = &mut self.windowed {
+            f(w);
+        }
+    }
+
     /// Unreferenced blocks of each class and group (cached ones included).
     pub fn free_blocks(&self) -> BlockCount {
         self.both(KvCacheManager::free_blocks)
@@ -244,19 +252,13 @@ impl KvGroups {
     /// window's worth at a time); on shortage nothing changes.
     pub fn reserve(&mut self, h: SeqHandle, n: usize) -> Result<(), NotEnoughBlocks> {
         self.shortage(|m| m.reserve_shortage(h, n))?;
-        self.global.reserve(h, n).expect("checked");
-        if let Some(w) = &mut self.windowed {
-            w.reserve(h, n).expect("checked");
-        }
+        self.each(|m| m.reserve(h, n).expect("checked"));
         Ok(())
     }
 
     /// Gives `h`'s spare blocks back.
     pub fn release_spare(&mut self, h: SeqHandle) {
-        self.global.release_spare(h);
-        if let Some(w) = &mut self.windowed {
-            w.release_spare(h);
-        }
+        self.each(|m| m.release_spare(h));
     }
 
     /// Appends computed tokens to `h` and commits them
@@ -281,28 +283,20 @@ impl KvGroups {
         new: &[TokenId],
     ) -> Result<Vec<BlockOp>, NotEnoughBlocks> {
         self.shortage(|m| m.append_shortage(h, new.len()))?;
-        let mut ops = self.global.append_pending(h, new).expect("checked");
-        if let Some(w) = &mut self.windowed {
-            ops.extend(w.append_pending(h, new).expect("checked"));
-        }
+        let mut ops = Vec::new();
+        self.each(|m| ops.extend(m.append_pending(h, new).expect("checked")));
         Ok(ops)
     }
 
     /// Registers `h`'s computed blocks in both groups, and releases the
     /// windowed blocks its window has passed ([`KvCacheManager::commit`]).
     pub fn commit(&mut self, h: SeqHandle, upto: usize) {
-        self.global.commit(h, upto);
-        if let Some(w) = &mut self.windowed {
-            w.commit(h, upto);
-        }
+        self.each(|m| m.commit(h, upto));
     }
 
     /// Releases the blocks the step just run read and sealed or copied away.
     pub fn finish_step(&mut self) {
-        self.global.finish_step();
-        if let Some(w) = &mut self.windowed {
-            w.finish_step();
-        }
+        self.each(|m| m.finish_step());
     }
 
     /// Tokens that can follow `h`'s length before the next seal (the groups
@@ -315,29 +309,20 @@ impl KvGroups {
     /// ([`KvCacheManager::reserve_lookahead`]); on shortage nothing changes.
     pub fn reserve_lookahead(&mut self, h: SeqHandle, n: usize) -> Result<(), NotEnoughBlocks> {
         self.shortage(|m| m.lookahead_shortage(h, n))?;
-        self.global.reserve_lookahead(h, n).expect("checked");
-        if let Some(w) = &mut self.windowed {
-            w.reserve_lookahead(h, n).expect("checked");
-        }
+        self.each(|m| m.reserve_lookahead(h, n).expect("checked"));
         Ok(())
     }
 
     /// Appends verified speculative tokens into `h`'s lookahead slots
     /// ([`KvCacheManager::accept_lookahead`]).
     pub fn accept_lookahead(&mut self, h: SeqHandle, new: &[TokenId]) {
-        self.global.accept_lookahead(h, new);
-        if let Some(w) = &mut self.windowed {
-            w.accept_lookahead(h, new);
-        }
+        self.each(|m| m.accept_lookahead(h, new));
     }
 
     /// Shortens `h` in both groups ([`KvCacheManager::truncate`]); with a
     /// window, not into the blocks it released.
     pub fn truncate(&mut self, h: SeqHandle, len: usize) {
-        self.global.truncate(h, len);
-        if let Some(w) = &mut self.windowed {
-            w.truncate(h, len);
-        }
+        self.each(|m| m.truncate(h, len));
     }
 
     /// A new sequence sharing every block of `h` in both groups.
@@ -352,10 +337,7 @@ impl KvGroups {
 
     /// Ends a sequence in both groups.
     pub fn free(&mut self, h: SeqHandle) {
-        self.global.free(h);
-        if let Some(w) = &mut self.windowed {
-            w.free(h);
-        }
+        self.each(|m| m.free(h));
     }
 
     /// Records (or stops recording) the global group's evicted blocks (for

@@ -62,31 +62,38 @@ fn grafted_on(
     device: DeviceAttention,
     tap_layer: Option<usize>,
 ) -> (GraftedContext<'static>, BlockPlacer) {
-    let blocks = 64;
-    let ctx = GraftedContext::new(
-        gemma(),
-        &GraftOptions {
-            format: KvFormat::parse(format).unwrap(),
-            block_tokens: 64,
-            sealed_blocks: blocks,
-            tail_blocks: blocks,
-            scratch_blocks: 0,
-            n_batch,
-            max_seqs: 4,
-            threads: Some(2),
-            kernel_threads: None,
-            copy_tensors: false,
-            device,
-            tap_layer,
-            llama_attention: false,
-            q4_1_kernel: true,
-            windows: None,
-            windowed_blocks: None,
-        },
-    )
-    .unwrap();
-    let placer = BlockPlacer::new(ctx.layout(), blocks, blocks);
+    let opts = options(format, n_batch, device, tap_layer);
+    let ctx = GraftedContext::new(gemma(), &opts).unwrap();
+    let placer = BlockPlacer::new(ctx.layout(), opts.sealed_blocks, opts.tail_blocks);
     (ctx, placer)
+}
+
+/// The store of these tests: 64 sealed and 64 tail blocks of 64 tokens per
+/// layer, no scratch.
+fn options(
+    format: &str,
+    n_batch: u32,
+    device: DeviceAttention,
+    tap_layer: Option<usize>,
+) -> GraftOptions {
+    GraftOptions {
+        format: KvFormat::parse(format).unwrap(),
+        block_tokens: 64,
+        sealed_blocks: 64,
+        tail_blocks: 64,
+        scratch_blocks: 0,
+        n_batch,
+        max_seqs: 4,
+        threads: Some(2),
+        kernel_threads: None,
+        copy_tensors: false,
+        device,
+        tap_layer,
+        llama_attention: false,
+        q4_1_kernel: true,
+        windows: None,
+        windowed_blocks: None,
+    }
 }
 
 /// Feeds `prompt` in chunks of `chunk` tokens (beside `other`, a second
@@ -289,22 +296,10 @@ fn gemma3_windowed_pools_in_a_ring_are_bit_equal_to_one_pool() {
     let (want_logits, want) = run("f16", &prompt, chunk, None, n);
     let ring = (512 + chunk) / t + 2;
     let mut opts = GraftOptions {
-        format: KvFormat::parse("f16").unwrap(),
-        block_tokens: t,
         sealed_blocks: 0,
         tail_blocks: 32,
-        scratch_blocks: 0,
-        n_batch: 512,
-        max_seqs: 4,
-        threads: Some(2),
-        kernel_threads: None,
-        copy_tensors: false,
-        device: DeviceAttention::Host,
-        tap_layer: None,
-        llama_attention: false,
-        q4_1_kernel: true,
-        windows: None,
         windowed_blocks: Some((0, ring)),
+        ..options("f16", 512, DeviceAttention::Host, None)
     };
     let mut ctx = GraftedContext::new(gemma(), &opts).unwrap();
     assert_eq!(ctx.windowed_capacity(), Some((0, ring)));

@@ -267,28 +267,33 @@ fn step_limits(cfg: &RuntimeConfig) -> (u32, u32, u32) {
     )
 }
 
-/// [`store_plan`] for a runtime configuration serving our store in `format`
-/// (sized by `size`, else the context).
+/// [`plan_windowed_store`] for a runtime configuration serving our store in
+/// `format` (sized by `size`, else the context), for a model whose layers
+/// keep `layers` and see `windows` (empty: planned all alike).
 fn our_store_plan(
     cfg: &RuntimeConfig,
     layers: &[siliceo_engine::LayerKv],
+    windows: &[usize],
     format: &KvFormat,
     size: Option<StoreSize>,
-) -> Result<(StoreInput, StorePlan), RuntimeError> {
+    on_host: bool,
+) -> Result<(StoreInput, StorePlan, Option<WindowedPools>), RuntimeError> {
     let (bs, max_running, max_batch_tokens) = step_limits(cfg);
-    let size = size.unwrap_or(StoreSize::Tokens(u64::from(cfg.context.n_ctx)));
     let branch = cfg
         .speculative
         .as_ref()
         .map_or(0, |s| s.tree_branch_blocks(bs, max_running));
-    store_plan(
+    plan_windowed_store(
         layers,
+        windows,
         format,
-        size,
+        size.unwrap_or(StoreSize::Tokens(u64::from(cfg.context.n_ctx))),
         bs,
         max_running,
         max_batch_tokens,
         branch,
+        on_host,
+        cfg.swa_full,
     )
 }
 
@@ -359,7 +364,7 @@ fn check_offload(cfg: &RuntimeConfig) -> Result<(), RuntimeError> {
             (bytes as f64 / f64::from(g.n_layer.max(1)), 0)
         }
         KvBackend::Ours { format, size, .. } if siliceo_engine::DEVICE_KERNELS => {
-            let (_, plan) = our_store_plan(cfg, &layer_kv, format, *size)?;
+            let (_, plan, _) = our_store_plan(cfg, &layer_kv, &[], format, *size, false)?;
             let offloaded =
                 siliceo_core::offloaded_layers(g.n_layer as usize, cfg.model.gpu_layers as usize);
             let n = offloaded.len().max(1) as u64;
@@ -531,21 +536,13 @@ impl<'m> Engine<'m> {
                     .unwrap_or_else(|| DeviceAttention::for_model(model));
                 let on_host = device == DeviceAttention::Host
                     || (device == DeviceAttention::Cuda && model.offloaded_layers().is_empty());
-                let branch = cfg
-                    .speculative
-                    .as_ref()
-                    .map_or(0, |s| s.tree_branch_blocks(bs, max_running));
-                let (input, plan, windowed) = plan_windowed_store(
+                let (input, plan, windowed) = our_store_plan(
+                    cfg,
                     &layer_kv,
                     &model.attention_windows().unwrap_or_default(),
                     format,
-                    size.unwrap_or(StoreSize::Tokens(u64::from(cfg.context.n_ctx))),
-                    bs,
-                    max_running,
-                    max_batch_tokens,
-                    branch,
+                    *size,
                     on_host,
-                    cfg.swa_full,
                 )?;
                 // The plan is the global layers' where the windowed ones
                 // keep pools of their own.

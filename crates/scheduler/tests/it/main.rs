@@ -498,60 +498,46 @@ fn kv_shapes() -> impl Strategy<Value = KvConfig> {
         window: None,
         windowed: None,
     };
+    let partial = KvConfig {
+        cache_partial: true,
+        ..base
+    };
+    let behind_a_tail = KvConfig {
+        num_blocks: 12,
+        sealing: Some(Sealing {
+            blocks: 6,
+            tail_tokens: 20,
+        }),
+        ..partial
+    };
+    // Windowed layers seeing 24 positions, in a group of their own smaller
+    // than the global one.
+    let windowed = |num_blocks, sealed_blocks| {
+        Some(WindowedGroup {
+            num_blocks,
+            sealed_blocks,
+            window: WINDOW,
+        })
+    };
     prop::sample::select(vec![
         base,
-        KvConfig {
-            cache_partial: true,
-            window: None,
-            windowed: None,
-            ..base
-        },
+        partial,
         KvConfig {
             num_blocks: 8,
             sealing: Some(Sealing {
                 blocks: 8,
                 tail_tokens: 0,
             }),
-            cache_partial: true,
-            window: None,
-            windowed: None,
-            ..base
+            ..partial
+        },
+        behind_a_tail,
+        KvConfig {
+            windowed: windowed(8, 0),
+            ..partial
         },
         KvConfig {
-            num_blocks: 12,
-            sealing: Some(Sealing {
-                blocks: 6,
-                tail_tokens: 20,
-            }),
-            cache_partial: true,
-            window: None,
-            windowed: None,
-            ..base
-        },
-        // Windowed layers seeing 24 positions, in a group of their own
-        // smaller than the global one; plain, then sealed behind a tail.
-        KvConfig {
-            cache_partial: true,
-            windowed: Some(WindowedGroup {
-                num_blocks: 8,
-                sealed_blocks: 0,
-                window: WINDOW,
-            }),
-            ..base
-        },
-        KvConfig {
-            num_blocks: 12,
-            sealing: Some(Sealing {
-                blocks: 6,
-                tail_tokens: 20,
-            }),
-            cache_partial: true,
-            windowed: Some(WindowedGroup {
-                num_blocks: 7,
-                sealed_blocks: 5,
-                window: WINDOW,
-            }),
-            ..base
+            windowed: windowed(7, 5),
+            ..behind_a_tail
         },
     ])
 }
@@ -729,8 +715,6 @@ fn an_idle_scheduler_holds_no_block_once_its_last_step_is_done() {
                 tail_tokens: 0,
             }),
             cache_partial: true,
-            window: None,
-            windowed: None,
             ..KvConfig::default()
         },
     );
